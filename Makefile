@@ -1,0 +1,34 @@
+# Every target sets up .venv itself. torch is pinned to the CPU wheel so no CUDA build is pulled.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+BACKENDS := $(wildcard backends/*)
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "setuptools>=68" wheel
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,dev]" $(foreach b,$(BACKENDS),-e $(b))
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m wtransfer demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check wtransfer backends tests benchmarks
+	$(VENV)/bin/mypy wtransfer backends/*/wtransfer_* benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/transfer.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

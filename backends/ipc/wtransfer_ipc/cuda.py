@@ -1,0 +1,60 @@
+"""CUDA IPC staging buffers, through torch's own storage-sharing internals.
+
+The sender exports each staging buffer once with ``UntypedStorage._share_cuda_()``: the
+runtime's raw ``cudaIpcMemHandle_t`` plus allocator bookkeeping (size, offset, a shared
+reference counter and an IPC event handle), all plain bytes and ints, so they travel through
+`wtransfer.wire`. A receiver in another process opens them once with
+``UntypedStorage._new_shared_cuda(...)`` and reuses the mapping across updates. A receiver in
+the sender's own process cannot open its own IPC handle, so it uses the buffer directly.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from wtransfer.errors import ConfigError, MetadataError
+
+_local: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def export_buffer(buffer: torch.Tensor, token: str, index: int) -> list[Any]:
+    """Plain-data handle record of a CUDA staging buffer; registers it for same-process use."""
+    _local[f"{token}/{index}"] = buffer
+    (device, handle, size, offset, ref_handle, ref_offset, event_handle,
+     event_sync) = buffer.untyped_storage()._share_cuda_()
+    return [int(device), bytes(handle), int(size), int(offset), bytes(ref_handle),
+            int(ref_offset), bytes(event_handle) if event_handle else b"", bool(event_sync)]
+
+
+def open_buffer(record: Any, *, token: str, index: int, same_process: bool,
+                size: int) -> torch.Tensor:
+    """Map a sender's staging buffer into this process as a flat uint8 CUDA tensor."""
+    if same_process:
+        local = _local.get(f"{token}/{index}")
+        if local is None:
+            raise MetadataError(f"no CUDA staging buffer {token}/{index} in this process")
+        return local
+    if not (isinstance(record, list) and len(record) == 8
+            and isinstance(record[0], int) and isinstance(record[1], bytes)
+            and isinstance(record[2], int) and isinstance(record[3], int)
+            and isinstance(record[4], bytes) and isinstance(record[5], int)
+            and isinstance(record[6], bytes) and isinstance(record[7], bool)):
+        raise MetadataError("CUDA handle record must be [device, handle, size, offset, "
+                            "ref_handle, ref_offset, event_handle, event_sync]")
+    device = record[0]
+    if not torch.cuda.is_available() or not 0 <= device < torch.cuda.device_count():
+        raise ConfigError(f"CUDA IPC handle is for device {device}, which this process "
+                          "cannot see (check CUDA_VISIBLE_DEVICES on both sides)")
+    if record[2] < size:
+        raise MetadataError(f"CUDA staging buffer of {record[2]} bytes is smaller than the "
+                            f"{size}-byte bucket")
+    torch.cuda._lazy_init()
+    args = list(record)
+    args[6] = args[6] or None
+    storage = torch.UntypedStorage._new_shared_cuda(*args)
+    tensor = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
+    tensor.set_(storage, 0, (record[2],), (1,))
+    return tensor

@@ -1,0 +1,95 @@
+"""POSIX shared-memory staging buffers (Linux: files under /dev/shm).
+
+The sender creates and fully reserves each segment up front (`posix_fallocate`), so a full
+/dev/shm is a clear `ConfigError` at init rather than a SIGBUS in the middle of a transfer.
+Once every receiver has mapped the segments, the sender unlinks their names: the memory lives
+exactly as long as some process maps it, and nothing leaks if either side dies.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+
+import torch
+
+from wtransfer.errors import ConfigError, MetadataError
+
+SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"^wtransfer_[0-9a-f]{16}_[0-9]{1,2}$")
+
+
+class SharedBuffer:
+    """One mapped shared-memory segment, exposed as a flat uint8 tensor."""
+
+    def __init__(self, name: str, size: int, *, create: bool) -> None:
+        if not _NAME.match(name):
+            raise MetadataError(f"refusing shared-memory name {name!r:.80}: not a wtransfer "
+                                "segment name")
+        self.name = name
+        self.path = os.path.join(SHM_DIR, name)
+        self.size = size
+        self._unlinked = not create
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except FileNotFoundError:
+            raise MetadataError(f"shared-memory segment {name!r} does not exist (the sender "
+                                "is gone, or is on another host: ipc needs one host)") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot open shared memory {self.path}: {exc}") from None
+        try:
+            if create:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    os.unlink(self.path)
+                    free = os.statvfs(SHM_DIR)
+                    raise ConfigError(
+                        f"cannot reserve {size} bytes in {SHM_DIR} ({exc.strerror}; "
+                        f"{free.f_bavail * free.f_frsize} bytes free): lower bucket_bytes or "
+                        f"num_buffers, or enlarge {SHM_DIR}") from None
+            elif os.fstat(fd).st_size < size:
+                raise MetadataError(f"shared-memory segment {name!r} holds "
+                                    f"{os.fstat(fd).st_size} bytes, fewer than {size}")
+            populate = getattr(mmap, "MAP_POPULATE", 0)
+            self._map: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
+        finally:
+            os.close(fd)
+        self.tensor: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    @classmethod
+    def create_set(cls, count: int, size: int) -> list[SharedBuffer]:
+        """Create `count` fresh segments of `size` bytes under one random token."""
+        token = secrets.token_hex(8)
+        made: list[SharedBuffer] = []
+        try:
+            for i in range(count):
+                made.append(cls(f"wtransfer_{token}_{i}", size, create=True))
+        except BaseException:
+            for buf in made:
+                buf.close()
+            raise
+        return made
+
+    def unlink(self) -> None:
+        """Remove the name; the memory stays valid while any process maps it."""
+        if not self._unlinked:
+            self._unlinked = True
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Unmap (and unlink, if this side created it and has not yet)."""
+        self.unlink()
+        self.tensor = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still alive somewhere; the GC unmaps it later
+                pass
+            self._map = None

@@ -1,0 +1,135 @@
+"""The trainer's control plane: how a sender drives one or many receivers.
+
+Every client speaks the `WeightSyncClient` protocol. `LocalClient` calls an engine in the same
+process; `wtransfer.rpc.RPCClient` reaches a receiver in another process; `FanoutClient` sends
+each call to several instances at once (engines behind an external load balancer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from wtransfer.engine import WeightTransferEngine
+from wtransfer.errors import ConfigError, IntegrityError, PeerError, TransferTimeout
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class WeightSyncClient(Protocol):
+    """The five calls a sender makes on whatever holds the receiving engine."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Initialize the receiver with the sender's init info."""
+
+    def start_weight_update(self) -> None:
+        """Open an update."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Deliver one part of the update; returns once the receiver consumed it."""
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Close the update and label the weights with `weight_version`."""
+
+    def fingerprint(self) -> dict[str, str]:
+        """Per-tensor digest of what the engine holds now."""
+
+
+class LocalClient:
+    """Drives a `WeightTransferEngine` living in this process (no serialization)."""
+
+    def __init__(self, engine: WeightTransferEngine[Any, Any]) -> None:
+        self.engine = engine
+        self.weight_version: str | None = None
+        """Label given by the last successful `finish_weight_update`."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Initialize the engine."""
+        self.engine.init_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        """Open an update on the engine."""
+        self.engine.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Deliver one part of the update."""
+        self.engine.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Finish the update and record `weight_version`."""
+        self.engine.finish_weight_update()
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+    def fingerprint(self) -> dict[str, str]:
+        """Digest of the engine's target."""
+        return self.engine.target.fingerprint()
+
+
+class FanoutClient:
+    """Sends every call to each client concurrently; a failure names the instance.
+
+    Used for independent engines behind an external load balancer: each instance receives the
+    same weights. `fingerprint()` returns the common digest and raises `IntegrityError` when the
+    instances disagree.
+    """
+
+    def __init__(self, clients: Sequence[WeightSyncClient]) -> None:
+        if not clients:
+            raise ConfigError("FanoutClient needs at least one client")
+        self.clients = list(clients)
+        self._pool = ThreadPoolExecutor(max_workers=len(self.clients),
+                                        thread_name_prefix="wtransfer-fanout")
+
+    def map(self, call: Callable[[WeightSyncClient, int], T]) -> list[T]:
+        """Run `call(client, index)` on every client at once; raise on any failure."""
+        futures = [self._pool.submit(call, c, i) for i, c in enumerate(self.clients)]
+        results: list[T] = []
+        failures: list[tuple[int, BaseException]] = []
+        for i, fut in enumerate(futures):
+            try:
+                results.append(fut.result())
+            except Exception as exc:
+                failures.append((i, exc))
+        if failures:
+            i, first = failures[0]
+            where = ", ".join(f"#{j} ({self.clients[j]!r})" for j, _ in failures)
+            message = f"{len(failures)} of {len(self.clients)} instance(s) failed: {where}; " \
+                      f"first error: {type(first).__name__}: {first}"
+            if isinstance(first, TransferTimeout):
+                raise TransferTimeout(message) from first
+            raise PeerError(message, remote_type=type(first).__name__) from first
+        return results
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Initialize every instance with the same init info."""
+        self.map(lambda c, _: c.init_weight_transfer_engine(init_info))
+
+    def start_weight_update(self) -> None:
+        """Open an update on every instance."""
+        self.map(lambda c, _: c.start_weight_update())
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Deliver the same update part to every instance."""
+        self.map(lambda c, _: c.update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Finish on every instance with the same version label."""
+        self.map(lambda c, _: c.finish_weight_update(weight_version))
+
+    def fingerprint(self) -> dict[str, str]:
+        """The digest all instances agree on; `IntegrityError` naming those that differ."""
+        prints = self.map(lambda c, _: c.fingerprint())
+        odd = [i for i, p in enumerate(prints) if p != prints[0]]
+        if odd:
+            raise IntegrityError(f"instances {odd} hold different weights from instance 0")
+        return prints[0]
+
+    def close(self) -> None:
+        """Stop the worker threads."""
+        self._pool.shutdown(wait=False)
+
+    def __repr__(self) -> str:
+        return f"FanoutClient({self.clients!r})"

@@ -1,0 +1,338 @@
+"""Packed-bucket serialization: many tensors move as a few large aligned byte buffers.
+
+`BucketPlan.build` is a pure function of the tensor metadata and the bucket size, so sender and
+receiver compute the same layout independently. Every tensor starts at an `align`-byte offset;
+a tensor larger than a bucket is split across consecutive buckets at byte granularity, which
+bounds staging memory on each side by `num_buffers * bucket_bytes` whatever the model holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from wtransfer.errors import ConfigError, MetadataError
+
+DEFAULT_ALIGN = 256
+"""Byte alignment of every tensor inside a bucket (covers every dtype and vector loads)."""
+
+MAX_DIMS = 32
+MAX_NAME_LEN = 1024
+MAX_TENSOR_BYTES = 1 << 46
+"""Largest single tensor the decoder accepts (64 TiB): catches hostile shapes before allocation."""
+
+_DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
+    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+)  # fmt: skip
+DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
+"""Every dtype that can travel, by its name without the ``torch.`` prefix."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise MetadataError(f"dtype {dtype} cannot be transferred; supported: {sorted(DTYPES)}")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a wire name; unknown names raise `MetadataError`."""
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise MetadataError(f"unknown dtype {name!r}; supported: {sorted(DTYPES)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Name, dtype (wire name) and shape of one tensor; validated on construction."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not 0 < len(self.name) <= MAX_NAME_LEN:
+            raise MetadataError(f"tensor name must be a non-empty string of at most "
+                                f"{MAX_NAME_LEN} characters, got {self.name!r:.80}")
+        torch_dtype(self.dtype)
+        if not isinstance(self.shape, tuple) or len(self.shape) > MAX_DIMS:
+            raise MetadataError(f"tensor {self.name!r}: shape must be a tuple of at most "
+                                f"{MAX_DIMS} dims, got {self.shape!r:.80}")
+        for dim in self.shape:
+            if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+                raise MetadataError(f"tensor {self.name!r}: shape {self.shape} has a bad dim")
+        if self.nbytes > MAX_TENSOR_BYTES:
+            raise MetadataError(f"tensor {self.name!r}: {self.nbytes} bytes exceeds the limit")
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorMeta:
+        """Metadata of `tensor` under `name` (works for DTensors without materializing)."""
+        return cls(name, dtype_name(tensor.dtype), tuple(int(d) for d in tensor.shape))
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return DTYPES[self.dtype].itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's contents."""
+        return self.numel * self.itemsize
+
+    def to_wire(self) -> list[object]:
+        """Compact plain form: ``[name, dtype, [dims...]]``."""
+        return [self.name, self.dtype, list(self.shape)]
+
+    @classmethod
+    def from_wire(cls, item: object) -> TensorMeta:
+        """Parse the compact form, raising `MetadataError` on anything malformed."""
+        if not isinstance(item, (list, tuple)) or len(item) != 3:
+            raise MetadataError(f"tensor metadata must be [name, dtype, shape], got {item!r:.80}")
+        name, dtype, shape = item
+        if not isinstance(shape, (list, tuple)):
+            raise MetadataError(f"tensor {name!r:.80}: shape must be a list, got {shape!r:.80}")
+        return cls(name, dtype, tuple(shape))
+
+
+def metas_to_wire(metas: Iterable[TensorMeta]) -> list[list[object]]:
+    """Plain form of a metadata list."""
+    return [m.to_wire() for m in metas]
+
+
+def metas_from_wire(items: object, *, max_items: int = 1 << 20) -> list[TensorMeta]:
+    """Parse a metadata list; duplicate names and oversized lists raise `MetadataError`."""
+    if not isinstance(items, (list, tuple)):
+        raise MetadataError(f"tensor list must be a list, got {type(items).__name__}")
+    if len(items) > max_items:
+        raise MetadataError(f"{len(items)} tensors exceeds the limit of {max_items}")
+    metas = [TensorMeta.from_wire(x) for x in items]
+    seen: set[str] = set()
+    for m in metas:
+        if m.name in seen:
+            raise MetadataError(f"tensor {m.name!r} appears twice in one update")
+        seen.add(m.name)
+    return metas
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """`nbytes` bytes of tensor `tensor` (an index into the plan's metas), from byte
+    `tensor_offset` of that tensor, placed at byte `offset` of a bucket."""
+
+    tensor: int
+    tensor_offset: int
+    offset: int
+    nbytes: int
+
+    def to_wire(self) -> list[int]:
+        """Plain form: ``[tensor, tensor_offset, offset, nbytes]``."""
+        return [self.tensor, self.tensor_offset, self.offset, self.nbytes]
+
+    @classmethod
+    def from_wire(cls, item: object) -> Slice:
+        """Parse the plain form; range checks against a bucket happen on receipt."""
+        if (
+            not isinstance(item, (list, tuple))
+            or len(item) != 4
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item)
+        ):
+            raise MetadataError(f"slice must be 4 non-negative ints, got {item!r:.80}")
+        return cls(*item)
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One bucket: its index, the bytes in use, and the slices it carries in order."""
+
+    index: int
+    nbytes: int
+    slices: tuple[Slice, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BucketPlan:
+    """The deterministic layout of a list of tensors into buckets of at most `bucket_bytes`."""
+
+    metas: tuple[TensorMeta, ...]
+    bucket_bytes: int
+    align: int
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of tensor contents (padding excluded)."""
+        return sum(m.nbytes for m in self.metas)
+
+    @classmethod
+    def build(
+        cls, metas: Sequence[TensorMeta], bucket_bytes: int, align: int = DEFAULT_ALIGN
+    ) -> BucketPlan:
+        """Lay out `metas` in order; both sides get the same plan from the same inputs."""
+        if not isinstance(align, int) or align < 1 or align & (align - 1):
+            raise ConfigError(f"align must be a positive power of two, got {align!r}")
+        if not isinstance(bucket_bytes, int) or bucket_bytes < align:
+            raise ConfigError(f"bucket_bytes must be an int >= align ({align}), "
+                              f"got {bucket_bytes!r}")
+        builder = _PlanBuilder(bucket_bytes, align)
+        for index, meta in enumerate(metas):
+            builder.place(index, meta.nbytes)
+        return cls(tuple(metas), bucket_bytes, align, builder.finish())
+
+
+class _PlanBuilder:
+    def __init__(self, bucket_bytes: int, align: int) -> None:
+        self.capacity = bucket_bytes
+        self.align = align
+        self.buckets: list[Bucket] = []
+        self.slices: list[Slice] = []
+        self.cursor = 0
+
+    def _aligned(self) -> int:
+        return -(-self.cursor // self.align) * self.align
+
+    def _close(self) -> None:
+        if self.slices:
+            self.buckets.append(Bucket(len(self.buckets), self.cursor, tuple(self.slices)))
+        self.slices, self.cursor = [], 0
+
+    def _add(self, index: int, tensor_offset: int, offset: int, nbytes: int) -> None:
+        self.slices.append(Slice(index, tensor_offset, offset, nbytes))
+        self.cursor = offset + nbytes
+
+    def place(self, index: int, nbytes: int) -> None:
+        start = self._aligned()
+        if nbytes == 0:
+            self.slices.append(Slice(index, 0, min(start, self.capacity), 0))
+            return
+        if start + nbytes <= self.capacity:
+            self._add(index, 0, start, nbytes)
+            return
+        if nbytes <= self.capacity:
+            self._close()
+            self._add(index, 0, 0, nbytes)
+            return
+        if start >= self.capacity:
+            self._close()
+            start = 0
+        done = 0
+        while done < nbytes:
+            take = min(nbytes - done, self.capacity - start)
+            self._add(index, done, start, take)
+            done += take
+            if done < nbytes:
+                self._close()
+                start = 0
+
+    def finish(self) -> tuple[Bucket, ...]:
+        self._close()
+        return tuple(self.buckets)
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's contents (copies only if it is not contiguous)."""
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    flat = tensor.reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+def tensor_from_bytes(data: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    """View `nbytes` of uint8 `data` as the tensor `meta` describes (no copy)."""
+    return data.view(DTYPES[meta.dtype]).reshape(meta.shape)
+
+
+class BucketPacker:
+    """Packs a plan's buckets in order from a tensor iterator, one source tensor live at a time.
+
+    It checks that the source yields exactly the announced tensors, in order, with the announced
+    dtype and shape, so a mismatch becomes a `MetadataError` on the sender instead of a hang or
+    garbage on the receiver.
+    """
+
+    def __init__(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._plan = plan
+        self._iter: Iterator[tuple[str, torch.Tensor]] = iter(tensors)
+        self._index = -1
+        self._bytes: torch.Tensor | None = None
+
+    def _tensor_bytes(self, index: int) -> torch.Tensor:
+        while self._index < index:
+            meta = self._plan.metas[self._index + 1]
+            try:
+                name, tensor = next(self._iter)
+            except StopIteration:
+                raise MetadataError(f"source ended before tensor {meta.name!r} it announced") \
+                    from None
+            got = TensorMeta.of(name, tensor)
+            if got != meta:
+                raise MetadataError(f"source yielded {got} but announced {meta}; the source "
+                                    "must iterate exactly the tensors of its metadata(), in order")
+            self._index += 1
+            self._bytes = byte_view(tensor.detach())
+        assert self._bytes is not None
+        return self._bytes
+
+    def pack(self, bucket: Bucket, staging: torch.Tensor) -> None:
+        """Copy `bucket`'s slices into the uint8 `staging` buffer."""
+        for s in bucket.slices:
+            if s.nbytes == 0:
+                self._tensor_bytes(s.tensor)
+                continue
+            src = self._tensor_bytes(s.tensor)
+            staging[s.offset : s.offset + s.nbytes].copy_(
+                src[s.tensor_offset : s.tensor_offset + s.nbytes], non_blocking=True
+            )
+
+    def finish(self) -> None:
+        """Check the source holds nothing beyond what it announced."""
+        self._bytes = None
+        if self._index != len(self._plan.metas) - 1:
+            raise MetadataError("packing stopped before the last announced tensor")
+        extra = next(self._iter, None)
+        if extra is not None:
+            raise MetadataError(f"source yielded {extra[0]!r} beyond the tensors it announced")
+
+
+_CHECKSUM_CHUNK = 1 << 21  # int64 words per chunk: bounds the temporaries to 16 MiB
+_weights_cache: dict[torch.device, torch.Tensor] = {}
+
+
+def bucket_checksum(data: torch.Tensor) -> int:
+    """A 64-bit position-weighted checksum of uint8 `data`, identical on CPU and CUDA.
+
+    Sum and index-weighted sum of the 64-bit words (wrapping), folded together: detects flipped,
+    dropped and reordered words. Integer arithmetic, so the reduction order does not matter.
+    """
+    n = data.numel()
+    whole = n // 8 * 8
+    tail = bytes(data[whole:].cpu().tolist()) + b"\0" * ((8 - (n - whole)) % 8)
+    words = data[:whole].view(torch.int64)
+    weights = _weights_cache.get(data.device)
+    if weights is None:
+        weights = torch.arange(1, _CHECKSUM_CHUNK + 1, dtype=torch.int64, device=data.device)
+        _weights_cache[data.device] = weights
+    plain = torch.zeros((), dtype=torch.int64, device=data.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=data.device)
+    for start in range(0, words.numel(), _CHECKSUM_CHUNK):
+        chunk = words[start : start + _CHECKSUM_CHUNK]
+        chunk_sum = chunk.sum()
+        plain += chunk_sum
+        weighted += (chunk * weights[: chunk.numel()]).sum() + start * chunk_sum
+    mask = (1 << 64) - 1
+    s1, s2 = int(plain.item()) & mask, int(weighted.item()) & mask
+    t = int.from_bytes(tail, "little")
+    s1 = (s1 + t) & mask
+    s2 = (s2 + t * (words.numel() + 1)) & mask
+    return (s1 ^ (s2 * 0x9E3779B97F4A7C15 + n)) & mask

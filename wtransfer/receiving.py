@@ -1,0 +1,145 @@
+"""Receive-side bookkeeping shared by every backend: validate, place, assemble, verify.
+
+A backend only has to deliver bucket bytes; `UpdateSession` does the rest for one
+start -> finish update:
+
+    announce(metas)   every tensor checked against the target before any byte is written
+    consume(...)      one bucket: checksum, bounds of every slice, then load into the target
+    finish()          every announced tensor arrived whole, else `IntegrityError`
+
+Tensors split across buckets go straight into the target's storage when it offers a byte view
+(`WeightTarget.direct_bytes`); otherwise they are assembled in one temporary buffer each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from wtransfer.errors import IntegrityError, MetadataError
+from wtransfer.packing import DTYPES, Slice, TensorMeta, bucket_checksum, tensor_from_bytes
+from wtransfer.target import WeightTarget
+
+
+class _Partial:
+    """A tensor whose bytes arrive over several buckets, in order."""
+
+    __slots__ = ("buffer", "direct", "received")
+
+    def __init__(self, buffer: torch.Tensor, direct: bool) -> None:
+        self.buffer = buffer
+        self.direct = direct
+        self.received = 0
+
+
+class UpdateSession:
+    """The state of one update on the receiving side (see the module docstring)."""
+
+    def __init__(self, target: WeightTarget, device: torch.device | str) -> None:
+        self._target = target
+        self._device = torch.device(device)
+        self._metas: list[TensorMeta] = []
+        self._pending: dict[str, TensorMeta] = {}
+        self._partials: dict[str, _Partial] = {}
+        self.touched = False
+        """True once any byte of the target changed: a failure after this leaves weights torn."""
+        self.bytes_received = 0
+
+    @property
+    def metas(self) -> list[TensorMeta]:
+        """The most recently announced tensor list (what slice indexes refer to)."""
+        return self._metas
+
+    def announce(self, metas: Sequence[TensorMeta]) -> None:
+        """Start a group of tensors; the target checks them all before anything is written."""
+        clash = [m.name for m in metas if m.name in self._pending]
+        if clash:
+            raise MetadataError(f"tensors announced again before they arrived: {clash[:5]}")
+        self._target.check(metas)
+        self._metas = list(metas)
+        self._pending.update({m.name: m for m in metas})
+
+    def consume(
+        self,
+        staging: torch.Tensor,
+        nbytes: int,
+        slices: Sequence[Slice],
+        checksum: int | None = None,
+    ) -> None:
+        """Load one bucket's slices from the first `nbytes` of uint8 `staging`."""
+        if not 0 <= nbytes <= staging.numel():
+            raise MetadataError(f"bucket of {nbytes} bytes does not fit the "
+                                f"{staging.numel()}-byte staging buffer")
+        data = staging[:nbytes]
+        if checksum is not None:
+            actual = bucket_checksum(data)
+            if actual != checksum:
+                raise IntegrityError(f"bucket checksum mismatch: sender {checksum:#018x}, "
+                                     f"received {actual:#018x}; the bytes were corrupted or "
+                                     "overwritten before the receiver read them")
+        whole: list[tuple[str, torch.Tensor]] = []
+        for s in slices:
+            meta = self._slice_meta(s, nbytes)
+            piece = data[s.offset : s.offset + s.nbytes]
+            if meta.nbytes == 0:
+                whole.append((meta.name, torch.empty(meta.shape, dtype=DTYPES[meta.dtype],
+                                                     device=self._device)))
+                del self._pending[meta.name]
+            elif s.tensor_offset == 0 and s.nbytes == meta.nbytes:
+                if s.offset % meta.itemsize:
+                    raise MetadataError(f"tensor {meta.name!r} at offset {s.offset} is not "
+                                        f"aligned to its {meta.itemsize}-byte elements")
+                whole.append((meta.name, tensor_from_bytes(piece, meta)))
+                del self._pending[meta.name]
+            else:
+                self._place_partial(meta, s, piece)
+        if whole:
+            self.touched = True
+            self._target.load_weights(whole)
+        self.bytes_received += nbytes
+
+    def _slice_meta(self, s: Slice, nbytes: int) -> TensorMeta:
+        if s.tensor >= len(self._metas):
+            raise MetadataError(f"slice names tensor #{s.tensor} but only "
+                                f"{len(self._metas)} were announced")
+        meta = self._metas[s.tensor]
+        if s.offset + s.nbytes > nbytes:
+            raise MetadataError(f"slice of {meta.name!r} at [{s.offset}, {s.offset + s.nbytes})"
+                                f" lies outside the {nbytes}-byte bucket")
+        if s.tensor_offset + s.nbytes > meta.nbytes:
+            raise MetadataError(f"slice of {meta.name!r} ends at byte "
+                                f"{s.tensor_offset + s.nbytes}, past its {meta.nbytes} bytes")
+        if meta.name not in self._pending:
+            raise MetadataError(f"tensor {meta.name!r} arrived twice in one update")
+        return meta
+
+    def _place_partial(self, meta: TensorMeta, s: Slice, piece: torch.Tensor) -> None:
+        part = self._partials.get(meta.name)
+        if part is None:
+            direct = self._target.direct_bytes(meta.name)
+            if direct is not None and direct.device != self._device:
+                direct = None
+            buffer = direct if direct is not None else torch.empty(
+                meta.nbytes, dtype=torch.uint8, device=self._device)
+            part = self._partials[meta.name] = _Partial(buffer, direct is not None)
+        if s.tensor_offset != part.received:
+            raise MetadataError(f"tensor {meta.name!r}: chunk at byte {s.tensor_offset} "
+                                f"arrived but byte {part.received} was expected next")
+        if part.direct:
+            self.touched = True
+        part.buffer[s.tensor_offset : s.tensor_offset + s.nbytes].copy_(piece)
+        part.received += s.nbytes
+        if part.received == meta.nbytes:
+            del self._partials[meta.name]
+            del self._pending[meta.name]
+            if not part.direct:
+                self.touched = True
+                self._target.load_weights([(meta.name, tensor_from_bytes(part.buffer, meta))])
+
+    def finish(self) -> None:
+        """Raise `IntegrityError` unless every announced tensor arrived whole."""
+        if self._pending:
+            names = sorted(self._pending)
+            raise IntegrityError(f"update incomplete: {len(names)} announced tensor(s) never "
+                                 f"arrived whole, e.g. {names[:3]}")

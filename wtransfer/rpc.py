@@ -1,0 +1,220 @@
+"""A receiver's control plane in another process: msgpack request/response over ZeroMQ.
+
+`ReceiverServer` serves a receiver (a `WeightTransferEngine`, or anything speaking the
+`WeightSyncClient` protocol) on a background thread; `RPCClient` is the trainer's end and is
+itself a `WeightSyncClient`. Every call has a deadline (`TransferTimeout`); an exception on the
+serving side comes back as `PeerError` carrying the remote type and message.
+
+Wire format (both directions, one frame, `wtransfer.wire`):
+request ``{"method": str, "args": {...}}``; reply ``{"ok": true, "result": ...}`` or
+``{"ok": false, "type": str, "message": str}``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from wtransfer import wire
+from wtransfer.clients import LocalClient, WeightSyncClient
+from wtransfer.engine import WeightTransferEngine
+from wtransfer.errors import ConfigError, MetadataError, PeerError, TransferTimeout
+
+_METHODS = {
+    "init_weight_transfer_engine": ("init_info",),
+    "start_weight_update": (),
+    "update_weights": ("update_info",),
+    "finish_weight_update": ("weight_version",),
+    "fingerprint": (),
+    "status": (),
+}
+_POLL_MS = 100
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class ReceiverServer:
+    """Serves a receiver's weight-sync calls at `address` (``tcp://host:0`` picks a port)."""
+
+    def __init__(
+        self,
+        engine: WeightTransferEngine[Any, Any] | WeightSyncClient,
+        address: str = "tcp://127.0.0.1:0",
+        *,
+        max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.client: WeightSyncClient = (
+            LocalClient(engine) if isinstance(engine, WeightTransferEngine) else engine
+        )
+        self.engine = engine if isinstance(engine, WeightTransferEngine) else None
+        self._max = max_message_bytes
+        self._socket = zmq.Context.instance().socket(zmq.REP)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        bind = address[:-2] + ":*" if address.startswith("tcp://") and address.endswith(":0") \
+            else address
+        try:
+            self._socket.bind(bind)
+        except zmq.ZMQError as exc:
+            self._socket.close()
+            raise ConfigError(f"cannot bind receiver server to {address!r}: {exc}") from None
+        self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        """The bound address, with the real port; give it to `RPCClient`."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> ReceiverServer:
+        """Serve in a daemon thread; returns self."""
+        self._thread = threading.Thread(target=self._serve, name="wtransfer-rpc", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve on the calling thread until `close()`."""
+        self._serve()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(_POLL_MS):
+                continue
+            frames = self._socket.recv_multipart()
+            self._socket.send(wire.encode(self._handle(frames)))
+        self._socket.close()
+
+    def _handle(self, frames: list[bytes]) -> dict[str, Any]:
+        try:
+            if len(frames) != 1:
+                raise MetadataError(f"expected one frame per request, got {len(frames)}")
+            request = wire.decode(frames[0], max_bytes=self._max)
+            if not isinstance(request, dict) or set(request) != {"method", "args"}:
+                raise MetadataError("request must be {'method': str, 'args': map}")
+            method, args = request["method"], request["args"]
+            if method not in _METHODS or not isinstance(args, dict):
+                raise MetadataError(f"unknown method {method!r}; known: {sorted(_METHODS)}")
+            if set(args) - set(_METHODS[method]):
+                raise MetadataError(f"{method}: unexpected arguments {sorted(args)}")
+            if method == "status":
+                return {"ok": True, "result": self.status()}
+            result = getattr(self.client, method)(**args)
+            return {"ok": True, "result": result}
+        except Exception as exc:
+            return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+
+    def status(self) -> dict[str, Any]:
+        """State of the served receiver (plain data; what `RPCClient.status()` returns)."""
+        out: dict[str, Any] = {"pid": os.getpid(), "rss_bytes": _rss_bytes(),
+                               "weight_version": getattr(self.client, "weight_version", None)}
+        if self.engine is not None:
+            out.update(state=self.engine.state, torn=self.engine.torn,
+                       failure=self.engine.failure,
+                       last_update_bytes=self.engine.last_update_bytes,
+                       last_update_seconds=self.engine.last_update_seconds)
+        return out
+
+    def close(self) -> None:
+        """Stop serving and release the socket."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        elif not self._socket.closed:
+            self._socket.close()
+
+
+class RPCClient:
+    """The trainer's end of a `ReceiverServer`; a `WeightSyncClient` with deadlines."""
+
+    def __init__(self, address: str, *, timeout_s: float = 60.0) -> None:
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        self.address = address
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._socket = self._connect()
+
+    def _connect(self) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.address)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise ConfigError(f"bad receiver address {self.address!r}: {exc}") from None
+        return sock
+
+    def call(self, method: str, *, timeout_s: float | None = None, **args: Any) -> Any:
+        """Invoke `method` remotely; `TransferTimeout` past the deadline, `PeerError` on failure."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        payload = wire.encode({"method": method, "args": args})
+        with self._lock:
+            deadline = time.monotonic() + timeout
+            try:
+                self._wait(zmq.POLLOUT, deadline, method)
+                self._socket.send(payload, zmq.NOBLOCK)
+                self._wait(zmq.POLLIN, deadline, method)
+                reply = wire.decode(self._socket.recv())
+            except TransferTimeout:
+                self._socket.close()
+                self._socket = self._connect()  # a REQ socket is unusable after a lost reply
+                raise
+        if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+            raise MetadataError(f"malformed reply from {self.address}: {reply!r:.200}")
+        if reply["ok"]:
+            return reply.get("result")
+        remote = str(reply.get("type", "Exception"))
+        raise PeerError(f"{method} failed on {self.address}: {remote}: {reply.get('message')}",
+                        remote_type=remote)
+
+    def _wait(self, event: int, deadline: float, method: str) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0 or not self._socket.poll(int(left * 1000) + 1, event):
+            raise TransferTimeout(f"{method}: no answer from {self.address} within "
+                                  f"{self.timeout_s:g}s; is the receiver process alive?")
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Initialize the remote receiver."""
+        self.call("init_weight_transfer_engine", init_info=init_info)
+
+    def start_weight_update(self) -> None:
+        """Open an update remotely."""
+        self.call("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Deliver one part of the update; returns once the receiver consumed it."""
+        self.call("update_weights", update_info=update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Finish the update remotely and label the weights."""
+        self.call("finish_weight_update", weight_version=weight_version)
+
+    def fingerprint(self) -> dict[str, str]:
+        """Per-tensor digest of what the remote receiver holds."""
+        result = self.call("fingerprint")
+        if not isinstance(result, dict):
+            raise MetadataError("fingerprint reply is not a map")
+        return result
+
+    def status(self) -> dict[str, Any]:
+        """The remote receiver's state, version, failure and memory use."""
+        result = self.call("status")
+        if not isinstance(result, dict):
+            raise MetadataError("status reply is not a map")
+        return result
+
+    def close(self) -> None:
+        """Close the socket."""
+        self._socket.close()
+
+    def __repr__(self) -> str:
+        return f"RPCClient({self.address!r})"

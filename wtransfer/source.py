@@ -1,0 +1,84 @@
+"""Trainer-side weight sources: what to send, described before it is materialized."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from wtransfer.errors import ConfigError
+from wtransfer.packing import TensorMeta
+
+
+class WeightSource(ABC):
+    """Something that can announce its tensors and then yield them, in the announced order."""
+
+    @abstractmethod
+    def metadata(self) -> list[TensorMeta]:
+        """Name, dtype and shape of every tensor to send, without materializing any."""
+
+    @abstractmethod
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, tensor)`` in the order of `metadata()`; each may be freed after use."""
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the tensors live (senders put staging there); None when unknown."""
+        return None
+
+
+def _unique_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state dict without aliases (tied weights appear once, first name wins)."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        key = id(tensor)
+        if key not in seen:
+            seen.add(key)
+            out[name] = tensor
+    return out
+
+
+class ModuleSource(WeightSource):
+    """Sends an `nn.Module`'s parameters and persistent buffers (tied weights once).
+
+    `names` restricts the update to a subset; `name_map` renames on the way out (trainer name ->
+    engine name). DTensor parameters are announced with their global shape and gathered with
+    ``full_tensor()`` one at a time while sending.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        names: list[str] | None = None,
+        name_map: Mapping[str, str] | Callable[[str], str] | None = None,
+    ) -> None:
+        state = _unique_state(module)
+        if names is not None:
+            missing = [n for n in names if n not in state]
+            if missing:
+                raise ConfigError(f"ModuleSource: names not in the module: {missing[:5]}")
+            state = {n: state[n] for n in names}
+        self._state = state
+        self._rename: Callable[[str], str] = (
+            (lambda n: name_map.get(n, n)) if isinstance(name_map, Mapping)
+            else name_map if name_map is not None else (lambda n: n)
+        )  # fmt: skip
+
+    @property
+    def device(self) -> torch.device | None:
+        """Device of the first tensor (the local device for DTensors)."""
+        return next((t.device for t in self._state.values()), None)
+
+    def metadata(self) -> list[TensorMeta]:
+        """Metadata of every tensor, global shapes for DTensors."""
+        return [TensorMeta.of(self._rename(n), t) for n, t in self._state.items()]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield detached tensors; DTensors are gathered to full tensors one at a time."""
+        for name, tensor in self._state.items():
+            full = getattr(tensor, "full_tensor", None)
+            yield self._rename(name), (full() if callable(full) else tensor).detach()

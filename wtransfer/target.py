@@ -1,0 +1,124 @@
+"""Engine-side receiver adapters: where received weights land."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from wtransfer.errors import MetadataError
+from wtransfer.fingerprint import fingerprint
+from wtransfer.packing import TensorMeta, byte_view
+
+
+class WeightTarget(ABC):
+    """What an engine hands to a `WeightTransferEngine`: what it accepts and how to load it.
+
+    Tensors passed to `load_weights` are views of staging memory, valid only during the call:
+    a target must copy them (into its own storage) before returning.
+    """
+
+    @abstractmethod
+    def metadata(self) -> list[TensorMeta]:
+        """Every tensor this target accepts, under the names a sender must use."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each ``(name, tensor)`` into place; called only with already-checked tensors."""
+
+    def held(self, name: str) -> TensorMeta | None:
+        """Metadata of what this target holds under an incoming `name`, or None if unknown."""
+        for meta in self.metadata():
+            if meta.name == name:
+                return meta
+        return None
+
+    def check(self, metas: Sequence[TensorMeta]) -> None:
+        """Refuse an update (before any byte is written) whose tensors this target cannot take."""
+        problems = []
+        for meta in metas:
+            have = self.held(meta.name)
+            if have is None:
+                problems.append(f"unknown tensor {meta.name!r}")
+            elif (have.dtype, have.shape) != (meta.dtype, meta.shape):
+                problems.append(f"{meta.name!r}: sent {meta.dtype}{list(meta.shape)}, "
+                                f"engine holds {have.dtype}{list(have.shape)}")
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise MetadataError("update refused before any weight changed: "
+                                + "; ".join(problems[:5]) + more)
+
+    def direct_bytes(self, name: str) -> torch.Tensor | None:
+        """A writable flat uint8 view of the storage behind `name`, or None.
+
+        When given, a receiver writes a tensor split across buckets straight into it instead of
+        assembling it in a temporary buffer.
+        """
+        return None
+
+    def finish(self) -> None:
+        """Post-process after all tensors of an update landed (e.g. re-quantize)."""
+
+    @abstractmethod
+    def fingerprint(self) -> dict[str, str]:
+        """Per-tensor digest of what the target holds now (see `wtransfer.fingerprint`)."""
+
+
+class ModuleTarget(WeightTarget):
+    """Loads into an `nn.Module`'s existing parameters and buffers, in place.
+
+    Storage pointers never change (CUDA graphs captured over the module stay valid).
+    `name_map` renames incoming names to the module's (a mapping or a function);
+    `post_process(module)` runs at the end of every update.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        name_map: Mapping[str, str] | Callable[[str], str] | None = None,
+        post_process: Callable[[nn.Module], None] | None = None,
+    ) -> None:
+        self.module = module
+        self._state = module.state_dict(keep_vars=True)
+        self._map: Callable[[str], str] = (
+            (lambda n: name_map.get(n, n)) if isinstance(name_map, Mapping)
+            else name_map if name_map is not None else (lambda n: n)
+        )  # fmt: skip
+        self._post_process = post_process
+
+    def _dest(self, name: str) -> torch.Tensor:
+        try:
+            return self._state[self._map(name)].data
+        except KeyError:
+            raise MetadataError(f"unknown tensor {name!r}") from None
+
+    def metadata(self) -> list[TensorMeta]:
+        """The module's state-dict entries (aliases of tied weights included)."""
+        return [TensorMeta.of(n, t) for n, t in self._state.items()]
+
+    def held(self, name: str) -> TensorMeta | None:
+        """Metadata of the parameter or buffer `name` maps to, or None."""
+        dest = self._state.get(self._map(name))
+        return None if dest is None else TensorMeta.of(name, dest)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each tensor into the existing storage of its parameter or buffer."""
+        for name, tensor in weights:
+            self._dest(name).copy_(tensor, non_blocking=True)
+
+    def direct_bytes(self, name: str) -> torch.Tensor | None:
+        """Byte view of a contiguous destination; None when it is not contiguous."""
+        dest = self._dest(name)
+        return byte_view(dest) if dest.is_contiguous() else None
+
+    def finish(self) -> None:
+        """Run `post_process(module)`, if given."""
+        if self._post_process is not None:
+            self._post_process(self.module)
+
+    def fingerprint(self) -> dict[str, str]:
+        """Digest of every state-dict entry of the module."""
+        return fingerprint(self.module.state_dict())
