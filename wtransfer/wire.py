@@ -56,7 +56,6 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_MESSAGE
             raw=False,
             strict_map_key=True,
             use_list=True,
-            max_buffer_size=max(size, 1),
             max_str_len=size,
             max_bin_len=size,
             max_array_len=size,

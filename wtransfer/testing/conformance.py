@@ -1,0 +1,265 @@
+"""The backend conformance suite: subclass `BackendConformance` in a pytest module.
+
+    from wtransfer.testing.conformance import BackendConformance
+
+    class TestMyBackend(BackendConformance):
+        backend = "mine"
+
+Every case runs receivers in real child processes (`wtransfer.testing.worker`) and the trainer
+in the test process, over the real control plane (`wtransfer.rpc`). Override `init_fields` when
+the backend's trainer init info needs more than the wire parameters (e.g. a rendezvous port).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from typing import Any, ClassVar
+
+import pytest
+
+from wtransfer import errors
+from wtransfer.clients import FanoutClient, WeightSyncClient
+from wtransfer.engine import TrainerInitInfo, TrainerTransferEngine
+from wtransfer.fingerprint import fingerprint
+from wtransfer.registry import create_receiver, get_backend, trainer_init
+from wtransfer.rpc import RPCClient
+from wtransfer.source import ModuleSource
+from wtransfer.target import ModuleTarget
+from wtransfer.testing.models import build_module, randomize
+from wtransfer.testing.processes import ChildProcess, spawn_receiver, spawn_trainer
+from wtransfer.testing.worker import model_metas
+
+MiB = 1 << 20
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `predicate` until true; fail the test naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.01)
+
+
+class BackendConformance:
+    """What every backend must do; a subclass sets `backend` (and maybe the hooks)."""
+
+    backend: ClassVar[str]
+    device: ClassVar[str] = "cpu"
+    """Device of both sides' tensors."""
+    model: ClassVar[str] = "mixed"
+    bucket_bytes: ClassVar[int] = 128 << 10
+    """Smaller than the model's largest tensor (512 KiB), so that one is split."""
+    timeout_s: ClassVar[float] = 5.0
+    workers: ClassVar[int] = 2
+    """Receivers in the several-workers case."""
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def init_fields(self, workers: int) -> dict[str, Any]:
+        """Backend-specific trainer init-info fields for `workers` receivers."""
+        return {}
+
+    def trainer_info(self, workers: int = 1, **overrides: Any) -> TrainerInitInfo:
+        """The trainer init info for a case."""
+        cls = get_backend(self.backend).sender_class().init_info_cls
+        fields = {"bucket_bytes": self.bucket_bytes, "timeout_s": self.timeout_s,
+                  **self.init_fields(workers), **overrides}
+        return cls(**fields)  # type: ignore[no-any-return]
+
+    # -- fixtures -----------------------------------------------------------------------------
+
+    @pytest.fixture
+    def procs(self) -> Iterator[ExitStack]:
+        """Children started in a case are closed (or killed) when it ends."""
+        with ExitStack() as stack:
+            yield stack
+
+    def receivers(self, procs: ExitStack, count: int = 1, *, model: str | None = None,
+                  seed: int = 2) -> list[ChildProcess]:
+        """Start `count` receiver processes."""
+        return [procs.enter_context(spawn_receiver(self.backend, model=model or self.model,
+                                                   seed=seed + i, device=self.device))
+                for i in range(count)]
+
+    def client(self, children: list[ChildProcess]) -> WeightSyncClient:
+        """One RPC client, or a fan-out over several."""
+        clients = [RPCClient(c.address, timeout_s=self.timeout_s) for c in children]
+        return clients[0] if len(clients) == 1 else FanoutClient(clients)
+
+    def trainer_model(self, seed: int = 1) -> Any:
+        """The trainer's copy of the model."""
+        return build_module(model_metas(self.model), seed, self.device)
+
+    def sender(self, model: Any, client: WeightSyncClient, workers: int = 1,
+               **overrides: Any) -> TrainerTransferEngine[Any]:
+        """A sender for `model` over `client`."""
+        return trainer_init(self.trainer_info(workers, **overrides), client=client,
+                            source=ModuleSource(model))
+
+    # -- cases --------------------------------------------------------------------------------
+
+    def test_round_trip_is_bit_exact(self, procs: ExitStack) -> None:
+        metas = model_metas(self.model)
+        assert len(metas) >= 100 and max(m.nbytes for m in metas) > self.bucket_bytes
+        assert len({m.dtype for m in metas}) >= 5
+        model = self.trainer_model()
+        client = self.client(self.receivers(procs))
+        assert client.fingerprint() != fingerprint(model.state_dict())
+        sender = self.sender(model, client)
+        stats = sender.send_weights(weight_version="v1")
+        assert client.fingerprint() == fingerprint(model.state_dict())
+        assert stats.bytes == sum(m.nbytes for m in metas)
+        assert stats.tensors == len(metas) and stats.buckets > 1
+        assert isinstance(client, RPCClient)
+        status = client.status()
+        assert status["state"] == "ready" and status["weight_version"] == "v1"
+        sender.shutdown()
+
+    def test_checksummed_round_trip(self, procs: ExitStack) -> None:
+        model = self.trainer_model(seed=11)
+        client = self.client(self.receivers(procs))
+        with self.sender(model, client, checksum=True) as sender:
+            sender.send_weights()
+        assert client.fingerprint() == fingerprint(model.state_dict())
+
+    def test_several_workers_each_get_every_tensor(self, procs: ExitStack) -> None:
+        model = self.trainer_model(seed=5)
+        children = self.receivers(procs, self.workers)
+        client = self.client(children)
+        with self.sender(model, client, workers=self.workers) as sender:
+            sender.send_weights(weight_version="fan")
+        want = fingerprint(model.state_dict())
+        for child in children:
+            assert RPCClient(child.address, timeout_s=self.timeout_s).fingerprint() == want
+
+    def test_repeated_updates_land_and_memory_stays_flat(self, procs: ExitStack) -> None:
+        model = self.trainer_model()
+        client = self.client(self.receivers(procs))
+        assert isinstance(client, RPCClient)
+        with self.sender(model, client) as sender:
+            rss = []
+            for step in range(30):
+                randomize(model, seed=100 + step)
+                sender.send_weights(weight_version=f"s{step}")
+                if step % 10 == 9:
+                    assert client.fingerprint() == fingerprint(model.state_dict()), step
+                rss.append(client.status()["rss_bytes"])
+        growth = rss[-1] - rss[4]
+        assert growth < 16 * MiB, f"receiver RSS grew {growth / MiB:.1f} MiB over 25 updates"
+
+    def test_subset_update_changes_only_the_subset(self, procs: ExitStack) -> None:
+        model = self.trainer_model()
+        client = self.client(self.receivers(procs))
+        before = client.fingerprint()
+        names = [n for n in model.state_dict() if ".mlp." in n][:40]
+        sender = trainer_init(self.trainer_info(), client=client,
+                              source=ModuleSource(model, names=names))
+        sender.send_weights()
+        after = client.fingerprint()
+        want = fingerprint(model.state_dict())
+        assert {n: after[n] for n in names} == {n: want[n] for n in names}
+        rest = set(after) - set(names)
+        assert rest and all(after[n] == before[n] for n in rest)
+        sender.shutdown()
+
+    def test_mismatched_model_is_refused_before_any_weight_changes(
+        self, procs: ExitStack
+    ) -> None:
+        model = self.trainer_model()
+        client = self.client(self.receivers(procs, model="mixed-mismatch"))
+        assert isinstance(client, RPCClient)
+        before = client.fingerprint()
+        with self.sender(model, client) as sender, pytest.raises(errors.WTransferError) as err:
+            sender.send_weights()
+        assert "update refused before any weight changed" in str(err.value)
+        assert client.fingerprint() == before
+        wait_for(lambda: client.status()["state"] == "failed", self.timeout_s * 3,
+                 "the receiver to report the failed update")
+        assert client.status()["torn"] is False
+
+    def test_lifecycle_misuse_raises_lifecycle_error(self) -> None:
+        target = ModuleTarget(self.trainer_model())
+        engine = create_receiver(self.backend, target, device=self.device)
+        with pytest.raises(errors.LifecycleError, match="init_transfer_engine first"):
+            engine.start_weight_update()
+        with pytest.raises(errors.LifecycleError):
+            engine.update_weights({})
+        with pytest.raises(errors.LifecycleError):
+            engine.finish_weight_update()
+        engine.shutdown()
+        with pytest.raises(errors.LifecycleError, match="shut down"):
+            engine.init_transfer_engine({})
+
+    def test_bad_init_field_names_backend_and_field(self) -> None:
+        engine = create_receiver(self.backend, ModuleTarget(self.trainer_model()),
+                                 device=self.device)
+        with pytest.raises(ValueError, match=rf"{self.backend}.*bucket_bytes"):
+            engine.init_transfer_engine({"bucket_bytes": "lots"})
+        with pytest.raises(ValueError, match=rf"{self.backend}.*no_such_field"):
+            engine.init_transfer_engine({"no_such_field": 1})
+        assert engine.state == "new"
+        engine.shutdown()
+
+    def test_receiver_that_never_shows_up_times_out(self) -> None:
+        import socket
+
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        client = RPCClient(f"tcp://127.0.0.1:{port}", timeout_s=1.0)
+        start = time.monotonic()
+        with pytest.raises(errors.TransferTimeout):
+            self.sender(self.trainer_model(), client, timeout_s=1.0)
+        assert time.monotonic() - start < 30
+
+    def test_receiver_killed_mid_transfer_fails_the_trainer_in_time(
+        self, procs: ExitStack
+    ) -> None:
+        model = self.trainer_model()
+        (child,) = self.receivers(procs)
+        client = RPCClient(child.address, timeout_s=self.timeout_s)
+        watcher = RPCClient(child.address, timeout_s=self.timeout_s)
+        sender = self.sender(model, client)
+        outcome: dict[str, Any] = {}
+
+        def send_forever() -> None:
+            try:
+                while True:
+                    sender.send_weights()
+            except Exception as exc:
+                outcome["error"], outcome["at"] = exc, time.monotonic()
+
+        thread = threading.Thread(target=send_forever, daemon=True)
+        thread.start()
+        wait_for(lambda: watcher.status()["state"] == "updating", 60, "an update in flight")
+        child.kill()
+        killed = time.monotonic()
+        thread.join(timeout=self.timeout_s * 4 + 30)
+        assert not thread.is_alive(), "the trainer hung after its receiver died"
+        assert isinstance(outcome["error"], (errors.TransferTimeout, errors.PeerError))
+        assert outcome["at"] - killed < self.timeout_s * 4 + 30
+        sender.shutdown()
+
+    def test_trainer_killed_mid_transfer_leaves_receiver_usable(self, procs: ExitStack) -> None:
+        (child,) = self.receivers(procs)
+        status = RPCClient(child.address, timeout_s=self.timeout_s)
+        trainer = procs.enter_context(spawn_trainer(
+            self.backend, child.address, model=self.model, seed=7, device=self.device,
+            loop=True, init_fields={"bucket_bytes": self.bucket_bytes,
+                                    "timeout_s": self.timeout_s, **self.init_fields(1)}))
+        assert trainer.info["event"] == "sending"
+        wait_for(lambda: status.status()["state"] == "updating", 60, "an update in flight")
+        trainer.kill()
+        wait_for(lambda: status.status()["state"] == "failed", self.timeout_s * 4 + 30,
+                 "the receiver to give up on its dead trainer")
+        report = status.status()
+        assert report["failure"]
+        model = self.trainer_model(seed=8)
+        with self.sender(model, status) as sender:
+            sender.send_weights(weight_version="after-crash")
+        assert status.fingerprint() == fingerprint(model.state_dict())
+        assert status.status()["state"] == "ready"

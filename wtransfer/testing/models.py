@@ -1,0 +1,112 @@
+"""Realistic synthetic parameter lists and modules that hold them, for tests and benchmarks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from wtransfer.packing import DTYPES, TensorMeta
+
+
+def qwen3_metas(
+    *, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+    vocab: int, dtype: str = "bfloat16", tied: bool = False,
+) -> list[TensorMeta]:
+    """The parameter list of a Qwen3-style decoder with these shapes (Hugging Face names)."""
+    metas = [TensorMeta("model.embed_tokens.weight", dtype, (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        metas += [
+            TensorMeta(p + "input_layernorm.weight", dtype, (hidden,)),
+            TensorMeta(p + "self_attn.q_proj.weight", dtype, (heads * head_dim, hidden)),
+            TensorMeta(p + "self_attn.k_proj.weight", dtype, (kv_heads * head_dim, hidden)),
+            TensorMeta(p + "self_attn.v_proj.weight", dtype, (kv_heads * head_dim, hidden)),
+            TensorMeta(p + "self_attn.o_proj.weight", dtype, (hidden, heads * head_dim)),
+            TensorMeta(p + "self_attn.q_norm.weight", dtype, (head_dim,)),
+            TensorMeta(p + "self_attn.k_norm.weight", dtype, (head_dim,)),
+            TensorMeta(p + "post_attention_layernorm.weight", dtype, (hidden,)),
+            TensorMeta(p + "mlp.gate_proj.weight", dtype, (intermediate, hidden)),
+            TensorMeta(p + "mlp.up_proj.weight", dtype, (intermediate, hidden)),
+            TensorMeta(p + "mlp.down_proj.weight", dtype, (hidden, intermediate)),
+        ]
+    metas.append(TensorMeta("model.norm.weight", dtype, (hidden,)))
+    if not tied:
+        metas.append(TensorMeta("lm_head.weight", dtype, (vocab, hidden)))
+    return metas
+
+
+MODEL_SHAPES = {
+    "qwen3-0.6b": dict(layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128,
+                       intermediate=3072, vocab=151936, tied=True),
+    "qwen3-1.7b": dict(layers=28, hidden=2048, heads=16, kv_heads=8, head_dim=128,
+                       intermediate=6144, vocab=151936, tied=True),
+    "qwen3-8b": dict(layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128,
+                     intermediate=12288, vocab=151936, tied=False),
+}
+"""Shapes of real Qwen3 checkpoints (from their config.json files), for benchmarks."""
+
+
+def mixed_metas(layers: int = 24) -> list[TensorMeta]:
+    """A small but realistic mix: a Qwen3-style bf16 decoder plus fp32 norms, fp8 weights with
+    fp32 scales, int/bool buffers, 0-d and empty tensors; the embedding is 512 KiB."""
+    metas = []
+    for m in qwen3_metas(layers=layers, hidden=64, heads=4, kv_heads=2, head_dim=16,
+                         intermediate=128, vocab=4096):
+        norm = m.name.endswith("norm.weight")
+        metas.append(TensorMeta(m.name, "float32" if norm else m.dtype, m.shape))
+    for i in range(0, layers, 4):
+        p = f"model.layers.{i}.mlp.quant."
+        metas += [
+            TensorMeta(p + "qweight", "float8_e4m3fn", (64, 96)),
+            TensorMeta(p + "scale", "float32", (64,)),
+            TensorMeta(p + "zero_point", "int8", (64,)),
+            TensorMeta(p + "group_index", "int64", (96,)),
+            TensorMeta(p + "mask", "bool", (7,)),
+            TensorMeta(p + "step", "int32", ()),
+            TensorMeta(p + "unused", "float16", (0, 5)),
+            TensorMeta(p + "freqs", "float64", (3, 5)),
+        ]
+    return metas
+
+
+class _Node(nn.Module):
+    """A plain container so dotted names become nested modules."""
+
+
+def build_module(metas: Sequence[TensorMeta], seed: int, device: str = "cpu") -> nn.Module:
+    """An `nn.Module` whose state dict has exactly `metas` (floats as parameters, others as
+    buffers), filled with values drawn from `seed`."""
+    root = _Node()
+    for meta in metas:
+        *path, leaf = meta.name.split(".")
+        node: nn.Module = root
+        for part in path:
+            child = getattr(node, part, None)
+            if not isinstance(child, nn.Module):
+                child = _Node()
+                node.add_module(part, child)
+            node = child
+        tensor = torch.empty(meta.shape, dtype=DTYPES[meta.dtype], device=device)
+        if tensor.is_floating_point() and meta.itemsize >= 2:
+            node.register_parameter(leaf, nn.Parameter(tensor, requires_grad=False))
+        else:
+            node.register_buffer(leaf, tensor)
+    randomize(root, seed)
+    return root
+
+
+@torch.no_grad()
+def randomize(module: nn.Module, seed: int) -> None:
+    """Refill every tensor of `module` in place with values drawn from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    for tensor in module.state_dict(keep_vars=True).values():
+        t = tensor.data
+        if t.dtype == torch.bool:
+            fresh = torch.randint(0, 2, t.shape, generator=gen).bool()
+        elif t.is_floating_point() or t.is_complex():
+            fresh = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype)
+        else:
+            fresh = torch.randint(-100, 100, t.shape, generator=gen).to(t.dtype)
+        t.copy_(fresh)

@@ -1,0 +1,108 @@
+"""Child-process entry points: a receiver served over RPC, or a trainer that sends.
+
+    python -m wtransfer.testing.worker receiver --backend ipc --model mixed --seed 2
+    python -m wtransfer.testing.worker trainer --backend ipc --address tcp://... --loop
+
+The first stdout line is a JSON object (the receiver's address, or "sending"); the process
+exits when its stdin closes, so a dead parent never leaves it behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+from typing import Any
+
+from torch import nn
+
+from wtransfer import wire
+from wtransfer.packing import TensorMeta
+from wtransfer.registry import create_receiver, get_backend, trainer_init
+from wtransfer.rpc import ReceiverServer, RPCClient
+from wtransfer.source import ModuleSource
+from wtransfer.target import ModuleTarget
+from wtransfer.testing.models import MODEL_SHAPES, build_module, mixed_metas, qwen3_metas
+
+
+def model_metas(name: str) -> list[TensorMeta]:
+    """The parameter list called `name`: "mixed" or a key of `MODEL_SHAPES`."""
+    if name == "mixed":
+        return mixed_metas()
+    if name == "mixed-mismatch":  # one shape and one dtype differ from "mixed"
+        metas = mixed_metas()
+        bad = {5: TensorMeta(metas[5].name, metas[5].dtype, metas[5].shape[::-1] + (1,)),
+               9: TensorMeta(metas[9].name, "float16", metas[9].shape)}
+        return [bad.get(i, m) for i, m in enumerate(metas)]
+    if name in MODEL_SHAPES:
+        return qwen3_metas(**MODEL_SHAPES[name])  # type: ignore[arg-type]
+    raise SystemExit(f"unknown model {name!r}; choose mixed, mixed-mismatch or one of "
+                     f"{sorted(MODEL_SHAPES)}")
+
+
+def build(name: str, seed: int, device: str) -> nn.Module:
+    """Build model `name` filled from `seed` on `device`."""
+    return build_module(model_metas(name), seed, device)
+
+
+def _announce(payload: dict[str, Any]) -> None:
+    print(json.dumps(payload), flush=True)
+
+
+def _exit_when_parent_goes() -> None:
+    def watch() -> None:
+        sys.stdin.read()
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def run_receiver(args: argparse.Namespace) -> None:
+    """Serve a receiver for model `args.model` until stdin closes."""
+    module = build(args.model, args.seed, args.device)
+    engine = create_receiver(args.backend, ModuleTarget(module), device=args.device)
+    server = ReceiverServer(engine, args.bind).start()
+    _announce({"address": server.address, "pid": os.getpid()})
+    threading.Event().wait()
+
+
+def run_trainer(args: argparse.Namespace) -> None:
+    """Send model `args.model` to `args.address` once, or forever with --loop."""
+    module = build(args.model, args.seed, args.device)
+    extra = wire.decode(bytes.fromhex(args.init_hex)) if args.init_hex else {}
+    info_cls = get_backend(args.backend).sender_class().init_info_cls
+    info = info_cls(**extra)
+    client = RPCClient(args.address, timeout_s=info.timeout_s)
+    sender = trainer_init(info, client=client, source=ModuleSource(module))
+    _announce({"event": "sending", "pid": os.getpid()})
+    step = 0
+    while True:
+        sender.send_weights(weight_version=f"trainer-{step}")
+        step += 1
+        if not args.loop:
+            break
+    sender.shutdown()
+    _announce({"event": "done", "updates": step})
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line and run the chosen role."""
+    parser = argparse.ArgumentParser(prog="python -m wtransfer.testing.worker")
+    parser.add_argument("role", choices=["receiver", "trainer"])
+    parser.add_argument("--backend", default="ipc")
+    parser.add_argument("--model", default="mixed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--bind", default="tcp://127.0.0.1:0")
+    parser.add_argument("--address", default="")
+    parser.add_argument("--init-hex", default="", help="msgpack (hex) of init-info fields")
+    parser.add_argument("--loop", action="store_true")
+    args = parser.parse_args(argv)
+    _exit_when_parent_goes()
+    run_receiver(args) if args.role == "receiver" else run_trainer(args)
+
+
+if __name__ == "__main__":
+    main()
