@@ -8,6 +8,7 @@ bounds staging memory on each side by `num_buffers * bucket_bytes` whatever the 
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -212,10 +213,10 @@ class _PlanBuilder:
         self.cursor = offset + nbytes
 
     def place(self, index: int, nbytes: int) -> None:
-        start = self._aligned()
-        if nbytes == 0:
-            self.slices.append(Slice(index, 0, min(start, self.capacity), 0))
+        if nbytes == 0:  # nothing to copy: recorded at the cursor so the receiver sees it
+            self.slices.append(Slice(index, 0, self.cursor, 0))
             return
+        start = self._aligned()
         if start + nbytes <= self.capacity:
             self._add(index, 0, start, nbytes)
             return
@@ -246,6 +247,21 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.contiguous()
     flat = tensor.reshape(-1)
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy flat uint8 `src` into flat uint8 `dst` (same length), on any devices.
+
+    CPU to CPU is one plain memcpy through ctypes, which drops the GIL: the transfer pipeline
+    already overlaps sender and receiver, and torch's intra-op threads would spin on the cores
+    the other side needs.
+    """
+    if dst.numel() != src.numel():
+        raise ValueError(f"copy_bytes: {src.numel()} bytes into {dst.numel()}")
+    if dst.is_cpu and src.is_cpu:
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel())
+    else:
+        dst.copy_(src, non_blocking=True)
 
 
 def tensor_from_bytes(data: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
@@ -286,14 +302,16 @@ class BucketPacker:
 
     def pack(self, bucket: Bucket, staging: torch.Tensor) -> None:
         """Copy `bucket`'s slices into the uint8 `staging` buffer."""
+        if staging.dtype != torch.uint8 or staging.dim() != 1 or not staging.is_contiguous() \
+                or staging.numel() < bucket.nbytes:
+            raise ConfigError(f"staging must be a flat contiguous uint8 tensor of at least "
+                              f"{bucket.nbytes} bytes")
         for s in bucket.slices:
-            if s.nbytes == 0:
-                self._tensor_bytes(s.tensor)
-                continue
             src = self._tensor_bytes(s.tensor)
-            staging[s.offset : s.offset + s.nbytes].copy_(
-                src[s.tensor_offset : s.tensor_offset + s.nbytes], non_blocking=True
-            )
+            if s.nbytes == 0:
+                continue
+            copy_bytes(staging[s.offset : s.offset + s.nbytes],
+                       src[s.tensor_offset : s.tensor_offset + s.nbytes])
 
     def finish(self) -> None:
         """Check the source holds nothing beyond what it announced."""

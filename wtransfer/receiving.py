@@ -18,7 +18,14 @@ from collections.abc import Sequence
 import torch
 
 from wtransfer.errors import IntegrityError, MetadataError
-from wtransfer.packing import DTYPES, Slice, TensorMeta, bucket_checksum, tensor_from_bytes
+from wtransfer.packing import (
+    DTYPES,
+    Slice,
+    TensorMeta,
+    bucket_checksum,
+    copy_bytes,
+    tensor_from_bytes,
+)
 from wtransfer.target import WeightTarget
 
 
@@ -87,17 +94,30 @@ class UpdateSession:
                                                      device=self._device)))
                 del self._pending[meta.name]
             elif s.tensor_offset == 0 and s.nbytes == meta.nbytes:
-                if s.offset % meta.itemsize:
-                    raise MetadataError(f"tensor {meta.name!r} at offset {s.offset} is not "
-                                        f"aligned to its {meta.itemsize}-byte elements")
-                whole.append((meta.name, tensor_from_bytes(piece, meta)))
-                del self._pending[meta.name]
+                self._place_whole(meta, s, piece, whole)
             else:
                 self._place_partial(meta, s, piece)
         if whole:
             self.touched = True
             self._target.load_weights(whole)
         self.bytes_received += nbytes
+
+    def _direct(self, name: str) -> torch.Tensor | None:
+        direct = self._target.direct_bytes(name)
+        return direct if direct is not None and direct.device == self._device else None
+
+    def _place_whole(self, meta: TensorMeta, s: Slice, piece: torch.Tensor,
+                     whole: list[tuple[str, torch.Tensor]]) -> None:
+        if s.offset % meta.itemsize:
+            raise MetadataError(f"tensor {meta.name!r} at offset {s.offset} is not "
+                                f"aligned to its {meta.itemsize}-byte elements")
+        del self._pending[meta.name]
+        direct = self._direct(meta.name)
+        if direct is not None:
+            self.touched = True
+            copy_bytes(direct, piece)
+            return
+        whole.append((meta.name, tensor_from_bytes(piece, meta)))
 
     def _slice_meta(self, s: Slice, nbytes: int) -> TensorMeta:
         if s.tensor >= len(self._metas):
@@ -117,9 +137,7 @@ class UpdateSession:
     def _place_partial(self, meta: TensorMeta, s: Slice, piece: torch.Tensor) -> None:
         part = self._partials.get(meta.name)
         if part is None:
-            direct = self._target.direct_bytes(meta.name)
-            if direct is not None and direct.device != self._device:
-                direct = None
+            direct = self._direct(meta.name)
             buffer = direct if direct is not None else torch.empty(
                 meta.nbytes, dtype=torch.uint8, device=self._device)
             part = self._partials[meta.name] = _Partial(buffer, direct is not None)
@@ -128,7 +146,7 @@ class UpdateSession:
                                 f"arrived but byte {part.received} was expected next")
         if part.direct:
             self.touched = True
-        part.buffer[s.tensor_offset : s.tensor_offset + s.nbytes].copy_(piece)
+        copy_bytes(part.buffer[s.tensor_offset : s.tensor_offset + s.nbytes], piece)
         part.received += s.nbytes
         if part.received == meta.nbytes:
             del self._partials[meta.name]

@@ -53,8 +53,8 @@ class WeightTarget(ABC):
     def direct_bytes(self, name: str) -> torch.Tensor | None:
         """A writable flat uint8 view of the storage behind `name`, or None.
 
-        When given, a receiver writes a tensor split across buckets straight into it instead of
-        assembling it in a temporary buffer.
+        When given, a receiver writes the tensor's bytes straight into it (one copy, and no
+        temporary for a tensor split across buckets) instead of calling `load_weights`.
         """
         return None
 

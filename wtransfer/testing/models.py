@@ -47,6 +47,10 @@ MODEL_SHAPES = {
 }
 """Shapes of real Qwen3 checkpoints (from their config.json files), for benchmarks."""
 
+DEMO_SHAPE = dict(layers=8, hidden=512, heads=8, kv_heads=4, head_dim=64, intermediate=1536,
+                  vocab=32000, tied=False)
+"""A small Qwen3-style decoder (about 58M parameters, 116 MB in bf16) for the demo."""
+
 
 def mixed_metas(layers: int = 24) -> list[TensorMeta]:
     """A small but realistic mix: a Qwen3-style bf16 decoder plus fp32 norms, fp8 weights with
@@ -75,9 +79,11 @@ class _Node(nn.Module):
     """A plain container so dotted names become nested modules."""
 
 
-def build_module(metas: Sequence[TensorMeta], seed: int, device: str = "cpu") -> nn.Module:
+def build_module(metas: Sequence[TensorMeta], seed: int, device: str = "cpu",
+                 *, fill: str = "random") -> nn.Module:
     """An `nn.Module` whose state dict has exactly `metas` (floats as parameters, others as
-    buffers), filled with values drawn from `seed`."""
+    buffers), filled with values drawn from `seed` (``fill="constant"``: one value per tensor,
+    derived from `seed`, which builds multi-GB models in seconds)."""
     root = _Node()
     for meta in metas:
         *path, leaf = meta.name.split(".")
@@ -93,7 +99,12 @@ def build_module(metas: Sequence[TensorMeta], seed: int, device: str = "cpu") ->
             node.register_parameter(leaf, nn.Parameter(tensor, requires_grad=False))
         else:
             node.register_buffer(leaf, tensor)
-    randomize(root, seed)
+    if fill == "constant":
+        with torch.no_grad():
+            for i, t in enumerate(root.state_dict(keep_vars=True).values()):
+                t.data.fill_((seed * 7919 + i) % 97 / 7)
+    else:
+        randomize(root, seed)
     return root
 
 

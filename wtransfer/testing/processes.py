@@ -19,11 +19,11 @@ class ChildProcess:
     """A worker child; `info` is the JSON object it printed first. Use as a context manager."""
 
     def __init__(self, role: str, *, backend: str, model: str = "mixed", seed: int = 0,
-                 device: str = "cpu", address: str = "", init_fields: dict[str, Any] | None = None,
+                 device: str = "cpu", fill: str = "random", address: str = "", init_fields: dict[str, Any] | None = None,
                  loop: bool = False, env: dict[str, str] | None = None,
                  start_timeout_s: float = 120.0) -> None:
         cmd = [sys.executable, "-m", "wtransfer.testing.worker", role, "--backend", backend,
-               "--model", model, "--seed", str(seed), "--device", device]
+               "--model", model, "--seed", str(seed), "--device", device, "--fill", fill]
         if address:
             cmd += ["--address", address]
         if init_fields:

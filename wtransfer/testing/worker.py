@@ -24,7 +24,7 @@ from wtransfer.registry import create_receiver, get_backend, trainer_init
 from wtransfer.rpc import ReceiverServer, RPCClient
 from wtransfer.source import ModuleSource
 from wtransfer.target import ModuleTarget
-from wtransfer.testing.models import MODEL_SHAPES, build_module, mixed_metas, qwen3_metas
+from wtransfer.testing.models import DEMO_SHAPE, MODEL_SHAPES, build_module, mixed_metas, qwen3_metas
 
 
 def model_metas(name: str) -> list[TensorMeta]:
@@ -36,15 +36,17 @@ def model_metas(name: str) -> list[TensorMeta]:
         bad = {5: TensorMeta(metas[5].name, metas[5].dtype, metas[5].shape[::-1] + (1,)),
                9: TensorMeta(metas[9].name, "float16", metas[9].shape)}
         return [bad.get(i, m) for i, m in enumerate(metas)]
+    if name == "demo":
+        return qwen3_metas(**DEMO_SHAPE)  # type: ignore[arg-type]
     if name in MODEL_SHAPES:
         return qwen3_metas(**MODEL_SHAPES[name])  # type: ignore[arg-type]
-    raise SystemExit(f"unknown model {name!r}; choose mixed, mixed-mismatch or one of "
+    raise SystemExit(f"unknown model {name!r}; choose mixed, mixed-mismatch, demo or one of "
                      f"{sorted(MODEL_SHAPES)}")
 
 
-def build(name: str, seed: int, device: str) -> nn.Module:
+def build(name: str, seed: int, device: str, fill: str = "random") -> nn.Module:
     """Build model `name` filled from `seed` on `device`."""
-    return build_module(model_metas(name), seed, device)
+    return build_module(model_metas(name), seed, device, fill=fill)
 
 
 def _announce(payload: dict[str, Any]) -> None:
@@ -61,7 +63,7 @@ def _exit_when_parent_goes() -> None:
 
 def run_receiver(args: argparse.Namespace) -> None:
     """Serve a receiver for model `args.model` until stdin closes."""
-    module = build(args.model, args.seed, args.device)
+    module = build(args.model, args.seed, args.device, args.fill)
     engine = create_receiver(args.backend, ModuleTarget(module), device=args.device)
     server = ReceiverServer(engine, args.bind).start()
     _announce({"address": server.address, "pid": os.getpid()})
@@ -70,7 +72,7 @@ def run_receiver(args: argparse.Namespace) -> None:
 
 def run_trainer(args: argparse.Namespace) -> None:
     """Send model `args.model` to `args.address` once, or forever with --loop."""
-    module = build(args.model, args.seed, args.device)
+    module = build(args.model, args.seed, args.device, args.fill)
     extra = wire.decode(bytes.fromhex(args.init_hex)) if args.init_hex else {}
     info_cls = get_backend(args.backend).sender_class().init_info_cls
     info = info_cls(**extra)
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="mixed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--fill", choices=["random", "constant"], default="random")
     parser.add_argument("--bind", default="tcp://127.0.0.1:0")
     parser.add_argument("--address", default="")
     parser.add_argument("--init-hex", default="", help="msgpack (hex) of init-info fields")

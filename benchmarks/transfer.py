@@ -1,0 +1,128 @@
+"""Benchmark: send_weights end to end against a floor and a naive path, measured in one run.
+
+    python benchmarks/transfer.py --backend ipc --models qwen3-0.6b,qwen3-1.7b --bucket-mb 64,256
+
+ipc (CPU): the floor is the same bytes copied twice by plain torch copies in one process (pack
+into one flat buffer, unpack out of it); the naive path sends one tensor per message (one
+update call and one staging handoff per tensor, no packing). The packed path is the real
+two-process transfer: trainer here, receiver in a child process, RPC control plane.
+On CUDA (``--device cuda``) both sides keep their tensors on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+
+import wtransfer
+from wtransfer.packing import Bucket, BucketPlan, Slice, byte_view
+from wtransfer.rpc import RPCClient
+from wtransfer.testing.processes import spawn_receiver
+from wtransfer.testing.worker import build, model_metas
+from wtransfer_ipc.info import IPCTrainerInitInfo
+from wtransfer_ipc.sender import IPCSender
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import median_seconds, print_table, write_json  # noqa: E402
+
+
+class PerTensorIPCSender(IPCSender):
+    """The naive baseline: every tensor is its own message (no packing, no pipelining)."""
+
+    def _send(self, plan: BucketPlan) -> None:
+        single = BucketPlan(plan.metas, plan.bucket_bytes, plan.align, tuple(
+            Bucket(i, m.nbytes, (Slice(i, 0, 0, m.nbytes),)) for i, m in enumerate(plan.metas)))
+        manifest = [m.to_wire() for m in plan.metas]
+        for bucket, (_, tensor) in zip(single.buckets, self.source.tensors(), strict=True):
+            self._staging[0][: bucket.nbytes].copy_(byte_view(tensor))
+            self._sync(0)
+            update: dict[str, Any] = {"buffer": 0, "nbytes": bucket.nbytes,
+                                      "slices": [bucket.slices[0].to_wire()]}
+            if bucket.index == 0:
+                update["tensors"] = manifest
+            self.client.update_weights(update)
+
+
+def floor_two_copies(model: torch.nn.Module, device: str, repeats: int) -> float:
+    """Median seconds to copy every tensor into one flat buffer and back out."""
+    tensors = [byte_view(t) for t in model.state_dict().values()]
+    total = sum(t.numel() for t in tensors)
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    dest = [torch.empty_like(t) for t in tensors]
+
+    def two_copies() -> None:
+        offset = 0
+        for t in tensors:
+            flat[offset : offset + t.numel()].copy_(t)
+            offset += t.numel()
+        offset = 0
+        for d in dest:
+            d.copy_(flat[offset : offset + d.numel()])
+            offset += d.numel()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    return median_seconds(two_copies, repeats)
+
+
+def bench_model(name: str, buckets_mb: list[int], device: str, repeats: int) -> list[dict]:
+    metas = model_metas(name)
+    total = sum(m.nbytes for m in metas)
+    model = build(name, seed=1, device=device, fill="constant")
+    floor = floor_two_copies(model, device, repeats)
+    rows = [{"model": name, "path": "floor (2 copies)", "bucket_mb": 0, "seconds": floor}]
+    with spawn_receiver("ipc", model=name, seed=2, device=device, fill="constant") as child:
+        client = RPCClient(child.address, timeout_s=600)
+        for mb in buckets_mb:
+            info = IPCTrainerInitInfo(bucket_bytes=mb << 20, timeout_s=600)
+            with wtransfer.trainer_init(info, client=client,
+                                        source=wtransfer.ModuleSource(model)) as sender:
+                seconds = median_seconds(sender.send_weights, repeats)
+            rows.append({"model": name, "path": "packed", "bucket_mb": mb, "seconds": seconds})
+        biggest = max(m.nbytes for m in metas)
+        info = IPCTrainerInitInfo(bucket_bytes=-(-biggest // 256) * 256, num_buffers=1,
+                                  timeout_s=600)
+        with PerTensorIPCSender(info, client=client,
+                                source=wtransfer.ModuleSource(model)) as naive:
+            seconds = median_seconds(naive.send_weights, repeats)
+        rows.append({"model": name, "path": "naive per-tensor", "bucket_mb": 0,
+                     "seconds": seconds})
+        same = client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+    naive_s = rows[-1]["seconds"]
+    for r in rows:
+        r.update(bytes=total, tensors=len(metas), gbps=total / r["seconds"] / 1e9,
+                 vs_floor=floor / r["seconds"], vs_naive=naive_s / r["seconds"],
+                 verified=same)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="ipc", choices=["ipc"])
+    parser.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b")
+    parser.add_argument("--bucket-mb", default="64,256")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    rows: list[dict] = []
+    for name in args.models.split(","):
+        rows += bench_model(name, [int(x) for x in args.bucket_mb.split(",")], args.device,
+                            args.repeats)
+    print(f"\nbackend={args.backend} device={args.device} repeats={args.repeats} "
+          f"(median seconds; ratios: floor/time and naive/time, higher is better)")
+    print_table(rows, [("model", "model", ""), ("path", "path", ""), ("bucket_mb", "MiB", "d"),
+                       ("seconds", "median s", ".3f"), ("gbps", "GB/s", ".2f"),
+                       ("vs_floor", "vs floor", ".2f"), ("vs_naive", "vs naive", ".2f"),
+                       ("verified", "bit-exact", "")])
+    path = write_json(f"transfer-{args.backend}-{args.device.split(':')[0]}", rows, vars(args))
+    print(f"wrote {path}")
+    if not all(r["verified"] for r in rows):
+        sys.exit("fingerprint mismatch after the benchmark")
+
+
+if __name__ == "__main__":
+    main()

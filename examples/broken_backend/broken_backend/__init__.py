@@ -1,0 +1,1 @@
+"""Deliberately empty: the entry point names a module that does not exist."""

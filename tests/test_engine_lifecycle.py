@@ -1,0 +1,93 @@
+"""The receiver state machine: aborts, abandoned updates, re-init, version labels."""
+
+import time
+
+import pytest
+import torch
+
+import wtransfer
+from wtransfer.errors import LifecycleError, PeerError
+from wtransfer.testing.models import build_module, mixed_metas
+from wtransfer_ipc import IPCTrainerInitInfo
+
+
+@pytest.fixture
+def pair():
+    metas = mixed_metas(layers=4)
+    trainer, engine_model = build_module(metas, 1), build_module(metas, 2)
+    engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(engine_model))
+    client = wtransfer.LocalClient(engine)
+    yield trainer, engine, client
+    engine.shutdown()
+
+
+def test_sender_side_failure_aborts_the_receiver_update_at_once(pair):
+    trainer, engine, client = pair
+
+    class Exploding(wtransfer.ModuleSource):
+        def tensors(self):
+            for i, item in enumerate(super().tensors()):
+                if i == 30:
+                    raise RuntimeError("trainer crashed while gathering")
+                yield item
+
+    sender = wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=4096), client=client,
+                                    source=Exploding(trainer))
+    with pytest.raises(RuntimeError, match="gathering"):
+        sender.send_weights()
+    assert engine.state == "failed"
+    assert "sender aborted the update" in engine.failure and engine.torn
+    sender.source = wtransfer.ModuleSource(trainer)
+    sender.send_weights(weight_version="retry")
+    assert engine.state == "ready" and client.weight_version == "retry"
+    assert client.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+    sender.shutdown()
+
+
+def test_an_abandoned_update_fails_after_the_timeout(pair):
+    trainer, engine, client = pair
+    sender = wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=4096, timeout_s=0.2),
+                                    client=client, source=wtransfer.ModuleSource(trainer))
+    engine.start_weight_update()
+    with pytest.raises(LifecycleError, match="update is open"):
+        engine.start_weight_update()
+    deadline = time.monotonic() + 10
+    while engine.state == "updating" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.state == "failed" and "abandoned" in engine.failure
+    sender.send_weights()
+    assert engine.state == "ready"
+    sender.shutdown()
+
+
+def test_explicit_abort_message_becomes_peer_error(pair):
+    trainer, engine, client = pair
+    sender = wtransfer.trainer_init(IPCTrainerInitInfo(), client=client,
+                                    source=wtransfer.ModuleSource(trainer))
+    engine.start_weight_update()
+    with pytest.raises(PeerError, match="sender aborted the update: out of memory"):
+        engine.update_weights({"abort": "out of memory"})
+    assert engine.state == "failed" and engine.torn is False
+    sender.shutdown()
+
+
+def test_reinit_replaces_staging_and_keeps_working(pair):
+    trainer, engine, client = pair
+    for bucket in (2048, 1 << 16):
+        with wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=bucket), client=client,
+                                    source=wtransfer.ModuleSource(trainer)) as sender:
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(1)
+            sender.send_weights()
+            assert client.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+    assert engine.last_update_bytes > 0
+
+
+def test_send_after_shutdown_is_a_lifecycle_error(pair):
+    trainer, _engine, client = pair
+    sender = wtransfer.trainer_init(IPCTrainerInitInfo(), client=client,
+                                    source=wtransfer.ModuleSource(trainer))
+    sender.shutdown()
+    with pytest.raises(LifecycleError, match="shut down"):
+        sender.send_weights()

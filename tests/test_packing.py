@@ -1,0 +1,186 @@
+"""Packing: plans are deterministic and bounded; round trips are bit-exact for every dtype."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wtransfer.errors import ConfigError, IntegrityError, MetadataError
+from wtransfer.packing import (
+    DTYPES,
+    BucketPacker,
+    BucketPlan,
+    TensorMeta,
+    bucket_checksum,
+    byte_view,
+)
+from wtransfer.receiving import UpdateSession
+from wtransfer.source import ModuleSource
+from wtransfer.target import ModuleTarget
+from wtransfer.testing.models import build_module
+
+
+def random_tensor(dtype_name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Arbitrary bit patterns of the dtype (NaNs and all), so bit-exactness is really tested."""
+    dtype = DTYPES[dtype_name]
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(seed))
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+shapes = st.lists(st.integers(0, 9), min_size=0, max_size=4).map(tuple)
+tensor_specs = st.lists(
+    st.tuples(st.sampled_from(sorted(DTYPES)), shapes, st.booleans()), min_size=1, max_size=12
+)
+
+
+def transfer(tensors: dict[str, torch.Tensor], bucket_bytes: int, align: int = 256,
+             checksum: bool = False, dest=None) -> dict[str, torch.Tensor]:
+    """Pack on one side, unpack into a module of other values on the other, via staging."""
+    metas = [TensorMeta.of(n, t) for n, t in tensors.items()]
+    plan = BucketPlan.build(metas, bucket_bytes, align)
+    dest = build_module(metas, seed=99) if dest is None else dest
+    session = UpdateSession(ModuleTarget(dest), "cpu")
+    session.announce(metas)
+    packer = BucketPacker(plan, iter(tensors.items()))
+    staging = torch.empty(bucket_bytes, dtype=torch.uint8)
+    for bucket in plan.buckets:
+        assert bucket.nbytes <= bucket_bytes
+        packer.pack(bucket, staging)
+        digest = bucket_checksum(staging[: bucket.nbytes]) if checksum else None
+        session.consume(staging, bucket.nbytes, bucket.slices, digest)
+    packer.finish()
+    session.finish()
+    return dest.state_dict()
+
+
+@settings(max_examples=150, deadline=None)
+@given(specs=tensor_specs, bucket_bytes=st.integers(256, 2048), seed=st.integers(0, 10**6),
+       checksum=st.booleans())
+def test_round_trip_is_bit_exact_for_every_dtype_and_shape(specs, bucket_bytes, seed, checksum):
+    tensors = {}
+    for i, (dtype, shape, transpose) in enumerate(specs):
+        t = random_tensor(dtype, shape, seed + i)
+        if transpose and t.dim() >= 2:
+            t = t.transpose(0, 1)  # non-contiguous source
+        tensors[f"layer{i}.w"] = t
+    out = transfer(tensors, bucket_bytes, checksum=checksum)
+    for name, t in tensors.items():
+        got = out[name]
+        assert got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(byte_view(got), byte_view(t)), name
+
+
+@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=30),
+       bucket_bytes=st.integers(256, 4096), align=st.sampled_from([1, 8, 64, 256]))
+def test_plan_is_deterministic_aligned_bounded_and_complete(sizes, bucket_bytes, align):
+    if bucket_bytes < align:
+        return
+    metas = [TensorMeta(f"t{i}", "uint8", (n,)) for i, n in enumerate(sizes)]
+    plan = BucketPlan.build(metas, bucket_bytes, align)
+    assert plan == BucketPlan.build(metas, bucket_bytes, align)
+    covered = {i: 0 for i in range(len(metas))}
+    for bucket in plan.buckets:
+        assert 0 < len(bucket.slices) and bucket.nbytes <= bucket_bytes
+        for s in bucket.slices:
+            assert s.offset + s.nbytes <= bucket.nbytes or s.nbytes == 0
+            if s.tensor_offset == 0 and s.nbytes:
+                assert s.offset % align == 0
+            assert s.tensor_offset == covered[s.tensor]
+            covered[s.tensor] += s.nbytes
+    assert covered == {i: n for i, n in enumerate(sizes)}
+
+
+def test_tensor_larger_than_a_bucket_is_split_and_staging_stays_bounded():
+    metas = [TensorMeta("small", "float32", (10,)), TensorMeta("big", "bfloat16", (5000,))]
+    plan = BucketPlan.build(metas, bucket_bytes=1024)
+    big_slices = [s for b in plan.buckets for s in b.slices if s.tensor == 1]
+    # fills the first bucket after "small" (768 B), nine whole buckets, then the last 16 B
+    assert [s.nbytes for s in big_slices] == [768] + [1024] * 9 + [16]
+    assert all(b.nbytes <= 1024 for b in plan.buckets)
+
+
+def test_split_tensor_lands_in_place_without_a_temporary():
+    big = random_tensor("float32", (3000,), 1)
+    metas = [TensorMeta.of("w", big)]
+    dest = build_module(metas, seed=3)
+    ptr = dest.w.data_ptr()
+    out = transfer({"w": big}, bucket_bytes=1024, dest=dest)
+    assert torch.equal(byte_view(out["w"]), byte_view(big))
+    assert dest.w.data_ptr() == ptr
+
+
+def test_bad_plan_parameters_are_config_errors():
+    with pytest.raises(ConfigError, match="power of two"):
+        BucketPlan.build([], 1024, align=3)
+    with pytest.raises(ConfigError, match="bucket_bytes"):
+        BucketPlan.build([], 100, align=256)
+
+
+def test_source_that_differs_from_its_announcement_is_caught_on_the_sender():
+    metas = [TensorMeta("a", "float32", (4,)), TensorMeta("b", "float32", (4,))]
+    plan = BucketPlan.build(metas, 1024)
+    packer = BucketPacker(plan, iter([("a", torch.zeros(4)), ("b", torch.zeros(5))]))
+    with pytest.raises(MetadataError, match="announced"):
+        packer.pack(plan.buckets[0], torch.empty(1024, dtype=torch.uint8))
+
+
+def test_corrupted_bucket_raises_integrity_error_and_checksum_sees_reordering():
+    data = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    digest = bucket_checksum(data)
+    swapped = data.clone().view(torch.int64)
+    swapped[[3, 7]] = swapped[[7, 3]]
+    assert bucket_checksum(swapped.view(torch.uint8)) != digest
+    flipped = data.clone()
+    flipped[1000] ^= 1
+    assert bucket_checksum(flipped) != digest
+    metas = [TensorMeta("w", "int32", (4096,))]
+    session = UpdateSession(ModuleTarget(build_module(metas, 0)), "cpu")
+    session.announce(metas)
+    plan = BucketPlan.build(metas, 1 << 16)
+    with pytest.raises(IntegrityError, match="checksum"):
+        session.consume(flipped.view(torch.uint8), plan.buckets[0].nbytes,
+                        plan.buckets[0].slices, digest)
+
+
+def test_incomplete_update_is_an_integrity_error():
+    metas = [TensorMeta("a", "float32", (4,)), TensorMeta("b", "float32", (4,))]
+    session = UpdateSession(ModuleTarget(build_module(metas, 0)), "cpu")
+    session.announce(metas)
+    with pytest.raises(IntegrityError, match="never arrived"):
+        session.finish()
+
+
+def test_hostile_slices_are_refused_before_touching_weights():
+    metas = [TensorMeta("a", "float32", (16,))]
+    module = build_module(metas, 0)
+    before = module.a.clone()
+    session = UpdateSession(ModuleTarget(module), "cpu")
+    session.announce(metas)
+    staging = torch.zeros(1024, dtype=torch.uint8)
+    from wtransfer.packing import Slice
+
+    for bad, match in [
+        (Slice(1, 0, 0, 64), "only 1 were announced"),
+        (Slice(0, 0, 1000, 64), "outside"),
+        (Slice(0, 32, 0, 64), "past its"),
+        (Slice(0, 0, 3, 64), "aligned"),
+    ]:
+        with pytest.raises(MetadataError, match=match):
+            session.consume(staging, 1024, [bad])
+    with pytest.raises(MetadataError, match="does not fit"):
+        session.consume(staging, 4096, [])
+    assert torch.equal(module.a, before) and not session.touched
+
+
+def test_module_source_sends_tied_weights_once():
+    emb = torch.nn.Embedding(10, 4)
+    model = torch.nn.Module()
+    model.embed = emb
+    model.head = torch.nn.Linear(4, 10, bias=False)
+    model.head.weight = emb.weight
+    names = [m.name for m in ModuleSource(model).metadata()]
+    assert names == ["embed.weight"]

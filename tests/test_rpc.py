@@ -1,0 +1,66 @@
+"""The RPC control plane: remote errors come back typed; hostile requests get error replies."""
+
+import pytest
+import torch
+import zmq
+
+import wtransfer
+from wtransfer import wire
+from wtransfer.errors import PeerError, TransferTimeout
+from wtransfer.rpc import ReceiverServer, RPCClient
+
+
+@pytest.fixture
+def served():
+    engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(torch.nn.Linear(4, 4)))
+    server = ReceiverServer(engine, "tcp://127.0.0.1:0").start()
+    yield server, RPCClient(server.address, timeout_s=5)
+    server.close()
+    engine.shutdown()
+
+
+def raw_request(address, payload: bytes) -> dict:
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    sock.send(payload)
+    assert sock.poll(5000), "server did not answer a malformed request"
+    reply = wire.decode(sock.recv())
+    sock.close()
+    return reply
+
+
+def test_remote_lifecycle_error_comes_back_as_peer_error_with_its_type(served):
+    _server, client = served
+    with pytest.raises(PeerError, match="LifecycleError: ipc: cannot start") as err:
+        client.start_weight_update()
+    assert err.value.remote_type == "LifecycleError"
+    assert client.status()["state"] == "new"
+
+
+@pytest.mark.parametrize("payload, match", [
+    (b"\xc1", "malformed"),
+    (wire.encode({"method": "shutdown", "args": {}}), "unknown method"),
+    (wire.encode({"method": "fingerprint", "args": {"x": 1}}), "unexpected arguments"),
+    (wire.encode([1, 2, 3]), "must be"),
+    (b"\x93\x01\x02\x03\x04", "trailing"),
+])
+def test_hostile_requests_get_an_error_reply_and_the_server_keeps_serving(served, payload, match):
+    server, client = served
+    reply = raw_request(server.address, payload)
+    assert reply["ok"] is False and reply["type"] == "MetadataError"
+    assert match in reply["message"]
+    assert client.fingerprint()  # still serving
+
+
+def test_a_silent_peer_times_out_and_the_client_recovers(served):
+    server, _client = served
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # accepts, never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    client = RPCClient(f"tcp://127.0.0.1:{port}", timeout_s=0.3)
+    with pytest.raises(TransferTimeout, match="no answer"):
+        client.fingerprint()
+    with pytest.raises(TransferTimeout):
+        client.fingerprint()
+    silent.close(linger=0)
+    assert RPCClient(server.address, timeout_s=5).status()["state"] == "new"

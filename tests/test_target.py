@@ -1,0 +1,64 @@
+"""ModuleTarget: checks everything before writing anything; writes in place."""
+
+import pytest
+import torch
+
+import wtransfer
+from wtransfer.errors import MetadataError
+from wtransfer.packing import TensorMeta
+from wtransfer.testing.models import build_module
+from wtransfer_ipc import IPCTrainerInitInfo
+
+
+def small_model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def test_wrong_shape_is_refused_before_any_weight_changes():
+    engine_model = small_model(0)
+    before = {k: v.clone() for k, v in engine_model.state_dict().items()}
+    target = wtransfer.ModuleTarget(engine_model)
+    metas = [TensorMeta("0.weight", "float32", (16, 8)), TensorMeta("2.weight", "float32", (4, 17))]
+    with pytest.raises(MetadataError, match=r"'2.weight': sent float32\[4, 17\], engine holds "
+                                            r"float32\[4, 16\]"):
+        target.check(metas)
+    trainer = build_module(metas, seed=5)
+    engine = wtransfer.create_receiver("ipc", target)
+    sender = wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=4096),
+                                    client=wtransfer.LocalClient(engine),
+                                    source=wtransfer.ModuleSource(trainer))
+    with pytest.raises(MetadataError, match="refused before any weight changed"):
+        sender.send_weights()
+    after = engine_model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert engine.state == "failed" and engine.torn is False
+    sender.shutdown()
+    engine.shutdown()
+
+
+def test_load_is_in_place_and_name_map_and_post_process_apply():
+    trainer = small_model(1)
+    engine_model = small_model(2)
+    pointers = [p.data_ptr() for p in engine_model.parameters()]
+    calls = []
+    target = wtransfer.ModuleTarget(
+        engine_model, name_map=lambda n: n.replace("layer_a.", "0.").replace("layer_b.", "2."),
+        post_process=lambda m: calls.append(type(m).__name__))
+    engine = wtransfer.create_receiver("ipc", target)
+    source = wtransfer.ModuleSource(
+        trainer, name_map={"0.weight": "layer_a.weight", "0.bias": "layer_a.bias",
+                           "2.weight": "layer_b.weight", "2.bias": "layer_b.bias"})
+    with wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=1024),
+                                client=wtransfer.LocalClient(engine), source=source) as sender:
+        sender.send_weights()
+    assert wtransfer.fingerprint(trainer.state_dict()) == target.fingerprint()
+    assert [p.data_ptr() for p in engine_model.parameters()] == pointers
+    assert calls == ["Sequential"]
+    engine.shutdown()
+
+
+def test_unknown_names_are_listed():
+    target = wtransfer.ModuleTarget(small_model(0))
+    with pytest.raises(MetadataError, match="unknown tensor 'nope.weight'"):
+        target.check([TensorMeta("nope.weight", "float32", (1,))])
