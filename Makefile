@@ -24,8 +24,8 @@ demo: $(STAMP)
 	$(PY) -m wtransfer demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check wtransfer backends tests benchmarks
-	$(VENV)/bin/mypy wtransfer backends/*/wtransfer_* benchmarks
+	$(VENV)/bin/ruff check wtransfer backends tests benchmarks examples
+	$(VENV)/bin/mypy wtransfer backends/*/wtransfer_* benchmarks examples/inline_backend/wtransfer_inline
 
 bench: $(STAMP)
 	$(PY) benchmarks/transfer.py

@@ -16,17 +16,17 @@ import sys
 from typing import Any
 
 import torch
+from wtransfer_ipc.info import IPCTrainerInitInfo
+from wtransfer_ipc.sender import IPCSender
 
 import wtransfer
 from wtransfer.packing import Bucket, BucketPlan, Slice, byte_view
 from wtransfer.rpc import RPCClient
 from wtransfer.testing.processes import spawn_receiver
 from wtransfer.testing.worker import build, model_metas
-from wtransfer_ipc.info import IPCTrainerInitInfo
-from wtransfer_ipc.sender import IPCSender
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import median_seconds, print_table, write_json  # noqa: E402
+from common import median_seconds, print_table, write_json
 
 
 class PerTensorIPCSender(IPCSender):
@@ -68,12 +68,14 @@ def floor_two_copies(model: torch.nn.Module, device: str, repeats: int) -> float
     return median_seconds(two_copies, repeats)
 
 
-def bench_model(name: str, buckets_mb: list[int], device: str, repeats: int) -> list[dict]:
+def bench_model(name: str, buckets_mb: list[int], device: str,
+                repeats: int) -> list[dict[str, Any]]:
     metas = model_metas(name)
     total = sum(m.nbytes for m in metas)
     model = build(name, seed=1, device=device, fill="constant")
     floor = floor_two_copies(model, device, repeats)
-    rows = [{"model": name, "path": "floor (2 copies)", "bucket_mb": 0, "seconds": floor}]
+    rows: list[dict[str, Any]] = [
+        {"model": name, "path": "floor (2 copies)", "bucket_mb": 0, "seconds": floor}]
     with spawn_receiver("ipc", model=name, seed=2, device=device, fill="constant") as child:
         client = RPCClient(child.address, timeout_s=600)
         for mb in buckets_mb:

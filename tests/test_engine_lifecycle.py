@@ -4,11 +4,11 @@ import time
 
 import pytest
 import torch
+from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
 from wtransfer.errors import LifecycleError, PeerError
 from wtransfer.testing.models import build_module, mixed_metas
-from wtransfer_ipc import IPCTrainerInitInfo
 
 
 @pytest.fixture

@@ -84,7 +84,7 @@ def test_plan_is_deterministic_aligned_bounded_and_complete(sizes, bucket_bytes,
     assert plan == BucketPlan.build(metas, bucket_bytes, align)
     covered = {i: 0 for i in range(len(metas))}
     for bucket in plan.buckets:
-        assert 0 < len(bucket.slices) and bucket.nbytes <= bucket_bytes
+        assert len(bucket.slices) > 0 and bucket.nbytes <= bucket_bytes
         for s in bucket.slices:
             assert s.offset + s.nbytes <= bucket.nbytes or s.nbytes == 0
             if s.tensor_offset == 0 and s.nbytes:

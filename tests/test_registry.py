@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import wtransfer
 from wtransfer.errors import ConfigError
@@ -87,7 +88,7 @@ def test_missing_dependency_is_listed_with_its_install_hint_and_refused_on_use()
     row = wtransfer.list_backends()["ghost"]
     assert not row.available and "pip install ghost-dependency" in row.reason
     with pytest.raises(ImportError, match="pip install ghost-dependency"):
-        wtransfer.create_receiver("ghost", wtransfer.ModuleTarget(__import__("torch").nn.Linear(1, 1)))
+        wtransfer.create_receiver("ghost", wtransfer.ModuleTarget(torch.nn.Linear(1, 1)))
 
 
 def test_registry_view_is_read_only():

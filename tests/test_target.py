@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
 from wtransfer.errors import MetadataError
 from wtransfer.packing import TensorMeta
 from wtransfer.testing.models import build_module
-from wtransfer_ipc import IPCTrainerInitInfo
 
 
 def small_model(seed):
@@ -60,5 +60,5 @@ def test_load_is_in_place_and_name_map_and_post_process_apply():
 
 def test_unknown_names_are_listed():
     target = wtransfer.ModuleTarget(small_model(0))
-    with pytest.raises(MetadataError, match="unknown tensor 'nope.weight'"):
+    with pytest.raises(MetadataError, match=r"unknown tensor 'nope\.weight'"):
         target.check([TensorMeta("nope.weight", "float32", (1,))])

@@ -69,7 +69,8 @@ def run_demo(*, backend: str = "ipc", model: str = "demo", rounds: int = 5, buck
     print(f"  {last.bytes:>14,} {last.tensors:>8} {last.buckets:>8} {median_s * 1e3:>10.1f} "
           f"{last.bytes / median_s / 1e9:>7.2f}")
     print(f"  engine weight version: {version}")
-    print(f"  fingerprints after transfer:  {'EQUAL - every tensor is bit-exact' if after else 'DIFFERENT'}")
+    verdict = "EQUAL - every tensor is bit-exact" if after else "DIFFERENT"
+    print(f"  fingerprints after transfer:  {verdict}")
     ok = after and not before and version == f"step-{rounds - 1}"
     print("demo " + ("passed" if ok else "FAILED"))
     return 0 if ok else 1

@@ -14,6 +14,7 @@ state, then call the backend's ``_init / _start / _receive / _finish / _shutdown
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -161,10 +162,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         self.torn = bool(self._session and self._session.touched)
         self._session = None
         self._state = "failed"
-        try:
+        with contextlib.suppress(Exception):  # teardown must not mask the original failure
             self._abort()
-        except Exception:  # teardown must not mask the original failure
-            pass
 
     def _call(self) -> _CallGuard:
         return _CallGuard(self)
@@ -245,17 +244,17 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     def _init(self, info: InitT) -> None:
         """Open staging buffers / groups described by `info`."""
 
-    def _start(self) -> None:  # noqa: B027 - optional hook
+    def _start(self) -> None:
         """Per-update preparation; optional."""
 
     @abstractmethod
     def _receive(self, info: UpdateT, session: UpdateSession) -> None:
         """Receive the buckets `info` describes and hand them to `session.consume`."""
 
-    def _finish(self) -> None:  # noqa: B027 - optional hook
+    def _finish(self) -> None:
         """Backend post-processing after all buckets arrived; optional."""
 
-    def _abort(self) -> None:  # noqa: B027 - optional hook
+    def _abort(self) -> None:
         """Drop per-update state after a failure; optional."""
 
     @abstractmethod
@@ -321,10 +320,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         """Tell receivers the update failed here, so they fail it now instead of at timeout."""
         if isinstance(exc, TransferTimeout):
             return  # a receiver that does not answer would not answer this either
-        try:
+        with contextlib.suppress(Exception):  # a failed receiver's own deadline covers it
             self.client.update_weights({"abort": f"{type(exc).__name__}: {exc}"[:1000]})
-        except Exception:  # the receiver may be the one that failed; its own deadline covers it
-            pass
 
     def shutdown(self) -> None:
         """Free staging buffers and connections; idempotent."""

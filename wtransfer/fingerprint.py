@@ -18,7 +18,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     data = byte_view(tensor.detach()).cpu()
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{dtype_name(tensor.dtype)}{tuple(tensor.shape)}".encode())
-    h.update(memoryview(data.numpy()))
+    h.update(data.numpy().data)
     return h.hexdigest()
 
 

@@ -93,7 +93,8 @@ class BackendInfo:
 
 _lock = threading.Lock()
 _runtime: dict[str, Backend] = {}
-_discovered: dict[str, tuple[Backend | None, str, str]] | None = None  # name -> (backend, dist, err)
+# name -> (backend or None when broken, distribution, error)
+_discovered: dict[str, tuple[Backend | None, str, str]] | None = None
 
 
 def _discover() -> dict[str, tuple[Backend | None, str, str]]:

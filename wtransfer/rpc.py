@@ -58,7 +58,7 @@ class ReceiverServer:
         )
         self.engine = engine if isinstance(engine, WeightTransferEngine) else None
         self._max = max_message_bytes
-        self._socket = zmq.Context.instance().socket(zmq.REP)
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         bind = address[:-2] + ":*" if address.startswith("tcp://") and address.endswith(":0") \

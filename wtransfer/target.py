@@ -58,7 +58,7 @@ class WeightTarget(ABC):
         """
         return None
 
-    def finish(self) -> None:
+    def finish(self) -> None:  # noqa: B027 - optional hook
         """Post-process after all tensors of an update landed (e.g. re-quantize)."""
 
     @abstractmethod

@@ -36,7 +36,7 @@ def encode(obj: Any) -> bytes:
     """Encode plain data as msgpack bytes; anything else raises `MetadataError`."""
     _check_plain(obj)
     try:
-        return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+        return bytes(msgpack.packb(obj, use_bin_type=True))
     except (TypeError, ValueError, OverflowError) as exc:
         raise MetadataError(f"cannot encode message: {exc}") from None
 

@@ -19,9 +19,11 @@ class ChildProcess:
     """A worker child; `info` is the JSON object it printed first. Use as a context manager."""
 
     def __init__(self, role: str, *, backend: str, model: str = "mixed", seed: int = 0,
-                 device: str = "cpu", fill: str = "random", address: str = "", init_fields: dict[str, Any] | None = None,
+                 device: str = "cpu", fill: str = "random", address: str = "",
+                 init_fields: dict[str, Any] | None = None,
                  loop: bool = False, env: dict[str, str] | None = None,
                  start_timeout_s: float = 120.0) -> None:
+        self.role = role
         cmd = [sys.executable, "-m", "wtransfer.testing.worker", role, "--backend", backend,
                "--model", model, "--seed", str(seed), "--device", device, "--fill", fill]
         if address:
@@ -47,12 +49,12 @@ class ChildProcess:
                 left = deadline - time.monotonic()
                 if left <= 0 or not sel.select(left):
                     self.kill()
-                    raise TransferTimeout(f"child {self.proc.args[3]} printed nothing within "
+                    raise TransferTimeout(f"child {self.role} printed nothing within "
                                           f"{timeout_s}s")
                 line = self.proc.stdout.readline()
                 if not line:
                     code = self.proc.wait(timeout=10)
-                    raise RuntimeError(f"child {self.proc.args[3]} exited with {code}")
+                    raise RuntimeError(f"child {self.role} exited with {code}")
                 if line.startswith("{"):
                     return dict(json.loads(line))
         finally:

@@ -24,7 +24,13 @@ from wtransfer.registry import create_receiver, get_backend, trainer_init
 from wtransfer.rpc import ReceiverServer, RPCClient
 from wtransfer.source import ModuleSource
 from wtransfer.target import ModuleTarget
-from wtransfer.testing.models import DEMO_SHAPE, MODEL_SHAPES, build_module, mixed_metas, qwen3_metas
+from wtransfer.testing.models import (
+    DEMO_SHAPE,
+    MODEL_SHAPES,
+    build_module,
+    mixed_metas,
+    qwen3_metas,
+)
 
 
 def model_metas(name: str) -> list[TensorMeta]:
@@ -33,7 +39,7 @@ def model_metas(name: str) -> list[TensorMeta]:
         return mixed_metas()
     if name == "mixed-mismatch":  # one shape and one dtype differ from "mixed"
         metas = mixed_metas()
-        bad = {5: TensorMeta(metas[5].name, metas[5].dtype, metas[5].shape[::-1] + (1,)),
+        bad = {5: TensorMeta(metas[5].name, metas[5].dtype, (*metas[5].shape[::-1], 1)),
                9: TensorMeta(metas[9].name, "float16", metas[9].shape)}
         return [bad.get(i, m) for i, m in enumerate(metas)]
     if name == "demo":

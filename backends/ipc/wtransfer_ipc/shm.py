@@ -8,6 +8,7 @@ exactly as long as some process maps it, and nothing leaks if either side dies.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -78,18 +79,14 @@ class SharedBuffer:
         """Remove the name; the memory stays valid while any process maps it."""
         if not self._unlinked:
             self._unlinked = True
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
     def close(self) -> None:
         """Unmap (and unlink, if this side created it and has not yet)."""
         self.unlink()
         self.tensor = None
         if self._map is not None:
-            try:
+            with contextlib.suppress(BufferError):  # a view still alive: the GC unmaps it later
                 self._map.close()
-            except BufferError:  # a view is still alive somewhere; the GC unmaps it later
-                pass
             self._map = None
