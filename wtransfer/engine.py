@@ -116,6 +116,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     def __init__(self, target: WeightTarget, *, device: str | torch.device = "cpu") -> None:
         self.target = target
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.init_info: InitT | None = None
         self.failure: str | None = None
         """Why the last update failed, while the state is "failed"."""
