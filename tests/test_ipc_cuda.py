@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
 from wtransfer.rpc import RPCClient
@@ -9,7 +10,6 @@ from wtransfer.testing.conformance import BackendConformance
 from wtransfer.testing.models import build_module, mixed_metas
 from wtransfer.testing.processes import spawn_receiver
 from wtransfer.testing.worker import build
-from wtransfer_ipc import IPCTrainerInitInfo
 
 
 @pytest.mark.gpu

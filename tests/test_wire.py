@@ -67,9 +67,9 @@ def test_oversized_message_is_refused_before_decoding():
 
 
 def test_non_plain_objects_cannot_be_encoded():
-    with pytest.raises(MetadataError, match="not plain"):
+    with pytest.raises(MetadataError, match="cannot encode"):
         wire.encode({"x": object()})
-    with pytest.raises(MetadataError, match="64 bits"):
+    with pytest.raises(MetadataError, match="cannot encode"):
         wire.encode(2**70)
 
 

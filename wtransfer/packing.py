@@ -249,19 +249,27 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy flat uint8 `src` into flat uint8 `dst` (same length), on any devices.
+def copy_bytes(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """Copy each flat uint8 `srcs[i]` into the flat uint8 `dsts[i]` of the same length.
 
-    CPU to CPU is one plain memcpy through ctypes, which drops the GIL: the transfer pipeline
-    already overlaps sender and receiver, and torch's intra-op threads would spin on the cores
-    the other side needs.
+    CPU to CPU is one plain memcpy each through ctypes, which drops the GIL: the transfer
+    pipeline already overlaps sender and receiver, and torch's intra-op threads would spin on
+    the cores the other side needs. On one CUDA device all copies go out as a single
+    multi-tensor launch, so a bucket of hundreds of small tensors costs one launch, not hundreds.
     """
-    if dst.numel() != src.numel():
-        raise ValueError(f"copy_bytes: {src.numel()} bytes into {dst.numel()}")
-    if dst.is_cpu and src.is_cpu:
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel())
+    for d, s in zip(dsts, srcs, strict=True):
+        if d.numel() != s.numel():
+            raise ValueError(f"copy_bytes: {s.numel()} bytes into {d.numel()}")
+    if not dsts:
+        return
+    if all(d.is_cpu and s.is_cpu for d, s in zip(dsts, srcs, strict=True)):
+        for d, s in zip(dsts, srcs, strict=True):
+            ctypes.memmove(d.data_ptr(), s.data_ptr(), d.numel())
+    elif len({t.device for t in (*dsts, *srcs)}) == 1:
+        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
     else:
-        dst.copy_(src, non_blocking=True)
+        for d, s in zip(dsts, srcs, strict=True):
+            d.copy_(s, non_blocking=True)
 
 
 def tensor_from_bytes(data: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
@@ -291,10 +299,12 @@ class BucketPacker:
             except StopIteration:
                 raise MetadataError(f"source ended before tensor {meta.name!r} it announced") \
                     from None
-            got = TensorMeta.of(name, tensor)
-            if got != meta:
-                raise MetadataError(f"source yielded {got} but announced {meta}; the source "
-                                    "must iterate exactly the tensors of its metadata(), in order")
+            if (name != meta.name or tensor.dtype != DTYPES[meta.dtype]
+                    or tuple(tensor.shape) != meta.shape):
+                raise MetadataError(
+                    f"source yielded {name!r} {str(tensor.dtype)[6:]}{list(tensor.shape)} but "
+                    f"announced {meta.name!r} {meta.dtype}{list(meta.shape)}; the source must "
+                    "iterate exactly the tensors of its metadata(), in order")
             self._index += 1
             self._bytes = byte_view(tensor.detach())
         assert self._bytes is not None
@@ -306,12 +316,13 @@ class BucketPacker:
                 or staging.numel() < bucket.nbytes:
             raise ConfigError(f"staging must be a flat contiguous uint8 tensor of at least "
                               f"{bucket.nbytes} bytes")
+        dsts, srcs = [], []
         for s in bucket.slices:
             src = self._tensor_bytes(s.tensor)
-            if s.nbytes == 0:
-                continue
-            copy_bytes(staging[s.offset : s.offset + s.nbytes],
-                       src[s.tensor_offset : s.tensor_offset + s.nbytes])
+            if s.nbytes:
+                dsts.append(staging[s.offset : s.offset + s.nbytes])
+                srcs.append(src[s.tensor_offset : s.tensor_offset + s.nbytes])
+        copy_bytes(dsts, srcs)
 
     def finish(self) -> None:
         """Check the source holds nothing beyond what it announced."""

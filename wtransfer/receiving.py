@@ -40,6 +40,18 @@ class _Partial:
         self.received = 0
 
 
+class _Batch:
+    """One bucket's work: byte copies issued together, then whole-tensor loads."""
+
+    __slots__ = ("assembled", "dsts", "loads", "srcs")
+
+    def __init__(self) -> None:
+        self.dsts: list[torch.Tensor] = []
+        self.srcs: list[torch.Tensor] = []
+        self.loads: list[tuple[str, torch.Tensor]] = []
+        self.assembled: list[tuple[str, torch.Tensor]] = []
+
+
 class UpdateSession:
     """The state of one update on the receiving side (see the module docstring)."""
 
@@ -48,6 +60,7 @@ class UpdateSession:
         self._device = torch.device(device)
         self._metas: list[TensorMeta] = []
         self._pending: dict[str, TensorMeta] = {}
+        self._announced: dict[str, TensorMeta] = {}
         self._partials: dict[str, _Partial] = {}
         self.touched = False
         """True once any byte of the target changed: a failure after this leaves weights torn."""
@@ -66,6 +79,7 @@ class UpdateSession:
         self._target.check(metas)
         self._metas = list(metas)
         self._pending.update({m.name: m for m in metas})
+        self._announced.update({m.name: m for m in metas})
 
     def consume(
         self,
@@ -85,21 +99,26 @@ class UpdateSession:
                 raise IntegrityError(f"bucket checksum mismatch: sender {checksum:#018x}, "
                                      f"received {actual:#018x}; the bytes were corrupted or "
                                      "overwritten before the receiver read them")
-        whole: list[tuple[str, torch.Tensor]] = []
+        batch = _Batch()
         for s in slices:
             meta = self._slice_meta(s, nbytes)
             piece = data[s.offset : s.offset + s.nbytes]
             if meta.nbytes == 0:
-                whole.append((meta.name, torch.empty(meta.shape, dtype=DTYPES[meta.dtype],
-                                                     device=self._device)))
+                batch.loads.append((meta.name, torch.empty(
+                    meta.shape, dtype=DTYPES[meta.dtype], device=self._device)))
                 del self._pending[meta.name]
             elif s.tensor_offset == 0 and s.nbytes == meta.nbytes:
-                self._place_whole(meta, s, piece, whole)
+                self._place_whole(meta, s, piece, batch)
             else:
-                self._place_partial(meta, s, piece)
-        if whole:
+                self._place_partial(meta, s, piece, batch)
+        if batch.dsts or batch.loads:
             self.touched = True
-            self._target.load_weights(whole)
+        copy_bytes(batch.dsts, batch.srcs)
+        for name, buffer in batch.assembled:
+            meta = self._announced[name]
+            batch.loads.append((name, tensor_from_bytes(buffer, meta)))
+        if batch.loads:
+            self._target.load_weights(batch.loads)
         self.bytes_received += nbytes
 
     def _direct(self, name: str) -> torch.Tensor | None:
@@ -107,17 +126,17 @@ class UpdateSession:
         return direct if direct is not None and direct.device == self._device else None
 
     def _place_whole(self, meta: TensorMeta, s: Slice, piece: torch.Tensor,
-                     whole: list[tuple[str, torch.Tensor]]) -> None:
+                     batch: _Batch) -> None:
         if s.offset % meta.itemsize:
             raise MetadataError(f"tensor {meta.name!r} at offset {s.offset} is not "
                                 f"aligned to its {meta.itemsize}-byte elements")
         del self._pending[meta.name]
         direct = self._direct(meta.name)
         if direct is not None:
-            self.touched = True
-            copy_bytes(direct, piece)
-            return
-        whole.append((meta.name, tensor_from_bytes(piece, meta)))
+            batch.dsts.append(direct)
+            batch.srcs.append(piece)
+        else:
+            batch.loads.append((meta.name, tensor_from_bytes(piece, meta)))
 
     def _slice_meta(self, s: Slice, nbytes: int) -> TensorMeta:
         if s.tensor >= len(self._metas):
@@ -134,7 +153,8 @@ class UpdateSession:
             raise MetadataError(f"tensor {meta.name!r} arrived twice in one update")
         return meta
 
-    def _place_partial(self, meta: TensorMeta, s: Slice, piece: torch.Tensor) -> None:
+    def _place_partial(self, meta: TensorMeta, s: Slice, piece: torch.Tensor,
+                       batch: _Batch) -> None:
         part = self._partials.get(meta.name)
         if part is None:
             direct = self._direct(meta.name)
@@ -144,16 +164,14 @@ class UpdateSession:
         if s.tensor_offset != part.received:
             raise MetadataError(f"tensor {meta.name!r}: chunk at byte {s.tensor_offset} "
                                 f"arrived but byte {part.received} was expected next")
-        if part.direct:
-            self.touched = True
-        copy_bytes(part.buffer[s.tensor_offset : s.tensor_offset + s.nbytes], piece)
+        batch.dsts.append(part.buffer[s.tensor_offset : s.tensor_offset + s.nbytes])
+        batch.srcs.append(piece)
         part.received += s.nbytes
         if part.received == meta.nbytes:
             del self._partials[meta.name]
             del self._pending[meta.name]
             if not part.direct:
-                self.touched = True
-                self._target.load_weights([(meta.name, tensor_from_bytes(part.buffer, meta))])
+                batch.assembled.append((meta.name, part.buffer))
 
     def finish(self) -> None:
         """Raise `IntegrityError` unless every announced tensor arrived whole."""

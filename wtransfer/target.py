@@ -87,6 +87,7 @@ class ModuleTarget(WeightTarget):
             else name_map if name_map is not None else (lambda n: n)
         )  # fmt: skip
         self._post_process = post_process
+        self._views: dict[str, torch.Tensor] = {}
 
     def _dest(self, name: str) -> torch.Tensor:
         try:
@@ -111,8 +112,14 @@ class ModuleTarget(WeightTarget):
 
     def direct_bytes(self, name: str) -> torch.Tensor | None:
         """Byte view of a contiguous destination; None when it is not contiguous."""
+        cached = self._views.get(name)
         dest = self._dest(name)
-        return byte_view(dest) if dest.is_contiguous() else None
+        if cached is not None and cached.data_ptr() == dest.data_ptr():
+            return cached
+        view = byte_view(dest) if dest.is_contiguous() else None
+        if view is not None:
+            self._views[name] = view
+        return view
 
     def finish(self) -> None:
         """Run `post_process(module)`, if given."""

@@ -26,7 +26,8 @@ MAX_MESSAGE_BYTES = 64 << 20
 MAX_DEPTH = 16
 """Deepest nesting of lists/maps any wtransfer message uses is 4; 16 leaves room, stops bombs."""
 
-_PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
+_CONTAINERS = frozenset({list, tuple, dict})
+_SCALARS = frozenset({type(None), bool, float, str, bytes})  # ints are range-checked
 _U64 = (1 << 64) - 1
 
 R = TypeVar("R")
@@ -34,11 +35,10 @@ R = TypeVar("R")
 
 def encode(obj: Any) -> bytes:
     """Encode plain data as msgpack bytes; anything else raises `MetadataError`."""
-    _check_plain(obj)
     try:
         return bytes(msgpack.packb(obj, use_bin_type=True))
     except (TypeError, ValueError, OverflowError) as exc:
-        raise MetadataError(f"cannot encode message: {exc}") from None
+        raise MetadataError(f"cannot encode message: {type(exc).__name__}: {exc}") from None
 
 
 def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
@@ -78,27 +78,40 @@ def _refuse_ext(code: int, data: bytes) -> Any:
 
 
 def _check_plain(obj: Any) -> None:
-    """Walk `obj` iteratively; refuse non-plain types, non-str keys and deep nesting."""
+    """Refuse non-plain types, non-str keys, out-of-range ints and deep nesting (iteratively)."""
     stack: list[tuple[Any, int]] = [(obj, 0)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, _PLAIN_SCALARS):
-            if isinstance(item, int) and not isinstance(item, bool) and not (
-                -(1 << 63) <= item <= _U64
-            ):
-                raise MetadataError(f"integer {item} does not fit in 64 bits")
-            continue
-        if depth >= MAX_DEPTH:
-            raise MetadataError(f"message nests deeper than {MAX_DEPTH} levels")
-        if isinstance(item, (list, tuple)):
-            stack.extend((x, depth + 1) for x in item)
-        elif isinstance(item, dict):
-            for key, value in item.items():
-                if not isinstance(key, str):
-                    raise MetadataError(f"map key {key!r} is not a string")
-                stack.append((value, depth + 1))
-        else:
-            raise MetadataError(f"{type(item).__name__} is not plain data")
+        kind = type(item)
+        if kind in _CONTAINERS:
+            if depth >= MAX_DEPTH:
+                raise MetadataError(f"message nests deeper than {MAX_DEPTH} levels")
+            if kind is dict:
+                for key in item:
+                    if type(key) is not str:
+                        raise MetadataError(f"map key {key!r:.40} is not a string")
+                values = item.values()
+            else:
+                values = item
+            for value in values:
+                vkind = type(value)
+                if vkind in _CONTAINERS:
+                    stack.append((value, depth + 1))
+                elif vkind not in _SCALARS:
+                    _check_scalar(value)
+        elif kind not in _SCALARS:
+            _check_scalar(item)
+
+
+def _check_scalar(value: Any) -> None:
+    if isinstance(value, bool) or value is None:
+        return
+    if isinstance(value, int):
+        if -(1 << 63) <= value <= _U64:
+            return
+        raise MetadataError(f"integer {value} does not fit in 64 bits")
+    if not isinstance(value, (float, str, bytes)):
+        raise MetadataError(f"{type(value).__name__} is not plain data")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,8 +184,7 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(value: Any, tp: Any, where: str, error: type[Exception]) -> Any:
     """Check `value` against annotation `tp`; return it (tuples for tuple annotations)."""
-    if tp is Any:
-        _check_plain(value)
+    if tp is Any:  # the consumer of an Any field validates its content itself
         return value
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):

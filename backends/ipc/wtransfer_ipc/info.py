@@ -50,6 +50,6 @@ class IPCUpdateInfo(UpdateInfo):
     """``[[name, dtype, shape], ...]`` of the whole update; sent with the first bucket."""
     buffer: int = 0
     nbytes: int = 0
-    slices: list[list[int]] = field(default_factory=list)
+    slices: list[Any] = field(default_factory=list)
     """``[[tensor_index, tensor_offset, offset, nbytes], ...]`` placed in this bucket."""
     checksum: int | None = None

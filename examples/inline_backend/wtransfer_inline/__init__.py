@@ -39,7 +39,7 @@ class InlineUpdateInfo(UpdateInfo):
 
     tensors: list[Any] | None = None
     data: bytes = b""
-    slices: list[list[int]] = field(default_factory=list)
+    slices: list[Any] = field(default_factory=list)
     checksum: int | None = None
 
 
