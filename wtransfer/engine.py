@@ -296,7 +296,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self._closed = False
         receiver_init = self._setup()
         try:
-            client.init_weight_transfer_engine(receiver_init)
+            self._init_receivers(receiver_init)
         except BaseException:
             self._teardown()
             raise
@@ -340,6 +340,10 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
     @abstractmethod
     def _setup(self) -> dict[str, Any]:
         """Allocate staging; return the receiver init info as plain data."""
+
+    def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
+        """Send the receiver init info through the client (override to vary it per client)."""
+        self.client.init_weight_transfer_engine(receiver_init)
 
     @abstractmethod
     def _send(self, plan: BucketPlan) -> None:

@@ -13,6 +13,7 @@ request ``{"method": str, "args": {...}}``; reply ``{"ok": true, "result": ...}`
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from typing import Any
@@ -44,7 +45,12 @@ def _rss_bytes() -> int:
 
 
 class ReceiverServer:
-    """Serves a receiver's weight-sync calls at `address` (``tcp://host:0`` picks a port)."""
+    """Serves a receiver's weight-sync calls at `address` (``tcp://host:0`` picks a port).
+
+    Calls that change the receiver run one at a time, in arrival order, on a worker thread;
+    `status` is answered at once even while a long `update_weights` is running, so a watcher
+    (or a health check) never waits behind a transfer.
+    """
 
     def __init__(
         self,
@@ -58,7 +64,8 @@ class ReceiverServer:
         )
         self.engine = engine if isinstance(engine, WeightTransferEngine) else None
         self._max = max_message_bytes
-        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REP)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._socket: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         bind = address[:-2] + ":*" if address.startswith("tcp://") and address.endswith(":0") \
@@ -70,47 +77,85 @@ class ReceiverServer:
             raise ConfigError(f"cannot bind receiver server to {address!r}: {exc}") from None
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         """The bound address, with the real port; give it to `RPCClient`."""
+        self._replies_at = f"inproc://wtransfer-rpc-{id(self)}"
+        self._replies: zmq.Socket[bytes] = ctx.socket(zmq.PULL)
+        self._replies.bind(self._replies_at)
+        self._work: queue.Queue[tuple[list[bytes], str, dict[str, Any]] | None] = queue.Queue()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> ReceiverServer:
-        """Serve in a daemon thread; returns self."""
-        self._thread = threading.Thread(target=self._serve, name="wtransfer-rpc", daemon=True)
-        self._thread.start()
+        """Serve on background threads; returns self."""
+        self._threads = [
+            threading.Thread(target=self._serve, name="wtransfer-rpc-io", daemon=True),
+            threading.Thread(target=self._execute, name="wtransfer-rpc-exec", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
         return self
 
     def serve_forever(self) -> None:
-        """Serve on the calling thread until `close()`."""
-        self._serve()
+        """Serve until `close()`, blocking the calling thread."""
+        self.start()
+        self._stop.wait()
 
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._replies, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(_POLL_MS):
-                continue
-            frames = self._socket.recv_multipart()
-            self._socket.send(wire.encode(self._handle(frames)))
+            ready = dict(poller.poll(_POLL_MS))
+            if self._replies in ready:
+                self._socket.send_multipart(self._replies.recv_multipart())
+            if self._socket in ready:
+                self._accept(self._socket.recv_multipart())
         self._socket.close()
+        self._replies.close()
 
-    def _handle(self, frames: list[bytes]) -> dict[str, Any]:
+    def _accept(self, frames: list[bytes]) -> None:
+        if b"" not in frames:
+            return  # not a REQ envelope: nothing to answer to
+        split = frames.index(b"")
+        envelope, body = frames[: split + 1], frames[split + 1 :]
         try:
-            if len(frames) != 1:
-                raise MetadataError(f"expected one frame per request, got {len(frames)}")
-            request = wire.decode(frames[0], max_bytes=self._max)
-            if not isinstance(request, dict) or set(request) != {"method", "args"}:
-                raise MetadataError("request must be {'method': str, 'args': map}")
-            method, args = request["method"], request["args"]
-            if method not in _METHODS or not isinstance(args, dict):
-                raise MetadataError(f"unknown method {method!r}; known: {sorted(_METHODS)}")
-            if set(args) - set(_METHODS[method]):
-                raise MetadataError(f"{method}: unexpected arguments {sorted(args)}")
-            if method == "status":
-                return {"ok": True, "result": self.status()}
-            result = getattr(self.client, method)(**args)
-            return {"ok": True, "result": result}
+            method, args = self._parse(body)
         except Exception as exc:
-            return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+            self._socket.send_multipart([*envelope, wire.encode(_error(exc))])
+            return
+        if method == "status":
+            self._socket.send_multipart([*envelope, wire.encode(
+                {"ok": True, "result": self.status()})])
+        else:
+            self._work.put((envelope, method, args))
+
+    def _parse(self, body: list[bytes]) -> tuple[str, dict[str, Any]]:
+        if len(body) != 1:
+            raise MetadataError(f"expected one frame per request, got {len(body)}")
+        request = wire.decode(body[0], max_bytes=self._max)
+        if not isinstance(request, dict) or set(request) != {"method", "args"}:
+            raise MetadataError("request must be {'method': str, 'args': map}")
+        method, args = request["method"], request["args"]
+        if method not in _METHODS or not isinstance(args, dict):
+            raise MetadataError(f"unknown method {method!r}; known: {sorted(_METHODS)}")
+        if set(args) - set(_METHODS[method]):
+            raise MetadataError(f"{method}: unexpected arguments {sorted(args)}")
+        return method, args
+
+    def _execute(self) -> None:
+        out: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 0)
+        out.connect(self._replies_at)
+        while True:
+            item = self._work.get()
+            if item is None:
+                break
+            envelope, method, args = item
+            try:
+                reply = {"ok": True, "result": getattr(self.client, method)(**args)}
+            except Exception as exc:
+                reply = _error(exc)
+            out.send_multipart([*envelope, wire.encode(reply)])
+        out.close()
 
     def status(self) -> dict[str, Any]:
         """State of the served receiver (plain data; what `RPCClient.status()` returns)."""
@@ -124,12 +169,18 @@ class ReceiverServer:
         return out
 
     def close(self) -> None:
-        """Stop serving and release the socket."""
+        """Stop serving and release the sockets (a call in progress finishes first)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        elif not self._socket.closed:
+        self._work.put(None)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        if not self._threads:
             self._socket.close()
+            self._replies.close()
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
 
 
 class RPCClient:

@@ -181,7 +181,7 @@ class BackendConformance:
         before = client.fingerprint()
         with self.sender(model, client) as sender, pytest.raises(errors.WTransferError) as err:
             sender.send_weights()
-        assert "update refused before any weight changed" in str(err.value)
+        assert "update refused before any weight changed" in str(err.value), repr(err.value)
         assert client.fingerprint() == before
         wait_for(lambda: client.status()["state"] == "failed", self.timeout_s * 3,
                  "the receiver to report the failed update")

@@ -1,0 +1,220 @@
+"""Broadcast groups that need no default process group: gloo for CPU, NCCL for CUDA.
+
+Both sides rendezvous through a `TCPStore` hosted by the trainer (rank 0) at
+``master_address:master_port``, under a per-init session prefix. Every wait has a deadline:
+`Pending.wait` polls the operation, the peer-failure check the caller gives, and the clock,
+and a group that failed or timed out is torn down (`abort`) rather than reused.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from wtransfer.errors import PeerError, TransferTimeout
+from wtransfer_nccl.libnccl import load_nccl
+
+_POLL_S = 0.0005
+
+
+def rendezvous(address: str, port: int, rank: int, session: str,
+               timeout_s: float) -> dist.Store:
+    """The session's key-value store: rank 0 hosts it, the others connect before the deadline."""
+    try:
+        store = dist.TCPStore(address, port, None, rank == 0, timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        what = "host" if rank == 0 else "reach"
+        raise TransferTimeout(f"rank {rank} could not {what} the rendezvous at {address}:{port} "
+                              f"within {timeout_s:g}s: {exc}") from None
+    return dist.PrefixStore(f"wtransfer/{session}/", store)
+
+
+class Pending(ABC):
+    """An operation in flight."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once finished (raises `PeerError` if it failed)."""
+
+    def wait(self, timeout_s: float, check: Callable[[], None] | None = None) -> None:
+        """Wait for completion; `check()` may raise to stop early (a peer reported failure)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.done():
+            if check is not None:
+                check()
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"broadcast did not complete within {timeout_s:g}s: a "
+                                      "peer is gone or stalled")
+            time.sleep(_POLL_S)
+
+
+class Group(ABC):
+    """A broadcast group of `world_size` ranks rooted at rank 0."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor) -> Pending:
+        """Start an in-place broadcast of flat uint8 `tensor` from rank 0."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Tear the group down without waiting for peers (after a failure or timeout)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release a healthy group."""
+
+
+class _GlooPending(Pending):
+    def __init__(self, work: dist.Work) -> None:
+        self._work = work
+        self._event = threading.Event()
+        work.get_future().add_done_callback(lambda _: self._event.set())
+
+    def done(self) -> bool:
+        if not self._event.is_set():
+            return False
+        try:
+            self._work.wait()
+        except RuntimeError as exc:
+            raise PeerError(f"gloo broadcast failed (a peer died or left): {exc}") from None
+        return True
+
+    def wait(self, timeout_s: float, check: Callable[[], None] | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._event.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            if check is not None:
+                check()
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"broadcast did not complete within {timeout_s:g}s: a "
+                                      "peer is gone or stalled")
+        self.done()
+
+
+class GlooGroup(Group):
+    """CPU tensors over gloo (TCP)."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+        super().__init__(rank, world_size)
+        try:
+            self._pg: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
+                store, rank, world_size, timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise TransferTimeout(f"gloo group of {world_size} ranks did not form within "
+                                  f"{timeout_s:g}s (rank {rank}): {exc}") from None
+
+    def broadcast(self, tensor: torch.Tensor) -> Pending:
+        """Start a gloo broadcast."""
+        if self._pg is None:
+            raise PeerError("the group was torn down after a failure")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        return _GlooPending(self._pg.broadcast([tensor], opts))  # type: ignore[attr-defined]
+
+    def abort(self) -> None:
+        """Drop the group; gloo's threads finish on their own timeouts, off this thread."""
+        holder, self._pg = [self._pg], None
+        threading.Thread(target=holder.clear, name="wtransfer-gloo-teardown", daemon=True).start()
+
+    def close(self) -> None:
+        """Drop the group."""
+        self._pg = None
+
+
+class _NCCLPending(Pending):
+    def __init__(self, group: NCCLGroup, event: torch.cuda.Event) -> None:
+        self._group = group
+        self._event = event
+
+    def done(self) -> bool:
+        self._group.raise_async_error()
+        return bool(self._event.query())
+
+
+class NCCLGroup(Group):
+    """CUDA tensors through the NCCL library, on a dedicated stream of `device`."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float,
+                 device: torch.device) -> None:
+        super().__init__(rank, world_size)
+        self.lib = load_nccl()
+        self.device = device
+        if rank == 0:
+            store.set("nccl_uid", self.lib.unique_id())  # type: ignore[arg-type]
+        try:
+            store.wait(["nccl_uid"], timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise TransferTimeout(f"rank {rank}: no NCCL id from rank 0 within "
+                                  f"{timeout_s:g}s: {exc}") from None
+        uid = bytes(store.get("nccl_uid"))
+        result: dict[str, object] = {}
+
+        def init() -> None:
+            try:
+                with torch.cuda.device(device):
+                    result["comm"] = self.lib.init_rank(world_size, uid, rank)
+            except BaseException as exc:
+                result["error"] = exc
+
+        thread = threading.Thread(target=init, name="wtransfer-nccl-init", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise TransferTimeout(f"NCCL communicator of {world_size} ranks did not form within "
+                                  f"{timeout_s:g}s (rank {rank})")
+        if "error" in result:
+            raise result["error"]  # type: ignore[misc]
+        self._comm: int | None = int(result["comm"])  # type: ignore[call-overload]
+        self.stream = torch.cuda.Stream(device)
+
+    def raise_async_error(self) -> None:
+        """Raise `PeerError` (and abort) if NCCL reported an asynchronous failure."""
+        if self._comm is None:
+            raise PeerError("the NCCL communicator was torn down after a failure")
+        code = self.lib.async_error(self._comm)
+        if code not in (0, 7):
+            self.abort()
+            raise PeerError(f"NCCL failed: {self.lib.error_string(code)} (a peer died or left)")
+
+    def broadcast(self, tensor: torch.Tensor) -> Pending:
+        """Enqueue the broadcast on the group's stream after the current stream's work."""
+        if self._comm is None:
+            raise PeerError("the NCCL communicator was torn down after a failure")
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.lib.broadcast(self._comm, tensor.data_ptr(), tensor.numel(), 0,
+                           self.stream.cuda_stream)
+        tensor.record_stream(self.stream)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return _NCCLPending(self, event)
+
+    def abort(self) -> None:
+        """Abort the communicator: every rank's pending NCCL work errors out."""
+        comm, self._comm = self._comm, None
+        if comm:
+            self.lib.abort(comm)
+
+    def close(self) -> None:
+        """Destroy a healthy communicator."""
+        comm, self._comm = self._comm, None
+        if comm:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self.lib.destroy(comm)
+
+
+def make_group(transport: str, store: dist.Store, rank: int, world_size: int,
+               timeout_s: float, device: torch.device) -> Group:
+    """Create the group for `transport` ("gloo" or "nccl")."""
+    if transport == "nccl":
+        return NCCLGroup(store, rank, world_size, timeout_s, device)
+    return GlooGroup(store, rank, world_size, timeout_s)

@@ -1,0 +1,74 @@
+"""The NCCL backend's init and update records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from wtransfer.engine import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
+from wtransfer.errors import ConfigError
+
+TRANSPORTS = ("nccl", "gloo")
+
+
+def _check_endpoint(address: str, port: int, world_size: int) -> None:
+    if not address:
+        raise ConfigError("master_address must name the trainer's host (e.g. '127.0.0.1')")
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"master_port must be in 1..65535, got {port}")
+    if world_size < 2:
+        raise ConfigError(f"world_size counts the trainer and every worker, so it must be >= 2, "
+                          f"got {world_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NCCLTrainerInitInfo(TrainerInitInfo):
+    """Trainer side: the trainer is rank 0 of a `world_size` group it hosts at
+    `master_address:master_port`; engine workers are ranks 1..world_size-1."""
+
+    backend: ClassVar[str] = "nccl"
+    master_address: str
+    master_port: int
+    world_size: int
+    workers_per_client: list[int] | None = None
+    """Workers behind each client (FanoutClient order); default one each. Client i's workers
+    get ranks ``1 + sum(workers_per_client[:i]) + j``."""
+    device: str | None = None
+    """Staging device; default the source's. CUDA uses NCCL, CPU uses gloo."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_endpoint(self.master_address, self.master_port, self.world_size)
+        if self.workers_per_client is not None and any(n < 1 for n in self.workers_per_client):
+            raise ConfigError("workers_per_client entries must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NCCLInitInfo(ReceiverInitInfo):
+    """What each engine gets: where to rendezvous, and the rank of its first worker."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int
+    """Rank of this engine's worker 0; worker i of the engine is ``rank_offset + i``."""
+    transport: str
+    session: str = ""
+    """Namespace of this init's rendezvous keys (a fresh one per sender)."""
+    align: int = 256
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_endpoint(self.master_address, self.master_port, self.world_size)
+        if not 1 <= self.rank_offset < self.world_size:
+            raise ConfigError(f"rank_offset must be in 1..world_size-1 ({self.world_size - 1}), "
+                              f"got {self.rank_offset}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NCCLUpdateInfo(UpdateInfo):
+    """The whole update's tensor list; both sides derive the bucket plan from it."""
+
+    tensors: list[Any] | None = None

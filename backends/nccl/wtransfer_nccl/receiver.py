@@ -1,0 +1,88 @@
+"""Engine side of the NCCL backend: joins the group once, receives every bucket by broadcast."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from wtransfer.engine import WeightTransferEngine
+from wtransfer.errors import ConfigError, LifecycleError, MetadataError
+from wtransfer.packing import Bucket, BucketPlan, metas_from_wire
+from wtransfer.receiving import UpdateSession
+from wtransfer_nccl.group import Group, Pending, make_group, rendezvous
+from wtransfer_nccl.info import NCCLInitInfo, NCCLUpdateInfo
+from wtransfer_nccl.staging import CHECKSUM_BYTES, broadcast_length, read_checksum
+
+
+class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
+    """One worker: rank `rank_offset` (+ its index, for an engine with several workers).
+
+    `update_weights` carries only the tensor list; the receiver derives the same bucket plan
+    as the trainer and receives the buckets in order, `num_buffers` posted ahead so receiving
+    bucket k+1 overlaps unpacking bucket k.
+    """
+
+    backend_name = "nccl"
+    init_info_cls = NCCLInitInfo
+    update_info_cls = NCCLUpdateInfo
+    worker_index = 0
+    """Index of this worker within its engine (an engine sets it on each worker's receiver)."""
+
+    def _init(self, info: NCCLInitInfo) -> None:
+        if info.transport == "nccl" and self.device.type != "cuda":
+            raise ConfigError("the trainer broadcasts CUDA tensors over NCCL; this receiver is "
+                              f"on {self.device}: create it with device='cuda:N'")
+        rank = info.rank_offset + self.worker_index
+        staging_device = self.device if info.transport == "nccl" else torch.device("cpu")
+        store = rendezvous(info.master_address, info.master_port, rank, info.session,
+                           info.timeout_s)
+        self._group: Group | None = make_group(info.transport, store, rank, info.world_size,
+                                               info.timeout_s, staging_device)
+        self._store = store
+        self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
+                                     device=staging_device) for _ in range(info.num_buffers)]
+
+    def _receive(self, info: NCCLUpdateInfo, session: UpdateSession) -> None:
+        if self._group is None:
+            raise LifecycleError("nccl: the group was torn down after a failure; the trainer "
+                                 "must call init_weight_transfer_engine again")
+        if info.tensors is None:
+            raise MetadataError("nccl update info must carry 'tensors'")
+        init = self.init_info
+        assert init is not None
+        metas = metas_from_wire(info.tensors)
+        session.announce(metas)
+        plan = BucketPlan.build(metas, init.bucket_bytes, init.align)
+        posted: deque[tuple[Bucket, int, Pending]] = deque()
+        upcoming = iter(plan.buckets)
+
+        def post(slot: int) -> None:
+            bucket = next(upcoming, None)
+            if bucket is not None:
+                length = broadcast_length(bucket.nbytes, init.checksum)
+                assert self._group is not None
+                posted.append((bucket, slot, self._group.broadcast(self._staging[slot][:length])))
+
+        for slot in range(len(self._staging)):
+            post(slot)
+        while posted:
+            bucket, slot, pending = posted.popleft()
+            pending.wait(init.timeout_s)
+            staging = self._staging[slot]
+            checksum = read_checksum(staging, bucket.nbytes) if init.checksum else None
+            session.consume(staging, bucket.nbytes, bucket.slices, checksum)
+            if staging.is_cuda:
+                torch.cuda.current_stream(staging.device).synchronize()
+            post(slot)
+
+    def _abort(self) -> None:
+        group, self._group = getattr(self, "_group", None), None
+        if group is not None:
+            group.abort()
+
+    def _shutdown(self) -> None:
+        group, self._group = getattr(self, "_group", None), None
+        if group is not None:
+            group.close()
+        self._staging = []

@@ -1,0 +1,142 @@
+"""Trainer side of the NCCL backend: rank 0, packs buckets and broadcasts them."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from wtransfer.clients import FanoutClient
+from wtransfer.engine import TrainerTransferEngine, receiver_init_dict
+from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
+from wtransfer.packing import Bucket, BucketPlan, metas_to_wire
+from wtransfer.sending import send_pipelined
+from wtransfer_nccl.group import Group, make_group, rendezvous
+from wtransfer_nccl.info import NCCLTrainerInitInfo
+from wtransfer_nccl.staging import CHECKSUM_BYTES, write_checksum
+
+
+class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
+    """Rank 0 of the group; `send_weights` overlaps packing bucket k+1 with broadcasting k.
+
+    The receivers' `update_weights` calls run concurrently with the broadcast (they block in
+    their receive loop); a receiver failure stops the broadcast at once and surfaces here as
+    the receiver's `PeerError`. After any failure the group is torn down: build a new sender.
+    """
+
+    backend_name = "nccl"
+    init_info_cls = NCCLTrainerInitInfo
+
+    def _setup(self) -> dict[str, Any]:
+        info = self.init_info
+        device = torch.device(info.device) if info.device else (
+            self.source.device or torch.device("cpu"))
+        self.device = device
+        self.transport = "nccl" if device.type == "cuda" else "gloo"
+        clients = self.client.clients if isinstance(self.client, FanoutClient) else [self.client]
+        workers = info.workers_per_client or [1] * len(clients)
+        if len(workers) != len(clients):
+            raise ConfigError(f"workers_per_client lists {len(workers)} entries for "
+                              f"{len(clients)} client(s)")
+        if 1 + sum(workers) != info.world_size:
+            raise ConfigError(f"world_size={info.world_size}, but the trainer plus "
+                              f"{sum(workers)} worker(s) make {1 + sum(workers)}; set "
+                              f"world_size={1 + sum(workers)}")
+        self._offsets = [1 + sum(workers[:i]) for i in range(len(workers))]
+        self._session = secrets.token_hex(8)
+        self._group: Group | None = None
+        self._broken: str | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-nccl")
+        extra = info.bucket_bytes + CHECKSUM_BYTES
+        self._staging = [torch.empty(extra, dtype=torch.uint8, device=device)
+                         for _ in range(info.num_buffers)]
+        return receiver_init_dict(info, master_address=info.master_address,
+                                  master_port=info.master_port, world_size=info.world_size,
+                                  rank_offset=1, transport=self.transport,
+                                  session=self._session)
+
+    def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
+        info = self.init_info
+        made: dict[str, Any] = {}
+
+        def form() -> None:
+            try:
+                store = rendezvous(info.master_address, info.master_port, 0, self._session,
+                                   info.timeout_s)
+                made["group"] = make_group(self.transport, store, 0, info.world_size,
+                                           info.timeout_s, self.device)
+                made["store"] = store
+            except BaseException as exc:
+                made["error"] = exc
+
+        former = threading.Thread(target=form, name="wtransfer-nccl-rendezvous", daemon=True)
+        former.start()
+        inits = [{**receiver_init, "rank_offset": off} for off in self._offsets]
+        if isinstance(self.client, FanoutClient):
+            self.client.map(lambda c, i: c.init_weight_transfer_engine(inits[i]))
+        else:
+            self.client.init_weight_transfer_engine(inits[0])
+        former.join(info.timeout_s)
+        if former.is_alive():
+            raise TransferTimeout(f"the group of {info.world_size} ranks did not form within "
+                                  f"{info.timeout_s:g}s")
+        if "error" in made:
+            raise made["error"]
+        self._group = made["group"]
+        self._store = made["store"]
+
+    def _send(self, plan: BucketPlan) -> None:
+        if self._broken or self._group is None:
+            raise LifecycleError(f"nccl sender is unusable after an earlier failure "
+                                 f"({self._broken}); create a new one with trainer_init")
+        group = self._group
+        timeout = self.init_info.timeout_s
+        receivers: Future[None] = self._pool.submit(
+            self.client.update_weights, {"tensors": metas_to_wire(plan.metas)})
+
+        def receivers_failed() -> None:
+            if receivers.done() and receivers.exception() is not None:
+                raise receivers.exception()  # type: ignore[misc]
+
+        def transmit(bucket: Bucket, slot: int, checksum: int | None) -> None:
+            length = bucket.nbytes
+            if checksum is not None:
+                length = write_checksum(self._staging[slot], bucket.nbytes, checksum)
+            group.broadcast(self._staging[slot][:length]).wait(timeout, receivers_failed)
+
+        try:
+            send_pipelined(plan, self.source, self._staging, transmit,
+                           checksum=self.init_info.checksum)
+            receivers.result(timeout=timeout)
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            group.abort()
+            cause = _root_cause(receivers, exc)
+            if cause is not exc:
+                raise cause from exc
+            raise
+
+    def _abort_remote(self, exc: BaseException) -> None:
+        """Receivers learn of a failure from the torn-down group; no extra call needed."""
+
+    def _teardown(self) -> None:
+        group, self._group = getattr(self, "_group", None), None
+        if group is not None:
+            group.abort() if self._broken else group.close()
+        if hasattr(self, "_pool"):
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._staging = []
+
+
+def _root_cause(receivers: Future[None], local: BaseException) -> BaseException:
+    """Prefer the receivers' own error (say, a refused update) over the broken broadcast it
+    caused here; it arrives moments after the connection drops."""
+    try:
+        receivers.result(timeout=5)
+    except BaseException as remote:
+        if remote is not local:
+            return remote
+    return local
