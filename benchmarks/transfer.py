@@ -1,23 +1,34 @@
 """Benchmark: send_weights end to end against a floor and a naive path, measured in one run.
 
     python benchmarks/transfer.py --backend ipc --models qwen3-0.6b,qwen3-1.7b --bucket-mb 64,256
+    python benchmarks/transfer.py --backend nccl --models qwen3-0.6b --bucket-mb 64,256
 
-ipc (CPU): the floor is the same bytes copied twice by plain torch copies in one process (pack
-into one flat buffer, unpack out of it); the naive path sends one tensor per message (one
-update call and one staging handoff per tensor, no packing). The packed path is the real
-two-process transfer: trainer here, receiver in a child process, RPC control plane.
-On CUDA (``--device cuda``) both sides keep their tensors on the GPU.
+The packed path is the real two-process transfer: trainer here, receiver in a child process,
+RPC control plane. Per backend, the floor and the naive baseline are:
+
+* ipc: floor = the same bytes copied twice by plain torch copies in one process (pack into one
+  flat buffer, unpack out of it); naive = one tensor per message (one update call and one
+  staging handoff per tensor, no packing). ``--device cuda`` keeps both sides on the GPU.
+* nccl (gloo on CPU): floor = one plain broadcast of a buffer holding every byte, to a peer
+  process; naive = one broadcast per tensor, the way many frameworks do it.
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
+import subprocess
 import sys
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from wtransfer_ipc.info import IPCTrainerInitInfo
 from wtransfer_ipc.sender import IPCSender
+from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
 from wtransfer.packing import Bucket, BucketPlan, Slice, byte_view
@@ -68,32 +79,69 @@ def floor_two_copies(model: torch.nn.Module, device: str, repeats: int) -> float
     return median_seconds(two_copies, repeats)
 
 
-def bench_model(name: str, buckets_mb: list[int], device: str,
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def broadcast_baselines(name: str, model: torch.nn.Module, repeats: int) -> tuple[float, float]:
+    """(floor, naive) medians: one flat broadcast, and one broadcast per tensor, via gloo."""
+    port = free_port()
+    peer = subprocess.Popen([sys.executable, str(Path(__file__).with_name("bcast_peer.py")),
+                             "--model", name, "--port", str(port), "--repeats", str(repeats)])
+    try:
+        store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=120),
+                              wait_for_workers=False)
+        pg = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=600))
+        tensors = [byte_view(t) for t in model.state_dict().values()]
+        flat = torch.cat(tensors)
+        one = torch.zeros(1)
+
+        def rounds(group: list[torch.Tensor]) -> Callable[[], None]:
+            def run() -> None:
+                for t in group:
+                    pg.broadcast(t, 0).wait()
+                pg.allreduce([one]).wait()
+            return run
+
+        floor = median_seconds(rounds([flat]), repeats)
+        naive = median_seconds(rounds(tensors), repeats)
+    finally:
+        peer.wait(timeout=600)
+    return floor, naive
+
+
+def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
                 repeats: int) -> list[dict[str, Any]]:
     metas = model_metas(name)
     total = sum(m.nbytes for m in metas)
     model = build(name, seed=1, device=device, fill="constant")
-    floor = floor_two_copies(model, device, repeats)
-    rows: list[dict[str, Any]] = [
-        {"model": name, "path": "floor (2 copies)", "bucket_mb": 0, "seconds": floor}]
-    with spawn_receiver("ipc", model=name, seed=2, device=device, fill="constant") as child:
+    rows: list[dict[str, Any]] = []
+    if backend == "ipc":
+        floor_path, floor = "floor (2 copies)", floor_two_copies(model, device, repeats)
+    else:
+        floor, naive_s = broadcast_baselines(name, model, repeats)
+        floor_path = "floor (1 broadcast)"
+    rows.append({"model": name, "path": floor_path, "bucket_mb": 0, "seconds": floor})
+    with spawn_receiver(backend, model=name, seed=2, device=device, fill="constant") as child:
         client = RPCClient(child.address, timeout_s=600)
         for mb in buckets_mb:
-            info = IPCTrainerInitInfo(bucket_bytes=mb << 20, timeout_s=600)
+            info = trainer_info(backend, bucket_bytes=mb << 20)
             with wtransfer.trainer_init(info, client=client,
                                         source=wtransfer.ModuleSource(model)) as sender:
                 seconds = median_seconds(sender.send_weights, repeats)
             rows.append({"model": name, "path": "packed", "bucket_mb": mb, "seconds": seconds})
-        biggest = max(m.nbytes for m in metas)
-        info = IPCTrainerInitInfo(bucket_bytes=-(-biggest // 256) * 256, num_buffers=1,
-                                  timeout_s=600)
-        with PerTensorIPCSender(info, client=client,
-                                source=wtransfer.ModuleSource(model)) as naive:
-            seconds = median_seconds(naive.send_weights, repeats)
+        if backend == "ipc":
+            biggest = max(m.nbytes for m in metas)
+            info = IPCTrainerInitInfo(bucket_bytes=-(-biggest // 256) * 256, num_buffers=1,
+                                      timeout_s=600)
+            with PerTensorIPCSender(info, client=client,
+                                    source=wtransfer.ModuleSource(model)) as naive:
+                naive_s = median_seconds(naive.send_weights, repeats)
         rows.append({"model": name, "path": "naive per-tensor", "bucket_mb": 0,
-                     "seconds": seconds})
+                     "seconds": naive_s})
         same = client.fingerprint() == wtransfer.fingerprint(model.state_dict())
-    naive_s = rows[-1]["seconds"]
     for r in rows:
         r.update(bytes=total, tensors=len(metas), gbps=total / r["seconds"] / 1e9,
                  vs_floor=floor / r["seconds"], vs_naive=naive_s / r["seconds"],
@@ -101,10 +149,17 @@ def bench_model(name: str, buckets_mb: list[int], device: str,
     return rows
 
 
+def trainer_info(backend: str, **fields: Any) -> Any:
+    if backend == "nccl":
+        return NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(),
+                                   world_size=2, timeout_s=600, **fields)
+    return IPCTrainerInitInfo(timeout_s=600, **fields)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", default="ipc", choices=["ipc"])
+    parser.add_argument("--backend", default="ipc", choices=["ipc", "nccl"])
     parser.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b")
     parser.add_argument("--bucket-mb", default="64,256")
     parser.add_argument("--device", default="cpu")
@@ -112,8 +167,8 @@ def main() -> None:
     args = parser.parse_args()
     rows: list[dict] = []
     for name in args.models.split(","):
-        rows += bench_model(name, [int(x) for x in args.bucket_mb.split(",")], args.device,
-                            args.repeats)
+        rows += bench_model(args.backend, name, [int(x) for x in args.bucket_mb.split(",")],
+                            args.device, args.repeats)
     print(f"\nbackend={args.backend} device={args.device} repeats={args.repeats} "
           f"(median seconds; ratios: floor/time and naive/time, higher is better)")
     print_table(rows, [("model", "model", ""), ("path", "path", ""), ("bucket_mb", "MiB", "d"),

@@ -50,6 +50,9 @@ class WireParams:
     """Checksum every bucket on the sender and verify it on each receiver."""
     timeout_s: float = 60.0
     """Deadline of every blocking wait of the transfer, in seconds."""
+    direct_threshold: int | None = None
+    """Tensors of at least this many bytes skip staging and move on their own, where the
+    backend can (nccl); 0 packs everything; None lets the backend choose."""
 
     def __post_init__(self) -> None:
         if not DEFAULT_ALIGN <= self.bucket_bytes <= MAX_BUCKET_BYTES:
@@ -57,6 +60,8 @@ class WireParams:
                               f"{MAX_BUCKET_BYTES}, got {self.bucket_bytes}")
         if not 1 <= self.num_buffers <= 16:
             raise ConfigError(f"num_buffers must be between 1 and 16, got {self.num_buffers}")
+        if self.direct_threshold is not None and self.direct_threshold < 0:
+            raise ConfigError(f"direct_threshold must be >= 0, got {self.direct_threshold}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ConfigError(f"timeout_s must be a positive number of seconds, "
                               f"got {self.timeout_s}")
@@ -306,7 +311,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         if self._closed:
             raise LifecycleError(f"{self.backend_name} sender is shut down")
         metas = self.source.metadata()
-        plan = BucketPlan.build(metas, self.init_info.bucket_bytes)
+        plan = BucketPlan.build(metas, self.init_info.bucket_bytes,
+                                direct_threshold=self.direct_threshold)
         start = time.perf_counter()
         self.client.start_weight_update()
         try:
@@ -337,6 +343,12 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    @property
+    def direct_threshold(self) -> int:
+        """Bytes from which a tensor becomes a direct bucket; 0 (never) unless a backend
+        that can move tensors in place overrides it."""
+        return 0
+
     @abstractmethod
     def _setup(self) -> dict[str, Any]:
         """Allocate staging; return the receiver init info as plain data."""
@@ -357,5 +369,5 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
 def receiver_init_dict(trainer: TrainerInitInfo, **extra: Any) -> dict[str, Any]:
     """The wire parameters of a trainer init info, plus backend fields, as plain data."""
     params = {k: v for k, v in record_to_wire(trainer).items()
-              if k in WireParams.__dataclass_fields__}
+              if k in WireParams.__dataclass_fields__ and k != "direct_threshold"}
     return {**params, **extra}

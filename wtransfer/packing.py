@@ -155,11 +155,16 @@ class Slice:
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """One bucket: its index, the bytes in use, and the slices it carries in order."""
+    """One bucket: its index, the bytes in use, and the slices it carries in order.
+
+    A `direct` bucket is one whole tensor moved straight from the sender's tensor into the
+    receiver's, with no staging copy on either side (see `BucketPlan.build`).
+    """
 
     index: int
     nbytes: int
     slices: tuple[Slice, ...]
+    direct: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +175,7 @@ class BucketPlan:
     bucket_bytes: int
     align: int
     buckets: tuple[Bucket, ...]
+    direct_threshold: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -178,18 +184,29 @@ class BucketPlan:
 
     @classmethod
     def build(
-        cls, metas: Sequence[TensorMeta], bucket_bytes: int, align: int = DEFAULT_ALIGN
+        cls, metas: Sequence[TensorMeta], bucket_bytes: int, align: int = DEFAULT_ALIGN,
+        direct_threshold: int = 0,
     ) -> BucketPlan:
-        """Lay out `metas` in order; both sides get the same plan from the same inputs."""
+        """Lay out `metas` in order; both sides get the same plan from the same inputs.
+
+        With `direct_threshold` > 0, a tensor of at least that many bytes becomes a bucket of
+        its own marked `direct`: backends that can move a tensor in place (a broadcast into the
+        destination) skip both staging copies for it. Small tensors are still packed.
+        """
         if not isinstance(align, int) or align < 1 or align & (align - 1):
             raise ConfigError(f"align must be a positive power of two, got {align!r}")
         if not isinstance(bucket_bytes, int) or bucket_bytes < align:
             raise ConfigError(f"bucket_bytes must be an int >= align ({align}), "
                               f"got {bucket_bytes!r}")
+        if direct_threshold < 0:
+            raise ConfigError(f"direct_threshold must be >= 0, got {direct_threshold}")
         builder = _PlanBuilder(bucket_bytes, align)
         for index, meta in enumerate(metas):
-            builder.place(index, meta.nbytes)
-        return cls(tuple(metas), bucket_bytes, align, builder.finish())
+            if direct_threshold and meta.nbytes >= direct_threshold:
+                builder.place_direct(index, meta.nbytes)
+            else:
+                builder.place(index, meta.nbytes)
+        return cls(tuple(metas), bucket_bytes, align, builder.finish(), direct_threshold)
 
 
 class _PlanBuilder:
@@ -235,6 +252,11 @@ class _PlanBuilder:
             if done < nbytes:
                 self._close()
                 start = 0
+
+    def place_direct(self, index: int, nbytes: int) -> None:
+        self._close()
+        self.buckets.append(Bucket(len(self.buckets), nbytes, (Slice(index, 0, 0, nbytes),),
+                                   direct=True))
 
     def finish(self) -> tuple[Bucket, ...]:
         self._close()
@@ -309,6 +331,10 @@ class BucketPacker:
             self._bytes = byte_view(tensor.detach())
         assert self._bytes is not None
         return self._bytes
+
+    def direct(self, bucket: Bucket) -> torch.Tensor:
+        """The source bytes of a `direct` bucket (its one whole tensor), without copying."""
+        return self._tensor_bytes(bucket.slices[0].tensor)
 
     def pack(self, bucket: Bucket, staging: torch.Tensor) -> None:
         """Copy `bucket`'s slices into the uint8 `staging` buffer."""

@@ -20,6 +20,7 @@ import torch
 from wtransfer.errors import IntegrityError, MetadataError
 from wtransfer.packing import (
     DTYPES,
+    Bucket,
     Slice,
     TensorMeta,
     bucket_checksum,
@@ -172,6 +173,28 @@ class UpdateSession:
             del self._pending[meta.name]
             if not part.direct:
                 batch.assembled.append((meta.name, part.buffer))
+
+    def direct_destination(self, bucket: Bucket, device: torch.device) -> torch.Tensor:
+        """Where a direct bucket's bytes should land on `device`: the target's own storage
+        when it offers it there, else a temporary buffer of the tensor's size."""
+        s = bucket.slices[0] if len(bucket.slices) == 1 else None
+        meta = self._slice_meta(s, bucket.nbytes) if s is not None else None
+        if s is None or meta is None or s.tensor_offset or s.nbytes != meta.nbytes:
+            raise MetadataError("a direct bucket must carry exactly one whole tensor")
+        direct = self._target.direct_bytes(meta.name)
+        if direct is not None and direct.device == device:
+            return direct
+        return torch.empty(meta.nbytes, dtype=torch.uint8, device=device)
+
+    def complete_direct(self, bucket: Bucket, data: torch.Tensor) -> None:
+        """Record a direct bucket that landed in `data` (from `direct_destination`)."""
+        meta = self._metas[bucket.slices[0].tensor]
+        del self._pending[meta.name]
+        self.touched = True
+        direct = self._target.direct_bytes(meta.name)
+        if direct is None or direct.data_ptr() != data.data_ptr():
+            self._target.load_weights([(meta.name, tensor_from_bytes(data, meta))])
+        self.bytes_received += bucket.nbytes
 
     def finish(self) -> None:
         """Raise `IntegrityError` unless every announced tensor arrived whole."""

@@ -11,9 +11,10 @@ import torch
 from wtransfer.packing import Bucket, BucketPacker, BucketPlan, bucket_checksum
 from wtransfer.source import WeightSource
 
-Transmit = Callable[[Bucket, int, "int | None"], None]
-"""Moves bucket (packed in staging slot `slot`, with optional checksum) to the receivers and
-returns once the slot may be overwritten."""
+Transmit = Callable[[Bucket, int, torch.Tensor, "int | None"], None]
+"""Moves one bucket to the receivers: ``transmit(bucket, slot, data, checksum)`` where `data` is
+the packed bytes (staging slot `slot`) or, for a direct bucket, the source tensor's own bytes
+(slot -1). Returns once `data` may be overwritten."""
 
 
 def send_pipelined(
@@ -28,24 +29,36 @@ def send_pipelined(
     """Pack each bucket of `plan` into a free staging slot and hand it to `transmit`.
 
     `transmit` runs on one background thread, in bucket order, so packing the next bucket
-    overlaps moving the previous one; with `len(staging)` slots at most that many buckets are
-    packed-but-unconfirmed at once. `before_transmit(slot)` runs after packing (e.g. to wait
-    for a CUDA stream). The first failure cancels what is queued and is re-raised here.
+    overlaps moving the previous one; at most `len(staging)` buckets are in flight at once,
+    and a slot is reused only after the bucket that used it was confirmed. Direct buckets skip
+    staging. `before_transmit(slot)` runs after packing (e.g. to wait for a CUDA stream). The
+    first failure cancels what is queued and is re-raised here.
     """
     packer = BucketPacker(plan, source.tensors())
     pending: deque[Future[None]] = deque()
+    slot_users: dict[int, Future[None]] = {}
+    next_slot = 0
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-send")
     try:
         for bucket in plan.buckets:
-            slot = bucket.index % len(staging)
             if len(pending) == len(staging):
                 pending.popleft().result()
-            packer.pack(bucket, staging[slot])
+            if bucket.direct:
+                slot, data = -1, packer.direct(bucket)
+            else:
+                slot, next_slot = next_slot, (next_slot + 1) % len(staging)
+                if slot in slot_users:
+                    slot_users.pop(slot).result()
+                packer.pack(bucket, staging[slot])
+                data = staging[slot][: bucket.nbytes]
             if before_transmit is not None:
                 before_transmit(slot)
-            digest = bucket_checksum(staging[slot][: bucket.nbytes]) if checksum else None
-            pending.append(pool.submit(transmit, bucket, slot, digest))
-            if pending[0].done():
+            digest = bucket_checksum(data) if checksum else None
+            fut = pool.submit(transmit, bucket, slot, data, digest)
+            pending.append(fut)
+            if slot >= 0:
+                slot_users[slot] = fut
+            while pending and pending[0].done():
                 pending.popleft().result()
         packer.finish()
         while pending:

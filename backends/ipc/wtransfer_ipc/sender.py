@@ -54,7 +54,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
     def _send(self, plan: BucketPlan) -> None:
         manifest = metas_to_wire(plan.metas)
 
-        def transmit(bucket: Bucket, slot: int, checksum: int | None) -> None:
+        def transmit(bucket: Bucket, slot: int, data: torch.Tensor, checksum: int | None) -> None:
             update: dict[str, Any] = {
                 "buffer": slot, "nbytes": bucket.nbytes, "checksum": checksum,
                 "slices": [s.to_wire() for s in bucket.slices],

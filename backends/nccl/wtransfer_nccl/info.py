@@ -55,6 +55,8 @@ class NCCLInitInfo(ReceiverInitInfo):
     transport: str
     session: str = ""
     """Namespace of this init's rendezvous keys (a fresh one per sender)."""
+    direct_threshold: int | None = 0
+    """Resolved by the sender: tensors this large are broadcast without staging."""
     align: int = 256
 
     def __post_init__(self) -> None:

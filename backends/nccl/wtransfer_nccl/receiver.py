@@ -44,7 +44,8 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
                                      device=staging_device) for _ in range(info.num_buffers)]
 
     def _receive(self, info: NCCLUpdateInfo, session: UpdateSession) -> None:
-        if self._group is None:
+        group = self._group
+        if group is None:
             raise LifecycleError("nccl: the group was torn down after a failure; the trainer "
                                  "must call init_weight_transfer_engine again")
         if info.tensors is None:
@@ -53,28 +54,32 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         assert init is not None
         metas = metas_from_wire(info.tensors)
         session.announce(metas)
-        plan = BucketPlan.build(metas, init.bucket_bytes, init.align)
-        posted: deque[tuple[Bucket, int, Pending]] = deque()
-        upcoming = iter(plan.buckets)
-
-        def post(slot: int) -> None:
-            bucket = next(upcoming, None)
-            if bucket is not None:
-                length = broadcast_length(bucket.nbytes, init.checksum)
-                assert self._group is not None
-                posted.append((bucket, slot, self._group.broadcast(self._staging[slot][:length])))
-
-        for slot in range(len(self._staging)):
-            post(slot)
-        while posted:
-            bucket, slot, pending = posted.popleft()
+        plan = BucketPlan.build(metas, init.bucket_bytes, init.align,
+                                direct_threshold=init.direct_threshold or 0)
+        free = deque(range(len(self._staging)))
+        posted: deque[tuple[Bucket, int, torch.Tensor, Pending]] = deque()
+        upcoming = deque(plan.buckets)
+        while upcoming or posted:
+            while upcoming and len(posted) < len(self._staging) and (upcoming[0].direct or free):
+                bucket = upcoming.popleft()
+                if bucket.direct:
+                    slot, data = -1, session.direct_destination(bucket, self._staging[0].device)
+                else:
+                    slot = free.popleft()
+                    length = broadcast_length(bucket.nbytes, init.checksum)
+                    data = self._staging[slot][:length]
+                posted.append((bucket, slot, data, group.broadcast(data)))
+            bucket, slot, data, pending = posted.popleft()
             pending.wait(init.timeout_s)
-            staging = self._staging[slot]
-            checksum = read_checksum(staging, bucket.nbytes) if init.checksum else None
-            session.consume(staging, bucket.nbytes, bucket.slices, checksum)
-            if staging.is_cuda:
-                torch.cuda.current_stream(staging.device).synchronize()
-            post(slot)
+            if bucket.direct:
+                session.complete_direct(bucket, data)
+            else:
+                staging = self._staging[slot]
+                checksum = read_checksum(staging, bucket.nbytes) if init.checksum else None
+                session.consume(staging, bucket.nbytes, bucket.slices, checksum)
+                free.append(slot)
+            if data.is_cuda:
+                torch.cuda.current_stream(data.device).synchronize()
 
     def _abort(self) -> None:
         group, self._group = getattr(self, "_group", None), None

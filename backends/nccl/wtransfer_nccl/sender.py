@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -12,9 +14,8 @@ import torch
 from wtransfer.clients import FanoutClient
 from wtransfer.engine import TrainerTransferEngine, receiver_init_dict
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
-from wtransfer.packing import Bucket, BucketPlan, metas_to_wire
-from wtransfer.sending import send_pipelined
-from wtransfer_nccl.group import Group, make_group, rendezvous
+from wtransfer.packing import BucketPacker, BucketPlan, bucket_checksum, metas_to_wire
+from wtransfer_nccl.group import Group, Pending, make_group, rendezvous
 from wtransfer_nccl.info import NCCLTrainerInitInfo
 from wtransfer_nccl.staging import CHECKSUM_BYTES, write_checksum
 
@@ -56,7 +57,22 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         return receiver_init_dict(info, master_address=info.master_address,
                                   master_port=info.master_port, world_size=info.world_size,
                                   rank_offset=1, transport=self.transport,
-                                  session=self._session)
+                                  session=self._session, direct_threshold=self.direct_threshold)
+
+    @property
+    def direct_threshold(self) -> int:
+        """Tensors this large are broadcast straight from the source into the destination.
+
+        Default: 1 MiB over gloo (TCP is the bottleneck, staging copies only cost CPU) and a
+        quarter bucket over NCCL (below that, per-call latency favors packing). Checksums need
+        staging, so they turn it off.
+        """
+        info = self.init_info
+        if info.checksum:
+            return 0
+        if info.direct_threshold is not None:
+            return info.direct_threshold
+        return 1 << 20 if self.transport == "gloo" else max(info.bucket_bytes // 4, 1)
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         info = self.init_info
@@ -101,15 +117,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
             if receivers.done() and receivers.exception() is not None:
                 raise receivers.exception()  # type: ignore[misc]
 
-        def transmit(bucket: Bucket, slot: int, checksum: int | None) -> None:
-            length = bucket.nbytes
-            if checksum is not None:
-                length = write_checksum(self._staging[slot], bucket.nbytes, checksum)
-            group.broadcast(self._staging[slot][:length]).wait(timeout, receivers_failed)
-
         try:
-            send_pipelined(plan, self.source, self._staging, transmit,
-                           checksum=self.init_info.checksum)
+            self._broadcast_all(plan, group, receivers_failed)
             receivers.result(timeout=timeout)
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
@@ -118,6 +127,40 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
             if cause is not exc:
                 raise cause from exc
             raise
+
+    def _broadcast_all(self, plan: BucketPlan, group: Group,
+                       receivers_failed: Callable[[], None]) -> None:
+        """Post every bucket's broadcast, `num_buffers` in flight: packing the next bucket (or
+        nothing, for a direct one) overlaps the broadcasts already posted."""
+        info = self.init_info
+        packer = BucketPacker(plan, self.source.tensors())
+        free = deque(range(len(self._staging)))
+        inflight: deque[tuple[int, Pending]] = deque()
+
+        def retire_oldest() -> None:
+            slot, pending = inflight.popleft()
+            pending.wait(info.timeout_s, receivers_failed)
+            if slot >= 0:
+                free.append(slot)
+
+        for bucket in plan.buckets:
+            while len(inflight) >= len(self._staging) or not (bucket.direct or free):
+                retire_oldest()
+            if bucket.direct:
+                slot, data = -1, packer.direct(bucket)
+            else:
+                slot = free.popleft()
+                staging = self._staging[slot]
+                packer.pack(bucket, staging)
+                length = bucket.nbytes
+                if info.checksum:
+                    length = write_checksum(staging, bucket.nbytes,
+                                            bucket_checksum(staging[: bucket.nbytes]))
+                data = staging[:length]
+            inflight.append((slot, group.broadcast(data)))
+        packer.finish()
+        while inflight:
+            retire_oldest()
 
     def _abort_remote(self, exc: BaseException) -> None:
         """Receivers learn of a failure from the torn-down group; no extra call needed."""

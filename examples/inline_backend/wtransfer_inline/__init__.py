@@ -78,9 +78,9 @@ class InlineSender(TrainerTransferEngine[InlineTrainerInitInfo]):
         return receiver_init_dict(self.init_info)
 
     def _send(self, plan: BucketPlan) -> None:
-        def transmit(bucket: Bucket, slot: int, checksum: int | None) -> None:
+        def transmit(bucket: Bucket, slot: int, data: torch.Tensor, checksum: int | None) -> None:
             update: dict[str, Any] = {
-                "data": self._staging[slot][: bucket.nbytes].numpy().tobytes(),
+                "data": data.numpy().tobytes(),
                 "slices": [s.to_wire() for s in bucket.slices], "checksum": checksum,
             }
             if bucket.index == 0:
