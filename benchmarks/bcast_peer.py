@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ def main() -> None:
     model = build(args.model, seed=2, device="cpu", fill="constant")
     tensors = [byte_view(t) for t in model.state_dict().values()]
     store = dist.TCPStore("127.0.0.1", args.port, None, False, timedelta(seconds=120))
-    pg = dist.ProcessGroupGloo(store, 1, 2, timedelta(seconds=600))
+    pg: Any = dist.ProcessGroupGloo(store, 1, 2, timedelta(seconds=600))
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.uint8)
     one = torch.zeros(1)
     for group in ([flat], tensors):

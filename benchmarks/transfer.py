@@ -93,7 +93,7 @@ def broadcast_baselines(name: str, model: torch.nn.Module, repeats: int) -> tupl
     try:
         store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=120),
                               wait_for_workers=False)
-        pg = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=600))
+        pg: Any = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=600))
         tensors = [byte_view(t) for t in model.state_dict().values()]
         flat = torch.cat(tensors)
         one = torch.zeros(1)

@@ -13,6 +13,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -119,7 +120,8 @@ class GlooGroup(Group):
             raise PeerError("the group was torn down after a failure")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        return _GlooPending(self._pg.broadcast([tensor], opts))  # type: ignore[attr-defined]
+        pg: Any = self._pg
+        return _GlooPending(pg.broadcast([tensor], opts))
 
     def abort(self) -> None:
         """Drop the group; gloo's threads finish on their own timeouts, off this thread."""
