@@ -1,0 +1,109 @@
+"""Configuration of the inference engine and of the models it serves (torch-free)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from wtransfer.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shapes of a Qwen3/Llama-style decoder; field names follow Hugging Face config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model config: {name} must be >= 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("model config: num_attention_heads must be a multiple of "
+                              "num_key_value_heads")
+
+    @classmethod
+    def from_hf(cls, data: dict[str, Any]) -> ModelConfig:
+        """Read the fields this engine uses from a Hugging Face config.json dict."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if "head_dim" not in values and "hidden_size" in data and "num_attention_heads" in data:
+            values["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
+        values.setdefault("num_key_value_heads", data.get("num_attention_heads"))
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise ConfigError(f"config.json is missing fields this engine needs: {exc}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        """A Hugging Face style config.json dict (Qwen3 architecture)."""
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **asdict(self)}
+
+
+MODEL_CONFIGS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        intermediate_size=128, tie_word_embeddings=False,
+                        max_position_embeddings=2048),
+    "small": ModelConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         intermediate_size=384, tie_word_embeddings=True,
+                         max_position_embeddings=2048),
+    "qwen3-0.6b": ModelConfig(vocab_size=151936, hidden_size=1024, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                              intermediate_size=3072, tie_word_embeddings=True,
+                              max_position_embeddings=40960, torch_dtype="bfloat16"),
+}
+"""Named random-weight models: "tiny" for tests, Qwen3-0.6B shapes for benchmarks."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Everything `AsyncEngine` needs; validated on construction."""
+
+    model: str = "tiny"
+    """A name in MODEL_CONFIGS (random weights from `seed`) or a checkpoint directory."""
+    device: str = "cpu"
+    dtype: str | None = None
+    """Parameter dtype; default: the model config's."""
+    seed: int = 0
+    weight_transfer_backend: str = "ipc"
+    block_size: int = 16
+    num_kv_blocks: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    """Token budget of one step; a prompt (plus tokens so far, on re-prefill) must fit in it."""
+    enable_prefix_caching: bool = True
+    batch_invariant: bool = False
+    """Compute each sequence on its own so its tokens never depend on its batch-mates (and turn
+    prefix caching off, whose cached blocks come from other sequences' computations)."""
+    data_parallel_size: int = 1
+    dp_sync_interval: int = 32
+    step_timeout_s: float = 60.0
+    """Deadline for engine-level waits (pause drains, calls into the engine thread)."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "data_parallel_size", "dp_sync_interval"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.step_timeout_s) and self.step_timeout_s > 0):
+            raise ConfigError("EngineConfig.step_timeout_s must be a positive number")
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the prefix cache is used (never in batch-invariant mode)."""
+        return self.enable_prefix_caching and not self.batch_invariant

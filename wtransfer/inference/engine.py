@@ -1,0 +1,165 @@
+"""`AsyncEngine`: the asyncio front end of the inference engine."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+from wtransfer.errors import TransferTimeout
+from wtransfer.inference.config import EngineConfig
+from wtransfer.inference.core import EngineCore
+from wtransfer.inference.outputs import RequestOutput
+from wtransfer.inference.params import SamplingParams
+from wtransfer.rpc import ReceiverServer
+
+
+class AsyncEngine:
+    """Generate with `generate()`; pause, update weights and resume while requests are live.
+
+    Every call is forwarded to the engine core's thread and handled between two steps.
+    """
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self.core = EngineCore(self.config, self._emit)
+        self._servers: list[ReceiverServer] = []
+
+    def _emit(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is not None:
+            loop, queue = stream
+            loop.call_soon_threadsafe(queue.put_nowait, output)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
+        future = self.core.call(fn, *args)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"{getattr(fn, '__name__', fn)} did not complete within "
+                                  f"{timeout}s") from None
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None
+                       = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs of one request; leaving the loop early aborts it."""
+        rid = request_id or uuid.uuid4().hex
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[rid] = (asyncio.get_running_loop(), queue)
+        finished = False
+        try:
+            await self._call(self.core.add_request, rid, list(prompt_token_ids),
+                             sampling_params or SamplingParams())
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self.core.call(self.core.abort, [rid])
+
+    async def abort_requests(self, request_ids: list[str] | None = None) -> int:
+        """Abort the given requests (all when None); returns how many were live."""
+        return int(await self._call(self.core.abort, request_ids))
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pause: "abort" ends live requests, "wait" lets them finish first, "keep" freezes
+        them to continue after resume. New requests wait until `resume_generation`."""
+        held: Future[None] = await self._call(self.core.pause, mode, clear_cache,
+                                              timeout=self.config.step_timeout_s)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(held), self.config.step_timeout_s)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"running requests did not finish within "
+                                  f"{self.config.step_timeout_s}s of a wait-mode pause") from None
+
+    async def resume_generation(self) -> None:
+        """Resume (a no-op when not paused)."""
+        await self._call(self.core.resume, timeout=self.config.step_timeout_s)
+
+    async def is_paused(self) -> bool:
+        """Whether a pause is in effect."""
+        return bool(await self._call(self.core.is_paused))
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Create and initialize the receiver of the configured backend."""
+        await self._call(self.core.init_weight_transfer_engine, init_info)
+
+    async def start_weight_update(self) -> None:
+        """Open a weight update (the engine must be paused or idle)."""
+        await self._call(self.core.start_weight_update)
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive one part of the update."""
+        await self._call(self.core.update_weights, update_info)
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Complete the update; `weight_version` labels the tokens produced from now on."""
+        await self._call(self.core.finish_weight_update, weight_version)
+
+    async def update_weight_version(self, version: str) -> None:
+        """Relabel the current weights."""
+        await self._call(self.core.update_weight_version, version)
+
+    async def get_weight_version(self) -> str:
+        """The current weight label ("default" until the first update)."""
+        return str(await self._call(lambda: self.core.weight_version))
+
+    async def fingerprint(self) -> dict[str, str]:
+        """Per-tensor digest of the served weights."""
+        return dict(await self._call(self.core.fingerprint))
+
+    async def stats(self) -> dict[str, Any]:
+        """Engine counters."""
+        return dict(await self._call(self.core.stats))
+
+    def serve_rpc(self, address: str = "tcp://127.0.0.1:0") -> str:
+        """Serve the weight-sync calls at `address` for an `RPCClient`; returns the address."""
+        server = ReceiverServer(EngineSyncClient(self.core), address).start()
+        self._servers.append(server)
+        return server.address
+
+    def shutdown(self) -> None:
+        """Stop serving, abort live requests, stop the engine thread."""
+        for server in self._servers:
+            server.close()
+        self._servers = []
+        self.core.shutdown()
+
+
+class EngineSyncClient:
+    """A `WeightSyncClient` (blocking) over an engine core, for RPC serving."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.core.call(fn, *args).result()
+
+    @property
+    def weight_version(self) -> str:
+        """The engine's current weight label."""
+        return self.core.weight_version
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Forwarded to the engine thread."""
+        self._run(self.core.init_weight_transfer_engine, init_info)
+
+    def start_weight_update(self) -> None:
+        """Forwarded to the engine thread."""
+        self._run(self.core.start_weight_update)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Forwarded to the engine thread."""
+        self._run(self.core.update_weights, update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Forwarded to the engine thread."""
+        self._run(self.core.finish_weight_update, weight_version)
+
+    def fingerprint(self) -> dict[str, str]:
+        """Forwarded to the engine thread."""
+        return dict(self._run(self.core.fingerprint))

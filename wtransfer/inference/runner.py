@@ -1,0 +1,95 @@
+"""Runs the model over a scheduled batch against the paged KV cache, then samples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from wtransfer.inference.config import EngineConfig
+from wtransfer.inference.model import AttentionBatch, Qwen3ForCausalLM, Segment
+from wtransfer.inference.params import SamplingParams
+from wtransfer.inference.sequence import Sequence
+
+
+class ModelRunner:
+    """Owns the KV cache tensors; `run(seqs)` computes each sequence's new tokens and returns
+    one (token, logprob) per sequence."""
+
+    def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig) -> None:
+        self.model = model
+        self.config = config
+        cfg = model.config
+        param = next(model.parameters())
+        slots = config.num_kv_blocks * config.block_size
+        shape = (slots, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv = [(torch.zeros(shape, dtype=param.dtype, device=param.device),
+                    torch.zeros(shape, dtype=param.dtype, device=param.device))
+                   for _ in range(cfg.num_hidden_layers)]
+        self.device = param.device
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        bs = self.config.block_size
+        table = seq.block_table
+        return torch.tensor([table[p // bs] * bs + p % bs for p in range(start, end)],
+                            dtype=torch.long, device=self.device)
+
+    @torch.no_grad()
+    def _forward(self, seqs: Seq[Sequence]) -> torch.Tensor:
+        ids: list[int] = []
+        segments = []
+        last_rows = []
+        for seq in seqs:
+            start, end = seq.num_computed, len(seq)
+            row = len(ids)
+            ids += seq.tokens[start:end]
+            context = self._slots(seq, 0, end)
+            segments.append(Segment(row, len(ids), context[start:end], context,
+                                    torch.arange(start, end, device=self.device)))
+            last_rows.append(len(ids) - 1)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
+                            AttentionBatch(self.kv, segments))
+        return self.model.logits(hidden[last_rows])
+
+    def run(self, seqs: Seq[Sequence]) -> list[tuple[int, float]]:
+        """Compute and sample; in batch-invariant mode each sequence runs alone."""
+        if self.config.batch_invariant:
+            logits = torch.cat([self._forward([s]) for s in seqs])
+        else:
+            logits = self._forward(seqs)
+        return [self._sample(row, seq) for row, seq in zip(logits, seqs, strict=True)]
+
+    def _sample(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, float]:
+        params: SamplingParams = seq.params
+        if params.temperature == 0:
+            token = int(torch.argmax(logits))
+            return token, float(torch.log_softmax(logits, -1)[token])
+        scaled = logits / params.temperature
+        logprobs = torch.log_softmax(scaled, -1)
+        probs = _filter(logprobs.exp(), params.top_k, params.top_p)
+        generator = None
+        if params.seed is not None:
+            generator = self._generators.get(seq.request_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+                self._generators[seq.request_id] = generator
+        token = int(torch.multinomial(probs, 1, generator=generator))
+        return token, float(logprobs[token])
+
+    def forget(self, request_id: str) -> None:
+        """Drop per-request sampling state of a finished request."""
+        self._generators.pop(request_id, None)
+
+
+def _filter(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k and top_k < probs.numel():
+        kth = torch.topk(probs, top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, 0) / sorted_probs.sum()
+        drop = cumulative - sorted_probs / sorted_probs.sum() >= top_p
+        sorted_probs[drop] = 0
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return probs

@@ -1,0 +1,122 @@
+"""Continuous batching with pause states (torch-free).
+
+Each step: running sequences decode first (FCFS); if a block is missing, the newest running
+sequence is preempted (its blocks freed, recomputed later); then waiting sequences are
+admitted (whole prefills, FCFS) while the token budget, `max_num_seqs` and free blocks allow.
+
+Pause states: UNPAUSED schedules everything; PAUSED_NEW finishes running sequences but admits
+nothing; PAUSED_ALL schedules nothing (token budget zero).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+
+from wtransfer.errors import ConfigError
+from wtransfer.inference.block_manager import BlockManager
+from wtransfer.inference.sequence import Sequence, SeqStatus
+
+
+class PauseState(enum.Enum):
+    """What the scheduler may run."""
+
+    UNPAUSED = "unpaused"
+    PAUSED_NEW = "paused_new"
+    PAUSED_ALL = "paused_all"
+
+
+class Scheduler:
+    """Decides which sequences compute how many tokens in the next step."""
+
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.state = PauseState.UNPAUSED
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; refuse one that could never run."""
+        longest = len(seq.prompt) + seq.params.max_tokens
+        if len(seq.prompt) + seq.params.max_tokens - 1 > self.budget:
+            raise ConfigError(f"prompt ({len(seq.prompt)}) + max_tokens "
+                              f"({seq.params.max_tokens}) exceeds max_num_batched_tokens "
+                              f"({self.budget}): a re-prefill could not fit one step")
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if longest > min(capacity, self.max_model_len):
+            raise ConfigError(f"prompt + max_tokens = {longest} exceeds the KV cache "
+                              f"({capacity} tokens) or the model length ({self.max_model_len})")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        """Whether a step would compute anything."""
+        if self.state is PauseState.PAUSED_ALL:
+            return False
+        return bool(self.running) or (bool(self.waiting) and self.state is PauseState.UNPAUSED)
+
+    def schedule(self) -> list[Sequence]:
+        """The sequences of the next step; each computes its `num_new` tokens."""
+        if self.state is PauseState.PAUSED_ALL:
+            return []
+        batch: list[Sequence] = []
+        budget = self.budget
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if not self._make_room(seq):
+                break
+            batch.append(seq)
+            budget -= seq.num_new
+            i += 1
+        if self.state is PauseState.UNPAUSED:
+            while self.waiting and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                if len(seq) > budget or not self.blocks.allocate(seq):
+                    break
+                self.waiting.popleft()
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                batch.append(seq)
+                budget -= seq.num_new
+        return batch
+
+    def _make_room(self, seq: Sequence) -> bool:
+        while not self.blocks.grow(seq):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it re-prefills (prompt + output) when readmitted."""
+        self.blocks.free(seq)
+        self.running.remove(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def preempt_all(self) -> None:
+        """Move every running sequence back to the front of the queue, in arrival order."""
+        for seq in sorted(self.running, key=lambda s: s.arrival, reverse=True):
+            self.preempt(seq)
+
+    def finish(self, seq: Sequence, reason: str | None = None) -> None:
+        """End a sequence (running or waiting) and release its blocks."""
+        if reason is not None:
+            seq.finish_reason = reason
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def all_sequences(self) -> list[Sequence]:
+        """Running then waiting sequences."""
+        return [*self.running, *self.waiting]

@@ -1,0 +1,73 @@
+"""A request's state inside the engine (torch-free)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from wtransfer.inference.outputs import CompletionOutput, RequestOutput, WeightVersionSpan
+from wtransfer.inference.params import SamplingParams
+
+_arrivals = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    """Where a sequence is."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Prompt, generated tokens, KV bookkeeping and weight-version spans of one request."""
+
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.prompt = list(prompt)
+        self.params = params
+        self.output: list[int] = []
+        self.logprobs: list[float] = []
+        self.spans: list[list[object]] = []  # [version, start, end]
+        self.status = SeqStatus.WAITING
+        self.finish_reason: str | None = None
+        self.block_table: list[int] = []
+        self.num_computed = 0
+        """Tokens whose K/V are in the cache."""
+        self.arrival = next(_arrivals)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt followed by the output so far."""
+        return self.prompt + self.output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def num_new(self) -> int:
+        """Tokens to compute in the next step (all uncached ones)."""
+        return len(self) - self.num_computed
+
+    def append(self, token: int, logprob: float, version: str) -> None:
+        """Record a sampled token and the weight version that produced it."""
+        index = len(self.output)
+        self.output.append(token)
+        self.logprobs.append(logprob)
+        if self.spans and self.spans[-1][0] == version and self.spans[-1][2] == index:
+            self.spans[-1][2] = index + 1
+        else:
+            self.spans.append([version, index, index + 1])
+        if token in self.params.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output) >= self.params.max_tokens:
+            self.finish_reason = "length"
+
+    def to_output(self) -> RequestOutput:
+        """The cumulative `RequestOutput`."""
+        spans = [WeightVersionSpan(str(v), int(s), int(e))  # type: ignore[call-overload]
+                 for v, s, e in self.spans]
+        completion = CompletionOutput(0, list(self.output), list(self.logprobs),
+                                      self.finish_reason, spans)
+        return RequestOutput(self.request_id, list(self.prompt), [completion],
+                             self.status is SeqStatus.FINISHED)
