@@ -24,7 +24,8 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop,
+                                       asyncio.Queue[RequestOutput]]] = {}
         self.core = EngineCore(self.config, self._emit)
         self._servers: list[ReceiverServer] = []
 

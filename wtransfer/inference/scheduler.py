@@ -15,7 +15,7 @@ from collections import deque
 
 from wtransfer.errors import ConfigError
 from wtransfer.inference.block_manager import BlockManager
-from wtransfer.inference.sequence import Sequence, SeqStatus
+from wtransfer.inference.sequence import SeqStatus, Sequence
 
 
 class PauseState(enum.Enum):

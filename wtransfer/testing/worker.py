@@ -51,7 +51,12 @@ def model_metas(name: str) -> list[TensorMeta]:
 
 
 def build(name: str, seed: int, device: str, fill: str = "random") -> nn.Module:
-    """Build model `name` filled from `seed` on `device`."""
+    """Build model `name` filled from `seed` on `device`; ``llm:NAME`` is the inference
+    engine's own model (`wtransfer.inference.load_model`)."""
+    if name.startswith("llm:"):
+        from wtransfer.inference.model import load_model
+
+        return load_model(name[4:], device=device, seed=seed)
     return build_module(model_metas(name), seed, device, fill=fill)
 
 

@@ -1,0 +1,113 @@
+"""Scheduler and block manager, without torch: batching, prefix cache, preemption, pauses."""
+
+import sys
+
+import pytest
+
+from wtransfer.errors import ConfigError
+from wtransfer.inference.block_manager import BlockManager
+from wtransfer.inference.params import SamplingParams
+from wtransfer.inference.scheduler import PauseState, Scheduler
+from wtransfer.inference.sequence import SeqStatus, Sequence
+
+
+def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, prefix=True):
+    blocks = BlockManager(num_blocks, block_size, prefix)
+    return Scheduler(blocks, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                     max_model_len=1024), blocks
+
+
+def step(sched, token=7):
+    """Pretend the model ran: each scheduled sequence gets one token."""
+    batch = sched.schedule()
+    for seq in batch:
+        seq.append(token, 0.0, "v")
+        seq.num_computed = len(seq) - 1
+        sched.blocks.commit(seq)
+        if seq.finish_reason:
+            sched.finish(seq)
+    return batch
+
+
+def test_scheduler_module_imports_no_torch():
+    import subprocess
+    code = ("import sys, wtransfer.inference.scheduler, wtransfer.inference.block_manager; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    # the package __init__ pulls torch in through wtransfer; the modules themselves must not
+    for mod in ("scheduler", "block_manager", "sequence", "params", "outputs"):
+        with open(f"wtransfer/inference/{mod}.py") as f:
+            src = f.read()
+        assert "import torch" not in src, mod
+    assert out.returncode == 0
+
+
+def test_continuous_batching_admits_fcfs_under_the_token_budget():
+    sched, _ = make(budget=10)
+    seqs = [Sequence(f"r{i}", [1, 2, 3, 4], SamplingParams(max_tokens=3)) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    first = sched.schedule()
+    assert [s.request_id for s in first] == ["r0", "r1"]  # 4 + 4 tokens fit, the third doesn't
+    for s in first:
+        s.append(9, 0.0, "v")
+        s.num_computed = len(s) - 1
+    second = sched.schedule()
+    # decodes first (2 tokens), then admit FCFS while the budget lasts (4 + 4)
+    assert [s.request_id for s in second] == ["r0", "r1", "r2", "r3"]
+
+
+def test_prefix_cache_reuses_blocks_of_a_shared_prefix():
+    sched, blocks = make()
+    a = Sequence("a", [*list(range(12)), 50], SamplingParams(max_tokens=1))
+    sched.add(a)
+    step(sched)
+    b = Sequence("b", [*list(range(12)), 60], SamplingParams(max_tokens=1))
+    sched.add(b)
+    sched.schedule()
+    assert blocks.hits == 3 and b.num_computed == 12 and b.num_new == 1
+    blocks.reset_prefix_cache()
+    c = Sequence("c", [*list(range(12)), 70], SamplingParams(max_tokens=1))
+    sched.add(c)
+    sched.schedule()
+    assert c.num_computed == 0
+
+
+def test_running_out_of_blocks_preempts_the_newest_and_recomputes_it():
+    sched, blocks = make(num_blocks=4, block_size=4)
+    a = Sequence("a", [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=8))
+    b = Sequence("b", [9, 9, 9, 9, 9, 9, 9], SamplingParams(max_tokens=8))
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # both admitted: 2 blocks each, pool full
+    step(sched)
+    step(sched)  # a reaches 9 tokens and needs a third block: b (newest) is preempted
+    assert sched.preemptions >= 1 and b.status is SeqStatus.WAITING and b.num_computed == 0
+    while sched.running or sched.waiting:
+        step(sched)
+    assert a.finish_reason == b.finish_reason == "length"
+    assert len(b.output) == 8 and blocks.num_free == 4
+
+
+def test_pause_states_gate_scheduling():
+    sched, _ = make()
+    running = Sequence("run", [1, 2], SamplingParams(max_tokens=5))
+    sched.add(running)
+    step(sched)
+    queued = Sequence("new", [3, 4], SamplingParams(max_tokens=5))
+    sched.add(queued)
+    sched.state = PauseState.PAUSED_NEW
+    assert [s.request_id for s in sched.schedule()] == ["run"]
+    sched.state = PauseState.PAUSED_ALL
+    assert sched.schedule() == [] and not sched.has_work()
+    sched.state = PauseState.UNPAUSED
+    assert {s.request_id for s in sched.schedule()} == {"run", "new"}
+
+
+def test_requests_that_could_never_run_are_refused():
+    sched, _ = make(num_blocks=2, block_size=4, budget=100)
+    with pytest.raises(ConfigError, match="exceeds the KV cache"):
+        sched.add(Sequence("x", [1] * 6, SamplingParams(max_tokens=5)))
+    sched2, _ = make(budget=8)
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        sched2.add(Sequence("y", [1] * 6, SamplingParams(max_tokens=5)))
