@@ -8,7 +8,7 @@ The public surface: the backend registry (`Backend`, `register_backend`, `get_ba
 """
 
 from wtransfer import errors, rpc, wire
-from wtransfer.clients import FanoutClient, LocalClient, WeightSyncClient
+from wtransfer.clients import FanoutClient, HTTPClient, LocalClient, WeightSyncClient
 from wtransfer.engine import (
     ReceiverInitInfo,
     TrainerInitInfo,
@@ -37,6 +37,7 @@ __all__ = [
     "Backend",
     "BackendInfo",
     "FanoutClient",
+    "HTTPClient",
     "LocalClient",
     "ModuleSource",
     "ModuleTarget",

@@ -31,6 +31,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     bucket_mb=args.bucket_mb, checksum=args.checksum)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the HTTP server over an inference engine."""
+    import os
+
+    import uvicorn
+
+    from wtransfer.inference import AsyncEngine, EngineConfig
+    from wtransfer.inference.server import build_app
+
+    engine = AsyncEngine(EngineConfig(model=args.model, device=args.device,
+                                      weight_transfer_backend=args.weight_transfer_backend,
+                                      data_parallel_size=args.data_parallel_size,
+                                      batch_invariant=args.batch_invariant, seed=args.seed))
+    app = build_app(engine, dev_mode=args.dev_mode,
+                    api_key=args.api_key or os.environ.get("WTRANSFER_API_KEY"))
+
+    class GracefulServer(uvicorn.Server):
+        """On SIGTERM/SIGINT, abort live requests first so every client gets an answer
+        (finish_reason "abort") before connections close."""
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            engine.core.call(engine.core.abort, None)
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                  timeout_graceful_shutdown=30)).run()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `wtransfer` command."""
     parser = argparse.ArgumentParser(prog="wtransfer", description=__doc__)
@@ -45,6 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--bucket-mb", type=int, default=32)
     demo.add_argument("--checksum", action="store_true")
     demo.set_defaults(func=cmd_demo)
+    serve = sub.add_parser("serve", help="serve an inference engine over HTTP")
+    serve.add_argument("--model", default="tiny", help="tiny, small, qwen3-0.6b or a "
+                                                       "checkpoint directory")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--dev-mode", action="store_true",
+                       help="enable pause/resume and weight-update endpoints")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
+                                                       "(or set WTRANSFER_API_KEY)")
+    serve.add_argument("--weight-transfer-backend", default="ipc")
+    serve.add_argument("--data-parallel-size", type=int, default=1)
+    serve.add_argument("--batch-invariant", action="store_true")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

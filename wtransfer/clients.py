@@ -68,6 +68,107 @@ class LocalClient:
         return self.engine.target.fingerprint()
 
 
+class HTTPClient:
+    """A `WeightSyncClient` (plus pause/resume/version calls) for a `wtransfer serve` server.
+
+    Init and update infos travel as msgpack (they may hold bytes such as IPC handles); every
+    other body is JSON. Error replies become `PeerError` carrying the server's error type; a
+    request past `timeout` becomes `TransferTimeout`.
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0) -> None:
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self.timeout = timeout
+
+    def _request(self, method: str, path: str, *, json_body: Any = None, packed: Any = None,
+                 params: dict[str, str] | None = None) -> Any:
+        import httpx
+
+        from wtransfer import wire
+
+        kwargs: dict[str, Any] = {"params": params}
+        if packed is not None:
+            kwargs.update(content=wire.encode(packed),
+                          headers={"Content-Type": "application/msgpack"})
+        elif json_body is not None:
+            kwargs["json"] = json_body
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TimeoutException:
+            raise TransferTimeout(f"{method} {self.base_url}{path}: no answer within "
+                                  f"{self.timeout:g}s") from None
+        except httpx.TransportError as exc:
+            raise PeerError(f"{method} {self.base_url}{path}: cannot reach the server: "
+                            f"{exc}") from None
+        if response.status_code >= 400:
+            try:
+                detail = response.json()
+            except ValueError:
+                detail = {"error": "HTTPError", "message": response.text[:500]}
+            kind = str(detail.get("error", "HTTPError"))
+            raise PeerError(f"{method} {path} -> {response.status_code} {kind}: "
+                            f"{detail.get('message', detail)}", remote_type=kind)
+        return response.json()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """POST /init_weight_transfer_engine."""
+        self._request("POST", "/init_weight_transfer_engine", packed={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        """POST /start_weight_update."""
+        self._request("POST", "/start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """POST /update_weights (msgpack body)."""
+        self._request("POST", "/update_weights", packed={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """POST /finish_weight_update."""
+        self._request("POST", "/finish_weight_update", json_body={"weight_version": weight_version})
+
+    def fingerprint(self) -> dict[str, str]:
+        """GET /weight_fingerprint."""
+        return dict(self._request("GET", "/weight_fingerprint")["fingerprint"])
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """POST /pause."""
+        self._request("POST", "/pause", params={"mode": mode,
+                                                "clear_cache": str(clear_cache).lower()})
+
+    def resume(self) -> None:
+        """POST /resume."""
+        self._request("POST", "/resume")
+
+    def is_paused(self) -> bool:
+        """GET /is_paused."""
+        return bool(self._request("GET", "/is_paused")["is_paused"])
+
+    def update_weight_version(self, new_version: str) -> None:
+        """POST /update_weight_version."""
+        self._request("POST", "/update_weight_version", json_body={"new_version": new_version})
+
+    def get_weight_version(self) -> str:
+        """GET /weight_info."""
+        return str(self._request("GET", "/weight_info")["weight_version"])
+
+    def generate(self, token_ids: list[int], **sampling: Any) -> dict[str, Any]:
+        """POST /inference/v1/generate (non-streaming); returns the response body."""
+        return dict(self._request("POST", "/inference/v1/generate",
+                                  json_body={"token_ids": token_ids,
+                                             "sampling_params": sampling}))
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __repr__(self) -> str:
+        return f"HTTPClient({self.base_url!r})"
+
+
 class FanoutClient:
     """Sends every call to each client concurrently; a failure names the instance.
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
-from wtransfer.errors import TransferTimeout
+from wtransfer.errors import ConfigError, TransferTimeout
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.core import EngineCore
 from wtransfer.inference.outputs import RequestOutput
@@ -24,6 +24,9 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
+        if self.config.data_parallel_size != 1:
+            raise ConfigError("data_parallel_size > 1 is not implemented yet; run one engine "
+                              "per replica behind a load balancer and use FanoutClient")
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop,
                                        asyncio.Queue[RequestOutput]]] = {}
         self.core = EngineCore(self.config, self._emit)

@@ -1,0 +1,202 @@
+"""The HTTP server in a real subprocess, driven over real sockets."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+import wtransfer
+import wtransfer.inference
+from wtransfer.errors import PeerError
+
+KEY = "s3cret"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *flags):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "wtransfer", "serve", "--model",
+                                      "tiny", "--port", str(self.port), *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        headers = {"Authorization": f"Bearer {KEY}"} if "--api-key" in flags else {}
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(self.url + "/health", headers=headers, timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.1)
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=60)
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=30)
+        return self.proc.stdout.read()
+
+
+@pytest.fixture(scope="module")
+def dev():
+    server = Server("--dev-mode", "--api-key", KEY, "--batch-invariant")
+    yield server
+    server.stop()
+
+
+def test_generate_plain_and_streamed(dev):
+    body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 6, "temperature": 0}}
+    plain = dev.http.post("/inference/v1/generate", json=body).json()
+    choice = plain["choices"][0]
+    assert len(choice["token_ids"]) == 6 and choice["finish_reason"] == "length"
+    assert choice["weight_versions"] == [{"version": "default", "start": 0, "end": 6}]
+    with dev.http.stream("POST", "/inference/v1/generate", json={**body, "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    deltas = [t for e in events[:-2] for t in json.loads(e)["token_ids"]]
+    assert deltas == choice["token_ids"] == json.loads(events[-2])["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("body, status, match", [
+    ("not json", 400, "not valid JSON"),
+    ({"token_ids": []}, 400, "non-empty"),
+    ({"token_ids": [1, -2]}, 400, "non-negative"),
+    ({"token_ids": "abc"}, 400, "must be list"),
+    ({"token_ids": [1], "sampling_params": {"temperature": "hot"}}, 400, "temperature"),
+    ({"token_ids": [1], "sampling_params": {"max_tokens": 0}}, 400, "max_tokens"),
+    ({"token_ids": [999999]}, 400, "token ids must be"),
+])
+def test_bad_generate_input_is_a_4xx_that_says_what_to_fix(dev, body, status, match):
+    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+    r = dev.http.post("/inference/v1/generate", **kwargs)
+    assert r.status_code == status and match in r.json()["message"]
+
+
+def test_dev_endpoints_and_their_errors(dev):
+    h = dev.http
+    assert h.get("/is_paused").json() == {"is_paused": False}
+    assert h.post("/pause", params={"mode": "freeze"}).status_code == 400
+    assert h.post("/pause", params={"mode": "keep", "clear_cache": "maybe"}).status_code == 400
+    assert h.post("/pause", params={"mode": "keep", "clear_cache": "false"}).status_code == 200
+    assert h.get("/is_paused").json() == {"is_paused": True}
+    assert h.post("/abort_requests", json={}).json() == {"aborted": 0}
+    assert h.post("/abort_requests", json={"request_ids": [1]}).status_code == 400
+    assert h.post("/update_weights", json={"update_info": {}}).status_code == 409
+    assert h.post("/update_weight_version", json={"new_version": "v8"}).status_code == 200
+    assert h.get("/weight_info").json() == {"weight_version": "v8"}
+    assert h.post("/update_weight_version", json={}).status_code == 400
+    assert len(h.get("/weight_fingerprint").json()["fingerprint"]) > 10
+    assert h.post("/resume").status_code == 200
+    metrics = h.get("/metrics").text
+    assert "wtransfer_paused 0" in metrics and 'version="v8"' in metrics
+
+
+def test_auth_is_required_on_every_route(dev):
+    for path in ("/health", "/weight_info", "/metrics"):
+        assert httpx.get(dev.url + path).status_code == 401
+        assert httpx.get(dev.url + path,
+                         headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+def test_weight_update_from_a_trainer_process_over_http_with_two_spans(dev):
+    import threading
+
+    h = dev.http
+    result = {}
+
+    def generate():
+        result["out"] = h.post("/inference/v1/generate", json={
+            "token_ids": [9, 8, 7], "sampling_params": {"max_tokens": 400, "temperature": 0}},
+            timeout=120).json()
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while "wtransfer_running_requests 1" not in h.get("/metrics").text:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert h.post("/pause", params={"mode": "keep", "clear_cache": "true"}).status_code == 200
+    client = wtransfer.HTTPClient(dev.url, api_key=KEY)
+    model = wtransfer.inference.load_model("tiny", seed=3)
+    with wtransfer.trainer_init(wtransfer_ipc().IPCTrainerInitInfo(bucket_bytes=1 << 16),
+                                client=client, source=wtransfer.ModuleSource(model)) as sender:
+        sender.send_weights(weight_version="http-1")
+    assert h.get("/weight_info").json() == {"weight_version": "http-1"}
+    assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+    h.post("/resume")
+    thread.join(120)
+    spans = result["out"]["choices"][0]["weight_versions"]
+    assert [s["version"] for s in spans] == ["v8", "http-1"] or \
+        [s["version"] for s in spans] == ["default", "http-1"]
+    assert spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 400
+
+
+def wtransfer_ipc():
+    import wtransfer_ipc
+    return wtransfer_ipc
+
+
+def test_http_client_reports_server_errors_with_their_type(dev):
+    client = wtransfer.HTTPClient(dev.url, api_key=KEY)
+    with pytest.raises(PeerError, match="409 LifecycleError") as err:
+        client.update_weights({})
+    assert err.value.remote_type == "LifecycleError"
+    with pytest.raises(PeerError, match="401"):
+        wtransfer.HTTPClient(dev.url).get_weight_version()
+
+
+def test_dev_routes_are_404_without_dev_mode_and_sigterm_aborts_live_requests():
+    import threading
+
+    server = Server()
+    result = {}
+    try:
+        assert server.http.post("/pause").status_code == 404
+        assert server.http.get("/weight_info").status_code == 404
+        assert server.http.get("/health").status_code == 200
+
+        def long_request():
+            result["out"] = server.http.post("/inference/v1/generate", json={
+                "token_ids": [1], "sampling_params": {"max_tokens": 2000}}, timeout=60).json()
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while "wtransfer_running_requests 1" not in server.http.get("/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    finally:
+        log = server.stop()
+    thread.join(30)
+    assert result["out"]["choices"][0]["finish_reason"] == "abort", log
+    assert server.proc.returncode in (0, -signal.SIGTERM)
+
+
+def test_fanout_client_over_two_servers():
+    servers = [Server("--dev-mode"), Server("--dev-mode")]
+    try:
+        fan = wtransfer.FanoutClient([wtransfer.HTTPClient(s.url) for s in servers])
+        model = wtransfer.inference.load_model("tiny", seed=11)
+        with wtransfer.trainer_init(wtransfer_ipc().IPCTrainerInitInfo(bucket_bytes=1 << 16),
+                                    client=fan, source=wtransfer.ModuleSource(model)) as sender:
+            sender.send_weights(weight_version="fan-1")
+        assert fan.fingerprint() == wtransfer.fingerprint(model.state_dict())
+        assert [s.http.get("/weight_info").json()["weight_version"] for s in servers] == \
+            ["fan-1", "fan-1"]
+    finally:
+        for s in servers:
+            s.stop()
+    assert os.environ.get("WTRANSFER_API_KEY") is None
