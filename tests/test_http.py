@@ -70,6 +70,27 @@ def test_generate_plain_and_streamed(dev):
     assert deltas == choice["token_ids"] == json.loads(events[-2])["choices"][0]["token_ids"]
 
 
+def generated_tokens(server) -> int:
+    for line in server.http.get("/metrics").text.splitlines():
+        if line.startswith("wtransfer_generated_tokens_total "):
+            return int(line.split()[1])
+    raise AssertionError("metric missing")
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_request(dev):
+    before = generated_tokens(dev)
+    body = {"token_ids": [5, 5], "stream": True,
+            "sampling_params": {"max_tokens": 1500, "temperature": 0}}
+    with dev.http.stream("POST", "/inference/v1/generate", json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    deadline = time.monotonic() + 60
+    while "wtransfer_running_requests 0" not in dev.http.get("/metrics").text:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert generated_tokens(dev) - before < 1500, "the abandoned request ran to completion"
+
+
 @pytest.mark.parametrize("body, status, match", [
     ("not json", 400, "not valid JSON"),
     ({"token_ids": []}, 400, "non-empty"),

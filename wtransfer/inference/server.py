@@ -158,10 +158,20 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
             last = first
             async for output in outputs:
                 last = output
+                if await request.is_disconnected():
+                    await outputs.aclose()  # aborts the request in the engine
+                    return Response(status_code=499)
             return JSONResponse({"request_id": last.request_id,
                                  "choices": [_choice(c) for c in last.outputs]})
 
         async def events() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in _sse(first):
+                    yield chunk
+            finally:
+                await outputs.aclose()  # a client that went away aborts its request
+
+        async def _sse(first: Any) -> AsyncIterator[bytes]:
             sent, out = 0, first
             while True:
                 tokens = out.outputs[0].token_ids
