@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 import torch
+from engine_helpers import collect as collect_request
 from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
@@ -25,12 +26,7 @@ def run(coro):
 
 
 async def collect(engine, rid, prompt, params=GREEDY, progress=None):
-    last = None
-    async for out in engine.generate(prompt, params, request_id=rid):
-        last = out
-        if progress is not None:
-            progress[rid] = len(out.outputs[0].token_ids)
-    return last
+    return await collect_request(engine, rid, prompt, params, progress)
 
 
 async def until(predicate, timeout=30):

@@ -9,19 +9,12 @@ exactly two spans split at the pause.
 
 import asyncio
 
+from engine_helpers import collect
+
 from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams, WeightVersionSpan
 from wtransfer.testing.processes import spawn_trainer
 
 MAX = 32
-
-
-async def collect(engine, rid, prompt, params, progress=None):
-    last = None
-    async for out in engine.generate(prompt, params, request_id=rid):
-        last = out
-        if progress is not None:
-            progress[rid] = len(out.outputs[0].token_ids)
-    return last
 
 
 def test_midflight_keep_update_matches_a_fresh_engine_with_the_new_weights():
