@@ -1,4 +1,4 @@
-"""The command line: ``wtransfer backends`` and ``wtransfer demo``."""
+"""The command line: ``wtransfer backends | demo | transfer-demo | serve``."""
 
 from __future__ import annotations
 
@@ -24,8 +24,16 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Run the two-process transfer demo (see `wtransfer.demo`)."""
-    from wtransfer.demo import run_demo
+    """Run the async-RL demo (see `wtransfer.rl.demo`)."""
+    from wtransfer.rl.demo import run_rl_demo
+
+    return run_rl_demo(steps=args.steps, backend=args.backend, local=args.local,
+                       lr=args.lr, seed=args.seed, run_dir=args.run_dir)
+
+
+def cmd_transfer_demo(args: argparse.Namespace) -> int:
+    """Run the two-process transfer demo (see `wtransfer.transfer_demo`)."""
+    from wtransfer.transfer_demo import run_demo
 
     return run_demo(backend=args.backend, model=args.model, rounds=args.rounds,
                     bucket_mb=args.bucket_mb, checksum=args.checksum)
@@ -66,14 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("backends", help="list installed backends and whether they can run here") \
         .set_defaults(func=cmd_backends)
-    demo = sub.add_parser("demo", help="push a model's weights into another process and prove "
-                                       "they landed")
+    rl = sub.add_parser("demo", help="async RL: a trainer improves a policy while a server "
+                                     "keeps generating, weights flowing mid-flight")
+    rl.add_argument("--steps", type=int, default=40)
+    rl.add_argument("--backend", default="ipc", help="ipc (default) or nccl")
+    rl.add_argument("--local", action="store_true", help="in-process engine instead of a server")
+    rl.add_argument("--lr", type=float, default=1e-2)
+    rl.add_argument("--seed", type=int, default=0)
+    rl.add_argument("--run-dir", default=None)
+    rl.set_defaults(func=cmd_demo)
+    demo = sub.add_parser("transfer-demo", help="push a model's weights into another process "
+                                                "and prove they landed")
     demo.add_argument("--backend", default="ipc")
     demo.add_argument("--model", default="demo", help="demo, mixed, qwen3-0.6b, ...")
     demo.add_argument("--rounds", type=int, default=5)
     demo.add_argument("--bucket-mb", type=int, default=32)
     demo.add_argument("--checksum", action="store_true")
-    demo.set_defaults(func=cmd_demo)
+    demo.set_defaults(func=cmd_transfer_demo)
     serve = sub.add_parser("serve", help="serve an inference engine over HTTP")
     serve.add_argument("--model", default="tiny", help="tiny, small, qwen3-0.6b or a "
                                                        "checkpoint directory")

@@ -172,6 +172,27 @@ class Qwen3ForCausalLM(nn.Module):
         """Vocabulary logits (float32) of hidden states."""
         return self.lm_head(hidden).float()
 
+    def sequence_logits(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """Logits at every position of each full sequence, differentiable (for training):
+        the same attention code as serving, over a scratch KV cache."""
+        device = self.model.embed_tokens.weight.device
+        total = sum(len(s) for s in sequences)
+        cfg = self.config
+        shape = (total, cfg.num_key_value_heads, cfg.head_dim)
+        dtype = self.model.embed_tokens.weight.dtype
+        kv = [(torch.zeros(shape, dtype=dtype, device=device),
+               torch.zeros(shape, dtype=dtype, device=device))
+              for _ in range(cfg.num_hidden_layers)]
+        segments, start = [], 0
+        for seq in sequences:
+            slots = torch.arange(start, start + len(seq), device=device)
+            segments.append(Segment(start, start + len(seq), slots, slots,
+                                    torch.arange(len(seq), device=device)))
+            start += len(seq)
+        flat = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
+        logits = self.logits(self(flat, AttentionBatch(kv, segments)))
+        return [logits[seg.start : seg.end] for seg in segments]
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in place; fused ``qkv_proj``/``gate_up_proj`` are split."""

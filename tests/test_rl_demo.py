@@ -1,0 +1,29 @@
+"""The main job in a reduced configuration: validation passes, versions advance every step."""
+
+import json
+
+import pytest
+
+from wtransfer.rl.demo import run_rl_demo
+from wtransfer.rl.task import ChainParityTask
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["http-server", "local-engine"])
+def test_reduced_demo_validates_and_labels_every_update(tmp_path, local, capsys):
+    code = run_rl_demo(steps=3, local=local, prompts_per_step=4, group=4,
+                       run_dir=str(tmp_path))
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["summary"]["validation_passed"] is True
+    assert [s["version"] for s in metrics["steps"]] == ["step-0", "step-1", "step-2"]
+    assert (tmp_path / "rl.png").stat().st_size > 10_000
+    assert "mid-flight keep requests checked against a fresh engine: 6, mismatches: 0" in printed
+
+
+def test_chain_parity_reward_is_exact():
+    task = ChainParityTask(vocab_size=256)
+    assert task.reward([3], [200, 10, 11]) == 1.0   # odd→high, even→low, even→low
+    assert task.reward([3], [10, 200, 11]) == pytest.approx(1 / 3)  # only 11 after 200
+    assert task.reward([4], [10, 11, 250]) == 1.0
+    assert task.reward([4], []) == 0.0

@@ -1,0 +1,244 @@
+"""`wtransfer demo`: an async-RL run on one machine, with weights flowing mid-flight.
+
+The trainer (this process) improves a tiny decoder with a GRPO-style objective on a verifiable
+task while an inference server (`wtransfer serve --dev-mode` in a child process, or an
+in-process engine with --local) keeps generating. Generation of step k+1 overlaps training on
+step k; after each step the trainer pauses the server with keep, sends the weights
+(`weight_version=f"step-{k}"`) and resumes. At the end two checks decide the exit code:
+mid-flight keep requests (clear_cache, batch-invariant) must match a fresh engine holding the
+final weights token for token, and the trainer's and server's fingerprints must be equal.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wtransfer.fingerprint import fingerprint
+from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams, load_model
+from wtransfer.registry import get_backend, trainer_init
+from wtransfer.rl.grpo import Rollout, grpo_step
+from wtransfer.rl.servers import HTTPPolicyServer, LocalPolicyServer, Stream
+from wtransfer.rl.task import ChainParityTask
+from wtransfer.source import ModuleSource
+
+MODEL = "tiny"
+VALIDATION_TOKENS = 16
+
+
+@dataclass
+class StepRecord:
+    """What one RL step did."""
+
+    step: int
+    reward: float
+    transfer_ms: float
+    gbps: float
+    paused_ms: float
+    inflight: int
+    straddled: int
+    train_ms: float
+    version: str
+    """The server's weight version after the step's update."""
+
+
+def _init_info(backend: str) -> Any:
+    cls = get_backend(backend).sender_class().init_info_cls
+    if backend == "nccl":
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return cls(master_address="127.0.0.1", master_port=port, world_size=2,
+                   bucket_bytes=1 << 20)
+    return cls(bucket_bytes=1 << 20)
+
+
+def _rollouts(prompts: list[list[int]], choices: list[dict[str, Any]], group: int,
+              task: ChainParityTask) -> list[Rollout]:
+    out = []
+    for i, choice in enumerate(choices):
+        prompt = prompts[i // group]
+        out.append(Rollout(prompt, choice["token_ids"], choice["logprobs"],
+                           [(v["version"], v["start"], v["end"])
+                            for v in choice["weight_versions"]],
+                           task.reward(prompt, choice["token_ids"])))
+    return out
+
+
+def _print_row(r: StepRecord) -> None:
+    print(f"{r.step:>5} {r.reward:>7.3f} {r.transfer_ms:>12.2f} {r.gbps:>7.3f} "
+          f"{r.paused_ms:>10.2f} {r.inflight:>9} {r.straddled:>10} {r.train_ms:>9.1f}",
+          flush=True)
+
+
+def _validate(server: Any, trainer: torch.nn.Module, streams: list[tuple[list[int], Stream]]
+              ) -> tuple[bool, list[str]]:
+    """Post-pause tokens of the mid-flight requests against a fresh engine with the final
+    weights; then fingerprints."""
+    problems: list[str] = []
+    fresh = AsyncEngine(EngineConfig(model=MODEL, batch_invariant=True))
+    fresh.core.call(fresh.core.model.load_state_dict, trainer.state_dict()).result()
+
+    async def reference(prompt: list[int], max_tokens: int) -> list[int]:
+        last = None
+        async for out in fresh.generate(prompt, SamplingParams(max_tokens=max_tokens,
+                                                               temperature=0.0)):
+            last = out
+        assert last is not None
+        return last.outputs[0].token_ids
+
+    import asyncio
+
+    checked = 0
+    for prompt, handle in streams:
+        choice = handle.result.result(timeout=120)
+        spans = choice["weight_versions"]
+        if len(spans) != 2:
+            problems.append(f"expected 2 weight-version spans, got {spans}")
+            continue
+        pre = spans[0]["end"]
+        tokens = choice["token_ids"]
+        want = asyncio.run(reference(prompt + tokens[:pre], VALIDATION_TOKENS - pre))
+        if want != tokens[pre:]:
+            problems.append(f"post-pause tokens {tokens[pre:]} != fresh engine {want}")
+        checked += 1
+    fresh.shutdown()
+    if fingerprint(trainer.state_dict()) != server.client.fingerprint():
+        problems.append("trainer and server fingerprints differ")
+    print(f"  mid-flight keep requests checked against a fresh engine: {checked}, "
+          f"mismatches: {sum('post-pause' in p for p in problems)}")
+    return not problems, problems
+
+
+def _plot(records: list[StepRecord], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    steps = [r.step for r in records]
+    ax1.plot(steps, [r.reward for r in records], marker="o", color="tab:green")
+    ax1.set(xlabel="step", ylabel="mean reward", title="reward per step", ylim=(0, 1.05))
+    ax1.axhline(0.5, color="grey", linestyle=":", label="random policy")
+    ax1.legend(loc="lower right")
+    ax2.bar(steps, [r.transfer_ms for r in records], color="tab:blue", label="transfer")
+    ax2.plot(steps, [r.paused_ms for r in records], color="tab:orange", marker=".",
+             label="paused (pause+transfer+resume)")
+    ax2.set(xlabel="step", ylabel="ms", title="weight update time per step")
+    ax2.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
+                prompts_per_step: int = 8, group: int = 8, max_tokens: int = 8,
+                lr: float = 1e-2, seed: int = 0, run_dir: str | None = None) -> int:
+    """Run the demo; returns the exit code (0 when both validations passed)."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    started = time.perf_counter()
+    out_dir = Path(run_dir or f"runs/rl-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    where = "in-process engine" if local else "wtransfer serve (child process, HTTP)"
+    print(f"wtransfer demo: async GRPO on chain-parity, {steps} steps, backend={backend}, "
+          f"server={where}")
+    server: Any = (LocalPolicyServer if local else HTTPPolicyServer)(
+        model=MODEL, seed=0, backend=backend)
+    try:
+        trainer = load_model(MODEL, seed=0)
+        task = ChainParityTask(trainer.config.vocab_size)
+        if fingerprint(trainer.state_dict()) != server.client.fingerprint():
+            raise RuntimeError("trainer and server do not start from the same policy")
+        optimizer = torch.optim.AdamW(trainer.parameters(), lr=lr)
+        sender = trainer_init(_init_info(backend), client=server.client,
+                              source=ModuleSource(trainer))
+        sample = {"max_tokens": max_tokens, "temperature": 1.0}
+
+        def submit() -> tuple[list[list[int]], list[Any]]:
+            prompts = task.prompts(prompts_per_step, rng)
+            futures = [server.generate([p], {**sample, "seed": rng.randrange(1 << 31)})[0]
+                       for p in prompts for _ in range(group)]
+            return prompts, futures
+
+        print(f"{'step':>5} {'reward':>7} {'transfer ms':>12} {'GB/s':>7} {'paused ms':>10} "
+              f"{'in-flight':>9} {'straddled':>10} {'train ms':>9}")
+        records: list[StepRecord] = []
+        streams: list[tuple[list[int], Stream]] = []
+        pending = submit()
+        for step in range(steps):
+            prompts, futures = pending
+            choices = [f.result(timeout=300) for f in futures]
+            pending = submit()  # generation of step k+1 overlaps training on step k
+            rollouts = _rollouts(prompts, choices, group, task)
+            t0 = time.perf_counter()
+            grpo_step(trainer, optimizer, rollouts, group)
+            train_ms = (time.perf_counter() - t0) * 1e3
+            if step == steps - 1:  # mid-flight validation requests straddle the last update
+                greedy = {"max_tokens": VALIDATION_TOKENS, "temperature": 0.0}
+                streams = [(p, server.stream(p, greedy)) for p in task.prompts(6, rng)]
+                deadline = time.monotonic() + 120
+                while any(h.tokens < 3 for _, h in streams):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("validation requests made no progress")
+                    time.sleep(0.002)
+            inflight = server.inflight()
+            t0 = time.perf_counter()
+            server.pause("keep", clear_cache=True)
+            stats = sender.send_weights(weight_version=f"step-{step}")
+            server.resume()
+            paused_ms = (time.perf_counter() - t0) * 1e3
+            straddled = sum(len(r.versions) > 1 for r in rollouts)
+            record = StepRecord(step, statistics.fmean(r.reward for r in rollouts),
+                                stats.seconds * 1e3, stats.gbps, paused_ms, inflight,
+                                straddled, train_ms, server.weight_version())
+            records.append(record)
+            _print_row(record)
+        for f in pending[1]:
+            f.result(timeout=300)
+        ok, problems = _validate(server, trainer, streams)
+        sender.shutdown()
+    finally:
+        server.close()
+    return _report(records, ok, problems, out_dir, time.perf_counter() - started)
+
+
+def _report(records: list[StepRecord], ok: bool, problems: list[str], out_dir: Path,
+            wall_s: float) -> int:
+    head = statistics.fmean(r.reward for r in records[:5])
+    tail = statistics.fmean(r.reward for r in records[-5:])
+    summary = {
+        "steps": len(records), "reward_first5": head, "reward_last5": tail,
+        "median_transfer_ms": statistics.median(r.transfer_ms for r in records),
+        "median_gbps": statistics.median(r.gbps for r in records),
+        "median_paused_ms": statistics.median(r.paused_ms for r in records),
+        "straddled_rollouts": sum(r.straddled for r in records),
+        "wall_s": wall_s, "validation_passed": ok, "problems": problems,
+    }
+    (out_dir / "metrics.json").write_text(json.dumps(
+        {"summary": summary, "steps": [asdict(r) for r in records]}, indent=2))
+    _plot(records, out_dir / "rl.png")
+    print()
+    print("  summary")
+    print(f"  {'reward, first 5 steps':<34} {head:.3f}")
+    print(f"  {'reward, last 5 steps':<34} {tail:.3f}")
+    print(f"  {'median transfer ms / GB/s':<34} {summary['median_transfer_ms']:.2f} / "
+          f"{summary['median_gbps']:.3f}")
+    print(f"  {'median paused ms':<34} {summary['median_paused_ms']:.2f}")
+    print(f"  {'rollouts that straddled an update':<34} {summary['straddled_rollouts']}")
+    print(f"  {'wall time':<34} {wall_s:.1f} s")
+    print(f"  {'validation':<34} {'PASSED' if ok else 'FAILED: ' + '; '.join(problems[:3])}")
+    print(f"  run directory: {out_dir}  (rl.png, metrics.json)")
+    sys.stdout.flush()
+    return 0 if ok else 1

@@ -1,0 +1,203 @@
+"""The demo's two ways to reach an engine: `wtransfer serve` over HTTP, or in process.
+
+Both expose the same small surface: `client` (a WeightSyncClient for the sender), `generate`
+(futures of completed choices), `stream` (a request whose progress can be watched), `pause`,
+`resume`, `inflight` and `close`. A choice is the HTTP API's dict: token_ids, logprobs,
+finish_reason, weight_versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from wtransfer.clients import HTTPClient, WeightSyncClient
+from wtransfer.errors import TransferTimeout
+from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams
+from wtransfer.inference.engine import EngineSyncClient
+from wtransfer.inference.outputs import CompletionOutput
+
+
+def _choice(c: CompletionOutput) -> dict[str, Any]:
+    return {"token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+            "weight_versions": [{"version": s.version, "start": s.start, "end": s.end}
+                                for s in c.weight_versions]}
+
+
+class Stream:
+    """A request in flight: `tokens` grows as it streams; `result` is the final choice."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.result: Future[dict[str, Any]] = Future()
+
+
+class HTTPPolicyServer:
+    """`wtransfer serve --dev-mode --batch-invariant` in a child process."""
+
+    def __init__(self, *, model: str, seed: int, backend: str, start_timeout_s: float = 120):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "wtransfer", "serve", "--model", model, "--seed", str(seed),
+             "--port", str(port), "--dev-mode", "--batch-invariant",
+             "--weight-transfer-backend", backend],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.http = httpx.Client(base_url=self.url, timeout=300,
+                                 limits=httpx.Limits(max_connections=256))
+        deadline = time.monotonic() + start_timeout_s
+        while not self._healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"wtransfer serve exited: {self.proc.stderr.read()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"server not healthy within {start_timeout_s}s")
+            time.sleep(0.1)
+        self.client: WeightSyncClient = HTTPClient(self.url)
+        self._pool = ThreadPoolExecutor(max_workers=128, thread_name_prefix="rollout")
+
+    def _healthy(self) -> bool:
+        try:
+            return self.http.get("/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def _post(self, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        body = self.http.post("/inference/v1/generate",
+                              json={"token_ids": prompt, "sampling_params": params})
+        body.raise_for_status()
+        return dict(body.json()["choices"][0])
+
+    def generate(self, prompts: list[list[int]], params: dict[str, Any]
+                 ) -> list[Future[dict[str, Any]]]:
+        """Submit every prompt at once."""
+        return [self._pool.submit(self._post, p, params) for p in prompts]
+
+    def stream(self, prompt: list[int], params: dict[str, Any]) -> Stream:
+        """Submit one streamed request."""
+        handle = Stream()
+
+        def run() -> None:
+            try:
+                with self.http.stream("POST", "/inference/v1/generate", json={
+                        "token_ids": prompt, "sampling_params": params, "stream": True}) as r:
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line[6:])
+                        if "choices" in event:
+                            handle.result.set_result(event["choices"][0])
+                        else:
+                            handle.tokens += len(event["token_ids"])
+            except BaseException as exc:
+                if not handle.result.done():
+                    handle.result.set_exception(exc)
+
+        self._pool.submit(run)
+        return handle
+
+    def pause(self, mode: str, clear_cache: bool) -> None:
+        """POST /pause."""
+        self.http.post("/pause", params={"mode": mode, "clear_cache": str(clear_cache).lower()}
+                       ).raise_for_status()
+
+    def resume(self) -> None:
+        """POST /resume."""
+        self.http.post("/resume").raise_for_status()
+
+    def weight_version(self) -> str:
+        """GET /weight_info."""
+        return str(self.http.get("/weight_info").json()["weight_version"])
+
+    def inflight(self) -> int:
+        """Requests running or waiting in the engine."""
+        count = 0
+        for line in self.http.get("/metrics").text.splitlines():
+            if line.startswith(("wtransfer_running_requests ", "wtransfer_waiting_requests ")):
+                count += int(line.split()[1])
+        return count
+
+    def close(self) -> None:
+        """SIGTERM the server and wait for it."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.http.close()
+
+
+class LocalPolicyServer:
+    """An `AsyncEngine` in this process, on its own event-loop thread."""
+
+    def __init__(self, *, model: str, seed: int, backend: str) -> None:
+        self.engine = AsyncEngine(EngineConfig(model=model, seed=seed, batch_invariant=True,
+                                               weight_transfer_backend=backend,
+                                               max_num_seqs=256))
+        self.client: WeightSyncClient = EngineSyncClient(self.engine.core)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def _submit(self, coro: Any) -> Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _collect(self, prompt: list[int], params: dict[str, Any],
+                       handle: Stream | None = None) -> dict[str, Any]:
+        last = None
+        async for out in self.engine.generate(prompt, SamplingParams(**params)):
+            last = out
+            if handle is not None:
+                handle.tokens = len(out.outputs[0].token_ids)
+        assert last is not None
+        return _choice(last.outputs[0])
+
+    def generate(self, prompts: list[list[int]], params: dict[str, Any]
+                 ) -> list[Future[dict[str, Any]]]:
+        """Submit every prompt at once."""
+        return [self._submit(self._collect(p, params)) for p in prompts]
+
+    def stream(self, prompt: list[int], params: dict[str, Any]) -> Stream:
+        """Submit one request whose progress is visible."""
+        handle = Stream()
+        inner = self._submit(self._collect(prompt, params, handle))
+        inner.add_done_callback(lambda f: handle.result.set_result(f.result())
+                                if f.exception() is None
+                                else handle.result.set_exception(f.exception()))  # type: ignore[arg-type]
+        return handle
+
+    def pause(self, mode: str, clear_cache: bool) -> None:
+        """Pause the engine."""
+        self._submit(self.engine.pause_generation(mode=mode, clear_cache=clear_cache)).result()
+
+    def resume(self) -> None:
+        """Resume the engine."""
+        self._submit(self.engine.resume_generation()).result()
+
+    def weight_version(self) -> str:
+        """The engine's weight label."""
+        return str(self._submit(self.engine.get_weight_version()).result())
+
+    def inflight(self) -> int:
+        """Requests running or waiting in the engine."""
+        stats = self._submit(self.engine.stats()).result()
+        return int(stats["running"] + stats["waiting"])
+
+    def close(self) -> None:
+        """Shut the engine and its loop down."""
+        self.engine.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
