@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -47,7 +47,8 @@ class AsyncEngine:
                                   f"{timeout}s") from None
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None
-                       = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       = None, request_id: str | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Stream cumulative outputs of one request; leaving the loop early aborts it."""
         rid = request_id or uuid.uuid4().hex
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()

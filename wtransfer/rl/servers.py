@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,17 +51,20 @@ class HTTPPolicyServer:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close(); a pipe nobody reads could fill
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "wtransfer", "serve", "--model", model, "--seed", str(seed),
              "--port", str(port), "--dev-mode", "--batch-invariant",
              "--weight-transfer-backend", backend],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=self._log)
         self.http = httpx.Client(base_url=self.url, timeout=300,
                                  limits=httpx.Limits(max_connections=256))
         deadline = time.monotonic() + start_timeout_s
         while not self._healthy():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"wtransfer serve exited: {self.proc.stderr.read()[-2000:]}")
+                self._log.seek(0)
+                err = self._log.read().decode(errors="replace")
+                raise RuntimeError(f"wtransfer serve exited: {err[-2000:]}")
             if time.monotonic() > deadline:
                 raise TransferTimeout(f"server not healthy within {start_timeout_s}s")
             time.sleep(0.1)
@@ -138,6 +142,7 @@ class HTTPPolicyServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.http.close()
+        self._log.close()
 
 
 class LocalPolicyServer:
@@ -176,7 +181,7 @@ class LocalPolicyServer:
         inner = self._submit(self._collect(prompt, params, handle))
         inner.add_done_callback(lambda f: handle.result.set_result(f.result())
                                 if f.exception() is None
-                                else handle.result.set_exception(f.exception()))  # type: ignore[arg-type]
+                                else handle.result.set_exception(f.exception()))
         return handle
 
     def pause(self, mode: str, clear_cache: bool) -> None:
