@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-BACKENDS := $(wildcard backends/*)
+BACKENDS := $(filter-out backends/ucx,$(wildcard backends/*))
+UCX_EXTRA ?= cu12
 STAMP := $(VENV)/.installed
 
 .PHONY: setup test demo lint bench clean
@@ -14,7 +15,8 @@ $(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "setuptools>=68" wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,dev]" $(foreach b,$(BACKENDS),-e $(b))
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,dev]" $(foreach b,$(BACKENDS),-e $(b)) \
+		-e "backends/ucx[$(UCX_EXTRA)]"
 	touch $(STAMP)
 
 test: $(STAMP)

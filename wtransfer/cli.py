@@ -14,7 +14,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
     if not rows:
         print("no backends installed (pip install wtransfer-ipc, wtransfer-nccl, wtransfer-ucx)")
         return 1
-    width = max(len(n) for n in rows)
+    width = max(len("backend"), *(len(n) for n in rows))
     print(f"{'backend':<{width}}  {'available':<9}  {'distribution':<18}  summary / reason")
     for name, info in rows.items():
         detail = info.summary if info.available else info.reason

@@ -1,0 +1,51 @@
+"""The UCX backend's init and update records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from wtransfer.engine import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
+from wtransfer.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class UCXTrainerInitInfo(TrainerInitInfo):
+    """Trainer side. The trainer listens at `listen_address:listen_port` (0 picks a free port)
+    and every engine worker connects to it during init."""
+
+    backend: ClassVar[str] = "ucx"
+    listen_address: str = "127.0.0.1"
+    """The address workers connect to: this host's address on the network they share."""
+    listen_port: int = 0
+    device: str | None = None
+    """Staging device; default the source's (CUDA buffers move device to device when UCX was
+    built with CUDA support)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.listen_port <= 65535:
+            raise ConfigError(f"listen_port must be in 0..65535, got {self.listen_port}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UCXInitInfo(ReceiverInitInfo):
+    """What each worker gets: where the trainer listens, and this sender's session id."""
+
+    trainer_address: str
+    trainer_port: int
+    session: int
+    """16-bit id in every tag, so messages of an earlier sender can never match."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.trainer_port <= 65535 or not 0 <= self.session < 1 << 16:
+            raise ConfigError("trainer_port must be in 1..65535 and session in 0..65535")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UCXUpdateInfo(UpdateInfo):
+    """The update's tensor list (both sides derive the plan) and its sequence number."""
+
+    tensors: list[Any] | None = None
+    update: int = 0

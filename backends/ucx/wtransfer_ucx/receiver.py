@@ -1,0 +1,69 @@
+"""Engine side of the UCX backend: connects to the trainer once, receives tagged buckets."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from wtransfer.engine import WeightTransferEngine
+from wtransfer.errors import MetadataError
+from wtransfer.packing import Bucket, BucketPlan, metas_from_wire
+from wtransfer.receiving import UpdateSession
+from wtransfer_ucx.info import UCXInitInfo, UCXUpdateInfo
+from wtransfer_ucx.transport import UCXWorker, tag
+
+CHECKSUM_BYTES = 8
+
+
+class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
+    """Posts receives for `num_buffers` buckets ahead, so receiving bucket k+1 overlaps
+    unpacking bucket k; buckets land in device memory when the engine is on CUDA."""
+
+    backend_name = "ucx"
+    init_info_cls = UCXInitInfo
+    update_info_cls = UCXUpdateInfo
+
+    def _init(self, info: UCXInitInfo) -> None:
+        self._ucx = UCXWorker()
+        self._endpoint = self._ucx.connect(info.trainer_address, info.trainer_port)
+        self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
+                                     device=self.device) for _ in range(info.num_buffers)]
+
+    def _receive(self, info: UCXUpdateInfo, session: UpdateSession) -> None:
+        if info.tensors is None:
+            raise MetadataError("ucx update info must carry 'tensors'")
+        init = self.init_info
+        assert init is not None
+        metas = metas_from_wire(info.tensors)
+        session.announce(metas)
+        plan = BucketPlan.build(metas, init.bucket_bytes)
+        extra = CHECKSUM_BYTES if init.checksum else 0
+        free = deque(range(len(self._staging)))
+        posted: deque[tuple[Bucket, int, object]] = deque()
+        upcoming = deque(plan.buckets)
+        while upcoming or posted:
+            while upcoming and free:
+                bucket = upcoming.popleft()
+                slot = free.popleft()
+                data = self._staging[slot][: bucket.nbytes + extra]
+                key = tag(init.session, info.update, bucket.index)
+                posted.append((bucket, slot, self._ucx.recv(data, key)))
+            bucket, slot, request = posted.popleft()
+            self._ucx.wait([request], init.timeout_s)
+            staging = self._staging[slot]
+            checksum = None
+            if init.checksum:
+                word = staging[bucket.nbytes : bucket.nbytes + 8].cpu().view(torch.int64)
+                checksum = int(word.item()) & ((1 << 64) - 1)
+            session.consume(staging, bucket.nbytes, bucket.slices, checksum)
+            if staging.is_cuda:
+                torch.cuda.current_stream(staging.device).synchronize()
+            free.append(slot)
+
+    def _abort(self) -> None:
+        self._ucx.worker.cancel_inflight_requests()
+
+    def _shutdown(self) -> None:
+        self._ucx.close()
+        self._staging = []

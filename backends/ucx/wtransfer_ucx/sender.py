@@ -1,0 +1,114 @@
+"""Trainer side of the UCX backend: listens, then sends every bucket to every worker."""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from wtransfer.clients import FanoutClient
+from wtransfer.engine import TrainerTransferEngine, receiver_init_dict
+from wtransfer.errors import LifecycleError
+from wtransfer.packing import BucketPacker, BucketPlan, bucket_checksum, metas_to_wire
+from wtransfer_ucx.info import UCXTrainerInitInfo
+from wtransfer_ucx.transport import UCXWorker, tag
+
+CHECKSUM_BYTES = 8
+
+
+class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
+    """Packs bucket k+1 while bucket k is on the wire to every worker (one endpoint each)."""
+
+    backend_name = "ucx"
+    init_info_cls = UCXTrainerInitInfo
+
+    def _setup(self) -> dict[str, Any]:
+        info = self.init_info
+        self.device = torch.device(info.device) if info.device else (
+            self.source.device or torch.device("cpu"))
+        self._ucx = UCXWorker()
+        port = self._ucx.listen(info.listen_port)
+        self._session = secrets.randbelow(1 << 16)
+        self._updates = 0
+        self._broken: str | None = None
+        self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
+                                     device=self.device) for _ in range(info.num_buffers)]
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-ucx")
+        return receiver_init_dict(info, trainer_address=info.listen_address,
+                                  trainer_port=port, session=self._session)
+
+    def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
+        super()._init_receivers(receiver_init)  # each worker connects during its init
+        count = len(self.client.clients) if isinstance(self.client, FanoutClient) else 1
+        self._endpoints = self._ucx.wait_for_endpoints(count, self.init_info.timeout_s)
+
+    def _send(self, plan: BucketPlan) -> None:
+        if self._broken:
+            raise LifecycleError(f"ucx sender is unusable after an earlier failure "
+                                 f"({self._broken}); create a new one with trainer_init")
+        self._updates += 1
+        receivers: Future[None] = self._pool.submit(self.client.update_weights, {
+            "tensors": metas_to_wire(plan.metas), "update": self._updates})
+
+        def receivers_failed() -> None:
+            if receivers.done() and receivers.exception() is not None:
+                raise receivers.exception()  # type: ignore[misc]
+
+        try:
+            self._send_buckets(plan, receivers_failed)
+            receivers.result(timeout=self.init_info.timeout_s)
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            try:
+                receivers.result(timeout=5)
+            except BaseException as remote:
+                if remote is not exc:
+                    raise remote from exc
+            raise
+
+    def _send_buckets(self, plan: BucketPlan, receivers_failed: Callable[[], None]) -> None:
+        info = self.init_info
+        packer = BucketPacker(plan, self.source.tensors())
+        free = deque(range(len(self._staging)))
+        inflight: deque[tuple[int, list[Any]]] = deque()
+
+        def retire_oldest() -> None:
+            slot, requests = inflight.popleft()
+            self._ucx.wait(requests, info.timeout_s, receivers_failed)
+            free.append(slot)
+
+        for bucket in plan.buckets:
+            while not free:
+                retire_oldest()
+            slot = free.popleft()
+            staging = self._staging[slot]
+            packer.pack(bucket, staging)
+            length = bucket.nbytes
+            if info.checksum:
+                value = bucket_checksum(staging[: bucket.nbytes])
+                word = torch.tensor([value - (1 << 64) if value >= 1 << 63 else value],
+                                    dtype=torch.int64)
+                staging[length : length + 8].copy_(word.view(torch.uint8))
+                length += 8
+            if staging.is_cuda:
+                torch.cuda.current_stream(staging.device).synchronize()
+            data = staging[:length]
+            key = tag(self._session, self._updates, bucket.index)
+            inflight.append((slot, [self._ucx.send(ep, data, key) for ep in self._endpoints]))
+        packer.finish()
+        while inflight:
+            retire_oldest()
+
+    def _abort_remote(self, exc: BaseException) -> None:
+        """Workers blocked in a receive fail at their deadline or when the endpoint closes."""
+
+    def _teardown(self) -> None:
+        if hasattr(self, "_pool"):
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self, "_ucx"):
+            self._ucx.close()
+        self._staging = []

@@ -1,0 +1,133 @@
+"""A small synchronous layer over UCXX's low-level API: one worker with a progress thread,
+tagged sends and receives of flat uint8 tensors, and waits with deadlines."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from wtransfer.errors import PeerError, TransferTimeout
+
+_POLL_S = 0.0002
+
+
+def tag(session: int, update: int, bucket: int) -> int:
+    """The 64-bit tag of one bucket: session (16 bits), update (16 bits), bucket (32 bits)."""
+    return (session & 0xFFFF) << 48 | (update & 0xFFFF) << 32 | (bucket & 0xFFFFFFFF)
+
+
+def _array(tensor: torch.Tensor) -> Any:
+    from ucxx._lib.arr import Array
+
+    return Array(tensor if tensor.is_cuda else tensor.numpy())
+
+
+class UCXWorker:
+    """A UCX context and worker progressed by UCXX's own thread (polling mode)."""
+
+    def __init__(self) -> None:
+        import ucxx._lib.libucxx as ucx_api
+
+        self.api = ucx_api
+        self.context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
+        self.worker = ucx_api.UCXWorker(self.context)
+        self.worker.start_progress_thread(polling_mode=True)
+        self.endpoints: list[Any] = []
+        self.closed_endpoints = 0
+        self._lock = threading.Lock()
+        self._listener: Any = None
+
+    def transports(self) -> str:
+        """UCX's description of the worker and its transports (for logs and notes)."""
+        return str(self.worker.info())
+
+    def listen(self, port: int) -> int:
+        """Accept connections on `port` (0: any); returns the bound port."""
+        holder: list[Any] = []
+
+        def accept(conn_request: Any) -> None:
+            ep = self.api.UCXEndpoint.create_from_conn_request(holder[0], conn_request, True)
+            self._watch(ep)
+
+        self._listener = self.api.UCXListener.create(self.worker, port, accept)
+        holder.append(self._listener)
+        return int(self._listener.port)
+
+    def connect(self, address: str, port: int) -> Any:
+        """An endpoint to a listening peer."""
+        ep = self.api.UCXEndpoint.create(self.worker, address, port, True)
+        self._watch(ep)
+        return ep
+
+    def _watch(self, ep: Any) -> None:
+        def gone(*_: Any) -> None:
+            with self._lock:
+                self.closed_endpoints += 1
+
+        ep.set_close_callback(gone)
+        with self._lock:
+            self.endpoints.append(ep)
+
+    def wait_for_endpoints(self, count: int, timeout_s: float) -> list[Any]:
+        """Block until `count` peers connected."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if len(self.endpoints) >= count:
+                    return list(self.endpoints)
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"only {len(self.endpoints)} of {count} worker(s) "
+                                      f"connected within {timeout_s:g}s")
+            time.sleep(0.001)
+
+    def send(self, ep: Any, data: torch.Tensor, tag_value: int) -> Any:
+        """Start a tagged send of flat uint8 `data` (it must stay alive until done)."""
+        return ep.tag_send(_array(data), self.api.UCXXTag(tag_value))
+
+    def recv(self, data: torch.Tensor, tag_value: int) -> Any:
+        """Start a tagged receive into flat uint8 `data`."""
+        return self.worker.tag_recv(_array(data), self.api.UCXXTag(tag_value))
+
+    def wait(self, requests: list[Any], timeout_s: float,
+             check: Callable[[], None] | None = None) -> None:
+        """Wait for every request; `PeerError` if one failed or a peer left, `TransferTimeout`
+        past the deadline (the requests are then cancelled)."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(requests)
+        while pending:
+            pending = [r for r in pending if not r.completed]
+            for req in requests:
+                if req.completed:
+                    try:
+                        req.check_error()
+                    except Exception as exc:
+                        raise PeerError(f"UCX transfer failed (peer gone?): "
+                                        f"{type(exc).__name__}: {exc}") from None
+            if not pending:
+                return
+            if check is not None:
+                check()
+            if self.closed_endpoints:
+                raise PeerError("a UCX peer closed its endpoint mid-transfer")
+            if time.monotonic() > deadline:
+                self.worker.cancel_inflight_requests()
+                raise TransferTimeout(f"UCX transfer did not complete within {timeout_s:g}s: "
+                                      "a peer is gone or stalled")
+            time.sleep(_POLL_S)
+
+    def close(self) -> None:
+        """Close endpoints and stop the progress thread."""
+        with self._lock:
+            endpoints, self.endpoints = self.endpoints, []
+        for ep in endpoints:
+            if ep.alive:  # closing an endpoint whose peer died crashes inside UCXX
+                with contextlib.suppress(Exception):
+                    ep.close()
+        self._listener = None
+        with contextlib.suppress(Exception):
+            self.worker.stop_progress_thread()
