@@ -11,6 +11,8 @@ RPC control plane. Per backend, the floor and the naive baseline are:
   staging handoff per tensor, no packing). ``--device cuda`` keeps both sides on the GPU.
 * nccl (gloo on CPU): floor = one plain broadcast of a buffer holding every byte, to a peer
   process; naive = one broadcast per tensor, the way many frameworks do it.
+* ucx: floor = one raw UCXX tagged send of a buffer holding every byte, to a peer process that
+  acknowledges it; no naive row.
 """
 
 from __future__ import annotations
@@ -112,14 +114,43 @@ def broadcast_baselines(name: str, model: torch.nn.Module, repeats: int) -> tupl
     return floor, naive
 
 
+def ucx_floor(total: int, repeats: int) -> float:
+    """Median seconds of one raw UCXX send of `total` bytes, acknowledged by the peer."""
+    from wtransfer_ucx.transport import UCXWorker, tag
+
+    ucx = UCXWorker()
+    port = ucx.listen(0)
+    peer = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ucx_peer.py")),
+                             "--port", str(port), "--nbytes", str(total),
+                             "--repeats", str(repeats)])
+    try:
+        (ep,) = ucx.wait_for_endpoints(1, 120)
+        flat = torch.ones(total, dtype=torch.uint8)
+        ack = torch.empty(8, dtype=torch.uint8)
+        rounds = iter(range(repeats + 1))
+
+        def one() -> None:
+            i = next(rounds)
+            ucx.wait([ucx.send(ep, flat, tag(0, 0, i)), ucx.recv(ack, (1 << 40) + i)], 600)
+
+        floor = median_seconds(one, repeats)
+        peer.wait(timeout=120)
+    finally:
+        ucx.close()
+    return floor
+
+
 def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
                 repeats: int) -> list[dict[str, Any]]:
     metas = model_metas(name)
     total = sum(m.nbytes for m in metas)
     model = build(name, seed=1, device=device, fill="constant")
     rows: list[dict[str, Any]] = []
+    naive_s = float("nan")
     if backend == "ipc":
         floor_path, floor = "floor (2 copies)", floor_two_copies(model, device, repeats)
+    elif backend == "ucx":
+        floor_path, floor = "floor (1 raw UCX send)", ucx_floor(total, repeats)
     else:
         floor, naive_s = broadcast_baselines(name, model, repeats)
         floor_path = "floor (1 broadcast)"
@@ -139,8 +170,9 @@ def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
             with PerTensorIPCSender(info, client=client,
                                     source=wtransfer.ModuleSource(model)) as naive:
                 naive_s = median_seconds(naive.send_weights, repeats)
-        rows.append({"model": name, "path": "naive per-tensor", "bucket_mb": 0,
-                     "seconds": naive_s})
+        if backend != "ucx":
+            rows.append({"model": name, "path": "naive per-tensor", "bucket_mb": 0,
+                         "seconds": naive_s})
         same = client.fingerprint() == wtransfer.fingerprint(model.state_dict())
     for r in rows:
         r.update(bytes=total, tensors=len(metas), gbps=total / r["seconds"] / 1e9,
@@ -150,6 +182,10 @@ def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
 
 
 def trainer_info(backend: str, **fields: Any) -> Any:
+    if backend == "ucx":
+        from wtransfer_ucx import UCXTrainerInitInfo
+
+        return UCXTrainerInitInfo(timeout_s=600, **fields)
     if backend == "nccl":
         return NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(),
                                    world_size=2, timeout_s=600, **fields)
@@ -159,7 +195,7 @@ def trainer_info(backend: str, **fields: Any) -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", default="ipc", choices=["ipc", "nccl"])
+    parser.add_argument("--backend", default="ipc", choices=["ipc", "nccl", "ucx"])
     parser.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b")
     parser.add_argument("--bucket-mb", default="64,256")
     parser.add_argument("--device", default="cpu")

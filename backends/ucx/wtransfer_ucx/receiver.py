@@ -11,6 +11,7 @@ from wtransfer.errors import MetadataError
 from wtransfer.packing import Bucket, BucketPlan, metas_from_wire
 from wtransfer.receiving import UpdateSession
 from wtransfer_ucx.info import UCXInitInfo, UCXUpdateInfo
+from wtransfer_ucx.sender import MAX_INFLIGHT
 from wtransfer_ucx.transport import UCXWorker, tag
 
 CHECKSUM_BYTES = 8
@@ -37,20 +38,27 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
         assert init is not None
         metas = metas_from_wire(info.tensors)
         session.announce(metas)
-        plan = BucketPlan.build(metas, init.bucket_bytes)
+        plan = BucketPlan.build(metas, init.bucket_bytes,
+                                direct_threshold=init.direct_threshold or 0)
         extra = CHECKSUM_BYTES if init.checksum else 0
         free = deque(range(len(self._staging)))
-        posted: deque[tuple[Bucket, int, object]] = deque()
+        posted: deque[tuple[Bucket, int, torch.Tensor, object]] = deque()
         upcoming = deque(plan.buckets)
         while upcoming or posted:
-            while upcoming and free:
+            while upcoming and len(posted) < MAX_INFLIGHT and (upcoming[0].direct or free):
                 bucket = upcoming.popleft()
-                slot = free.popleft()
-                data = self._staging[slot][: bucket.nbytes + extra]
                 key = tag(init.session, info.update, bucket.index)
-                posted.append((bucket, slot, self._ucx.recv(data, key)))
-            bucket, slot, request = posted.popleft()
+                if bucket.direct:
+                    slot, data = -1, session.direct_destination(bucket, self.device)
+                else:
+                    slot = free.popleft()
+                    data = self._staging[slot][: bucket.nbytes + extra]
+                posted.append((bucket, slot, data, self._ucx.recv(data, key)))
+            bucket, slot, data, request = posted.popleft()
             self._ucx.wait([request], init.timeout_s)
+            if bucket.direct:
+                session.complete_direct(bucket, data)
+                continue
             staging = self._staging[slot]
             checksum = None
             if init.checksum:

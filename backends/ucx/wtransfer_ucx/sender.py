@@ -18,6 +18,9 @@ from wtransfer_ucx.info import UCXTrainerInitInfo
 from wtransfer_ucx.transport import UCXWorker, tag
 
 CHECKSUM_BYTES = 8
+MAX_INFLIGHT = 16
+"""Messages in flight at once: staging slots bound the packed ones; direct ones need no
+staging, and keeping several in flight hides each rendezvous round trip."""
 
 
 class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
@@ -39,7 +42,17 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
                                      device=self.device) for _ in range(info.num_buffers)]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-ucx")
         return receiver_init_dict(info, trainer_address=info.listen_address,
-                                  trainer_port=port, session=self._session)
+                                  trainer_port=port, session=self._session,
+                                  direct_threshold=self.direct_threshold)
+
+    @property
+    def direct_threshold(self) -> int:
+        """Tensors this large go from the source tensor straight into the worker's parameter
+        (no staging copy on either side); default 1 MiB, off with checksums."""
+        info = self.init_info
+        if info.checksum:
+            return 0
+        return (1 << 20) if info.direct_threshold is None else info.direct_threshold
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         super()._init_receivers(receiver_init)  # each worker connects during its init
@@ -79,11 +92,19 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         def retire_oldest() -> None:
             slot, requests = inflight.popleft()
             self._ucx.wait(requests, info.timeout_s, receivers_failed)
-            free.append(slot)
+            if slot >= 0:
+                free.append(slot)
 
         for bucket in plan.buckets:
-            while not free:
+            key = tag(self._session, self._updates, bucket.index)
+            while len(inflight) >= MAX_INFLIGHT or not (bucket.direct or free):
                 retire_oldest()
+            if bucket.direct:
+                data = packer.direct(bucket)
+                if data.is_cuda:
+                    torch.cuda.current_stream(data.device).synchronize()
+                inflight.append((-1, [self._ucx.send(ep, data, key) for ep in self._endpoints]))
+                continue
             slot = free.popleft()
             staging = self._staging[slot]
             packer.pack(bucket, staging)
@@ -97,7 +118,6 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             if staging.is_cuda:
                 torch.cuda.current_stream(staging.device).synchronize()
             data = staging[:length]
-            key = tag(self._session, self._updates, bucket.index)
             inflight.append((slot, [self._ucx.send(ep, data, key) for ep in self._endpoints]))
         packer.finish()
         while inflight:

@@ -1,6 +1,6 @@
 """Benchmark: the HTTP control plane's cost, measured against the in-process path in one run.
 
-    python benchmarks/http.py --models tiny,small
+    python benchmarks/http_overhead.py --models tiny,small
 
 Weight update: `send_weights` through the ipc backend with the in-process client (the engine's
 own `EngineSyncClient`) and with `HTTPClient` to `wtransfer serve --dev-mode` in a child
@@ -10,19 +10,11 @@ tokens in process and through the server.
 
 from __future__ import annotations
 
-import os
-import sys
-
-# This file is named like the standard library's `http` package: drop its folder from the
-# import path before anything imports `http`, and load the sibling helpers by file path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
 import argparse
 import asyncio
-import importlib.util
 import socket
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,12 +27,8 @@ import wtransfer
 from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams, load_model
 from wtransfer.inference.engine import EngineSyncClient
 
-_spec = importlib.util.spec_from_file_location("bench_common", Path(_HERE) / "common.py")
-assert _spec is not None and _spec.loader is not None
-_common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_common)
-median_seconds, print_table, write_json = (_common.median_seconds, _common.print_table,
-                                           _common.write_json)
+sys.path.insert(0, str(Path(__file__).parent))
+from common import median_seconds, print_table, write_json
 
 REQUESTS, TOKENS = 32, 64
 
