@@ -114,7 +114,7 @@ def broadcast_baselines(name: str, model: torch.nn.Module, repeats: int) -> tupl
     return floor, naive
 
 
-def ucx_floor(total: int, repeats: int) -> float:
+def ucx_floor(total: int, repeats: int, device: str) -> float:
     """Median seconds of one raw UCXX send of `total` bytes, acknowledged by the peer."""
     from wtransfer_ucx.transport import UCXWorker, tag
 
@@ -122,10 +122,10 @@ def ucx_floor(total: int, repeats: int) -> float:
     port = ucx.listen(0)
     peer = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ucx_peer.py")),
                              "--port", str(port), "--nbytes", str(total),
-                             "--repeats", str(repeats)])
+                             "--repeats", str(repeats), "--device", device])
     try:
         (ep,) = ucx.wait_for_endpoints(1, 120)
-        flat = torch.ones(total, dtype=torch.uint8)
+        flat = torch.ones(total, dtype=torch.uint8, device=device)
         ack = torch.empty(8, dtype=torch.uint8)
         rounds = iter(range(repeats + 1))
 
@@ -150,7 +150,7 @@ def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
     if backend == "ipc":
         floor_path, floor = "floor (2 copies)", floor_two_copies(model, device, repeats)
     elif backend == "ucx":
-        floor_path, floor = "floor (1 raw UCX send)", ucx_floor(total, repeats)
+        floor_path, floor = "floor (1 raw UCX send)", ucx_floor(total, repeats, device)
     else:
         floor, naive_s = broadcast_baselines(name, model, repeats)
         floor_path = "floor (1 broadcast)"

@@ -16,10 +16,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--nbytes", type=int, required=True)
     parser.add_argument("--repeats", type=int, required=True)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     ucx = UCXWorker()
     ep = ucx.connect("127.0.0.1", args.port)
-    buffer = torch.empty(args.nbytes, dtype=torch.uint8)
+    buffer = torch.empty(args.nbytes, dtype=torch.uint8, device=args.device)
     ack = torch.zeros(8, dtype=torch.uint8)
     for i in range(args.repeats + 1):
         ucx.wait([ucx.recv(buffer, tag(0, 0, i))], 600)

@@ -140,20 +140,20 @@ class BackendConformance:
             assert RPCClient(child.address, timeout_s=self.timeout_s).fingerprint() == want
 
     def test_repeated_updates_land_and_memory_stays_flat(self, procs: ExitStack) -> None:
-        """30 updates all land; the receiver's RSS does not grow."""
+        """50 updates all land; the receiver's RSS does not grow."""
         model = self.trainer_model()
         client = self.client(self.receivers(procs))
         assert isinstance(client, RPCClient)
         with self.sender(model, client) as sender:
             rss = []
-            for step in range(30):
+            for step in range(50):
                 randomize(model, seed=100 + step)
                 sender.send_weights(weight_version=f"s{step}")
-                if step % 10 == 9:
+                if step % 10 == 9:  # fingerprints cost more than the updates
                     assert client.fingerprint() == fingerprint(model.state_dict()), step
                 rss.append(client.status()["rss_bytes"])
         growth = rss[-1] - rss[4]
-        assert growth < 16 * MiB, f"receiver RSS grew {growth / MiB:.1f} MiB over 25 updates"
+        assert growth < 16 * MiB, f"receiver RSS grew {growth / MiB:.1f} MiB over 45 updates"
 
     def test_subset_update_changes_only_the_subset(self, procs: ExitStack) -> None:
         """Sending a subset changes exactly those tensors."""
