@@ -250,7 +250,8 @@ class BackendConformance:
         killed = time.monotonic()
         thread.join(timeout=self.timeout_s * 4 + 30)
         assert not thread.is_alive(), "the trainer hung after its receiver died"
-        assert isinstance(outcome["error"], (errors.TransferTimeout, errors.PeerError))
+        assert isinstance(outcome["error"], (errors.TransferTimeout, errors.PeerError)), \
+            repr(outcome["error"])
         assert outcome["at"] - killed < self.timeout_s * 4 + 30
         sender.shutdown()
 

@@ -44,7 +44,7 @@ class UCXWorker:
 
     def transports(self) -> str:
         """UCX's description of the worker and its transports (for logs and notes)."""
-        return str(self.worker.info())
+        return str(self.worker.info)
 
     def listen(self, port: int) -> int:
         """Accept connections on `port` (0: any); returns the bound port."""
@@ -87,11 +87,18 @@ class UCXWorker:
 
     def send(self, ep: Any, data: torch.Tensor, tag_value: int) -> Any:
         """Start a tagged send of flat uint8 `data` (it must stay alive until done)."""
-        return ep.tag_send(_array(data), self.api.UCXXTag(tag_value))
+        try:
+            return ep.tag_send(_array(data), self.api.UCXXTag(tag_value))
+        except Exception as exc:  # UCXX raises its own types when the peer is gone
+            raise PeerError(f"UCX send failed (peer gone?): {type(exc).__name__}: {exc}") \
+                from None
 
     def recv(self, data: torch.Tensor, tag_value: int) -> Any:
         """Start a tagged receive into flat uint8 `data`."""
-        return self.worker.tag_recv(_array(data), self.api.UCXXTag(tag_value))
+        try:
+            return self.worker.tag_recv(_array(data), self.api.UCXXTag(tag_value))
+        except Exception as exc:
+            raise PeerError(f"UCX receive failed: {type(exc).__name__}: {exc}") from None
 
     def wait(self, requests: list[Any], timeout_s: float,
              check: Callable[[], None] | None = None) -> None:
