@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
+from wtransfer.errors import TransferTimeout
 from wtransfer.packing import Bucket, BucketPacker, BucketPlan, bucket_checksum
 from wtransfer.source import WeightSource
 
@@ -67,3 +69,25 @@ def send_pipelined(
         for fut in pending:
             fut.cancel()
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def await_receivers(receivers: Future[None], timeout_s: float) -> None:
+    """Wait for the receivers' concurrent `update_weights` call (collective backends)."""
+    try:
+        receivers.result(timeout=timeout_s)
+    except FutureTimeout:
+        raise TransferTimeout(f"the receivers did not confirm the update within "
+                              f"{timeout_s:g}s") from None
+
+
+def root_cause(receivers: Future[None], local: BaseException) -> BaseException:
+    """The receivers' own error (a refused update, say) if they report one within 5 s, else
+    the local one: when a receiver fails, the data channel breaks here moments before its
+    reply arrives, and its reply is the useful message."""
+    try:
+        receivers.result(timeout=5)
+    except FutureTimeout:
+        return local
+    except BaseException as remote:
+        return remote
+    return local

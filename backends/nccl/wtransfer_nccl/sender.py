@@ -15,6 +15,7 @@ from wtransfer.clients import FanoutClient
 from wtransfer.engine import TrainerTransferEngine, receiver_init_dict
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.packing import BucketPacker, BucketPlan, bucket_checksum, metas_to_wire
+from wtransfer.sending import await_receivers, root_cause
 from wtransfer_nccl.group import Group, Pending, make_group, rendezvous
 from wtransfer_nccl.info import NCCLTrainerInitInfo
 from wtransfer_nccl.staging import CHECKSUM_BYTES, write_checksum
@@ -119,11 +120,11 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
 
         try:
             self._broadcast_all(plan, group, receivers_failed)
-            receivers.result(timeout=timeout)
+            await_receivers(receivers, timeout)
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
             group.abort()
-            cause = _root_cause(receivers, exc)
+            cause = root_cause(receivers, exc)
             if cause is not exc:
                 raise cause from exc
             raise
@@ -173,13 +174,3 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._staging = []
 
-
-def _root_cause(receivers: Future[None], local: BaseException) -> BaseException:
-    """Prefer the receivers' own error (say, a refused update) over the broken broadcast it
-    caused here; it arrives moments after the connection drops."""
-    try:
-        receivers.result(timeout=5)
-    except BaseException as remote:
-        if remote is not local:
-            return remote
-    return local

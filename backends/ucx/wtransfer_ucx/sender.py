@@ -14,6 +14,7 @@ from wtransfer.clients import FanoutClient
 from wtransfer.engine import TrainerTransferEngine, receiver_init_dict
 from wtransfer.errors import LifecycleError
 from wtransfer.packing import BucketPacker, BucketPlan, bucket_checksum, metas_to_wire
+from wtransfer.sending import await_receivers, root_cause
 from wtransfer_ucx.info import UCXTrainerInitInfo
 from wtransfer_ucx.transport import UCXWorker, tag
 
@@ -73,14 +74,12 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
 
         try:
             self._send_buckets(plan, receivers_failed)
-            receivers.result(timeout=self.init_info.timeout_s)
+            await_receivers(receivers, self.init_info.timeout_s)
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
-            try:
-                receivers.result(timeout=5)
-            except BaseException as remote:
-                if remote is not exc:
-                    raise remote from exc
+            cause = root_cause(receivers, exc)
+            if cause is not exc:
+                raise cause from exc
             raise
 
     def _send_buckets(self, plan: BucketPlan, receivers_failed: Callable[[], None]) -> None:
