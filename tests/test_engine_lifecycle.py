@@ -1,6 +1,5 @@
 """The receiver state machine: aborts, abandoned updates, re-init, version labels."""
 
-import time
 
 import pytest
 import torch
@@ -8,6 +7,7 @@ from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
 from wtransfer.errors import LifecycleError, PeerError
+from wtransfer.testing.conformance import wait_for
 from wtransfer.testing.models import build_module, mixed_metas
 
 
@@ -51,9 +51,7 @@ def test_an_abandoned_update_fails_after_the_timeout(pair):
     engine.start_weight_update()
     with pytest.raises(LifecycleError, match="update is open"):
         engine.start_weight_update()
-    deadline = time.monotonic() + 10
-    while engine.state == "updating" and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: engine.state != "updating", 10, "the abandoned update to fail")
     assert engine.state == "failed" and "abandoned" in engine.failure
     sender.send_weights()
     assert engine.state == "ready"

@@ -6,7 +6,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -14,6 +13,7 @@ import pytest
 import wtransfer
 import wtransfer.inference
 from wtransfer.errors import PeerError
+from wtransfer.testing.conformance import wait_for
 
 KEY = "s3cret"
 
@@ -32,16 +32,15 @@ class Server:
                                       "tiny", "--port", str(self.port), *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         headers = {"Authorization": f"Bearer {KEY}"} if "--api-key" in flags else {}
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(self.url + "/health", headers=headers, timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
+        def healthy():
             assert self.proc.poll() is None, self.proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.1)
+            try:
+                return httpx.get(self.url + "/health", headers=headers,
+                                 timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(healthy, 60, "the server to start")
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=60)
 
     def stop(self):
@@ -84,10 +83,8 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(dev):
     with dev.http.stream("POST", "/inference/v1/generate", json=body) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-    deadline = time.monotonic() + 60
-    while "wtransfer_running_requests 0" not in dev.http.get("/metrics").text:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: "wtransfer_running_requests 0" in dev.http.get("/metrics").text, 60,
+             "the abandoned request to stop")
     assert generated_tokens(dev) - before < 1500, "the abandoned request ran to completion"
 
 
@@ -145,10 +142,8 @@ def test_weight_update_from_a_trainer_process_over_http_with_two_spans(dev):
 
     thread = threading.Thread(target=generate)
     thread.start()
-    deadline = time.monotonic() + 30
-    while "wtransfer_running_requests 1" not in h.get("/metrics").text:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_for(lambda: "wtransfer_running_requests 1" in h.get("/metrics").text, 30,
+             "the request to run")
     assert h.post("/pause", params={"mode": "keep", "clear_cache": "true"}).status_code == 200
     client = wtransfer.HTTPClient(dev.url, api_key=KEY)
     model = wtransfer.inference.load_model("tiny", seed=3)
@@ -195,10 +190,8 @@ def test_dev_routes_are_404_without_dev_mode_and_sigterm_aborts_live_requests():
 
         thread = threading.Thread(target=long_request)
         thread.start()
-        deadline = time.monotonic() + 30
-        while "wtransfer_running_requests 1" not in server.http.get("/metrics").text:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        wait_for(lambda: "wtransfer_running_requests 1" in server.http.get("/metrics").text,
+                 30, "the request to run")
     finally:
         log = server.stop()
     thread.join(30)

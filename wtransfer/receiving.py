@@ -19,12 +19,15 @@ import torch
 
 from wtransfer.errors import IntegrityError, MetadataError
 from wtransfer.packing import (
+    DEFAULT_ALIGN,
     DTYPES,
     Bucket,
+    BucketPlan,
     Slice,
     TensorMeta,
     bucket_checksum,
     copy_bytes,
+    metas_from_wire,
     tensor_from_bytes,
 )
 from wtransfer.target import WeightTarget
@@ -81,6 +84,16 @@ class UpdateSession:
         self._metas = list(metas)
         self._pending.update({m.name: m for m in metas})
         self._announced.update({m.name: m for m in metas})
+
+    def announce_plan(self, tensors: object, bucket_bytes: int, *, align: int = DEFAULT_ALIGN,
+                      direct_threshold: int = 0) -> BucketPlan:
+        """For backends where both sides derive the layout: parse the wire tensor list,
+        announce it, and return the plan the sender built from the same list."""
+        if tensors is None:
+            raise MetadataError("the update info must carry 'tensors'")
+        metas = metas_from_wire(tensors)
+        self.announce(metas)
+        return BucketPlan.build(metas, bucket_bytes, align, direct_threshold=direct_threshold)
 
     def consume(
         self,

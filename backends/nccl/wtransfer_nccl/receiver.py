@@ -7,8 +7,8 @@ from collections import deque
 import torch
 
 from wtransfer.engine import WeightTransferEngine
-from wtransfer.errors import ConfigError, LifecycleError, MetadataError
-from wtransfer.packing import Bucket, BucketPlan, metas_from_wire
+from wtransfer.errors import ConfigError, LifecycleError
+from wtransfer.packing import Bucket
 from wtransfer.receiving import UpdateSession
 from wtransfer_nccl.group import Group, Pending, make_group, rendezvous
 from wtransfer_nccl.info import NCCLInitInfo, NCCLUpdateInfo
@@ -48,14 +48,10 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         if group is None:
             raise LifecycleError("nccl: the group was torn down after a failure; the trainer "
                                  "must call init_weight_transfer_engine again")
-        if info.tensors is None:
-            raise MetadataError("nccl update info must carry 'tensors'")
         init = self.init_info
         assert init is not None
-        metas = metas_from_wire(info.tensors)
-        session.announce(metas)
-        plan = BucketPlan.build(metas, init.bucket_bytes, init.align,
-                                direct_threshold=init.direct_threshold or 0)
+        plan = session.announce_plan(info.tensors, init.bucket_bytes, align=init.align,
+                                     direct_threshold=init.direct_threshold or 0)
         free = deque(range(len(self._staging)))
         posted: deque[tuple[Bucket, int, torch.Tensor, Pending]] = deque()
         upcoming = deque(plan.buckets)

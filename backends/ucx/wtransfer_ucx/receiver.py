@@ -7,8 +7,7 @@ from collections import deque
 import torch
 
 from wtransfer.engine import WeightTransferEngine
-from wtransfer.errors import MetadataError
-from wtransfer.packing import Bucket, BucketPlan, metas_from_wire
+from wtransfer.packing import Bucket
 from wtransfer.receiving import UpdateSession
 from wtransfer_ucx.info import UCXInitInfo, UCXUpdateInfo
 from wtransfer_ucx.sender import MAX_INFLIGHT
@@ -32,14 +31,10 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
                                      device=self.device) for _ in range(info.num_buffers)]
 
     def _receive(self, info: UCXUpdateInfo, session: UpdateSession) -> None:
-        if info.tensors is None:
-            raise MetadataError("ucx update info must carry 'tensors'")
         init = self.init_info
         assert init is not None
-        metas = metas_from_wire(info.tensors)
-        session.announce(metas)
-        plan = BucketPlan.build(metas, init.bucket_bytes,
-                                direct_threshold=init.direct_threshold or 0)
+        plan = session.announce_plan(info.tensors, init.bucket_bytes,
+                                     direct_threshold=init.direct_threshold or 0)
         extra = CHECKSUM_BYTES if init.checksum else 0
         free = deque(range(len(self._staging)))
         posted: deque[tuple[Bucket, int, torch.Tensor, object]] = deque()
