@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from wtransfer.errors import WTransferError
 from wtransfer.registry import list_backends
 
 
@@ -112,4 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `wtransfer` command."""
     args = build_parser().parse_args(argv)
-    sys.exit(args.func(args))
+    try:
+        code = args.func(args)
+    except WTransferError as exc:  # a user error: say what to fix, no traceback
+        print(f"wtransfer {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
