@@ -17,6 +17,7 @@ from wtransfer.inference import (
     load_model,
     save_pretrained,
 )
+from wtransfer.inference.engine import EngineSyncClient
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -270,6 +271,25 @@ def test_a_torn_update_keeps_the_label_and_blocks_resume_until_a_good_update():
         await engine.resume_generation()
         assert await engine.get_weight_version() == "good"
         assert await engine.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+        sender.shutdown()
+        engine.shutdown()
+    run(main())
+
+
+def test_an_update_abandoned_by_its_sender_cannot_hold_the_engine():
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny"))
+        client = EngineSyncClient(engine.core)
+        loop = asyncio.get_running_loop()
+        sender = await loop.run_in_executor(None, lambda: wtransfer.trainer_init(
+            IPCTrainerInitInfo(timeout_s=0.3), client=client,
+            source=wtransfer.ModuleSource(load_model("tiny", seed=2))))
+        await loop.run_in_executor(None, client.start_weight_update)  # ...and the sender is gone
+        task = asyncio.create_task(collect(engine, "x", [1, 2, 3]))
+        out = await asyncio.wait_for(task, 30)  # waits for the deadline, then generates
+        assert out.outputs[0].finish_reason == "length"
+        assert engine.core.receiver.state == "failed"
+        assert "abandoned" in engine.core.receiver.failure
         sender.shutdown()
         engine.shutdown()
     run(main())

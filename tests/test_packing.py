@@ -184,3 +184,19 @@ def test_module_source_sends_tied_weights_once():
     model.head.weight = emb.weight
     names = [m.name for m in ModuleSource(model).metadata()]
     assert names == ["embed.weight"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(slices=st.lists(st.lists(st.integers(-3, 1 << 40), min_size=3, max_size=5), max_size=6),
+       nbytes=st.integers(-10, 1 << 13))
+def test_arbitrary_slices_only_raise_metadata_errors(slices, nbytes):
+    from wtransfer.packing import Slice
+
+    metas = [TensorMeta("a", "float32", (16,)), TensorMeta("b", "bfloat16", (3, 700))]
+    session = UpdateSession(ModuleTarget(build_module(metas, 0)), "cpu")
+    session.announce(metas)
+    staging = torch.zeros(4096, dtype=torch.uint8)
+    try:
+        session.consume(staging, nbytes, [Slice.from_wire(s) for s in slices])
+    except MetadataError:
+        pass

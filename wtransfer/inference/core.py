@@ -76,6 +76,7 @@ class EngineCore:
             with self._wake:
                 while not self._commands and not self._stopped and not self._can_step():
                     self._wake.wait(0.5)
+                    self._expire_abandoned_update()
                 if self._stopped and not self._commands:
                     return
                 commands = list(self._commands)
@@ -86,9 +87,16 @@ class EngineCore:
                         future.set_result(fn(*args))
                     except BaseException as exc:
                         future.set_exception(exc)
+            self._expire_abandoned_update()
             if self._can_step():
                 self._step()
             self._resolve_drains()
+
+    def _expire_abandoned_update(self) -> None:
+        """An update whose sender went silent for timeout_s fails (the receiver's deadline), so
+        it cannot hold the engine forever; a pause in effect stays until resume."""
+        if self.update_open and self.receiver is not None and self.receiver.state == "failed":
+            self.update_open = False
 
     def _can_step(self) -> bool:
         return not self.update_open and self.scheduler.has_work()
