@@ -353,6 +353,12 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
     def _setup(self) -> dict[str, Any]:
         """Allocate staging; return the receiver init info as plain data."""
 
+    def _staging_device(self, override: str | None) -> torch.device:
+        """Where staging lives: the init info's `device` when given, else the source's."""
+        if override:
+            return torch.device(override)
+        return self.source.device or torch.device("cpu")
+
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         """Send the receiver init info through the client (override to vary it per client)."""
         self.client.init_weight_transfer_engine(receiver_init)

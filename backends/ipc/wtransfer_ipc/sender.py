@@ -27,8 +27,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
     def _setup(self) -> dict[str, Any]:
         info = self.init_info
-        device = torch.device(info.device) if info.device else _source_device(self.source)
-        self.device = device
+        device = self.device = self._staging_device(info.device)
         self._shm: list[SharedBuffer] = []
         token = secrets.token_hex(8)
         if device.type == "cuda":
@@ -46,8 +45,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         return receiver_init_dict(info, transport=transport, buffers=buffers,
                                   sender_pid=os.getpid(), token=token)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
+        super()._init_receivers(receiver_init)
         for buf in self._shm:  # every receiver has mapped them: drop the names, keep the memory
             buf.unlink()
 
@@ -78,7 +77,3 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         if self.device.type == "cuda":
             torch.cuda.ipc_collect()
 
-
-def _source_device(source: object) -> torch.device:
-    device = getattr(source, "device", None)
-    return torch.device(device) if device is not None else torch.device("cpu")

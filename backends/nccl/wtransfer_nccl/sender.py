@@ -34,9 +34,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
 
     def _setup(self) -> dict[str, Any]:
         info = self.init_info
-        device = torch.device(info.device) if info.device else (
-            self.source.device or torch.device("cpu"))
-        self.device = device
+        device = self.device = self._staging_device(info.device)
         self.transport = "nccl" if device.type == "cuda" else "gloo"
         clients = self.client.clients if isinstance(self.client, FanoutClient) else [self.client]
         workers = info.workers_per_client or [1] * len(clients)

@@ -32,8 +32,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
 
     def _setup(self) -> dict[str, Any]:
         info = self.init_info
-        self.device = torch.device(info.device) if info.device else (
-            self.source.device or torch.device("cpu"))
+        self.device = self._staging_device(info.device)
         self._ucx = UCXWorker()
         port = self._ucx.listen(info.listen_port)
         self._session = secrets.randbelow(1 << 16)
