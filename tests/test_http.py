@@ -214,3 +214,17 @@ def test_fanout_client_over_two_servers():
         for s in servers:
             s.stop()
     assert os.environ.get("WTRANSFER_API_KEY") is None
+
+
+def test_oversized_bodies_are_refused_with_or_without_a_length(dev):
+    big = b"[" + b"1," * (40 << 20) + b"1]"
+    r = dev.http.post("/inference/v1/generate", content=big,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+
+    def chunks():
+        for _ in range(70):
+            yield b" " * (1 << 20)
+
+    r = dev.http.post("/update_weight_version", content=chunks())
+    assert r.status_code == 413 and "exceeds" in r.json()["message"]

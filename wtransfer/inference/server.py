@@ -43,14 +43,22 @@ class BadRequest(WTransferError):
     """A request body the server cannot use (answered with 400)."""
 
 
+class BodyTooLarge(BadRequest):
+    """A request body over the server's limit (answered with 413)."""
+
+
 def _error(status: int, exc: BaseException) -> JSONResponse:
     return JSONResponse({"error": type(exc).__name__, "message": str(exc)}, status_code=status)
 
 
 async def _body(request: Request, limit: int) -> Any:
-    raw = await request.body()
-    if len(raw) > limit:
-        raise BadRequest(f"body of {len(raw)} bytes exceeds the {limit}-byte limit")
+    chunks, size = [], 0
+    async for chunk in request.stream():  # chunked bodies carry no Content-Length to check
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"body exceeds the {limit}-byte limit")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     if not raw:
         return {}
     if request.headers.get("content-type", "").startswith(MSGPACK):
@@ -116,7 +124,8 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
 
     @app.exception_handler(WTransferError)
     async def wtransfer_error(request: Request, exc: WTransferError) -> JSONResponse:
-        status = 400 if isinstance(exc, BadRequest) else next(
+        status = 413 if isinstance(exc, BodyTooLarge) else 400 if isinstance(
+            exc, BadRequest) else next(
             (code for kind, code in _STATUS.items() if isinstance(exc, kind)), 500)
         return _error(status, exc)
 
