@@ -35,16 +35,18 @@ from wtransfer.inference.params import SamplingParams
 log = logging.getLogger("wtransfer.server")
 
 MSGPACK = "application/msgpack"
-_STATUS = {ConfigError: 400, MetadataError: 400, LifecycleError: 409, PeerError: 502,
-           TransferTimeout: 504}
-
-
 class BadRequest(WTransferError):
     """A request body the server cannot use (answered with 400)."""
 
 
 class BodyTooLarge(BadRequest):
     """A request body over the server's limit (answered with 413)."""
+
+
+_STATUS: dict[type[WTransferError], int] = {
+    BodyTooLarge: 413, BadRequest: 400, ConfigError: 400, MetadataError: 400,
+    LifecycleError: 409, PeerError: 502, TransferTimeout: 504}
+"""HTTP status of each error family, most specific first."""
 
 
 def _error(status: int, exc: BaseException) -> JSONResponse:
@@ -124,9 +126,7 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
 
     @app.exception_handler(WTransferError)
     async def wtransfer_error(request: Request, exc: WTransferError) -> JSONResponse:
-        status = 413 if isinstance(exc, BodyTooLarge) else 400 if isinstance(
-            exc, BadRequest) else next(
-            (code for kind, code in _STATUS.items() if isinstance(exc, kind)), 500)
+        status = next((code for kind, code in _STATUS.items() if isinstance(exc, kind)), 500)
         return _error(status, exc)
 
     @app.get("/health")
