@@ -91,6 +91,11 @@ def test_missing_dependency_is_listed_with_its_install_hint_and_refused_on_use()
         wtransfer.create_receiver("ghost", wtransfer.ModuleTarget(torch.nn.Linear(1, 1)))
 
 
+def test_refresh_rediscovers_installed_plugins():
+    wtransfer.registry.refresh()
+    assert {"ipc", "nccl"} <= set(wtransfer.list_backends())
+
+
 def test_registry_view_is_read_only():
     view = wtransfer.registry.registered_backends()
     with pytest.raises(TypeError):

@@ -1,6 +1,6 @@
 """Scheduler and block manager, without torch: batching, prefix cache, preemption, pauses."""
 
-import sys
+import re
 
 import pytest
 
@@ -29,17 +29,11 @@ def step(sched, token=7):
     return batch
 
 
-def test_scheduler_module_imports_no_torch():
-    import subprocess
-    code = ("import sys, wtransfer.inference.scheduler, wtransfer.inference.block_manager; "
-            "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    # the package __init__ pulls torch in through wtransfer; the modules themselves must not
+def test_scheduler_modules_import_no_torch():
+    # the package __init__ pulls torch in through wtransfer; these modules themselves must not
     for mod in ("scheduler", "block_manager", "sequence", "params", "outputs"):
         with open(f"wtransfer/inference/{mod}.py") as f:
-            src = f.read()
-        assert "import torch" not in src, mod
-    assert out.returncode == 0
+            assert not re.search(r"^\s*(import|from)\s+torch\b", f.read(), re.M), mod
 
 
 def test_continuous_batching_admits_fcfs_under_the_token_budget():

@@ -360,6 +360,36 @@ class BucketPacker:
             raise MetadataError(f"source yielded {extra[0]!r} beyond the tensors it announced")
 
 
+# -- checksum trailer: for backends whose data channel carries the bucket's checksum itself --
+
+CHECKSUM_BYTES = 16
+"""Extra staging bytes per buffer for a checksum trailer: up to 7 of padding plus 8."""
+
+
+def _trailer_at(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8
+
+
+def write_checksum_trailer(staging: torch.Tensor, nbytes: int, checksum: int) -> int:
+    """Store `checksum` after the bucket's bytes (8-byte aligned); returns the length to send."""
+    at = _trailer_at(nbytes)
+    value = torch.tensor([checksum - (1 << 64) if checksum >= 1 << 63 else checksum],
+                         dtype=torch.int64)
+    staging[at : at + 8].copy_(value.view(torch.uint8))
+    return at + 8
+
+
+def read_checksum_trailer(staging: torch.Tensor, nbytes: int) -> int:
+    """The checksum the sender stored after the bucket."""
+    at = _trailer_at(nbytes)
+    return int(staging[at : at + 8].cpu().view(torch.int64).item()) & ((1 << 64) - 1)
+
+
+def trailer_length(nbytes: int, checksum: bool) -> int:
+    """Bytes to send for a bucket of `nbytes`, with or without its checksum trailer."""
+    return _trailer_at(nbytes) + 8 if checksum else nbytes
+
+
 _CHECKSUM_CHUNK = 1 << 21  # int64 words per chunk: bounds the temporaries to 16 MiB
 _weights_cache: dict[torch.device, torch.Tensor] = {}
 

@@ -94,11 +94,6 @@ class ReceiverServer:
             thread.start()
         return self
 
-    def serve_forever(self) -> None:
-        """Serve until `close()`, blocking the calling thread."""
-        self.start()
-        self._stop.wait()
-
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)

@@ -38,8 +38,11 @@ class WeightTarget(ABC):
     def check(self, metas: Sequence[TensorMeta]) -> None:
         """Refuse an update (before any byte is written) whose tensors this target cannot take."""
         problems = []
+        # the default `held` scans metadata(): index it once instead of once per tensor
+        index = ({m.name: m for m in self.metadata()}
+                 if type(self).held is WeightTarget.held else None)
         for meta in metas:
-            have = self.held(meta.name)
+            have = index.get(meta.name) if index is not None else self.held(meta.name)
             if have is None:
                 problems.append(f"unknown tensor {meta.name!r}")
             elif (have.dtype, have.shape) != (meta.dtype, meta.shape):

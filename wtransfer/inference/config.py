@@ -93,15 +93,18 @@ class EngineConfig:
     data_parallel_size: int = 1
     dp_sync_interval: int = 32
     step_timeout_s: float = 60.0
-    """Deadline for engine-level waits (pause drains, calls into the engine thread)."""
+    """Deadline of pause and resume (a wait-mode pause includes draining running requests)."""
+    call_timeout_s: float = 600.0
+    """Deadline of every other call into the engine thread, weight transfers included."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                      "data_parallel_size", "dp_sync_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not (math.isfinite(self.step_timeout_s) and self.step_timeout_s > 0):
-            raise ConfigError("EngineConfig.step_timeout_s must be a positive number")
+        for name in ("step_timeout_s", "call_timeout_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ConfigError(f"EngineConfig.{name} must be a positive number")
 
     @property
     def prefix_caching(self) -> bool:

@@ -6,6 +6,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from wtransfer.errors import ConfigError, TransferTimeout
@@ -40,6 +41,7 @@ class AsyncEngine:
 
     async def _call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
         future = self.core.call(fn, *args)
+        timeout = timeout or self.config.call_timeout_s
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
         except asyncio.TimeoutError:
@@ -142,7 +144,12 @@ class EngineSyncClient:
         self.core = core
 
     def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return self.core.call(fn, *args).result()
+        timeout = self.core.config.call_timeout_s
+        try:
+            return self.core.call(fn, *args).result(timeout=timeout)
+        except FutureTimeout:
+            raise TransferTimeout(f"{getattr(fn, '__name__', fn)} did not complete within "
+                                  f"{timeout:g}s") from None
 
     @property
     def weight_version(self) -> str:

@@ -116,7 +116,3 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq)
         seq.status = SeqStatus.FINISHED
-
-    def all_sequences(self) -> list[Sequence]:
-        """Running then waiting sequences."""
-        return [*self.running, *self.waiting]

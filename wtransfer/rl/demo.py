@@ -87,7 +87,7 @@ def _validate(server: Any, trainer: torch.nn.Module, streams: list[tuple[list[in
     weights; then fingerprints."""
     problems: list[str] = []
     fresh = AsyncEngine(EngineConfig(model=MODEL, batch_invariant=True))
-    fresh.core.call(fresh.core.model.load_state_dict, trainer.state_dict()).result()
+    fresh.core.call(fresh.core.model.load_state_dict, trainer.state_dict()).result(timeout=60)
 
     async def reference(prompt: list[int], max_tokens: int) -> list[int]:
         last = None

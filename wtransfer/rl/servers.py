@@ -35,6 +35,10 @@ def _choice(c: CompletionOutput) -> dict[str, Any]:
                                 for s in c.weight_versions]}
 
 
+CALL_TIMEOUT_S = 600.0
+"""Deadline of pause, resume and status calls into the in-process engine."""
+
+
 class Stream:
     """A request in flight: `tokens` grows as it streams; `result` is the final choice."""
 
@@ -186,19 +190,20 @@ class LocalPolicyServer:
 
     def pause(self, mode: str, clear_cache: bool) -> None:
         """Pause the engine."""
-        self._submit(self.engine.pause_generation(mode=mode, clear_cache=clear_cache)).result()
+        paused = self._submit(self.engine.pause_generation(mode=mode, clear_cache=clear_cache))
+        paused.result(timeout=CALL_TIMEOUT_S)
 
     def resume(self) -> None:
         """Resume the engine."""
-        self._submit(self.engine.resume_generation()).result()
+        self._submit(self.engine.resume_generation()).result(timeout=CALL_TIMEOUT_S)
 
     def weight_version(self) -> str:
         """The engine's weight label."""
-        return str(self._submit(self.engine.get_weight_version()).result())
+        return str(self._submit(self.engine.get_weight_version()).result(timeout=CALL_TIMEOUT_S))
 
     def inflight(self) -> int:
         """Requests running or waiting in the engine."""
-        stats = self._submit(self.engine.stats()).result()
+        stats = self._submit(self.engine.stats()).result(timeout=CALL_TIMEOUT_S)
         return int(stats["running"] + stats["waiting"])
 
     def close(self) -> None:

@@ -8,11 +8,15 @@ import torch
 
 from wtransfer.engine import WeightTransferEngine
 from wtransfer.errors import ConfigError, LifecycleError
-from wtransfer.packing import Bucket
+from wtransfer.packing import (
+    CHECKSUM_BYTES,
+    Bucket,
+    read_checksum_trailer,
+    trailer_length,
+)
 from wtransfer.receiving import UpdateSession
 from wtransfer_nccl.group import Group, Pending, make_group, rendezvous
 from wtransfer_nccl.info import NCCLInitInfo, NCCLUpdateInfo
-from wtransfer_nccl.staging import CHECKSUM_BYTES, broadcast_length, read_checksum
 
 
 class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
@@ -62,7 +66,7 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
                     slot, data = -1, session.direct_destination(bucket, self._staging[0].device)
                 else:
                     slot = free.popleft()
-                    length = broadcast_length(bucket.nbytes, init.checksum)
+                    length = trailer_length(bucket.nbytes, init.checksum)
                     data = self._staging[slot][:length]
                 posted.append((bucket, slot, data, group.broadcast(data)))
             bucket, slot, data, pending = posted.popleft()
@@ -71,7 +75,7 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
                 session.complete_direct(bucket, data)
             else:
                 staging = self._staging[slot]
-                checksum = read_checksum(staging, bucket.nbytes) if init.checksum else None
+                checksum = read_checksum_trailer(staging, bucket.nbytes) if init.checksum else None
                 session.consume(staging, bucket.nbytes, bucket.slices, checksum)
                 free.append(slot)
             if data.is_cuda:

@@ -14,11 +14,17 @@ import torch
 from wtransfer.clients import FanoutClient
 from wtransfer.engine import TrainerTransferEngine, receiver_init_dict
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
-from wtransfer.packing import BucketPacker, BucketPlan, bucket_checksum, metas_to_wire
+from wtransfer.packing import (
+    CHECKSUM_BYTES,
+    BucketPacker,
+    BucketPlan,
+    bucket_checksum,
+    metas_to_wire,
+    write_checksum_trailer,
+)
 from wtransfer.sending import await_receivers, root_cause
 from wtransfer_nccl.group import Group, Pending, make_group, rendezvous
 from wtransfer_nccl.info import NCCLTrainerInitInfo
-from wtransfer_nccl.staging import CHECKSUM_BYTES, write_checksum
 
 
 class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
@@ -153,7 +159,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                 packer.pack(bucket, staging)
                 length = bucket.nbytes
                 if info.checksum:
-                    length = write_checksum(staging, bucket.nbytes,
+                    length = write_checksum_trailer(staging, bucket.nbytes,
                                             bucket_checksum(staging[: bucket.nbytes]))
                 data = staging[:length]
             inflight.append((slot, group.broadcast(data)))

@@ -7,13 +7,11 @@ from collections import deque
 import torch
 
 from wtransfer.engine import WeightTransferEngine
-from wtransfer.packing import Bucket
+from wtransfer.packing import CHECKSUM_BYTES, Bucket, read_checksum_trailer, trailer_length
 from wtransfer.receiving import UpdateSession
 from wtransfer_ucx.info import UCXInitInfo, UCXUpdateInfo
 from wtransfer_ucx.sender import MAX_INFLIGHT
 from wtransfer_ucx.transport import UCXWorker, tag
-
-CHECKSUM_BYTES = 8
 
 
 class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
@@ -35,7 +33,6 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
         assert init is not None
         plan = session.announce_plan(info.tensors, init.bucket_bytes,
                                      direct_threshold=init.direct_threshold or 0)
-        extra = CHECKSUM_BYTES if init.checksum else 0
         free = deque(range(len(self._staging)))
         posted: deque[tuple[Bucket, int, torch.Tensor, object]] = deque()
         upcoming = deque(plan.buckets)
@@ -47,7 +44,7 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
                     slot, data = -1, session.direct_destination(bucket, self.device)
                 else:
                     slot = free.popleft()
-                    data = self._staging[slot][: bucket.nbytes + extra]
+                    data = self._staging[slot][: trailer_length(bucket.nbytes, init.checksum)]
                 posted.append((bucket, slot, data, self._ucx.recv(data, key)))
             bucket, slot, data, request = posted.popleft()
             self._ucx.wait([request], init.timeout_s)
@@ -55,10 +52,7 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
                 session.complete_direct(bucket, data)
                 continue
             staging = self._staging[slot]
-            checksum = None
-            if init.checksum:
-                word = staging[bucket.nbytes : bucket.nbytes + 8].cpu().view(torch.int64)
-                checksum = int(word.item()) & ((1 << 64) - 1)
+            checksum = read_checksum_trailer(staging, bucket.nbytes) if init.checksum else None
             session.consume(staging, bucket.nbytes, bucket.slices, checksum)
             if staging.is_cuda:
                 torch.cuda.current_stream(staging.device).synchronize()

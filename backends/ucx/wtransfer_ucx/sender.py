@@ -13,12 +13,18 @@ import torch
 from wtransfer.clients import FanoutClient
 from wtransfer.engine import TrainerTransferEngine, receiver_init_dict
 from wtransfer.errors import LifecycleError
-from wtransfer.packing import BucketPacker, BucketPlan, bucket_checksum, metas_to_wire
+from wtransfer.packing import (
+    CHECKSUM_BYTES,
+    BucketPacker,
+    BucketPlan,
+    bucket_checksum,
+    metas_to_wire,
+    write_checksum_trailer,
+)
 from wtransfer.sending import await_receivers, root_cause
 from wtransfer_ucx.info import UCXTrainerInitInfo
 from wtransfer_ucx.transport import UCXWorker, tag
 
-CHECKSUM_BYTES = 8
 MAX_INFLIGHT = 16
 """Messages in flight at once: staging slots bound the packed ones; direct ones need no
 staging, and keeping several in flight hides each rendezvous round trip."""
@@ -108,11 +114,8 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             packer.pack(bucket, staging)
             length = bucket.nbytes
             if info.checksum:
-                value = bucket_checksum(staging[: bucket.nbytes])
-                word = torch.tensor([value - (1 << 64) if value >= 1 << 63 else value],
-                                    dtype=torch.int64)
-                staging[length : length + 8].copy_(word.view(torch.uint8))
-                length += 8
+                length = write_checksum_trailer(staging, bucket.nbytes,
+                                                bucket_checksum(staging[: bucket.nbytes]))
             if staging.is_cuda:
                 torch.cuda.current_stream(staging.device).synchronize()
             data = staging[:length]
