@@ -61,7 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         (finish_reason "abort") before connections close."""
 
         def handle_exit(self, sig: int, frame: object) -> None:
-            engine.core.call(engine.core.abort, None)
+            engine.core.submit("abort", None)
             super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
     GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",

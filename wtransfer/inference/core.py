@@ -1,9 +1,9 @@
-"""The engine core: model, KV cache and scheduler driven by one thread.
+"""The single-process engine core: one `Replica` driven by a thread of its own.
 
 Everything that touches the scheduler or the weights runs on that thread, between steps:
 requests, aborts, pause/resume and every weight-transfer call arrive as commands
-(`call(fn, ...)` returns a `concurrent.futures.Future`), so a pause or an update never lands in
-the middle of a forward pass.
+(`call(fn, ...)` / `submit(name, ...)` return a `concurrent.futures.Future`), so a pause or an
+update never lands in the middle of a forward pass.
 """
 
 from __future__ import annotations
@@ -12,53 +12,48 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
-from wtransfer.engine import WeightTransferEngine
 from wtransfer.errors import ConfigError, LifecycleError
-from wtransfer.inference.block_manager import BlockManager
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.model import load_model
 from wtransfer.inference.outputs import RequestOutput
-from wtransfer.inference.params import SamplingParams
-from wtransfer.inference.runner import ModelRunner
-from wtransfer.inference.scheduler import PauseState, Scheduler
-from wtransfer.inference.sequence import Sequence
-from wtransfer.registry import create_receiver
-from wtransfer.target import ModuleTarget
+from wtransfer.inference.replica import PAUSE_MODES, Replica
 
-PAUSE_MODES = ("abort", "wait", "keep")
+__all__ = ["COMMANDS", "PAUSE_MODES", "CoreClient", "EngineCore"]
+
+COMMANDS = frozenset({
+    "add_request", "abort", "pause", "resume", "is_paused", "init_weight_transfer_engine",
+    "start_weight_update", "update_weights", "finish_weight_update", "update_weight_version",
+    "get_weight_version", "fingerprint", "stats",
+})
+"""The calls a front end may `submit` to an engine core (single-process or data-parallel)."""
 
 
-class EngineCore:
+class CoreClient(Protocol):
+    """What `AsyncEngine` drives: `EngineCore` here, or `DataParallelCore` over N processes."""
+
+    config: EngineConfig
+    weight_version: str
+
+    def submit(self, command: str, *args: Any) -> Future[Any]:
+        """Run one of `COMMANDS`; "pause" resolves to a second future that completes once the
+        pause holds."""
+
+    def shutdown(self) -> None:
+        """Abort live requests and stop."""
+
+
+class EngineCore(Replica):
     """One model replica with its own thread (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, emit: Callable[[RequestOutput], None]) -> None:
-        self.config = config
-        self.emit = emit
-        self.model = load_model(config.model, device=config.device, dtype=config.dtype,
-                                seed=config.seed)
-        self.target = ModuleTarget(self.model)
-        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=self.model.config.max_position_embeddings)
-        self.runner = ModelRunner(self.model, config)
-        self.weight_version = "default"
-        self.receiver: WeightTransferEngine[Any, Any] | None = None
-        self.update_open = False
-        self.steps = 0
-        self.tokens_generated = 0
-        self._sequences: dict[str, Sequence] = {}
-        self._drained: list[tuple[Future[None], bool]] = []
+        super().__init__(config, emit)
         self._commands: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
         self._wake = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="wtransfer-engine-core",
                                         daemon=True)
         self._thread.start()
-
-    # -- plumbing --------------------------------------------------------------------------
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run `fn(*args)` on the engine thread between steps."""
@@ -71,12 +66,18 @@ class EngineCore:
             self._wake.notify()
         return future
 
+    def submit(self, command: str, *args: Any) -> Future[Any]:
+        """Run the named command (one of `COMMANDS`) on the engine thread."""
+        if command not in COMMANDS:
+            raise ConfigError(f"unknown engine command {command!r}")
+        return self.call(getattr(self, command), *args)
+
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._commands and not self._stopped and not self._can_step():
+                while not self._commands and not self._stopped and not self.can_step():
                     self._wake.wait(0.5)
-                    self._expire_abandoned_update()
+                    self.expire_abandoned_update()
                 if self._stopped and not self._commands:
                     return
                 commands = list(self._commands)
@@ -87,47 +88,10 @@ class EngineCore:
                         future.set_result(fn(*args))
                     except BaseException as exc:
                         future.set_exception(exc)
-            self._expire_abandoned_update()
-            if self._can_step():
-                self._step()
-            self._resolve_drains()
-
-    def _expire_abandoned_update(self) -> None:
-        """An update whose sender went silent for timeout_s fails (the receiver's deadline), so
-        it cannot hold the engine forever; a pause in effect stays until resume."""
-        if self.update_open and self.receiver is not None and self.receiver.state == "failed":
-            self.update_open = False
-
-    def _can_step(self) -> bool:
-        return not self.update_open and self.scheduler.has_work()
-
-    def _step(self) -> None:
-        batch = self.scheduler.schedule()
-        if not batch:
-            return
-        results = self.runner.run(batch)
-        self.steps += 1
-        for seq, (token, logprob) in zip(batch, results, strict=True):
-            seq.append(token, logprob, self.weight_version)
-            seq.num_computed = len(seq) - 1
-            self.blocks.commit(seq)
-            self.tokens_generated += 1
-            if seq.finish_reason is not None:
-                self._finish(seq)
-            self.emit(seq.to_output())
-
-    def _finish(self, seq: Sequence, reason: str | None = None) -> None:
-        self.scheduler.finish(seq, reason)
-        self._sequences.pop(seq.request_id, None)
-        self.runner.forget(seq.request_id)
-
-    def _resolve_drains(self) -> None:
-        if self._drained and not self.scheduler.running:
-            for future, clear in self._drained:
-                if clear:
-                    self.blocks.reset_prefix_cache()
-                future.set_result(None)
-            self._drained = []
+            self.expire_abandoned_update()
+            if self.can_step():
+                self.step()
+            self.resolve_drains()
 
     def shutdown(self) -> None:
         """Abort every request, stop the thread and release the receiver."""
@@ -139,125 +103,3 @@ class EngineCore:
         self._thread.join(timeout=self.config.step_timeout_s)
         if self.receiver is not None:
             self.receiver.shutdown()
-
-    # -- requests (engine thread) -----------------------------------------------------------
-
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        """Queue a request (validated here, so errors reach the caller)."""
-        vocab = self.model.config.vocab_size
-        if not prompt:
-            raise ConfigError("prompt_token_ids must not be empty")
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ConfigError(f"token ids must be ints in [0, {vocab}); got {bad[:5]}")
-        if request_id in self._sequences:
-            raise ConfigError(f"request id {request_id!r} is already running")
-        seq = Sequence(request_id, prompt, params)
-        self.scheduler.add(seq)
-        self._sequences[request_id] = seq
-
-    def abort(self, request_ids: list[str] | None) -> int:
-        """Finish the given requests (all when None) with finish_reason "abort"."""
-        targets = (list(self._sequences.values()) if request_ids is None
-                   else [self._sequences[r] for r in request_ids if r in self._sequences])
-        for seq in targets:
-            self._finish(seq, "abort")
-            self.emit(seq.to_output())
-        return len(targets)
-
-    # -- pause (engine thread) -------------------------------------------------------------
-
-    def pause(self, mode: str, clear_cache: bool) -> Future[None]:
-        """Apply a pause; the returned future completes when the pause holds (at once unless
-        mode is "wait", which first lets running requests finish)."""
-        if mode not in PAUSE_MODES:
-            raise ConfigError(f"unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
-        done: Future[None] = Future()
-        if mode == "wait":
-            self.scheduler.state = PauseState.PAUSED_NEW
-            self._drained.append((done, clear_cache))
-            self._resolve_drains()
-            return done
-        if mode == "abort":
-            self.abort(None)
-        self.scheduler.state = PauseState.PAUSED_ALL
-        if clear_cache:
-            self.scheduler.preempt_all()
-            self.blocks.reset_prefix_cache()
-        done.set_result(None)
-        return done
-
-    def resume(self) -> None:
-        """Leave the pause; refused while an update is open or the weights are torn."""
-        if self.update_open:
-            raise LifecycleError("a weight update is open; finish it before resuming")
-        if self.receiver is not None and self.receiver.torn:
-            raise LifecycleError(f"refusing to resume: the last weight update failed after "
-                                 f"changing some weights ({self.receiver.failure}); complete a "
-                                 "new update first")
-        self.scheduler.state = PauseState.UNPAUSED
-
-    def is_paused(self) -> bool:
-        """Whether a pause is in effect."""
-        return self.scheduler.state is not PauseState.UNPAUSED
-
-    # -- weight transfer (engine thread) ---------------------------------------------------
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Create (once) the configured backend's receiver over the model and initialize it."""
-        if self.receiver is None:
-            self.receiver = create_receiver(self.config.weight_transfer_backend, self.target,
-                                            device=self.config.device)
-        self.receiver.init_transfer_engine(init_info)
-
-    def _require_receiver(self) -> WeightTransferEngine[Any, Any]:
-        if self.receiver is None:
-            raise LifecycleError("call init_weight_transfer_engine first")
-        return self.receiver
-
-    def start_weight_update(self) -> None:
-        """Open an update; refused while requests run unpaused."""
-        receiver = self._require_receiver()
-        if not self.is_paused() and self.scheduler.running:
-            raise LifecycleError("the engine is generating; pause_generation(...) before "
-                                 "start_weight_update")
-        receiver.start_weight_update()
-        self.update_open = True
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Receive one part of the update; a failure closes the update."""
-        receiver = self._require_receiver()
-        try:
-            receiver.update_weights(update_info)
-        except BaseException:
-            self.update_open = False
-            raise
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """Complete the update and, in the same step, relabel the weights."""
-        receiver = self._require_receiver()
-        try:
-            receiver.finish_weight_update()
-        finally:
-            self.update_open = False
-        if weight_version is not None:
-            self.weight_version = weight_version
-
-    def update_weight_version(self, version: str) -> None:
-        """Relabel the current weights."""
-        if not isinstance(version, str) or not version:
-            raise ConfigError("weight version must be a non-empty string")
-        self.weight_version = version
-
-    def fingerprint(self) -> dict[str, str]:
-        """Per-tensor digest of the served weights."""
-        return self.target.fingerprint()
-
-    def stats(self) -> dict[str, Any]:
-        """Counters for metrics and benchmarks."""
-        return {"steps": self.steps, "tokens_generated": self.tokens_generated,
-                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "paused": self.is_paused(), "weight_version": self.weight_version,
-                "prefix_cache_hits": self.blocks.hits, "preemptions": self.scheduler.preemptions,
-                "last_update_bytes": self.receiver.last_update_bytes if self.receiver else 0,
-                "last_update_seconds": self.receiver.last_update_seconds if self.receiver else 0}

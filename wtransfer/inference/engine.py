@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from wtransfer.errors import ConfigError, TransferTimeout
+from wtransfer.errors import TransferTimeout
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.core import EngineCore
+from wtransfer.inference.core import CoreClient, EngineCore
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.params import SamplingParams
 from wtransfer.rpc import ReceiverServer
@@ -25,12 +25,15 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
-        if self.config.data_parallel_size != 1:
-            raise ConfigError("data_parallel_size > 1 is not implemented yet; run one engine "
-                              "per replica behind a load balancer and use FanoutClient")
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop,
                                        asyncio.Queue[RequestOutput]]] = {}
-        self.core = EngineCore(self.config, self._emit)
+        self.core: CoreClient
+        if self.config.data_parallel_size > 1:
+            from wtransfer.inference.dp.frontend import DataParallelCore
+
+            self.core = DataParallelCore(self.config, self._emit)
+        else:
+            self.core = EngineCore(self.config, self._emit)
         self._servers: list[ReceiverServer] = []
 
     def _emit(self, output: RequestOutput) -> None:
@@ -39,14 +42,19 @@ class AsyncEngine:
             loop, queue = stream
             loop.call_soon_threadsafe(queue.put_nowait, output)
 
-    async def _call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
-        future = self.core.call(fn, *args)
+    @property
+    def num_workers(self) -> int:
+        """Receiving workers behind this engine (its data-parallel ranks); a trainer sizes
+        NCCL groups and UCX endpoint counts by it."""
+        return self.config.data_parallel_size
+
+    async def _call(self, command: str, *args: Any, timeout: float | None = None) -> Any:
+        future = self.core.submit(command, *args)
         timeout = timeout or self.config.call_timeout_s
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
         except asyncio.TimeoutError:
-            raise TransferTimeout(f"{getattr(fn, '__name__', fn)} did not complete within "
-                                  f"{timeout}s") from None
+            raise TransferTimeout(f"{command} did not complete within {timeout:g}s") from None
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None
                        = None, request_id: str | None = None
@@ -57,7 +65,7 @@ class AsyncEngine:
         self._streams[rid] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            await self._call(self.core.add_request, rid, list(prompt_token_ids),
+            await self._call("add_request", rid, list(prompt_token_ids),
                              sampling_params or SamplingParams())
             while not finished:
                 output = await queue.get()
@@ -66,16 +74,16 @@ class AsyncEngine:
         finally:
             self._streams.pop(rid, None)
             if not finished:
-                self.core.call(self.core.abort, [rid])
+                self.core.submit("abort", [rid])
 
     async def abort_requests(self, request_ids: list[str] | None = None) -> int:
         """Abort the given requests (all when None); returns how many were live."""
-        return int(await self._call(self.core.abort, request_ids))
+        return int(await self._call("abort", request_ids))
 
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """Pause: "abort" ends live requests, "wait" lets them finish first, "keep" freezes
         them to continue after resume. New requests wait until `resume_generation`."""
-        held: Future[None] = await self._call(self.core.pause, mode, clear_cache,
+        held: Future[None] = await self._call("pause", mode, clear_cache,
                                               timeout=self.config.step_timeout_s)
         try:
             await asyncio.wait_for(asyncio.wrap_future(held), self.config.step_timeout_s)
@@ -85,43 +93,43 @@ class AsyncEngine:
 
     async def resume_generation(self) -> None:
         """Resume (a no-op when not paused)."""
-        await self._call(self.core.resume, timeout=self.config.step_timeout_s)
+        await self._call("resume", timeout=self.config.step_timeout_s)
 
     async def is_paused(self) -> bool:
         """Whether a pause is in effect."""
-        return bool(await self._call(self.core.is_paused))
+        return bool(await self._call("is_paused"))
 
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Create and initialize the receiver of the configured backend."""
-        await self._call(self.core.init_weight_transfer_engine, init_info)
+        await self._call("init_weight_transfer_engine", init_info)
 
     async def start_weight_update(self) -> None:
         """Open a weight update (the engine must be paused or idle)."""
-        await self._call(self.core.start_weight_update)
+        await self._call("start_weight_update")
 
     async def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive one part of the update."""
-        await self._call(self.core.update_weights, update_info)
+        await self._call("update_weights", update_info)
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Complete the update; `weight_version` labels the tokens produced from now on."""
-        await self._call(self.core.finish_weight_update, weight_version)
+        await self._call("finish_weight_update", weight_version)
 
     async def update_weight_version(self, version: str) -> None:
         """Relabel the current weights."""
-        await self._call(self.core.update_weight_version, version)
+        await self._call("update_weight_version", version)
 
     async def get_weight_version(self) -> str:
         """The current weight label ("default" until the first update)."""
-        return str(await self._call(lambda: self.core.weight_version))
+        return str(await self._call("get_weight_version"))
 
     async def fingerprint(self) -> dict[str, str]:
         """Per-tensor digest of the served weights."""
-        return dict(await self._call(self.core.fingerprint))
+        return dict(await self._call("fingerprint"))
 
     async def stats(self) -> dict[str, Any]:
         """Engine counters."""
-        return dict(await self._call(self.core.stats))
+        return dict(await self._call("stats"))
 
     def serve_rpc(self, address: str = "tcp://127.0.0.1:0") -> str:
         """Serve the weight-sync calls at `address` for an `RPCClient`; returns the address."""
@@ -140,38 +148,42 @@ class AsyncEngine:
 class EngineSyncClient:
     """A `WeightSyncClient` (blocking) over an engine core, for RPC serving."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: CoreClient) -> None:
         self.core = core
 
-    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _run(self, command: str, *args: Any) -> Any:
         timeout = self.core.config.call_timeout_s
         try:
-            return self.core.call(fn, *args).result(timeout=timeout)
+            return self.core.submit(command, *args).result(timeout=timeout)
         except FutureTimeout:
-            raise TransferTimeout(f"{getattr(fn, '__name__', fn)} did not complete within "
-                                  f"{timeout:g}s") from None
+            raise TransferTimeout(f"{command} did not complete within {timeout:g}s") from None
 
     @property
     def weight_version(self) -> str:
         """The engine's current weight label."""
         return self.core.weight_version
 
+    @property
+    def num_workers(self) -> int:
+        """Receiving workers behind the engine (its data-parallel ranks)."""
+        return self.core.config.data_parallel_size
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Forwarded to the engine thread."""
-        self._run(self.core.init_weight_transfer_engine, init_info)
+        """Forwarded to the engine (every rank)."""
+        self._run("init_weight_transfer_engine", init_info)
 
     def start_weight_update(self) -> None:
-        """Forwarded to the engine thread."""
-        self._run(self.core.start_weight_update)
+        """Forwarded to the engine (every rank)."""
+        self._run("start_weight_update")
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Forwarded to the engine thread."""
-        self._run(self.core.update_weights, update_info)
+        """Forwarded to the engine (every rank)."""
+        self._run("update_weights", update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """Forwarded to the engine thread."""
-        self._run(self.core.finish_weight_update, weight_version)
+        """Forwarded to the engine (every rank)."""
+        self._run("finish_weight_update", weight_version)
 
     def fingerprint(self) -> dict[str, str]:
-        """Forwarded to the engine thread."""
-        return dict(self._run(self.core.fingerprint))
+        """Forwarded to the engine (every rank must agree)."""
+        return dict(self._run("fingerprint"))

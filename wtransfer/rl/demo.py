@@ -24,6 +24,7 @@ import torch
 
 from wtransfer.fingerprint import fingerprint
 from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams, load_model
+from wtransfer.inference.core import EngineCore
 from wtransfer.registry import get_backend, trainer_init
 from wtransfer.rl.grpo import Rollout, grpo_step
 from wtransfer.rl.servers import HTTPPolicyServer, LocalPolicyServer, Stream
@@ -87,7 +88,9 @@ def _validate(server: Any, trainer: torch.nn.Module, streams: list[tuple[list[in
     weights; then fingerprints."""
     problems: list[str] = []
     fresh = AsyncEngine(EngineConfig(model=MODEL, batch_invariant=True))
-    fresh.core.call(fresh.core.model.load_state_dict, trainer.state_dict()).result(timeout=60)
+    core = fresh.core
+    assert isinstance(core, EngineCore)  # data_parallel_size is 1
+    core.call(core.model.load_state_dict, trainer.state_dict()).result(timeout=60)
 
     async def reference(prompt: list[int], max_tokens: int) -> list[int]:
         last = None

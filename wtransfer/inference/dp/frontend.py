@@ -1,0 +1,422 @@
+"""The data-parallel front end: N rank processes behind one `AsyncEngine`.
+
+`DataParallelCore` speaks the same `submit(command, ...)` interface as `EngineCore`. It starts
+the rank processes, hosts their rendezvous store, and owns one ZeroMQ ROUTER socket on an I/O
+thread: commands go out through it, and replies, outputs, wave announcements and fatal errors
+come back through it. Requests go to the rank with the fewest outstanding requests; pause,
+resume and weight-transfer calls go to every rank and complete when every rank answered.
+
+A rank that dies breaks the engine: pending calls fail with `PeerError`, every live request
+ends with finish_reason "abort", the other ranks are stopped, and later calls fail at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import zmq
+
+from wtransfer import wire
+from wtransfer.errors import ConfigError, IntegrityError, PeerError
+from wtransfer.inference.config import EngineConfig
+from wtransfer.inference.core import COMMANDS
+from wtransfer.inference.dp.collective import host_store
+from wtransfer.inference.dp.messages import (
+    aborted_output,
+    error_from_wire,
+    output_from_wire,
+    params_to_wire,
+)
+from wtransfer.inference.outputs import RequestOutput
+from wtransfer.inference.params import SamplingParams
+from wtransfer.inference.replica import PAUSE_MODES
+
+T = TypeVar("T")
+U = TypeVar("U")
+_POLL_MS = 100
+_HOST = "127.0.0.1"
+
+
+def _done(value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
+
+
+def _failed(exc: BaseException) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_exception(exc)
+    return future
+
+
+def _then(future: Future[T], fn: Callable[[T], U]) -> Future[U]:
+    """A future of `fn(result)`; failures pass through."""
+    out: Future[U] = Future()
+
+    def chain(f: Future[T]) -> None:
+        exc = f.exception()
+        if exc is not None:
+            out.set_exception(exc)
+            return
+        try:
+            out.set_result(fn(f.result()))
+        except Exception as error:
+            out.set_exception(error)
+
+    future.add_done_callback(chain)
+    return out
+
+
+def _all(futures: list[Future[Any]]) -> Future[list[Any]]:
+    """One future for many: the results in order, or the first failure (in rank order) once
+    every future is done, so no rank's answer is still in flight when the caller moves on."""
+    out: Future[list[Any]] = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[Any]) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            out.set_exception(errors[0])
+        else:
+            out.set_result([f.result() for f in futures])
+
+    for future in futures:
+        future.add_done_callback(one_done)
+    return out
+
+
+class DataParallelCore:
+    """Front end over `config.data_parallel_size` rank processes (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, emit: Callable[[RequestOutput], None]) -> None:
+        self.config = config
+        self.emit = emit
+        self.size = config.data_parallel_size
+        self.weight_version = "default"
+        """The label every rank holds (set when all ranks finished an update)."""
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._calls: dict[int, tuple[int, Future[Any]]] = {}
+        self._outstanding = [0] * self.size
+        self._owner: dict[str, int] = {}
+        self._prompts: dict[str, list[int]] = {}
+        self._ready: set[int] = set()
+        self._started = threading.Event()
+        self._broken: str | None = None
+        self._closing = False
+        self.waves_relayed = 0
+
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._router: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.bind(f"tcp://{_HOST}:*")
+        inbox = f"inproc://wtransfer-dp-{id(self)}"
+        self._inbox: zmq.Socket[bytes] = ctx.socket(zmq.PULL)
+        self._inbox.bind(inbox)
+        self._outbox: zmq.Socket[bytes] = ctx.socket(zmq.PUSH)
+        self._outbox.connect(inbox)
+        self._outbox_lock = threading.Lock()
+        self._store = host_store(_HOST, config.step_timeout_s)
+        self._session = secrets.token_hex(6)
+        self._procs = [self._spawn(rank) for rank in range(self.size)]
+        self._io = threading.Thread(target=self._io_loop, name="wtransfer-dp-io", daemon=True)
+        self._io.start()
+        self._wait_started()
+
+    # -- processes -------------------------------------------------------------------------
+
+    def _spawn(self, rank: int) -> subprocess.Popen[bytes]:
+        command = [sys.executable, "-m", "wtransfer.inference.dp.rank",
+                   "--config", json.dumps(dataclasses.asdict(self.config)),
+                   "--rank", str(rank),
+                   "--frontend", self._router.getsockopt_string(zmq.LAST_ENDPOINT),
+                   "--store", f"{_HOST}:{self._store.port}", "--session", self._session]
+        return subprocess.Popen(command)
+
+    def _wait_started(self) -> None:
+        deadline = self.config.call_timeout_s
+        if not self._started.wait(deadline):
+            self._fail(f"the data-parallel ranks did not start within {deadline:g}s")
+        if self._broken is not None:
+            self.shutdown()
+            raise PeerError(f"data-parallel engine failed to start: {self._broken}")
+
+    def _check_processes(self) -> None:
+        for rank, proc in enumerate(self._procs):
+            code = proc.poll()
+            if code is not None and not self._closing:
+                self._fail(f"data-parallel rank {rank} exited with code {code}")
+                return
+
+    def _fail(self, reason: str) -> None:
+        """Break the engine: fail pending calls, abort live requests, stop every rank."""
+        with self._lock:
+            if self._broken is not None:
+                return
+            self._broken = reason
+            calls, self._calls = self._calls, {}
+            live = [(rid, self._prompts.get(rid, [])) for rid in self._owner]
+            self._owner.clear()
+            self._prompts.clear()
+            self._outstanding = [0] * self.size
+        self._started.set()
+        for _, future in calls.values():
+            if not future.done():
+                future.set_exception(PeerError(reason))
+        for rid, prompt in live:
+            self.emit(aborted_output(rid, prompt))
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+
+    # -- the socket ------------------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._inbox, zmq.POLLIN)
+        while not self._closing:
+            events = dict(poller.poll(_POLL_MS))
+            if self._inbox in events:
+                while True:
+                    try:
+                        frames = self._inbox.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._route(frames[0], frames[1])
+            if self._router in events:
+                while True:
+                    try:
+                        identity, payload = self._router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    rank = int(identity.decode().rsplit("-", 1)[1])
+                    self._on_message(rank, wire.decode(payload))
+            self._check_processes()
+
+    def _route(self, identity: bytes, payload: bytes) -> None:
+        # a rank that is gone: _check_processes breaks the engine and fails the call
+        with contextlib.suppress(zmq.ZMQError):
+            self._router.send_multipart([identity, payload])
+
+    def _on_message(self, rank: int, message: dict[str, Any]) -> None:
+        kind = message.get("kind")
+        if kind == "reply":
+            with self._lock:
+                entry = self._calls.pop(int(message["id"]), None)
+            if entry is not None and not entry[1].done():
+                if message["ok"]:
+                    entry[1].set_result(message.get("result"))
+                else:
+                    entry[1].set_exception(error_from_wire(rank, message))
+        elif kind == "outputs":
+            for data in message["outputs"]:
+                output = output_from_wire(data)
+                if output.finished:
+                    with self._lock:
+                        owner = self._owner.pop(output.request_id, None)
+                        self._prompts.pop(output.request_id, None)
+                        if owner is not None:
+                            self._outstanding[owner] -= 1
+                self.emit(output)
+        elif kind == "wave":
+            self.waves_relayed += 1
+            payload = wire.encode({"op": "wake", "args": [int(message["wave"])]})
+            for other in range(self.size):
+                if other != rank:
+                    self._route(f"rank-{other}".encode(), payload)
+        elif kind == "ready":
+            self._ready.add(rank)
+            if len(self._ready) == self.size:
+                self._started.set()
+        elif kind == "fatal":
+            time.sleep(0.05)  # a collective fails because a peer died: name the dead one
+            self._check_processes()
+            self._fail(f"data-parallel rank {rank} failed: {message.get('message')}")
+
+    def _call(self, rank: int, op: str, *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._broken is not None:
+                return _failed(PeerError(f"the data-parallel engine is broken: {self._broken}"))
+            if self._closing:
+                return _failed(PeerError("the data-parallel engine is shut down"))
+            call_id = next(self._ids)
+            self._calls[call_id] = (rank, future)
+        payload = wire.encode({"op": op, "id": call_id, "args": list(args)})
+        with self._outbox_lock:
+            self._outbox.send_multipart([f"rank-{rank}".encode(), payload])
+        return future
+
+    def _everyone(self, op: str, *args: Any) -> Future[list[Any]]:
+        return _all([self._call(rank, op, *args) for rank in range(self.size)])
+
+    def rank_call(self, rank: int, command: str, *args: Any) -> Future[Any]:
+        """Send one command to one rank only (diagnostics and protocol tests: e.g. a pause
+        that reaches the ranks at different times)."""
+        if not 0 <= rank < self.size:
+            raise ConfigError(f"rank must be in 0..{self.size - 1}, got {rank}")
+        if command not in COMMANDS:
+            raise ConfigError(f"unknown engine command {command!r}")
+        if command == "add_request":
+            raise ConfigError("add requests through submit('add_request', ...)")
+        return self._call(rank, command, *args)
+
+    # -- commands --------------------------------------------------------------------------
+
+    def submit(self, command: str, *args: Any) -> Future[Any]:
+        """Run one of `COMMANDS` across the ranks (see the module docstring)."""
+        if command not in COMMANDS:
+            raise ConfigError(f"unknown engine command {command!r}")
+        try:
+            result: Future[Any] = getattr(self, f"_cmd_{command}")(*args)
+        except Exception as exc:
+            return _failed(exc)
+        return result
+
+    def _cmd_add_request(self, request_id: str, prompt: list[int],
+                         params: SamplingParams) -> Future[None]:
+        with self._lock:
+            if request_id in self._owner:
+                raise ConfigError(f"request id {request_id!r} is already running")
+            rank = min(range(self.size), key=lambda r: (self._outstanding[r], r))
+            self._outstanding[rank] += 1
+            self._owner[request_id] = rank
+            self._prompts[request_id] = list(prompt)
+        future = self._call(rank, "add_request", request_id, list(prompt), params_to_wire(params))
+
+        def undo_if_refused(f: Future[Any]) -> None:
+            if f.exception() is not None:
+                with self._lock:
+                    if self._owner.pop(request_id, None) is not None:
+                        self._outstanding[rank] -= 1
+                    self._prompts.pop(request_id, None)
+
+        future.add_done_callback(undo_if_refused)
+        return future
+
+    def _cmd_abort(self, request_ids: list[str] | None) -> Future[int]:
+        if request_ids is None:
+            return _then(self._everyone("abort", None), sum)
+        by_rank: dict[int, list[str]] = {}
+        with self._lock:
+            for rid in request_ids:
+                if rid in self._owner:
+                    by_rank.setdefault(self._owner[rid], []).append(rid)
+        return _then(_all([self._call(r, "abort", ids) for r, ids in by_rank.items()]), sum)
+
+    def _cmd_pause(self, mode: str, clear_cache: bool) -> Future[Future[None]]:
+        if mode not in PAUSE_MODES:
+            raise ConfigError(f"unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
+        return _done(_then(self._everyone("pause", mode, bool(clear_cache)), lambda _: None))
+
+    def _cmd_resume(self) -> Future[None]:
+        return _then(self._everyone("resume"), lambda _: None)
+
+    def _cmd_is_paused(self) -> Future[bool]:
+        return _then(self._everyone("is_paused"), any)
+
+    def _cmd_init_weight_transfer_engine(self, init_info: dict[str, Any]) -> Future[None]:
+        return _then(self._everyone("init_weight_transfer_engine", init_info), lambda _: None)
+
+    def _cmd_start_weight_update(self) -> Future[None]:
+        return _then(self._everyone("start_weight_update"), lambda _: None)
+
+    def _cmd_update_weights(self, update_info: dict[str, Any]) -> Future[None]:
+        return _then(self._everyone("update_weights", update_info), lambda _: None)
+
+    def _cmd_finish_weight_update(self, weight_version: str | None = None) -> Future[None]:
+        def relabel(_: list[Any]) -> None:
+            if weight_version is not None:
+                self.weight_version = weight_version
+
+        return _then(self._everyone("finish_weight_update", weight_version), relabel)
+
+    def _cmd_update_weight_version(self, version: str) -> Future[None]:
+        def relabel(_: list[Any]) -> None:
+            self.weight_version = version
+
+        return _then(self._everyone("update_weight_version", version), relabel)
+
+    def _cmd_get_weight_version(self) -> Future[str]:
+        def agree(versions: list[Any]) -> str:
+            if len(set(versions)) > 1:
+                raise IntegrityError(f"data-parallel ranks hold different weight versions "
+                                     f"{versions}; complete a weight update")
+            return str(versions[0])
+
+        return _then(self._everyone("get_weight_version"), agree)
+
+    def _cmd_fingerprint(self) -> Future[dict[str, str]]:
+        def agree(prints: list[Any]) -> dict[str, str]:
+            odd = [rank for rank, p in enumerate(prints) if p != prints[0]]
+            if odd:
+                raise IntegrityError(f"data-parallel ranks {odd} hold different weights from "
+                                     "rank 0")
+            return dict(prints[0])
+
+        return _then(self._everyone("fingerprint"), agree)
+
+    def _cmd_stats(self) -> Future[dict[str, Any]]:
+        def merge(per_rank: list[Any]) -> dict[str, Any]:
+            total = {key: sum(s[key] for s in per_rank)
+                     for key in ("steps", "tokens_generated", "running", "waiting",
+                                 "prefix_cache_hits", "preemptions", "last_update_bytes",
+                                 "dummy_steps", "waves_started")}
+            return {**total, "paused": any(s["paused"] for s in per_rank),
+                    "weight_version": self.weight_version,
+                    "last_update_seconds": max(s["last_update_seconds"] for s in per_rank),
+                    "outstanding": list(self._outstanding), "waves_relayed": self.waves_relayed,
+                    "ranks": per_rank}
+
+        return _then(self._everyone("stats"), merge)
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Abort live requests on every rank, stop the ranks, close the sockets."""
+        if self._closing:
+            return
+        timeout = self.config.step_timeout_s
+        if self._broken is None:
+            try:  # the global pause takes every rank out of its wave before any of them exits
+                held = self._cmd_pause("abort", True).result()
+                held.result(timeout=timeout)
+                self._everyone("shutdown").result(timeout=timeout)
+            except Exception as exc:
+                print(f"wtransfer: data-parallel shutdown was not clean: {exc}", file=sys.stderr)
+        self._closing = True
+        deadline = time.monotonic() + timeout
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._io.join(timeout)
+        with self._lock:
+            calls, self._calls = self._calls, {}
+        for _, future in calls.values():
+            if not future.done():
+                future.set_exception(PeerError("the data-parallel engine is shut down"))
+        self._outbox.close()
+        self._inbox.close()
+        self._router.close()
+

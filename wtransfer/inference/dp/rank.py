@@ -1,0 +1,282 @@
+"""One data-parallel rank: a `Replica` stepping in lockstep waves with the other ranks.
+
+Run by the front end as ``python -m wtransfer.inference.dp.rank`` (one process per rank).
+
+Waves. While any rank has work, every rank steps, and every step ends in an all-reduce (the
+collective an expert-parallel layer needs each step); a rank without work runs a dummy step,
+which is only that all-reduce. Every `dp_sync_interval` steps the ranks also all-reduce their
+state (busy, pause requested, pause ready) and decide together: keep stepping, end the wave
+(nobody busy, no pause requested), or enter the global pause. Waves are numbered and every rank
+ends wave w at the same step, so all agree on the number: an idle rank that gets work starts the
+wave it is at and tells the front end, which relays a wake-up for that number to every rank; a
+rank already in that wave, or past it, ignores the wake-up.
+
+Two-phase pause. Phase 1 (local): the pause command changes this rank's scheduler at once
+(abort ends requests, keep freezes them, wait lets running ones finish), but the rank keeps
+joining the wave's collectives, so no rank is ever left waiting inside one. A local pause counts
+as work: it starts a wave if none runs, so the ranks can meet and agree. Phase 2 (global): when a
+state sync shows every rank paused and drained, all ranks leave the wave together, reply to the
+pause, and ignore wake-ups until resume. Resume from the global pause is itself a collective
+(a barrier that carries each rank's verdict): either every rank resumes or none does.
+Weight updates need the global pause, because a rank blocked in a transfer cannot join a wave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import zmq
+
+from wtransfer import wire
+from wtransfer.errors import ConfigError, LifecycleError
+from wtransfer.inference.config import EngineConfig
+from wtransfer.inference.core import COMMANDS
+from wtransfer.inference.dp.collective import RankGroup
+from wtransfer.inference.dp.messages import error_to_wire, output_to_wire, params_from_wire
+from wtransfer.inference.outputs import RequestOutput
+from wtransfer.inference.replica import Replica
+from wtransfer.inference.scheduler import PauseState
+
+_IDLE_POLL_MS = 200
+
+
+class DPRank(Replica):
+    """Rank `rank` of `size`: executes the front end's commands between lockstep steps."""
+
+    def __init__(self, config: EngineConfig, rank: int, size: int, frontend: str,
+                 group: Callable[[], RankGroup]) -> None:
+        self._outbox: list[dict[str, Any]] = []
+        super().__init__(config, self._collect)
+        self.worker_index = rank
+        self.rank, self.size = rank, size
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.socket: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
+        self.socket.setsockopt(zmq.LINGER, 1000)
+        self.socket.connect(frontend)
+        self.group = group()
+        self.wave = 0
+        self.in_wave = False
+        self.global_paused = False
+        self.wave_steps = 0
+        self.dummy_steps = 0
+        self.waves_started = 0
+        self._pause_waiters: list[int] = []
+        self._stopping = False
+        self._parent = os.getppid()
+
+    # -- messages --------------------------------------------------------------------------
+
+    def _collect(self, output: RequestOutput) -> None:
+        self._outbox.append(output_to_wire(output))
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self.socket.send(wire.encode(message))
+
+    def _flush(self) -> None:
+        if self._outbox:
+            outputs, self._outbox = self._outbox, []
+            self._send({"kind": "outputs", "outputs": outputs})
+
+    def _reply(self, call_id: int, result: Any = None, error: BaseException | None = None
+               ) -> None:
+        self._flush()  # outputs a call produced (aborts) reach the front end before its reply
+        if error is None:
+            self._send({"kind": "reply", "id": call_id, "ok": True, "result": result})
+        else:
+            self._send({"kind": "reply", "id": call_id, "ok": False, **error_to_wire(error)})
+
+    def _drain_commands(self, timeout_ms: int) -> None:
+        if not self.socket.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(wire.decode(frame))
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        op, call_id, args = message["op"], int(message.get("id", -1)), message.get("args", [])
+        if op == "wake":
+            self._on_wake(int(args[0]))
+            return
+        try:
+            if op == "shutdown":
+                self.abort(None)
+                self._stopping = True
+                result = None
+            elif op == "pause":
+                self._on_pause(call_id, *args)
+                return
+            elif op == "resume":
+                self._on_resume()
+                result = None
+            elif op == "add_request":
+                rid, prompt, params = args
+                self.add_request(rid, prompt, params_from_wire(params))
+                result = None
+            elif op in COMMANDS:
+                result = getattr(self, op)(*args)
+            else:
+                raise ConfigError(f"unknown data-parallel command {op!r}")
+        except Exception as exc:
+            self._reply(call_id, error=exc)
+            return
+        self._reply(call_id, result)
+
+    # -- waves -----------------------------------------------------------------------------
+
+    def _pause_requested(self) -> bool:
+        return self.scheduler.state is not PauseState.UNPAUSED and not self.global_paused
+
+    def _wants_wave(self) -> bool:
+        return not self.global_paused and (self.can_step() or self._pause_requested())
+
+    def _begin_wave(self, announce: bool) -> None:
+        self.in_wave, self.wave_steps = True, 0
+        self.waves_started += 1
+        if announce:
+            self._send({"kind": "wave", "wave": self.wave})
+
+    def _end_wave(self) -> None:
+        self.in_wave, self.wave_steps = False, 0
+        self.wave += 1
+
+    def _on_wake(self, wave: int) -> None:
+        if not self.global_paused and not self.in_wave and wave == self.wave:
+            self._begin_wave(announce=False)
+
+    def _wave_step(self) -> None:
+        advanced = self.step() if self.can_step() else 0
+        self.resolve_drains()
+        self._flush()
+        if not advanced:
+            self.dummy_steps += 1
+        self.group.all_reduce([advanced])
+        self.wave_steps += 1
+        if self.wave_steps % self.config.dp_sync_interval == 0:
+            self._sync()
+
+    def _sync(self) -> None:
+        busy = self.can_step()
+        requested = self._pause_requested()
+        ready = requested and not busy
+        n_busy, n_requested, n_ready = self.group.all_reduce([busy, requested, ready])
+        if n_ready == self.size:
+            self._end_wave()
+            self.global_paused = True
+            waiters, self._pause_waiters = self._pause_waiters, []
+            for call_id in waiters:
+                self._reply(call_id)
+        elif n_busy == 0 and n_requested == 0:
+            self._end_wave()
+
+    # -- pause and resume ------------------------------------------------------------------
+
+    def _on_pause(self, call_id: int, mode: str, clear_cache: bool) -> None:
+        """Phase 1 here; the reply waits for phase 2 (every rank paused and drained)."""
+        if self.global_paused:
+            if mode != "wait":  # nothing runs in the global pause: waiting has nothing to drain
+                self.pause(mode, clear_cache)
+            elif clear_cache:
+                self.blocks.reset_prefix_cache()
+            self._reply(call_id)
+            return
+        self.pause(mode, clear_cache)
+        self._pause_waiters.append(call_id)
+
+    def _on_resume(self) -> None:
+        if not self.global_paused:
+            self.resume()
+            waiters, self._pause_waiters = self._pause_waiters, []
+            for call_id in waiters:
+                self._reply(call_id, error=LifecycleError(
+                    "resumed before every data-parallel rank had paused"))
+            return
+        refusal = self.resume_refusal()
+        has_requests = bool(self.scheduler.running or self.scheduler.waiting)
+        n_ok, n_busy = self.group.all_reduce([refusal is None, has_requests])  # the barrier
+        if n_ok < self.size:
+            raise LifecycleError(refusal or f"{self.size - n_ok} other rank(s) refused to "
+                                            "resume (an update is open or failed there)")
+        self.scheduler.state = PauseState.UNPAUSED
+        self.global_paused = False
+        if n_busy:
+            self._begin_wave(announce=False)  # every rank saw n_busy: all start this wave
+
+    def start_weight_update(self) -> None:
+        """Open an update; with data parallelism only in the global pause."""
+        if not self.global_paused:
+            raise LifecycleError("with data_parallel_size > 1, call pause_generation(...) "
+                                 "before start_weight_update: ranks step in lockstep, and one "
+                                 "busy receiving weights would stall the others")
+        super().start_weight_update()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, plus this rank's lockstep state."""
+        return {**super().stats(), "rank": self.rank, "wave": self.wave,
+                "in_wave": self.in_wave, "global_paused": self.global_paused,
+                "dummy_steps": self.dummy_steps, "waves_started": self.waves_started}
+
+    # -- main loop -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until the front end says shutdown (or goes away)."""
+        self._send({"kind": "ready"})
+        while not self._stopping:
+            if self.in_wave:
+                self._drain_commands(0)
+                if not self._stopping:
+                    self._wave_step()
+            elif self._wants_wave():
+                self._begin_wave(announce=True)
+            else:
+                self._drain_commands(_IDLE_POLL_MS)
+                self.expire_abandoned_update()
+                if os.getppid() != self._parent:
+                    return  # the front end died; nobody is left to serve
+        self._flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of a rank process."""
+    parser = argparse.ArgumentParser(description="one data-parallel engine rank")
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--frontend", required=True, help="front end's ZMQ address")
+    parser.add_argument("--store", required=True, help="host:port of the rendezvous store")
+    parser.add_argument("--session", required=True)
+    args = parser.parse_args(argv)
+    config = EngineConfig(**json.loads(args.config))
+    size = config.data_parallel_size
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    host, port = args.store.rsplit(":", 1)
+    rank: DPRank | None = None
+    try:
+        rank = DPRank(config, args.rank, size, args.frontend,
+                      lambda: RankGroup(host, int(port), args.session, args.rank, size,
+                                        config.step_timeout_s))
+        rank.run()
+    except Exception as exc:
+        message = f"{type(exc).__name__}: {exc}"
+        if rank is not None:
+            rank._send({"kind": "fatal", "message": message})
+            rank.socket.close(linger=1000)
+        print(f"wtransfer data-parallel rank {args.rank} failed: {message}", file=sys.stderr)
+        return 1
+    finally:
+        if rank is not None and rank.receiver is not None:
+            rank.receiver.shutdown()
+    rank.socket.close(linger=1000)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

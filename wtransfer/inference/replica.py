@@ -1,0 +1,232 @@
+"""One model replica's state and logic, without a thread of its own.
+
+`Replica` owns the model, KV cache, scheduler and weight receiver. Its methods must run on one
+thread, between steps: `EngineCore` drives a replica from a thread of its own (the
+single-process engine); a data-parallel rank drives one from its process's main loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from wtransfer.engine import WeightTransferEngine
+from wtransfer.errors import ConfigError, LifecycleError
+from wtransfer.inference.block_manager import BlockManager
+from wtransfer.inference.config import EngineConfig
+from wtransfer.inference.model import load_model
+from wtransfer.inference.outputs import RequestOutput
+from wtransfer.inference.params import SamplingParams
+from wtransfer.inference.runner import ModelRunner
+from wtransfer.inference.scheduler import PauseState, Scheduler
+from wtransfer.inference.sequence import Sequence
+from wtransfer.registry import create_receiver
+from wtransfer.target import ModuleTarget
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class Replica:
+    """Model, KV cache, scheduler and receiver of one engine replica (see the module docstring).
+
+    `emit` receives every request's cumulative output after each step that changed it.
+    """
+
+    worker_index = 0
+    """Index of this replica among the engine's receiving workers (its data-parallel rank)."""
+
+    def __init__(self, config: EngineConfig, emit: Callable[[RequestOutput], None]) -> None:
+        self.config = config
+        self.emit = emit
+        self.model = load_model(config.model, device=config.device, dtype=config.dtype,
+                                seed=config.seed)
+        self.target = ModuleTarget(self.model)
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=self.model.config.max_position_embeddings)
+        self.runner = ModelRunner(self.model, config)
+        self.weight_version = "default"
+        self.receiver: WeightTransferEngine[Any, Any] | None = None
+        self.update_open = False
+        self.steps = 0
+        self.tokens_generated = 0
+        self._sequences: dict[str, Sequence] = {}
+        self._drained: list[tuple[Future[None], bool]] = []
+
+    # -- stepping --------------------------------------------------------------------------
+
+    def expire_abandoned_update(self) -> None:
+        """An update whose sender went silent for timeout_s fails (the receiver's deadline), so
+        it cannot hold the engine forever; a pause in effect stays until resume."""
+        if self.update_open and self.receiver is not None and self.receiver.state == "failed":
+            self.update_open = False
+
+    def can_step(self) -> bool:
+        """Whether a step would compute anything now."""
+        return not self.update_open and self.scheduler.has_work()
+
+    def step(self) -> int:
+        """Schedule and compute one step; returns how many sequences it advanced."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return 0
+        results = self.runner.run(batch)
+        self.steps += 1
+        for seq, (token, logprob) in zip(batch, results, strict=True):
+            seq.append(token, logprob, self.weight_version)
+            seq.num_computed = len(seq) - 1
+            self.blocks.commit(seq)
+            self.tokens_generated += 1
+            if seq.finish_reason is not None:
+                self._finish(seq)
+            self.emit(seq.to_output())
+        return len(batch)
+
+    def _finish(self, seq: Sequence, reason: str | None = None) -> None:
+        self.scheduler.finish(seq, reason)
+        self._sequences.pop(seq.request_id, None)
+        self.runner.forget(seq.request_id)
+
+    def resolve_drains(self) -> None:
+        """Complete wait-mode pauses once no request runs."""
+        if self._drained and not self.scheduler.running:
+            for future, clear in self._drained:
+                if clear:
+                    self.blocks.reset_prefix_cache()
+                future.set_result(None)
+            self._drained = []
+
+    # -- requests (engine thread) -----------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        """Queue a request (validated here, so errors reach the caller)."""
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise ConfigError("prompt_token_ids must not be empty")
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"token ids must be ints in [0, {vocab}); got {bad[:5]}")
+        if request_id in self._sequences:
+            raise ConfigError(f"request id {request_id!r} is already running")
+        seq = Sequence(request_id, prompt, params)
+        self.scheduler.add(seq)
+        self._sequences[request_id] = seq
+
+    def abort(self, request_ids: list[str] | None) -> int:
+        """Finish the given requests (all when None) with finish_reason "abort"."""
+        targets = (list(self._sequences.values()) if request_ids is None
+                   else [self._sequences[r] for r in request_ids if r in self._sequences])
+        for seq in targets:
+            self._finish(seq, "abort")
+            self.emit(seq.to_output())
+        return len(targets)
+
+    # -- pause (engine thread) -------------------------------------------------------------
+
+    def pause(self, mode: str, clear_cache: bool) -> Future[None]:
+        """Apply a pause; the returned future completes when the pause holds (at once unless
+        mode is "wait", which first lets running requests finish)."""
+        if mode not in PAUSE_MODES:
+            raise ConfigError(f"unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
+        done: Future[None] = Future()
+        if mode == "wait":
+            self.scheduler.state = PauseState.PAUSED_NEW
+            self._drained.append((done, clear_cache))
+            self.resolve_drains()
+            return done
+        if mode == "abort":
+            self.abort(None)
+        self.scheduler.state = PauseState.PAUSED_ALL
+        if clear_cache:
+            self.scheduler.preempt_all()
+            self.blocks.reset_prefix_cache()
+        done.set_result(None)
+        return done
+
+    def resume_refusal(self) -> str | None:
+        """Why `resume` would be refused now (None: it would not be)."""
+        if self.update_open:
+            return "a weight update is open; finish it before resuming"
+        if self.receiver is not None and self.receiver.torn:
+            return (f"refusing to resume: the last weight update failed after changing some "
+                    f"weights ({self.receiver.failure}); complete a new update first")
+        return None
+
+    def resume(self) -> None:
+        """Leave the pause; refused while an update is open or the weights are torn."""
+        refusal = self.resume_refusal()
+        if refusal is not None:
+            raise LifecycleError(refusal)
+        self.scheduler.state = PauseState.UNPAUSED
+
+    def is_paused(self) -> bool:
+        """Whether a pause is in effect."""
+        return self.scheduler.state is not PauseState.UNPAUSED
+
+    # -- weight transfer (engine thread) ---------------------------------------------------
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Create (once) the configured backend's receiver over the model and initialize it."""
+        if self.receiver is None:
+            self.receiver = create_receiver(self.config.weight_transfer_backend, self.target,
+                                            device=self.config.device)
+            self.receiver.worker_index = self.worker_index  # type: ignore[attr-defined]
+        self.receiver.init_transfer_engine(init_info)
+
+    def _require_receiver(self) -> WeightTransferEngine[Any, Any]:
+        if self.receiver is None:
+            raise LifecycleError("call init_weight_transfer_engine first")
+        return self.receiver
+
+    def start_weight_update(self) -> None:
+        """Open an update; refused while requests run unpaused."""
+        receiver = self._require_receiver()
+        if not self.is_paused() and self.scheduler.running:
+            raise LifecycleError("the engine is generating; pause_generation(...) before "
+                                 "start_weight_update")
+        receiver.start_weight_update()
+        self.update_open = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive one part of the update; a failure closes the update."""
+        receiver = self._require_receiver()
+        try:
+            receiver.update_weights(update_info)
+        except BaseException:
+            self.update_open = False
+            raise
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Complete the update and, in the same step, relabel the weights."""
+        receiver = self._require_receiver()
+        try:
+            receiver.finish_weight_update()
+        finally:
+            self.update_open = False
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+    def update_weight_version(self, version: str) -> None:
+        """Relabel the current weights."""
+        if not isinstance(version, str) or not version:
+            raise ConfigError("weight version must be a non-empty string")
+        self.weight_version = version
+
+    def get_weight_version(self) -> str:
+        """The current weight label."""
+        return self.weight_version
+
+    def fingerprint(self) -> dict[str, str]:
+        """Per-tensor digest of the served weights."""
+        return self.target.fingerprint()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics and benchmarks."""
+        return {"steps": self.steps, "tokens_generated": self.tokens_generated,
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "paused": self.is_paused(), "weight_version": self.weight_version,
+                "prefix_cache_hits": self.blocks.hits, "preemptions": self.scheduler.preemptions,
+                "last_update_bytes": self.receiver.last_update_bytes if self.receiver else 0,
+                "last_update_seconds": self.receiver.last_update_seconds if self.receiver else 0}
