@@ -24,6 +24,7 @@ def test_transfer_demo_proves_the_weights_landed():
     assert "engine weight version: step-1" in out.stdout and "demo passed" in out.stdout
 
 
-def test_serve_refuses_data_parallelism_it_does_not_have_yet():
-    out = run("serve", "--data-parallel-size", "2", "--port", "1", timeout=120)
-    assert out.returncode != 0 and "data_parallel_size > 1 is not implemented" in out.stderr
+def test_serve_explains_a_bad_data_parallel_size_without_a_traceback():
+    out = run("serve", "--data-parallel-size", "0", timeout=120)
+    assert out.returncode == 2 and "data_parallel_size must be >= 1" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -298,3 +298,40 @@ def test_a_dead_rank_aborts_its_requests_and_later_calls_fail_fast():
             engine.shutdown()
 
     run(main())
+
+
+def test_nccl_gives_each_rank_its_own_receiver_rank():
+    """Over nccl (gloo on CPU) the trainer sizes the group from the engine's num_workers:
+    world_size = 1 trainer + 2 ranks, rank r receiving as group rank 1 + r."""
+    import socket
+
+    import wtransfer_nccl
+
+    async def main():
+        engine = dp_engine(2, weight_transfer_backend="nccl")
+        trainer = load_model("tiny", seed=5)
+        try:
+            await engine.pause_generation(mode="keep")
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            info = wtransfer_nccl.NCCLTrainerInitInfo(master_address="127.0.0.1",
+                                                      master_port=port, world_size=3,
+                                                      bucket_bytes=1 << 16, timeout_s=30)
+
+            def push():
+                with wtransfer.trainer_init(info, client=EngineSyncClient(engine.core),
+                                            source=wtransfer.ModuleSource(trainer)) as sender:
+                    sender.send_weights(weight_version="nccl-1")
+                    sender.send_weights(weight_version="nccl-2")
+
+            await asyncio.to_thread(push)
+            assert await engine.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+            assert await engine.get_weight_version() == "nccl-2"
+            await engine.resume_generation()
+            out = await collect(engine, "q", [1, 2, 3], GREEDY)
+            assert out.outputs[0].weight_versions == [WeightVersionSpan("nccl-2", 0, 24)]
+        finally:
+            engine.shutdown()
+
+    run(main())

@@ -149,7 +149,7 @@ def test_weight_update_from_a_trainer_process_over_http_with_two_spans(dev):
     with wtransfer.trainer_init(wtransfer_ipc().IPCTrainerInitInfo(bucket_bytes=1 << 16),
                                 client=client, source=wtransfer.ModuleSource(model)) as sender:
         sender.send_weights(weight_version="http-1")
-    assert h.get("/weight_info").json() == {"weight_version": "http-1"}
+    assert h.get("/weight_info").json() == {"weight_version": "http-1", "num_workers": 1}
     assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
     h.post("/resume")
     thread.join(120)
@@ -226,3 +226,43 @@ def test_oversized_bodies_are_refused_with_or_without_a_length(dev):
 
     r = dev.http.post("/update_weight_version", content=chunks())
     assert r.status_code == 413 and "exceeds" in r.json()["message"]
+
+
+def test_data_parallel_server_pauses_and_updates_every_rank_over_http():
+    import threading
+
+    server = Server("--dev-mode", "--batch-invariant", "--data-parallel-size", "2",
+                    "--dp-sync-interval", "4")
+    results = {}
+    try:
+        h = server.http
+
+        def generate(i):
+            results[i] = h.post("/inference/v1/generate", json={
+                "token_ids": [i + 1, 5], "sampling_params": {"max_tokens": 300,
+                                                            "temperature": 0}},
+                timeout=120).json()
+
+        threads = [threading.Thread(target=generate, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: "wtransfer_running_requests 4" in h.get("/metrics").text, 30,
+                 "four requests to run (two per rank)")
+        assert h.post("/pause", params={"mode": "keep"}).status_code == 200
+        client = wtransfer.HTTPClient(server.url)
+        assert client.num_workers == 2
+        model = wtransfer.inference.load_model("tiny", seed=4)
+        with wtransfer.trainer_init(wtransfer_ipc().IPCTrainerInitInfo(bucket_bytes=1 << 16),
+                                    client=client, source=wtransfer.ModuleSource(model)) as s:
+            s.send_weights(weight_version="dp-1")
+        assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+        assert h.get("/weight_info").json() == {"weight_version": "dp-1", "num_workers": 2}
+        assert h.post("/resume").status_code == 200
+        for t in threads:
+            t.join(120)
+    finally:
+        log = server.stop()
+    for i in range(4):
+        spans = results[i]["choices"][0]["weight_versions"]
+        assert [s["version"] for s in spans] == ["default", "dp-1"], log
+        assert spans[1]["end"] == 300

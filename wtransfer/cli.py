@@ -52,6 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine(EngineConfig(model=args.model, device=args.device,
                                       weight_transfer_backend=args.weight_transfer_backend,
                                       data_parallel_size=args.data_parallel_size,
+                                      dp_sync_interval=args.dp_sync_interval,
                                       batch_invariant=args.batch_invariant, seed=args.seed))
     app = build_app(engine, dev_mode=args.dev_mode,
                     api_key=args.api_key or os.environ.get("WTRANSFER_API_KEY"))
@@ -104,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
                                                        "(or set WTRANSFER_API_KEY)")
     serve.add_argument("--weight-transfer-backend", default="ipc")
-    serve.add_argument("--data-parallel-size", type=int, default=1)
+    serve.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engine-core processes stepping in lockstep behind this server")
+    serve.add_argument("--dp-sync-interval", type=int, default=32,
+                       help="steps between the ranks' state syncs (pause agreement, wave end)")
     serve.add_argument("--batch-invariant", action="store_true")
     serve.set_defaults(func=cmd_serve)
     return parser

@@ -37,6 +37,22 @@ class WeightSyncClient(Protocol):
         """Per-tensor digest of what the engine holds now."""
 
 
+def workers_behind(client: object) -> int:
+    """How many receiving workers one client drives: its `num_workers` (an engine with data
+    parallelism has one per rank), else 1. Senders size NCCL groups and UCX endpoint counts
+    by it."""
+    count = getattr(client, "num_workers", 1)
+    if not isinstance(count, int) or count < 1:
+        raise ConfigError(f"{client!r} reports num_workers={count!r}; expected an int >= 1")
+    return count
+
+
+def worker_counts(client: object) -> list[int]:
+    """`workers_behind` of each client of a `FanoutClient`, or of the one client."""
+    clients = client.clients if isinstance(client, FanoutClient) else [client]
+    return [workers_behind(c) for c in clients]
+
+
 class LocalClient:
     """Drives a `WeightTransferEngine` living in this process (no serialization)."""
 
@@ -154,6 +170,11 @@ class HTTPClient:
     def get_weight_version(self) -> str:
         """GET /weight_info."""
         return str(self._request("GET", "/weight_info")["weight_version"])
+
+    @property
+    def num_workers(self) -> int:
+        """Receiving workers behind the server (its data-parallel ranks), from /weight_info."""
+        return int(self._request("GET", "/weight_info").get("num_workers", 1))
 
     def generate(self, token_ids: list[int], **sampling: Any) -> dict[str, Any]:
         """POST /inference/v1/generate (non-streaming); returns the response body."""

@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from wtransfer import wire
-from wtransfer.clients import LocalClient, WeightSyncClient
+from wtransfer.clients import LocalClient, WeightSyncClient, workers_behind
 from wtransfer.engine import WeightTransferEngine
 from wtransfer.errors import ConfigError, MetadataError, PeerError, TransferTimeout
 
@@ -155,7 +155,8 @@ class ReceiverServer:
     def status(self) -> dict[str, Any]:
         """State of the served receiver (plain data; what `RPCClient.status()` returns)."""
         out: dict[str, Any] = {"pid": os.getpid(), "rss_bytes": _rss_bytes(),
-                               "weight_version": getattr(self.client, "weight_version", None)}
+                               "weight_version": getattr(self.client, "weight_version", None),
+                               "num_workers": workers_behind(self.client)}
         if self.engine is not None:
             out.update(state=self.engine.state, torn=self.engine.torn,
                        failure=self.engine.failure,
@@ -257,6 +258,11 @@ class RPCClient:
         if not isinstance(result, dict):
             raise MetadataError("status reply is not a map")
         return result
+
+    @property
+    def num_workers(self) -> int:
+        """Receiving workers behind the served object (an engine's data-parallel ranks)."""
+        return int(self.status().get("num_workers", 1))
 
     def close(self) -> None:
         """Close the socket."""

@@ -254,8 +254,9 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, limit: int) -> None:
         return {"status": "ok"}
 
     @app.get("/weight_info")
-    async def weight_info() -> dict[str, str]:
-        return {"weight_version": await engine.get_weight_version()}
+    async def weight_info() -> dict[str, Any]:
+        return {"weight_version": await engine.get_weight_version(),
+                "num_workers": engine.num_workers}
 
     @app.get("/weight_fingerprint")
     async def weight_fingerprint() -> dict[str, Any]:

@@ -31,7 +31,8 @@ class NCCLTrainerInitInfo(TrainerInitInfo):
     master_port: int
     world_size: int
     workers_per_client: list[int] | None = None
-    """Workers behind each client (FanoutClient order); default one each. Client i's workers
+    """Workers behind each client (FanoutClient order); default each client's `num_workers`
+    (a data-parallel engine has one per rank, others 1). Client i's workers
     get ranks ``1 + sum(workers_per_client[:i]) + j``."""
     device: str | None = None
     """Staging device; default the source's. CUDA uses NCCL, CPU uses gloo."""

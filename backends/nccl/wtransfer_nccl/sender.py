@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from wtransfer.clients import FanoutClient
+from wtransfer.clients import FanoutClient, worker_counts
 from wtransfer.engine import TrainerTransferEngine, receiver_init_dict
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.packing import (
@@ -42,11 +42,11 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         info = self.init_info
         device = self.device = self._staging_device(info.device)
         self.transport = "nccl" if device.type == "cuda" else "gloo"
-        clients = self.client.clients if isinstance(self.client, FanoutClient) else [self.client]
-        workers = info.workers_per_client or [1] * len(clients)
-        if len(workers) != len(clients):
+        behind = worker_counts(self.client)
+        workers = info.workers_per_client or behind
+        if len(workers) != len(behind):
             raise ConfigError(f"workers_per_client lists {len(workers)} entries for "
-                              f"{len(clients)} client(s)")
+                              f"{len(behind)} client(s)")
         if 1 + sum(workers) != info.world_size:
             raise ConfigError(f"world_size={info.world_size}, but the trainer plus "
                               f"{sum(workers)} worker(s) make {1 + sum(workers)}; set "

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from wtransfer.clients import FanoutClient
+from wtransfer.clients import worker_counts
 from wtransfer.engine import TrainerTransferEngine, receiver_init_dict
 from wtransfer.errors import LifecycleError
 from wtransfer.packing import (
@@ -62,7 +62,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         super()._init_receivers(receiver_init)  # each worker connects during its init
-        count = len(self.client.clients) if isinstance(self.client, FanoutClient) else 1
+        count = sum(worker_counts(self.client))
         self._endpoints = self._ucx.wait_for_endpoints(count, self.init_info.timeout_s)
 
     def _send(self, plan: BucketPlan) -> None:
