@@ -11,6 +11,7 @@ import signal
 import time
 
 import pytest
+import torch
 from engine_helpers import collect
 
 import wtransfer
@@ -300,37 +301,52 @@ def test_a_dead_rank_aborts_its_requests_and_later_calls_fail_fast():
     run(main())
 
 
-def test_nccl_gives_each_rank_its_own_receiver_rank():
-    """Over nccl (gloo on CPU) the trainer sizes the group from the engine's num_workers:
-    world_size = 1 trainer + 2 ranks, rank r receiving as group rank 1 + r."""
+def backend_init_info(backend):
+    """Trainer init info for `backend`; the trainer sizes itself by the engine's num_workers
+    (nccl: world_size = 1 trainer + 2 ranks, rank r receiving as group rank 1 + r; ucx: two
+    endpoints connect to the trainer)."""
     import socket
 
-    import wtransfer_nccl
+    if backend == "nccl":
+        import wtransfer_nccl
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return wtransfer_nccl.NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=port,
+                                                  world_size=3, bucket_bytes=1 << 16,
+                                                  timeout_s=30)
+    import wtransfer_ucx
+
+    return wtransfer_ucx.UCXTrainerInitInfo(bucket_bytes=1 << 16, timeout_s=30)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "ucx"])
+def test_every_rank_receives_over_nccl_and_ucx(backend):
+    if not wtransfer.list_backends()[backend].available:
+        pytest.skip(wtransfer.list_backends()[backend].reason)
 
     async def main():
-        engine = dp_engine(2, weight_transfer_backend="nccl")
+        engine = dp_engine(2, weight_transfer_backend=backend)
         trainer = load_model("tiny", seed=5)
         try:
             await engine.pause_generation(mode="keep")
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            info = wtransfer_nccl.NCCLTrainerInitInfo(master_address="127.0.0.1",
-                                                      master_port=port, world_size=3,
-                                                      bucket_bytes=1 << 16, timeout_s=30)
+            info = backend_init_info(backend)
 
             def push():
                 with wtransfer.trainer_init(info, client=EngineSyncClient(engine.core),
                                             source=wtransfer.ModuleSource(trainer)) as sender:
-                    sender.send_weights(weight_version="nccl-1")
-                    sender.send_weights(weight_version="nccl-2")
+                    sender.send_weights(weight_version=f"{backend}-1")
+                    with torch.no_grad():
+                        next(trainer.parameters()).add_(1.0)
+                    sender.send_weights(weight_version=f"{backend}-2")
 
             await asyncio.to_thread(push)
             assert await engine.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
-            assert await engine.get_weight_version() == "nccl-2"
+            assert await engine.get_weight_version() == f"{backend}-2"
             await engine.resume_generation()
             out = await collect(engine, "q", [1, 2, 3], GREEDY)
-            assert out.outputs[0].weight_versions == [WeightVersionSpan("nccl-2", 0, 24)]
+            assert out.outputs[0].weight_versions == [WeightVersionSpan(f"{backend}-2", 0, 24)]
         finally:
             engine.shutdown()
 

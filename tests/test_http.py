@@ -113,7 +113,7 @@ def test_dev_endpoints_and_their_errors(dev):
     assert h.post("/abort_requests", json={"request_ids": [1]}).status_code == 400
     assert h.post("/update_weights", json={"update_info": {}}).status_code == 409
     assert h.post("/update_weight_version", json={"new_version": "v8"}).status_code == 200
-    assert h.get("/weight_info").json() == {"weight_version": "v8"}
+    assert h.get("/weight_info").json() == {"weight_version": "v8", "num_workers": 1}
     assert h.post("/update_weight_version", json={}).status_code == 400
     assert len(h.get("/weight_fingerprint").json()["fingerprint"]) > 10
     assert h.post("/resume").status_code == 200

@@ -81,6 +81,8 @@ def _then(future: Future[T], fn: Callable[[T], U]) -> Future[U]:
 def _all(futures: list[Future[Any]]) -> Future[list[Any]]:
     """One future for many: the results in order, or the first failure (in rank order) once
     every future is done, so no rank's answer is still in flight when the caller moves on."""
+    if not futures:
+        return _done([])
     out: Future[list[Any]] = Future()
     remaining = [len(futures)]
     lock = threading.Lock()

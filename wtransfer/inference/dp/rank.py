@@ -183,8 +183,8 @@ class DPRank(Replica):
     def _on_pause(self, call_id: int, mode: str, clear_cache: bool) -> None:
         """Phase 1 here; the reply waits for phase 2 (every rank paused and drained)."""
         if self.global_paused:
-            if mode != "wait":  # nothing runs in the global pause: waiting has nothing to drain
-                self.pause(mode, clear_cache)
+            if mode != "wait":  # no rank steps in the global pause, so a wait-mode pause
+                self.pause(mode, clear_cache)  # could never drain kept requests: they stay kept
             elif clear_cache:
                 self.blocks.reset_prefix_cache()
             self._reply(call_id)
