@@ -123,6 +123,7 @@ class DataParallelCore:
         self._broken: str | None = None
         self._closing = False
         self.waves_relayed = 0
+        self._startup_error: Exception | None = None
 
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._router: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
@@ -158,12 +159,16 @@ class DataParallelCore:
             self._fail(f"the data-parallel ranks did not start within {deadline:g}s")
         if self._broken is not None:
             self.shutdown()
+            if self._startup_error is not None:
+                raise self._startup_error  # e.g. ConfigError: the model a rank could not load
             raise PeerError(f"data-parallel engine failed to start: {self._broken}")
 
     def _check_processes(self) -> None:
         for rank, proc in enumerate(self._procs):
             code = proc.poll()
-            if code is not None and not self._closing:
+            if code is not None and not self._closing and self._broken is None:
+                if self._router.poll(50):  # its last words (a fatal message) come first
+                    self._read_router()
                 self._fail(f"data-parallel rank {rank} exited with code {code}")
                 return
 
@@ -204,14 +209,17 @@ class DataParallelCore:
                         break
                     self._route(frames[0], frames[1])
             if self._router in events:
-                while True:
-                    try:
-                        identity, payload = self._router.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    rank = int(identity.decode().rsplit("-", 1)[1])
-                    self._on_message(rank, wire.decode(payload))
+                self._read_router()
             self._check_processes()
+
+    def _read_router(self) -> None:
+        while True:
+            try:
+                identity, payload = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            rank = int(identity.decode().rsplit("-", 1)[1])
+            self._on_message(rank, wire.decode(payload))
 
     def _route(self, identity: bytes, payload: bytes) -> None:
         # a rank that is gone: _check_processes breaks the engine and fails the call
@@ -249,9 +257,12 @@ class DataParallelCore:
             if len(self._ready) == self.size:
                 self._started.set()
         elif kind == "fatal":
+            if len(self._ready) < self.size and self._startup_error is None:
+                self._startup_error = error_from_wire(rank, message)
             time.sleep(0.05)  # a collective fails because a peer died: name the dead one
             self._check_processes()
-            self._fail(f"data-parallel rank {rank} failed: {message.get('message')}")
+            self._fail(f"data-parallel rank {rank} failed: {message.get('type')}: "
+                       f"{message.get('message')}")
 
     def _call(self, rank: int, op: str, *args: Any) -> Future[Any]:
         future: Future[Any] = Future()

@@ -34,7 +34,7 @@ import torch
 import zmq
 
 from wtransfer import wire
-from wtransfer.errors import ConfigError, LifecycleError
+from wtransfer.errors import ConfigError, LifecycleError, PeerError
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.core import COMMANDS
 from wtransfer.inference.dp.collective import RankGroup
@@ -49,17 +49,13 @@ _IDLE_POLL_MS = 200
 class DPRank(Replica):
     """Rank `rank` of `size`: executes the front end's commands between lockstep steps."""
 
-    def __init__(self, config: EngineConfig, rank: int, size: int, frontend: str,
+    def __init__(self, config: EngineConfig, rank: int, size: int, socket: zmq.Socket[bytes],
                  group: Callable[[], RankGroup]) -> None:
         self._outbox: list[dict[str, Any]] = []
+        self.socket = socket
         super().__init__(config, self._collect)
         self.worker_index = rank
         self.rank, self.size = rank, size
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self.socket: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
-        self.socket.setsockopt(zmq.LINGER, 1000)
-        self.socket.connect(frontend)
         self.group = group()
         self.wave = 0
         self.in_wave = False
@@ -169,6 +165,8 @@ class DPRank(Replica):
         requested = self._pause_requested()
         ready = requested and not busy
         n_busy, n_requested, n_ready = self.group.all_reduce([busy, requested, ready])
+        if os.getppid() != self._parent:
+            raise PeerError("the front end died")  # the peers' next collective fails too
         if n_ready == self.size:
             self._end_wave()
             self.global_paused = True
@@ -245,6 +243,16 @@ class DPRank(Replica):
         self._flush()
 
 
+def connect(frontend: str, rank: int) -> zmq.Socket[bytes]:
+    """This rank's socket to the front end (its identity names the rank)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    socket: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    socket.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
+    socket.setsockopt(zmq.LINGER, 1000)
+    socket.connect(frontend)
+    return socket
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of a rank process."""
     parser = argparse.ArgumentParser(description="one data-parallel engine rank")
@@ -254,27 +262,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", required=True, help="host:port of the rendezvous store")
     parser.add_argument("--session", required=True)
     args = parser.parse_args(argv)
-    config = EngineConfig(**json.loads(args.config))
-    size = config.data_parallel_size
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    host, port = args.store.rsplit(":", 1)
-    rank: DPRank | None = None
+    socket = connect(args.frontend, args.rank)
+    node: DPRank | None = None
     try:
-        rank = DPRank(config, args.rank, size, args.frontend,
+        config = EngineConfig(**json.loads(args.config))
+        size = config.data_parallel_size
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        host, port = args.store.rsplit(":", 1)
+        node = DPRank(config, args.rank, size, socket,
                       lambda: RankGroup(host, int(port), args.session, args.rank, size,
                                         config.step_timeout_s))
-        rank.run()
+        node.run()
     except Exception as exc:
-        message = f"{type(exc).__name__}: {exc}"
-        if rank is not None:
-            rank._send({"kind": "fatal", "message": message})
-            rank.socket.close(linger=1000)
-        print(f"wtransfer data-parallel rank {args.rank} failed: {message}", file=sys.stderr)
+        socket.send(wire.encode({"kind": "fatal", **error_to_wire(exc)}))
+        print(f"wtransfer data-parallel rank {args.rank} failed: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
         return 1
     finally:
-        if rank is not None and rank.receiver is not None:
-            rank.receiver.shutdown()
-    rank.socket.close(linger=1000)
+        if node is not None and node.receiver is not None:
+            node.receiver.shutdown()
+        socket.close(linger=1000)
     return 0
 
 
