@@ -354,5 +354,6 @@ def test_every_rank_receives_over_nccl_and_ucx(backend):
 
 
 def test_a_rank_that_cannot_start_says_why():
-    with pytest.raises(wtransfer.errors.ConfigError, match=r"rank \d: unknown model .no-such-model."):
+    bad_model = r"rank \d: unknown model .no-such-model."
+    with pytest.raises(wtransfer.errors.ConfigError, match=bad_model):
         AsyncEngine(EngineConfig(model="no-such-model", data_parallel_size=2))
