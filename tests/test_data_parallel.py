@@ -357,3 +357,36 @@ def test_a_rank_that_cannot_start_says_why():
     bad_model = r"rank \d: unknown model .no-such-model."
     with pytest.raises(wtransfer.errors.ConfigError, match=bad_model):
         AsyncEngine(EngineConfig(model="no-such-model", data_parallel_size=2))
+
+
+@pytest.mark.gpu
+def test_two_ranks_on_one_gpu_receive_cuda_weights_over_cuda_ipc():
+    """Both ranks' replicas on cuda:0; the trainer's CUDA tensors reach each rank through CUDA
+    IPC handles (the all-reduce stays on gloo)."""
+
+    async def main():
+        engine = dp_engine(2, device="cuda:0")
+        trainer = load_model("tiny", seed=6, device="cuda:0")
+        try:
+            progress = {}
+            params = SamplingParams(max_tokens=40, temperature=0.0)
+            tasks = [asyncio.create_task(collect(engine, f"g{i}", [i + 1, 2], params, progress))
+                     for i in range(4)]
+            await until(lambda: len(progress) == 4 and min(progress.values()) >= 2,
+                        "every request to run")
+            await engine.pause_generation(mode="keep", clear_cache=True)
+
+            def push():
+                with trainer_sender(engine, trainer) as sender:
+                    sender.send_weights(weight_version="gpu-1")
+
+            await asyncio.to_thread(push)
+            assert await engine.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+            await engine.resume_generation()
+            for out in await asyncio.wait_for(asyncio.gather(*tasks), 60):
+                assert [s.version for s in out.outputs[0].weight_versions] == ["default",
+                                                                              "gpu-1"]
+        finally:
+            engine.shutdown()
+
+    run(main())
