@@ -29,7 +29,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from wtransfer.rl.demo import run_rl_demo
 
     return run_rl_demo(steps=args.steps, backend=args.backend, local=args.local,
-                       lr=args.lr, seed=args.seed, run_dir=args.run_dir)
+                       lr=args.lr, seed=args.seed, run_dir=args.run_dir,
+                       data_parallel_size=args.data_parallel_size)
 
 
 def cmd_transfer_demo(args: argparse.Namespace) -> int:
@@ -84,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--lr", type=float, default=1e-2)
     rl.add_argument("--seed", type=int, default=0)
     rl.add_argument("--run-dir", default=None)
+    rl.add_argument("--data-parallel-size", type=int, default=1,
+                    help="serve the policy from N lockstep engine ranks")
     rl.set_defaults(func=cmd_demo)
     demo = sub.add_parser("transfer-demo", help="push a model's weights into another process "
                                                 "and prove they landed")

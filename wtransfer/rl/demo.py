@@ -51,7 +51,7 @@ class StepRecord:
     """The server's weight version after the step's update."""
 
 
-def _init_info(backend: str) -> Any:
+def _init_info(backend: str, workers: int) -> Any:
     cls = get_backend(backend).sender_class().init_info_cls
     if backend == "nccl":
         import socket
@@ -59,7 +59,7 @@ def _init_info(backend: str) -> Any:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        return cls(master_address="127.0.0.1", master_port=port, world_size=2,
+        return cls(master_address="127.0.0.1", master_port=port, world_size=1 + workers,
                    bucket_bytes=1 << 20)
     return cls(bucket_bytes=1 << 20)
 
@@ -147,7 +147,8 @@ def _plot(records: list[StepRecord], path: Path) -> None:
 
 def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
                 prompts_per_step: int = 8, group: int = 8, max_tokens: int = 8,
-                lr: float = 1e-2, seed: int = 0, run_dir: str | None = None) -> int:
+                lr: float = 1e-2, seed: int = 0, run_dir: str | None = None,
+                data_parallel_size: int = 1) -> int:
     """Run the demo; returns the exit code (0 when both validations passed)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -155,17 +156,19 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
     out_dir = Path(run_dir or f"runs/rl-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     where = "in-process engine" if local else "wtransfer serve (child process, HTTP)"
+    if data_parallel_size > 1:
+        where += f", {data_parallel_size} data-parallel ranks"
     print(f"wtransfer demo: async GRPO on chain-parity, {steps} steps, backend={backend}, "
           f"server={where}")
     server: Any = (LocalPolicyServer if local else HTTPPolicyServer)(
-        model=MODEL, seed=0, backend=backend)
+        model=MODEL, seed=0, backend=backend, data_parallel_size=data_parallel_size)
     try:
         trainer = load_model(MODEL, seed=0)
         task = ChainParityTask(trainer.config.vocab_size)
         if fingerprint(trainer.state_dict()) != server.client.fingerprint():
             raise RuntimeError("trainer and server do not start from the same policy")
         optimizer = torch.optim.AdamW(trainer.parameters(), lr=lr)
-        sender = trainer_init(_init_info(backend), client=server.client,
+        sender = trainer_init(_init_info(backend, data_parallel_size), client=server.client,
                               source=ModuleSource(trainer))
         sample = {"max_tokens": max_tokens, "temperature": 1.0}
 

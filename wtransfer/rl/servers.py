@@ -50,7 +50,8 @@ class Stream:
 class HTTPPolicyServer:
     """`wtransfer serve --dev-mode --batch-invariant` in a child process."""
 
-    def __init__(self, *, model: str, seed: int, backend: str, start_timeout_s: float = 120):
+    def __init__(self, *, model: str, seed: int, backend: str, data_parallel_size: int = 1,
+                 start_timeout_s: float = 120):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -59,7 +60,8 @@ class HTTPPolicyServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "wtransfer", "serve", "--model", model, "--seed", str(seed),
              "--port", str(port), "--dev-mode", "--batch-invariant",
-             "--weight-transfer-backend", backend],
+             "--weight-transfer-backend", backend,
+             "--data-parallel-size", str(data_parallel_size)],
             stdout=subprocess.DEVNULL, stderr=self._log)
         self.http = httpx.Client(base_url=self.url, timeout=300,
                                  limits=httpx.Limits(max_connections=256))
@@ -152,10 +154,12 @@ class HTTPPolicyServer:
 class LocalPolicyServer:
     """An `AsyncEngine` in this process, on its own event-loop thread."""
 
-    def __init__(self, *, model: str, seed: int, backend: str) -> None:
+    def __init__(self, *, model: str, seed: int, backend: str,
+                 data_parallel_size: int = 1) -> None:
         self.engine = AsyncEngine(EngineConfig(model=model, seed=seed, batch_invariant=True,
                                                weight_transfer_backend=backend,
-                                               max_num_seqs=256))
+                                               max_num_seqs=256,
+                                               data_parallel_size=data_parallel_size))
         self.client: WeightSyncClient = EngineSyncClient(self.engine.core)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
