@@ -1,4 +1,4 @@
-"""Stress: 200 pause -> ipc update -> resume cycles on a 2-rank engine under continuous load,
+"""Stress: 200 pause -> ipc update -> resume cycles on 2- and 4-rank engines under continuous load,
 with random pause timing and modes. Every cycle has its own deadline, so a deadlock fails the
 test instead of hanging it; the summary (cycles, worst pause latency) is always printed."""
 
@@ -8,6 +8,7 @@ import random
 import statistics
 import time
 
+import pytest
 import torch
 from test_data_parallel import dp_engine, trainer_sender
 
@@ -34,11 +35,12 @@ def check_spans(out):
         assert version_order(before.version) < version_order(after.version), spans
 
 
-def test_200_pause_update_resume_cycles_under_load_never_hang(capsys):
+@pytest.mark.parametrize("size", [2, 4])
+def test_200_pause_update_resume_cycles_under_load_never_hang(size, capsys):
     rng = random.Random(7)
 
     async def main():
-        engine = dp_engine(2)
+        engine = dp_engine(size)
         trainer = load_model("tiny", seed=1)
         sender = await asyncio.to_thread(trainer_sender, engine, trainer)
         finished, created, stop = [], [], asyncio.Event()
@@ -105,7 +107,7 @@ def test_200_pause_update_resume_cycles_under_load_never_hang(capsys):
         no_abort = [t for t, mode in pauses if mode != "wait"]
         with capsys.disabled():
             print(f"\ndp stress: {len(pauses)} pause/update/resume cycles in {seconds:.1f}s, "
-                  f"2 ranks; pause latency (keep/abort) median "
+                  f"{size} ranks; pause latency (keep/abort) median "
                   f"{statistics.median(no_abort) * 1e3:.1f} ms, worst "
                   f"{max(no_abort) * 1e3:.1f} ms; worst including wait-mode drains "
                   f"{max(t for t, _ in pauses) * 1e3:.1f} ms; {len(finished)} requests "
