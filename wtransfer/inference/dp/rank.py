@@ -24,6 +24,7 @@ Weight updates need the global pause, because a rank blocked in a transfer canno
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -243,6 +244,14 @@ class DPRank(Replica):
         self._flush()
 
 
+def place(config: EngineConfig, rank: int) -> EngineConfig:
+    """`device="cuda"` puts rank r on GPU r (modulo the GPUs present); an explicit device
+    (`cpu`, `cuda:N`) is used by every rank as given."""
+    if config.device == "cuda" and torch.cuda.is_available():
+        return dataclasses.replace(config, device=f"cuda:{rank % torch.cuda.device_count()}")
+    return config
+
+
 def connect(frontend: str, rank: int) -> zmq.Socket[bytes]:
     """This rank's socket to the front end (its identity names the rank)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -265,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     socket = connect(args.frontend, args.rank)
     node: DPRank | None = None
     try:
-        config = EngineConfig(**json.loads(args.config))
+        config = place(EngineConfig(**json.loads(args.config)), args.rank)
         size = config.data_parallel_size
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         host, port = args.store.rsplit(":", 1)
