@@ -361,11 +361,12 @@ def test_a_rank_that_cannot_start_says_why():
 
 @pytest.mark.gpu
 def test_two_ranks_on_one_gpu_receive_cuda_weights_over_cuda_ipc():
-    """Both ranks' replicas on cuda:0; the trainer's CUDA tensors reach each rank through CUDA
-    IPC handles (the all-reduce stays on gloo)."""
+    """device="cuda": rank r on GPU r modulo the GPUs present (both on cuda:0 with one GPU);
+    the trainer's CUDA tensors reach each rank through CUDA IPC handles (the all-reduce stays
+    on gloo)."""
 
     async def main():
-        engine = dp_engine(2, device="cuda:0")
+        engine = dp_engine(2, device="cuda")
         trainer = load_model("tiny", seed=6, device="cuda:0")
         try:
             progress = {}
@@ -382,6 +383,9 @@ def test_two_ranks_on_one_gpu_receive_cuda_weights_over_cuda_ipc():
 
             await asyncio.to_thread(push)
             assert await engine.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+            gpus = torch.cuda.device_count()
+            assert [r["device"] for r in await rank_stats(engine)] == \
+                [f"cuda:{r % gpus}" for r in range(2)]
             await engine.resume_generation()
             for out in await asyncio.wait_for(asyncio.gather(*tasks), 60):
                 assert [s.version for s in out.outputs[0].weight_versions] == ["default",

@@ -220,7 +220,8 @@ class DPRank(Replica):
 
     def stats(self) -> dict[str, Any]:
         """Counters, plus this rank's lockstep state."""
-        return {**super().stats(), "rank": self.rank, "wave": self.wave,
+        return {**super().stats(), "rank": self.rank, "device": str(self.runner.device),
+                "wave": self.wave,
                 "in_wave": self.in_wave, "global_paused": self.global_paused,
                 "dummy_steps": self.dummy_steps, "waves_started": self.waves_started}
 
