@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -26,17 +25,12 @@ from wtransfer_ipc import IPCTrainerInitInfo
 import wtransfer
 from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams, load_model
 from wtransfer.inference.engine import EngineSyncClient
+from wtransfer.testing.processes import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import median_seconds, print_table, write_json
 
 REQUESTS, TOKENS = 32, 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def update_seconds(client: Any, model_name: str, repeats: int) -> float:

@@ -18,7 +18,6 @@ RPC control plane. Per backend, the floor and the naive baseline are:
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from wtransfer_nccl import NCCLTrainerInitInfo
 import wtransfer
 from wtransfer.packing import Bucket, BucketPlan, Slice, byte_view
 from wtransfer.rpc import RPCClient
-from wtransfer.testing.processes import spawn_receiver
+from wtransfer.testing.processes import free_port, spawn_receiver
 from wtransfer.testing.worker import build, model_metas
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -79,12 +78,6 @@ def floor_two_copies(model: torch.nn.Module, device: str, repeats: int) -> float
             torch.cuda.synchronize()
 
     return median_seconds(two_copies, repeats)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def broadcast_baselines(name: str, model: torch.nn.Module, repeats: int) -> tuple[float, float]:

@@ -1,14 +1,7 @@
 """The shipped conformance suite on the nccl backend over gloo (CPU, real processes)."""
 
-import socket
-
 from wtransfer.testing.conformance import BackendConformance
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from wtransfer.testing.processes import free_port
 
 
 class TestNCCLConformanceGloo(BackendConformance):

@@ -19,6 +19,7 @@ from wtransfer.errors import LifecycleError, PeerError
 from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams, WeightVersionSpan
 from wtransfer.inference.engine import EngineSyncClient
 from wtransfer.inference.model import load_model
+from wtransfer.testing.processes import free_port
 
 DEADLINE_S = 120
 SIZES = [2, 4]
@@ -305,15 +306,11 @@ def backend_init_info(backend):
     """Trainer init info for `backend`; the trainer sizes itself by the engine's num_workers
     (nccl: world_size = 1 trainer + 2 ranks, rank r receiving as group rank 1 + r; ucx: two
     endpoints connect to the trainer)."""
-    import socket
-
     if backend == "nccl":
         import wtransfer_nccl
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        return wtransfer_nccl.NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=port,
+        return wtransfer_nccl.NCCLTrainerInitInfo(master_address="127.0.0.1",
+                                                  master_port=free_port(),
                                                   world_size=3, bucket_bytes=1 << 16,
                                                   timeout_s=30)
     import wtransfer_ucx

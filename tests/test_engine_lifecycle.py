@@ -21,6 +21,11 @@ def pair():
     engine.shutdown()
 
 
+def ipc_sender(trainer, client, **fields):
+    return wtransfer.trainer_init(IPCTrainerInitInfo(**fields), client=client,
+                                  source=wtransfer.ModuleSource(trainer))
+
+
 def test_sender_side_failure_aborts_the_receiver_update_at_once(pair):
     trainer, engine, client = pair
 
@@ -46,8 +51,7 @@ def test_sender_side_failure_aborts_the_receiver_update_at_once(pair):
 
 def test_an_abandoned_update_fails_after_the_timeout(pair):
     trainer, engine, client = pair
-    sender = wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=4096, timeout_s=0.2),
-                                    client=client, source=wtransfer.ModuleSource(trainer))
+    sender = ipc_sender(trainer, client, bucket_bytes=4096, timeout_s=0.2)
     engine.start_weight_update()
     with pytest.raises(LifecycleError, match="update is open"):
         engine.start_weight_update()
@@ -60,8 +64,7 @@ def test_an_abandoned_update_fails_after_the_timeout(pair):
 
 def test_explicit_abort_message_becomes_peer_error(pair):
     trainer, engine, client = pair
-    sender = wtransfer.trainer_init(IPCTrainerInitInfo(), client=client,
-                                    source=wtransfer.ModuleSource(trainer))
+    sender = ipc_sender(trainer, client)
     engine.start_weight_update()
     with pytest.raises(PeerError, match="sender aborted the update: out of memory"):
         engine.update_weights({"abort": "out of memory"})
@@ -72,8 +75,7 @@ def test_explicit_abort_message_becomes_peer_error(pair):
 def test_reinit_replaces_staging_and_keeps_working(pair):
     trainer, engine, client = pair
     for bucket in (2048, 1 << 16):
-        with wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=bucket), client=client,
-                                    source=wtransfer.ModuleSource(trainer)) as sender:
+        with ipc_sender(trainer, client, bucket_bytes=bucket) as sender:
             with torch.no_grad():
                 for p in trainer.parameters():
                     p.add_(1)
@@ -84,8 +86,7 @@ def test_reinit_replaces_staging_and_keeps_working(pair):
 
 def test_send_after_shutdown_is_a_lifecycle_error(pair):
     trainer, _engine, client = pair
-    sender = wtransfer.trainer_init(IPCTrainerInitInfo(), client=client,
-                                    source=wtransfer.ModuleSource(trainer))
+    sender = ipc_sender(trainer, client)
     sender.shutdown()
     with pytest.raises(LifecycleError, match="shut down"):
         sender.send_weights()

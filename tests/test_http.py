@@ -2,7 +2,6 @@
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 
@@ -13,14 +12,9 @@ import wtransfer
 import wtransfer.inference
 from wtransfer.errors import PeerError
 from wtransfer.testing.conformance import wait_for
+from wtransfer.testing.processes import free_port
 
 KEY = "s3cret"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

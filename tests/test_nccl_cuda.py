@@ -1,7 +1,5 @@
 """The CUDA paths of the nccl backend that one GPU allows (the cross-GPU run needs two)."""
 
-import socket
-
 import pytest
 import torch
 from wtransfer_nccl import NCCLTrainerInitInfo
@@ -11,16 +9,10 @@ from wtransfer_nccl.libnccl import load_nccl
 import wtransfer
 from wtransfer.errors import PeerError
 from wtransfer.rpc import RPCClient
-from wtransfer.testing.processes import spawn_receiver
+from wtransfer.testing.processes import free_port, spawn_receiver
 from wtransfer.testing.worker import build
 
 pytestmark = pytest.mark.gpu
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_binding_loads_and_a_world_of_one_broadcasts_on_its_own_stream():

@@ -117,6 +117,9 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     backend_name: ClassVar[str]
     init_info_cls: ClassVar[type]
     update_info_cls: ClassVar[type]
+    worker_index: int = 0
+    """Index of this receiver among its engine's workers (a data-parallel engine sets its rank);
+    collective backends derive the receiver's group rank from it."""
 
     def __init__(self, target: WeightTarget, *, device: str | torch.device = "cpu") -> None:
         self.target = target

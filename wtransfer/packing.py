@@ -350,6 +350,18 @@ class BucketPacker:
                 srcs.append(src[s.tensor_offset : s.tensor_offset + s.nbytes])
         copy_bytes(dsts, srcs)
 
+    def pack_framed(self, bucket: Bucket, staging: torch.Tensor, checksum: bool) -> torch.Tensor:
+        """`pack`, then (with `checksum`) the checksum trailer; returns the bytes to send.
+
+        For backends whose data channel carries the checksum with the bucket (staging needs
+        `CHECKSUM_BYTES` to spare)."""
+        self.pack(bucket, staging)
+        length = bucket.nbytes
+        if checksum:
+            length = write_checksum_trailer(staging, bucket.nbytes,
+                                            bucket_checksum(staging[: bucket.nbytes]))
+        return staging[:length]
+
     def finish(self) -> None:
         """Check the source holds nothing beyond what it announced."""
         self._bytes = None

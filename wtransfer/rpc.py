@@ -115,7 +115,7 @@ class ReceiverServer:
         try:
             method, args = self._parse(body)
         except Exception as exc:
-            self._socket.send_multipart([*envelope, wire.encode(_error(exc))])
+            self._socket.send_multipart([*envelope, wire.encode(error_reply(exc))])
             return
         if method == "status":
             self._socket.send_multipart([*envelope, wire.encode(
@@ -148,7 +148,7 @@ class ReceiverServer:
             try:
                 reply = {"ok": True, "result": getattr(self.client, method)(**args)}
             except Exception as exc:
-                reply = _error(exc)
+                reply = error_reply(exc)
             out.send_multipart([*envelope, wire.encode(reply)])
         out.close()
 
@@ -175,7 +175,8 @@ class ReceiverServer:
             self._replies.close()
 
 
-def _error(exc: BaseException) -> dict[str, Any]:
+def error_reply(exc: BaseException) -> dict[str, Any]:
+    """A failed call's reply: ``{"ok": false, "type": <exception class>, "message": str}``."""
     return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
 
 

@@ -172,7 +172,7 @@ class Replica:
         if self.receiver is None:
             self.receiver = create_receiver(self.config.weight_transfer_backend, self.target,
                                             device=self.config.device)
-            self.receiver.worker_index = self.worker_index  # type: ignore[attr-defined]
+            self.receiver.worker_index = self.worker_index
         self.receiver.init_transfer_engine(init_info)
 
     def _require_receiver(self) -> WeightTransferEngine[Any, Any]:

@@ -202,6 +202,9 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
 
 
 def _add_dev_routes(app: FastAPI, engine: AsyncEngine, limit: int) -> None:
+    async def arg(request: Request, name: str, kind: type, default: Any = ...) -> Any:
+        return _field(await _body(request, limit), name, kind, default)
+
     @app.post("/pause")
     async def pause(mode: str = "abort", clear_cache: str = "true") -> dict[str, Any]:
         if clear_cache.lower() not in ("true", "false", "1", "0"):
@@ -220,15 +223,14 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, limit: int) -> None:
 
     @app.post("/abort_requests")
     async def abort_requests(request: Request) -> dict[str, int]:
-        ids = _field(await _body(request, limit), "request_ids", list, None)
+        ids = await arg(request, "request_ids", list, None)
         if ids is not None and not all(isinstance(i, str) for i in ids):
             raise BadRequest("request_ids must be a list of strings")
         return {"aborted": await engine.abort_requests(ids)}
 
     @app.post("/init_weight_transfer_engine")
     async def init(request: Request) -> dict[str, str]:
-        await engine.init_weight_transfer_engine(
-            _field(await _body(request, limit), "init_info", dict))
+        await engine.init_weight_transfer_engine(await arg(request, "init_info", dict))
         return {"status": "ok"}
 
     @app.post("/start_weight_update")
@@ -238,19 +240,17 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, limit: int) -> None:
 
     @app.post("/update_weights")
     async def update(request: Request) -> dict[str, str]:
-        await engine.update_weights(_field(await _body(request, limit), "update_info", dict))
+        await engine.update_weights(await arg(request, "update_info", dict))
         return {"status": "ok"}
 
     @app.post("/finish_weight_update")
     async def finish(request: Request) -> dict[str, str]:
-        version = _field(await _body(request, limit), "weight_version", str, None)
-        await engine.finish_weight_update(version)
+        await engine.finish_weight_update(await arg(request, "weight_version", str, None))
         return {"status": "ok"}
 
     @app.post("/update_weight_version")
     async def update_version(request: Request) -> dict[str, str]:
-        await engine.update_weight_version(
-            _field(await _body(request, limit), "new_version", str))
+        await engine.update_weight_version(await arg(request, "new_version", str))
         return {"status": "ok"}
 
     @app.get("/weight_info")

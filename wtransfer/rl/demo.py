@@ -30,6 +30,7 @@ from wtransfer.rl.grpo import Rollout, grpo_step
 from wtransfer.rl.servers import HTTPPolicyServer, LocalPolicyServer, Stream
 from wtransfer.rl.task import ChainParityTask
 from wtransfer.source import ModuleSource
+from wtransfer.testing.processes import free_port
 
 MODEL = "tiny"
 VALIDATION_TOKENS = 16
@@ -54,12 +55,7 @@ class StepRecord:
 def _init_info(backend: str, workers: int) -> Any:
     cls = get_backend(backend).sender_class().init_info_cls
     if backend == "nccl":
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        return cls(master_address="127.0.0.1", master_port=port, world_size=1 + workers,
+        return cls(master_address="127.0.0.1", master_port=free_port(), world_size=1 + workers,
                    bucket_bytes=1 << 20)
     return cls(bucket_bytes=1 << 20)
 

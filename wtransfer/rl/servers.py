@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from wtransfer.errors import TransferTimeout
 from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams
 from wtransfer.inference.engine import EngineSyncClient
 from wtransfer.inference.outputs import CompletionOutput
+from wtransfer.testing.processes import free_port
 
 
 def _choice(c: CompletionOutput) -> dict[str, Any]:
@@ -52,9 +52,7 @@ class HTTPPolicyServer:
 
     def __init__(self, *, model: str, seed: int, backend: str, data_parallel_size: int = 1,
                  start_timeout_s: float = 120):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close(); a pipe nobody reads could fill
         self.proc = subprocess.Popen(

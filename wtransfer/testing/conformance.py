@@ -29,7 +29,7 @@ from wtransfer.rpc import RPCClient
 from wtransfer.source import ModuleSource
 from wtransfer.target import ModuleTarget
 from wtransfer.testing.models import build_module, randomize
-from wtransfer.testing.processes import ChildProcess, spawn_receiver, spawn_trainer
+from wtransfer.testing.processes import ChildProcess, free_port, spawn_receiver, spawn_trainer
 from wtransfer.testing.worker import model_metas
 
 MiB = 1 << 20
@@ -214,12 +214,7 @@ class BackendConformance:
 
     def test_receiver_that_never_shows_up_times_out(self) -> None:
         """A receiver that is not there is a TransferTimeout, not a hang."""
-        import socket
-
-        with socket.socket() as s:  # a port nobody listens on
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        client = RPCClient(f"tcp://127.0.0.1:{port}", timeout_s=1.0)
+        client = RPCClient(f"tcp://127.0.0.1:{free_port()}", timeout_s=1.0)
         start = time.monotonic()
         with pytest.raises(errors.TransferTimeout):
             self.sender(self.trainer_model(), client, timeout_s=1.0)

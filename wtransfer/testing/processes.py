@@ -6,6 +6,7 @@ import json
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,12 @@ from typing import Any
 from wtransfer import wire
 from wtransfer.errors import TransferTimeout
 
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (for rendezvous addresses and test servers)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 class ChildProcess:
     """A worker child; `info` is the JSON object it printed first. Use as a context manager."""

@@ -30,8 +30,6 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
     backend_name = "nccl"
     init_info_cls = NCCLInitInfo
     update_info_cls = NCCLUpdateInfo
-    worker_index = 0
-    """Index of this worker within its engine (an engine sets it on each worker's receiver)."""
 
     def _init(self, info: NCCLInitInfo) -> None:
         if info.transport == "nccl" and self.device.type != "cuda":

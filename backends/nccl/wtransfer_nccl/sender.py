@@ -18,9 +18,7 @@ from wtransfer.packing import (
     CHECKSUM_BYTES,
     BucketPacker,
     BucketPlan,
-    bucket_checksum,
     metas_to_wire,
-    write_checksum_trailer,
 )
 from wtransfer.sending import await_receivers, root_cause
 from wtransfer_nccl.group import Group, Pending, make_group, rendezvous
@@ -155,13 +153,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                 slot, data = -1, packer.direct(bucket)
             else:
                 slot = free.popleft()
-                staging = self._staging[slot]
-                packer.pack(bucket, staging)
-                length = bucket.nbytes
-                if info.checksum:
-                    length = write_checksum_trailer(staging, bucket.nbytes,
-                                            bucket_checksum(staging[: bucket.nbytes]))
-                data = staging[:length]
+                data = packer.pack_framed(bucket, self._staging[slot], info.checksum)
             inflight.append((slot, group.broadcast(data)))
         packer.finish()
         while inflight:

@@ -17,9 +17,7 @@ from wtransfer.packing import (
     CHECKSUM_BYTES,
     BucketPacker,
     BucketPlan,
-    bucket_checksum,
     metas_to_wire,
-    write_checksum_trailer,
 )
 from wtransfer.sending import await_receivers, root_cause
 from wtransfer_ucx.info import UCXTrainerInitInfo
@@ -104,21 +102,12 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             while len(inflight) >= MAX_INFLIGHT or not (bucket.direct or free):
                 retire_oldest()
             if bucket.direct:
-                data = packer.direct(bucket)
-                if data.is_cuda:
-                    torch.cuda.current_stream(data.device).synchronize()
-                inflight.append((-1, [self._ucx.send(ep, data, key) for ep in self._endpoints]))
-                continue
-            slot = free.popleft()
-            staging = self._staging[slot]
-            packer.pack(bucket, staging)
-            length = bucket.nbytes
-            if info.checksum:
-                length = write_checksum_trailer(staging, bucket.nbytes,
-                                                bucket_checksum(staging[: bucket.nbytes]))
-            if staging.is_cuda:
-                torch.cuda.current_stream(staging.device).synchronize()
-            data = staging[:length]
+                slot, data = -1, packer.direct(bucket)
+            else:
+                slot = free.popleft()
+                data = packer.pack_framed(bucket, self._staging[slot], info.checksum)
+            if data.is_cuda:
+                torch.cuda.current_stream(data.device).synchronize()
             inflight.append((slot, [self._ucx.send(ep, data, key) for ep in self._endpoints]))
         packer.finish()
         while inflight:

@@ -26,7 +26,6 @@ class RankGroup:
 
     def __init__(self, host: str, port: int, session: str, rank: int, size: int,
                  timeout_s: float) -> None:
-        self.rank = rank
         self.size = size
         self.timeout_s = timeout_s
         try:
@@ -36,13 +35,10 @@ class RankGroup:
         except RuntimeError as exc:
             raise TransferTimeout(f"data-parallel rank {rank} could not join the group of "
                                   f"{size} at {host}:{port} within {timeout_s:g}s: {exc}") from None
-        self._buffer = torch.zeros(8, dtype=torch.int64)
 
     def all_reduce(self, values: list[int]) -> list[int]:
-        """Element-wise sum of `values` over every rank (at most 8 values)."""
-        n = len(values)
-        buffer = self._buffer[:n]
-        buffer.copy_(torch.tensor(values, dtype=torch.int64))
+        """Element-wise sum of `values` over every rank."""
+        buffer = torch.tensor(values, dtype=torch.int64)
         pg: Any = self._pg  # default AllreduceOptions: SUM
         try:
             pg.allreduce([buffer]).wait()
@@ -52,4 +48,4 @@ class RankGroup:
                 raise TransferTimeout(f"data-parallel all-reduce did not complete within "
                                       f"{self.timeout_s:g}s: a rank is stalled") from None
             raise PeerError(f"data-parallel all-reduce failed (a rank died): {text}") from None
-        return [int(v) for v in buffer.tolist()]
+        return list(buffer.tolist())

@@ -13,7 +13,6 @@ ends with finish_reason "abort", the other ranks are stopped, and later calls fa
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import json
 import secrets
@@ -36,11 +35,11 @@ from wtransfer.inference.dp.messages import (
     aborted_output,
     error_from_wire,
     output_from_wire,
-    params_to_wire,
 )
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.replica import PAUSE_MODES
+from wtransfer.wire import record_to_wire
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -115,9 +114,8 @@ class DataParallelCore:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._calls: dict[int, tuple[int, Future[Any]]] = {}
-        self._outstanding = [0] * self.size
-        self._owner: dict[str, int] = {}
-        self._prompts: dict[str, list[int]] = {}
+        self._live: dict[str, tuple[int, list[int]]] = {}
+        """Each unfinished request's rank and prompt."""
         self._ready: set[int] = set()
         self._started = threading.Event()
         self._broken: str | None = None
@@ -147,7 +145,7 @@ class DataParallelCore:
 
     def _spawn(self, rank: int) -> subprocess.Popen[bytes]:
         command = [sys.executable, "-m", "wtransfer.inference.dp.rank",
-                   "--config", json.dumps(dataclasses.asdict(self.config)),
+                   "--config", json.dumps(record_to_wire(self.config)),
                    "--rank", str(rank),
                    "--frontend", self._router.getsockopt_string(zmq.LAST_ENDPOINT),
                    "--store", f"{_HOST}:{self._store.port}", "--session", self._session]
@@ -179,15 +177,12 @@ class DataParallelCore:
                 return
             self._broken = reason
             calls, self._calls = self._calls, {}
-            live = [(rid, self._prompts.get(rid, [])) for rid in self._owner]
-            self._owner.clear()
-            self._prompts.clear()
-            self._outstanding = [0] * self.size
+            live, self._live = self._live, {}
         self._started.set()
         for _, future in calls.values():
             if not future.done():
                 future.set_exception(PeerError(reason))
-        for rid, prompt in live:
+        for rid, (_, prompt) in live.items():
             self.emit(aborted_output(rid, prompt))
         for proc in self._procs:
             if proc.poll() is None:
@@ -199,6 +194,7 @@ class DataParallelCore:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._inbox, zmq.POLLIN)
+        next_check = 0.0
         while not self._closing:
             events = dict(poller.poll(_POLL_MS))
             if self._inbox in events:
@@ -210,7 +206,9 @@ class DataParallelCore:
                     self._route(frames[0], frames[1])
             if self._router in events:
                 self._read_router()
-            self._check_processes()
+            if time.monotonic() >= next_check:  # not on every message: outputs flow per step
+                self._check_processes()
+                next_check = time.monotonic() + _POLL_MS / 1000
 
     def _read_router(self) -> None:
         while True:
@@ -241,10 +239,7 @@ class DataParallelCore:
                 output = output_from_wire(data)
                 if output.finished:
                     with self._lock:
-                        owner = self._owner.pop(output.request_id, None)
-                        self._prompts.pop(output.request_id, None)
-                        if owner is not None:
-                            self._outstanding[owner] -= 1
+                        self._live.pop(output.request_id, None)
                 self.emit(output)
         elif kind == "wave":
             self.waves_relayed += 1
@@ -304,23 +299,27 @@ class DataParallelCore:
             return _failed(exc)
         return result
 
+    def _outstanding(self) -> list[int]:
+        """Unfinished requests per rank (call under the lock)."""
+        counts = [0] * self.size
+        for rank, _ in self._live.values():
+            counts[rank] += 1
+        return counts
+
     def _cmd_add_request(self, request_id: str, prompt: list[int],
                          params: SamplingParams) -> Future[None]:
         with self._lock:
-            if request_id in self._owner:
+            if request_id in self._live:
                 raise ConfigError(f"request id {request_id!r} is already running")
-            rank = min(range(self.size), key=lambda r: (self._outstanding[r], r))
-            self._outstanding[rank] += 1
-            self._owner[request_id] = rank
-            self._prompts[request_id] = list(prompt)
-        future = self._call(rank, "add_request", request_id, list(prompt), params_to_wire(params))
+            outstanding = self._outstanding()
+            rank = min(range(self.size), key=lambda r: (outstanding[r], r))
+            self._live[request_id] = (rank, list(prompt))
+        future = self._call(rank, "add_request", request_id, list(prompt), record_to_wire(params))
 
         def undo_if_refused(f: Future[Any]) -> None:
             if f.exception() is not None:
                 with self._lock:
-                    if self._owner.pop(request_id, None) is not None:
-                        self._outstanding[rank] -= 1
-                    self._prompts.pop(request_id, None)
+                    self._live.pop(request_id, None)
 
         future.add_done_callback(undo_if_refused)
         return future
@@ -331,8 +330,8 @@ class DataParallelCore:
         by_rank: dict[int, list[str]] = {}
         with self._lock:
             for rid in request_ids:
-                if rid in self._owner:
-                    by_rank.setdefault(self._owner[rid], []).append(rid)
+                if rid in self._live:
+                    by_rank.setdefault(self._live[rid][0], []).append(rid)
         return _then(_all([self._call(r, "abort", ids) for r, ids in by_rank.items()]), sum)
 
     def _cmd_pause(self, mode: str, clear_cache: bool) -> Future[Future[None]]:
@@ -389,6 +388,8 @@ class DataParallelCore:
 
     def _cmd_stats(self) -> Future[dict[str, Any]]:
         def merge(per_rank: list[Any]) -> dict[str, Any]:
+            with self._lock:
+                outstanding = self._outstanding()
             total = {key: sum(s[key] for s in per_rank)
                      for key in ("steps", "tokens_generated", "running", "waiting",
                                  "prefix_cache_hits", "preemptions", "last_update_bytes",
@@ -396,7 +397,7 @@ class DataParallelCore:
             return {**total, "paused": any(s["paused"] for s in per_rank),
                     "weight_version": self.weight_version,
                     "last_update_seconds": max(s["last_update_seconds"] for s in per_rank),
-                    "outstanding": list(self._outstanding), "waves_relayed": self.waves_relayed,
+                    "outstanding": outstanding, "waves_relayed": self.waves_relayed,
                     "ranks": per_rank}
 
         return _then(self._everyone("stats"), merge)
@@ -410,8 +411,7 @@ class DataParallelCore:
         timeout = self.config.step_timeout_s
         if self._broken is None:
             try:  # the global pause takes every rank out of its wave before any of them exits
-                held = self._cmd_pause("abort", True).result()
-                held.result(timeout=timeout)
+                self._everyone("pause", "abort", True).result(timeout=timeout)
                 self._everyone("shutdown").result(timeout=timeout)
             except Exception as exc:
                 print(f"wtransfer: data-parallel shutdown was not clean: {exc}", file=sys.stderr)
@@ -422,7 +422,7 @@ class DataParallelCore:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait()
+                proc.wait(timeout)
         self._io.join(timeout)
         with self._lock:
             calls, self._calls = self._calls, {}

@@ -1,20 +1,18 @@
 """What crosses the front end <-> rank sockets, as plain data for `wtransfer.wire` (msgpack).
 
 Front end to rank: ``{"op": str, "id": int, "args": list}``. Rank to front end:
-``{"kind": "reply", "id", "ok", "result" | "type" + "message"}``, ``{"kind": "outputs",
-"outputs": [...]}``, ``{"kind": "wave", "wave": int}``, ``{"kind": "ready"}`` and
-``{"kind": "fatal", "message": str}``.
+``{"kind": "reply", "id", "ok": true, "result"}``, a failed reply (``"kind"`` and ``"id"`` plus
+the fields of `wtransfer.rpc.error_reply`), ``{"kind": "outputs", "outputs": [...]}``,
+``{"kind": "wave", "wave": int}``, ``{"kind": "ready"}`` and ``{"kind": "fatal"}`` plus the
+`error_reply` fields.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from wtransfer import errors
 from wtransfer.inference.outputs import CompletionOutput, RequestOutput, WeightVersionSpan
-from wtransfer.inference.params import SamplingParams
-from wtransfer.wire import parse_record
 
 _ERROR_TYPES: dict[str, type[errors.WTransferError]] = {
     cls.__name__: cls for cls in (errors.ConfigError, errors.LifecycleError,
@@ -47,21 +45,6 @@ def output_from_wire(data: dict[str, Any]) -> RequestOutput:
 def aborted_output(request_id: str, prompt: list[int]) -> RequestOutput:
     """The final output of a request whose rank died: no tokens, finish_reason "abort"."""
     return RequestOutput(request_id, list(prompt), [CompletionOutput(0, [], [], "abort")], True)
-
-
-def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    """`SamplingParams` as plain data."""
-    return dataclasses.asdict(params)
-
-
-def params_from_wire(data: dict[str, Any]) -> SamplingParams:
-    """Rebuild (and re-validate) `SamplingParams`."""
-    return parse_record(SamplingParams, data, where="sampling params")
-
-
-def error_to_wire(exc: BaseException) -> dict[str, Any]:
-    """An exception as a failed reply's fields."""
-    return {"type": type(exc).__name__, "message": str(exc)}
 
 
 def error_from_wire(rank: int, reply: dict[str, Any]) -> Exception:

@@ -39,24 +39,27 @@ from wtransfer.errors import ConfigError, LifecycleError, PeerError
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.core import COMMANDS
 from wtransfer.inference.dp.collective import RankGroup
-from wtransfer.inference.dp.messages import error_to_wire, output_to_wire, params_from_wire
+from wtransfer.inference.dp.messages import output_to_wire
 from wtransfer.inference.outputs import RequestOutput
+from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.replica import Replica
 from wtransfer.inference.scheduler import PauseState
+from wtransfer.rpc import error_reply
+from wtransfer.wire import parse_record
 
 _IDLE_POLL_MS = 200
 
 
 class DPRank(Replica):
-    """Rank `rank` of `size`: executes the front end's commands between lockstep steps."""
+    """Rank `rank` of `config.data_parallel_size`: executes the front end's commands between
+    lockstep steps. `group()` forms the ranks' group once this rank's model is loaded."""
 
-    def __init__(self, config: EngineConfig, rank: int, size: int, socket: zmq.Socket[bytes],
+    def __init__(self, config: EngineConfig, rank: int, socket: zmq.Socket[bytes],
                  group: Callable[[], RankGroup]) -> None:
         self._outbox: list[dict[str, Any]] = []
         self.socket = socket
         super().__init__(config, self._collect)
         self.worker_index = rank
-        self.rank, self.size = rank, size
         self.group = group()
         self.wave = 0
         self.in_wave = False
@@ -87,7 +90,7 @@ class DPRank(Replica):
         if error is None:
             self._send({"kind": "reply", "id": call_id, "ok": True, "result": result})
         else:
-            self._send({"kind": "reply", "id": call_id, "ok": False, **error_to_wire(error)})
+            self._send({"kind": "reply", "id": call_id, **error_reply(error)})
 
     def _drain_commands(self, timeout_ms: int) -> None:
         if not self.socket.poll(timeout_ms):
@@ -117,7 +120,8 @@ class DPRank(Replica):
                 result = None
             elif op == "add_request":
                 rid, prompt, params = args
-                self.add_request(rid, prompt, params_from_wire(params))
+                self.add_request(rid, prompt,
+                                 parse_record(SamplingParams, params, where="sampling params"))
                 result = None
             elif op in COMMANDS:
                 result = getattr(self, op)(*args)
@@ -168,7 +172,7 @@ class DPRank(Replica):
         n_busy, n_requested, n_ready = self.group.all_reduce([busy, requested, ready])
         if os.getppid() != self._parent:
             raise PeerError("the front end died")  # the peers' next collective fails too
-        if n_ready == self.size:
+        if n_ready == self.group.size:
             self._end_wave()
             self.global_paused = True
             waiters, self._pause_waiters = self._pause_waiters, []
@@ -202,8 +206,8 @@ class DPRank(Replica):
         refusal = self.resume_refusal()
         has_requests = bool(self.scheduler.running or self.scheduler.waiting)
         n_ok, n_busy = self.group.all_reduce([refusal is None, has_requests])  # the barrier
-        if n_ok < self.size:
-            raise LifecycleError(refusal or f"{self.size - n_ok} other rank(s) refused to "
+        if n_ok < self.group.size:
+            raise LifecycleError(refusal or f"{self.group.size - n_ok} other rank(s) refused to "
                                             "resume (an update is open or failed there)")
         self.scheduler.state = PauseState.UNPAUSED
         self.global_paused = False
@@ -220,7 +224,7 @@ class DPRank(Replica):
 
     def stats(self) -> dict[str, Any]:
         """Counters, plus this rank's lockstep state."""
-        return {**super().stats(), "rank": self.rank, "device": str(self.runner.device),
+        return {**super().stats(), "rank": self.worker_index, "device": str(self.runner.device),
                 "wave": self.wave,
                 "in_wave": self.in_wave, "global_paused": self.global_paused,
                 "dummy_steps": self.dummy_steps, "waves_started": self.waves_started}
@@ -275,16 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     socket = connect(args.frontend, args.rank)
     node: DPRank | None = None
     try:
-        config = place(EngineConfig(**json.loads(args.config)), args.rank)
+        config = place(parse_record(EngineConfig, json.loads(args.config), where="--config"),
+                       args.rank)
         size = config.data_parallel_size
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         host, port = args.store.rsplit(":", 1)
-        node = DPRank(config, args.rank, size, socket,
+        node = DPRank(config, args.rank, socket,
                       lambda: RankGroup(host, int(port), args.session, args.rank, size,
                                         config.step_timeout_s))
         node.run()
     except Exception as exc:
-        socket.send(wire.encode({"kind": "fatal", **error_to_wire(exc)}))
+        socket.send(wire.encode({"kind": "fatal", **error_reply(exc)}))
         print(f"wtransfer data-parallel rank {args.rank} failed: {type(exc).__name__}: {exc}",
               file=sys.stderr)
         return 1
