@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from wtransfer.packing import byte_view
-from wtransfer.testing.worker import build
+from wtransfer.shapes import build
 
 
 def main() -> None:

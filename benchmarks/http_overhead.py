@@ -3,7 +3,7 @@
     python benchmarks/http_overhead.py --models tiny,small
 
 Weight update: `send_weights` through the ipc backend with the in-process client (the engine's
-own `EngineSyncClient`) and with `HTTPClient` to `wtransfer serve --dev-mode` in a child
+own `LocalEngineClient`) and with `HTTPClient` to `wtransfer serve --dev-mode` in a child
 process; the difference is the HTTP overhead. Generation: 32 concurrent greedy requests of 64
 tokens in process and through the server.
 """
@@ -23,9 +23,14 @@ import httpx
 from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
-from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams, load_model
-from wtransfer.inference.engine import EngineSyncClient
-from wtransfer.testing.processes import free_port
+from wtransfer.inference import (
+    AsyncEngine,
+    EngineConfig,
+    LocalEngineClient,
+    SamplingParams,
+    load_model,
+)
+from wtransfer.processes import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import median_seconds, print_table, write_json
@@ -42,7 +47,7 @@ def update_seconds(client: Any, model_name: str, repeats: int) -> float:
 
 def in_process(model_name: str, repeats: int) -> tuple[float, float]:
     engine = AsyncEngine(EngineConfig(model=model_name, max_num_seqs=64))
-    update = update_seconds(EngineSyncClient(engine.core), model_name, repeats)
+    update = update_seconds(LocalEngineClient(engine), model_name, repeats)
 
     async def generate_all() -> None:
         async def one(i: int) -> None:

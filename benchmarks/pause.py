@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams
+from wtransfer.inference.commands import check_pause_mode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_json
@@ -50,7 +51,7 @@ async def measure(n: int, mode: str) -> dict[str, Any]:
     tasks, _ = await drive(engine, n, max_tokens)
     step_s = await step_seconds(engine)
     start = time.perf_counter()
-    await engine.pause_generation(mode=mode, clear_cache=False)
+    await engine.pause_generation(mode=check_pause_mode(mode), clear_cache=False)
     pause_s = time.perf_counter() - start
     start = time.perf_counter()
     await engine.resume_generation()

@@ -33,9 +33,9 @@ from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
 from wtransfer.packing import Bucket, BucketPlan, Slice, byte_view
+from wtransfer.processes import free_port, spawn_receiver
 from wtransfer.rpc import RPCClient
-from wtransfer.testing.processes import free_port, spawn_receiver
-from wtransfer.testing.worker import build, model_metas
+from wtransfer.shapes import build, model_metas
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import median_seconds, print_table, write_json

@@ -1,7 +1,7 @@
 """The shipped conformance suite on the nccl backend over gloo (CPU, real processes)."""
 
+from wtransfer.processes import free_port
 from wtransfer.testing.conformance import BackendConformance
-from wtransfer.testing.processes import free_port
 
 
 class TestNCCLConformanceGloo(BackendConformance):

@@ -16,10 +16,15 @@ from engine_helpers import collect
 
 import wtransfer
 from wtransfer.errors import LifecycleError, PeerError
-from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams, WeightVersionSpan
-from wtransfer.inference.engine import EngineSyncClient
+from wtransfer.inference import (
+    AsyncEngine,
+    EngineConfig,
+    LocalEngineClient,
+    SamplingParams,
+    WeightVersionSpan,
+)
 from wtransfer.inference.model import load_model
-from wtransfer.testing.processes import free_port
+from wtransfer.processes import free_port
 
 DEADLINE_S = 120
 SIZES = [2, 4]
@@ -184,7 +189,7 @@ def test_a_request_in_the_global_pause_starts_no_wave(size):
 def trainer_sender(engine, model):
     import wtransfer_ipc
 
-    client = EngineSyncClient(engine.core)
+    client = LocalEngineClient(engine)
     return wtransfer.trainer_init(wtransfer_ipc.IPCTrainerInitInfo(bucket_bytes=1 << 16),
                                   client=client, source=wtransfer.ModuleSource(model))
 
@@ -267,7 +272,7 @@ def test_resume_is_all_or_nothing_when_one_rank_has_an_update_open():
             await engine.pause_generation(mode="keep")
             await asyncio.to_thread(trainer_sender, engine, load_model("tiny", seed=2))
             await asyncio.wrap_future(dp.rank_call(0, "start_weight_update"))
-            with pytest.raises(LifecycleError, match="rank 0: a weight update is open"):
+            with pytest.raises(LifecycleError, match="rank 0: LifecycleError: a weight update is open"):
                 await engine.resume_generation()
             assert all(r["global_paused"] for r in await rank_stats(engine))
             with pytest.raises(PeerError, match="sender aborted"):
@@ -331,7 +336,7 @@ def test_every_rank_receives_over_nccl_and_ucx(backend):
             info = backend_init_info(backend)
 
             def push():
-                with wtransfer.trainer_init(info, client=EngineSyncClient(engine.core),
+                with wtransfer.trainer_init(info, client=LocalEngineClient(engine),
                                             source=wtransfer.ModuleSource(trainer)) as sender:
                     sender.send_weights(weight_version=f"{backend}-1")
                     with torch.no_grad():
@@ -351,7 +356,7 @@ def test_every_rank_receives_over_nccl_and_ucx(backend):
 
 
 def test_a_rank_that_cannot_start_says_why():
-    bad_model = r"rank \d: unknown model .no-such-model."
+    bad_model = r"rank \d: ConfigError: unknown model .no-such-model."
     with pytest.raises(wtransfer.errors.ConfigError, match=bad_model):
         AsyncEngine(EngineConfig(model="no-such-model", data_parallel_size=2))
 

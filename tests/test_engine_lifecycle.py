@@ -7,8 +7,8 @@ from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
 from wtransfer.errors import LifecycleError, PeerError
+from wtransfer.shapes import build_module, mixed_metas
 from wtransfer.testing.conformance import wait_for
-from wtransfer.testing.models import build_module, mixed_metas
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import pytest
 import wtransfer
 import wtransfer.inference
 from wtransfer.errors import PeerError
+from wtransfer.processes import free_port
 from wtransfer.testing.conformance import wait_for
-from wtransfer.testing.processes import free_port
 
 KEY = "s3cret"
 
@@ -160,7 +160,7 @@ def wtransfer_ipc():
 
 def test_http_client_reports_server_errors_with_their_type(dev):
     client = wtransfer.HTTPClient(dev.url, api_key=KEY)
-    with pytest.raises(PeerError, match="409 LifecycleError") as err:
+    with pytest.raises(PeerError, match="409: LifecycleError") as err:
         client.update_weights({})
     assert err.value.remote_type == "LifecycleError"
     with pytest.raises(PeerError, match="401"):
@@ -244,7 +244,7 @@ def test_data_parallel_server_pauses_and_updates_every_rank_over_http():
                  "four requests to run (two per rank)")
         assert h.post("/pause", params={"mode": "keep"}).status_code == 200
         client = wtransfer.HTTPClient(server.url)
-        assert client.num_workers == 2
+        assert client.num_workers() == 2
         model = wtransfer.inference.load_model("tiny", seed=4)
         with wtransfer.trainer_init(wtransfer_ipc().IPCTrainerInitInfo(bucket_bytes=1 << 16),
                                     client=client, source=wtransfer.ModuleSource(model)) as s:

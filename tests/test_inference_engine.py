@@ -12,12 +12,12 @@ from wtransfer.errors import ConfigError, LifecycleError
 from wtransfer.inference import (
     AsyncEngine,
     EngineConfig,
+    LocalEngineClient,
     SamplingParams,
     WeightVersionSpan,
     load_model,
     save_pretrained,
 )
-from wtransfer.inference.engine import EngineSyncClient
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -279,7 +279,7 @@ def test_a_torn_update_keeps_the_label_and_blocks_resume_until_a_good_update():
 def test_an_update_abandoned_by_its_sender_cannot_hold_the_engine():
     async def main():
         engine = AsyncEngine(EngineConfig(model="tiny"))
-        client = EngineSyncClient(engine.core)
+        client = LocalEngineClient(engine)
         loop = asyncio.get_running_loop()
         sender = await loop.run_in_executor(None, lambda: wtransfer.trainer_init(
             IPCTrainerInitInfo(timeout_s=0.3), client=client,

@@ -5,11 +5,10 @@ import torch
 from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
+from wtransfer.processes import spawn_receiver
 from wtransfer.rpc import RPCClient
+from wtransfer.shapes import build, build_module, mixed_metas
 from wtransfer.testing.conformance import BackendConformance
-from wtransfer.testing.models import build_module, mixed_metas
-from wtransfer.testing.processes import spawn_receiver
-from wtransfer.testing.worker import build
 
 
 @pytest.mark.gpu

@@ -8,9 +8,9 @@ from wtransfer_nccl.libnccl import load_nccl
 
 import wtransfer
 from wtransfer.errors import PeerError
+from wtransfer.processes import free_port, spawn_receiver
 from wtransfer.rpc import RPCClient
-from wtransfer.testing.processes import free_port, spawn_receiver
-from wtransfer.testing.worker import build
+from wtransfer.shapes import build
 
 pytestmark = pytest.mark.gpu
 

@@ -17,9 +17,9 @@ from wtransfer.packing import (
     byte_view,
 )
 from wtransfer.receiving import UpdateSession
+from wtransfer.shapes import build_module
 from wtransfer.source import ModuleSource
 from wtransfer.target import ModuleTarget
-from wtransfer.testing.models import build_module
 
 
 def random_tensor(dtype_name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from wtransfer.rl.demo import run_rl_demo
-from wtransfer.rl.task import ChainParityTask
+from wtransfer.demos.rl.demo import run_rl_demo
+from wtransfer.demos.rl.task import ChainParityTask
 
 
 @pytest.mark.parametrize("local", [False, True], ids=["http-server", "local-engine"])

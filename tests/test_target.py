@@ -7,7 +7,7 @@ from wtransfer_ipc import IPCTrainerInitInfo
 import wtransfer
 from wtransfer.errors import MetadataError
 from wtransfer.packing import TensorMeta
-from wtransfer.testing.models import build_module
+from wtransfer.shapes import build_module
 
 
 def small_model(seed):

@@ -3,10 +3,10 @@
 import pytest
 
 import wtransfer
+from wtransfer.processes import spawn_receiver
 from wtransfer.rpc import RPCClient
+from wtransfer.shapes import build
 from wtransfer.testing.conformance import BackendConformance
-from wtransfer.testing.processes import spawn_receiver
-from wtransfer.testing.worker import build
 
 ucx = pytest.importorskip("wtransfer_ucx.transport", reason="UCXX is not installed")
 

@@ -4,21 +4,23 @@ The public surface: the backend registry (`Backend`, `register_backend`, `get_ba
 `list_backends`, `create_receiver`, `trainer_init`), the lifecycle ABCs
 (`WeightTransferEngine`, `TrainerTransferEngine`, `TransferStats`), sources and targets
 (`ModuleSource`, `ModuleTarget`, `fingerprint`), clients (`LocalClient`, `FanoutClient`,
-`rpc.RPCClient`) and the modules `errors`, `rpc` and `wire`.
+`rpc.RPCClient`, and `HTTPClient`, which lives with the inference server and is imported on
+first use) and the modules `errors`, `rpc` and `wire`.
 """
 
+from typing import Any
+
 from wtransfer import errors, rpc, wire
-from wtransfer.clients import FanoutClient, HTTPClient, LocalClient, WeightSyncClient
-from wtransfer.engine import (
+from wtransfer.clients import FanoutClient, LocalClient
+from wtransfer.fingerprint import fingerprint
+from wtransfer.infos import (
     ReceiverInitInfo,
     TrainerInitInfo,
-    TrainerTransferEngine,
     TransferStats,
     UpdateInfo,
-    WeightTransferEngine,
     WireParams,
 )
-from wtransfer.fingerprint import fingerprint
+from wtransfer.receiver import ReceiverState, WeightTransferEngine
 from wtransfer.registry import (
     Backend,
     BackendInfo,
@@ -28,6 +30,7 @@ from wtransfer.registry import (
     register_backend,
     trainer_init,
 )
+from wtransfer.sender import TrainerTransferEngine, WeightSyncClient
 from wtransfer.source import ModuleSource, WeightSource
 from wtransfer.target import ModuleTarget, WeightTarget
 
@@ -42,6 +45,7 @@ __all__ = [
     "ModuleSource",
     "ModuleTarget",
     "ReceiverInitInfo",
+    "ReceiverState",
     "TrainerInitInfo",
     "TrainerTransferEngine",
     "TransferStats",
@@ -61,3 +65,13 @@ __all__ = [
     "trainer_init",
     "wire",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`wtransfer.HTTPClient` speaks the inference server's routes, so it lives in
+    `wtransfer.inference.http_client`; import it only when asked for."""
+    if name == "HTTPClient":
+        from wtransfer.inference.http_client import HTTPClient
+
+        return HTTPClient
+    raise AttributeError(f"module 'wtransfer' has no attribute {name!r}")

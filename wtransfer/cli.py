@@ -25,8 +25,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Run the async-RL demo (see `wtransfer.rl.demo`)."""
-    from wtransfer.rl.demo import run_rl_demo
+    """Run the async-RL demo (see `wtransfer.demos.rl.demo`)."""
+    from wtransfer.demos.rl.demo import run_rl_demo
 
     return run_rl_demo(steps=args.steps, backend=args.backend, local=args.local,
                        lr=args.lr, seed=args.seed, run_dir=args.run_dir,
@@ -34,8 +34,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_transfer_demo(args: argparse.Namespace) -> int:
-    """Run the two-process transfer demo (see `wtransfer.transfer_demo`)."""
-    from wtransfer.transfer_demo import run_demo
+    """Run the two-process transfer demo (see `wtransfer.demos.transfer`)."""
+    from wtransfer.demos.transfer import run_demo
 
     return run_demo(backend=args.backend, model=args.model, rounds=args.rounds,
                     bucket_mb=args.bucket_mb, checksum=args.checksum)

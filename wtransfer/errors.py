@@ -40,12 +40,67 @@ class PeerError(WTransferError):
         """Name of the exception class raised on the remote side, when known."""
 
 
+class RemoteConfigError(PeerError, ConfigError):
+    """The peer refused a configuration value (a `PeerError` and a `ConfigError`)."""
+
+
+class RemoteLifecycleError(PeerError, LifecycleError):
+    """The peer refused a call in its current state (a `PeerError` and a `LifecycleError`)."""
+
+
+class RemoteMetadataError(PeerError, MetadataError):
+    """The peer refused metadata (a `PeerError` and a `MetadataError`)."""
+
+
+class RemoteIntegrityError(PeerError, IntegrityError):
+    """The peer found corrupt or missing bytes (a `PeerError` and an `IntegrityError`)."""
+
+
+class RemoteTransferTimeout(PeerError, TransferTimeout):
+    """A wait on the peer's side ran past its deadline (a `PeerError` and a
+    `TransferTimeout`)."""
+
+
+_REMOTE: dict[str, type[PeerError]] = {
+    "ConfigError": RemoteConfigError, "BadRequest": RemoteConfigError,
+    "LifecycleError": RemoteLifecycleError, "MetadataError": RemoteMetadataError,
+    "IntegrityError": RemoteIntegrityError, "TransferTimeout": RemoteTransferTimeout,
+}
+
+
+def error_reply(exc: BaseException) -> dict[str, object]:
+    """A failed call's reply, as plain data: ``{"ok": false, "type": <class>, "message"}``.
+
+    Every control plane (RPC, HTTP, the data-parallel sockets) answers failures this way;
+    `from_reply` turns one back into an exception.
+    """
+    return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+
+
+def from_reply(reply: object, where: str) -> PeerError:
+    """The exception for a failed reply from `where`: always a `PeerError` (the peer failed),
+    and also the matching wtransfer type when the peer raised one (`RemoteMetadataError` is a
+    `MetadataError` too), so callers and HTTP status codes can react to the kind of failure."""
+    fields = reply if isinstance(reply, dict) else {}
+    kind = str(fields.get("type", "Exception"))
+    message = str(fields.get("message", reply if not fields else ""))
+    cls = _REMOTE.get(kind, PeerError)
+    return cls(f"{where}: {kind}: {message}", remote_type=kind)
+
+
 __all__ = [
     "ConfigError",
     "IntegrityError",
     "LifecycleError",
     "MetadataError",
     "PeerError",
+    "RemoteConfigError",
+    "RemoteIntegrityError",
+    "RemoteLifecycleError",
+    "RemoteMetadataError",
+    "RemoteTransferTimeout",
     "TransferTimeout",
     "WTransferError",
+    "error_reply",
+    "from_reply",
 ]

@@ -21,8 +21,9 @@ from wtransfer.errors import ConfigError
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from wtransfer.clients import WeightSyncClient
-    from wtransfer.engine import TrainerInitInfo, TrainerTransferEngine, WeightTransferEngine
+    from wtransfer.infos import TrainerInitInfo
+    from wtransfer.receiver import WeightTransferEngine
+    from wtransfer.sender import TrainerTransferEngine, WeightSyncClient
     from wtransfer.source import WeightSource
     from wtransfer.target import WeightTarget
 
@@ -173,10 +174,11 @@ def list_backends() -> dict[str, BackendInfo]:
 
 
 def create_receiver(
-    name: str, target: WeightTarget, *, device: str = "cpu"
+    name: str, target: WeightTarget, *, device: str = "cpu", worker_index: int = 0
 ) -> WeightTransferEngine[Any, Any]:
-    """Instantiate backend `name`'s receiver over `target` on `device`."""
-    return get_backend(name).receiver_class()(target, device=device)
+    """Instantiate backend `name`'s receiver over `target` on `device`; `worker_index` is its
+    index among its engine's receiving workers (a data-parallel engine's rank)."""
+    return get_backend(name).receiver_class()(target, device=device, worker_index=worker_index)
 
 
 def trainer_init(
@@ -187,4 +189,4 @@ def trainer_init(
     if not name:
         raise ConfigError(f"{type(init_info).__name__} names no backend; pass a backend's "
                           "TrainerInitInfo subclass (e.g. wtransfer_ipc.IPCTrainerInitInfo)")
-    return get_backend(name).sender_class()(init_info, client=client, source=source)
+    return get_backend(name).sender_class().trainer_init(init_info, client=client, source=source)

@@ -12,6 +12,7 @@ request ``{"method": str, "args": {...}}``; reply ``{"ok": true, "result": ...}`
 
 from __future__ import annotations
 
+import inspect
 import os
 import queue
 import threading
@@ -21,16 +22,25 @@ from typing import Any
 import zmq
 
 from wtransfer import wire
-from wtransfer.clients import LocalClient, WeightSyncClient, workers_behind
-from wtransfer.engine import WeightTransferEngine
-from wtransfer.errors import ConfigError, MetadataError, PeerError, TransferTimeout
+from wtransfer.clients import LocalClient, SingleEngineClient, check_workers
+from wtransfer.errors import (
+    ConfigError,
+    MetadataError,
+    TransferTimeout,
+    error_reply,
+    from_reply,
+)
+from wtransfer.receiver import WeightTransferEngine
+from wtransfer.sender import WeightSyncClient
 
-_METHODS = {
-    "init_weight_transfer_engine": ("init_info",),
-    "start_weight_update": (),
-    "update_weights": ("update_info",),
-    "finish_weight_update": ("weight_version",),
-    "fingerprint": (),
+SERVED = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+          "finish_weight_update", "fingerprint", "num_workers")
+"""The `WeightSyncClient` methods a `ReceiverServer` serves (`init_each_engine` is
+`init_weight_transfer_engine` for the one engine a server fronts), plus "status"."""
+
+_METHODS: dict[str, tuple[str, ...]] = {
+    **{name: tuple(inspect.signature(getattr(WeightSyncClient, name)).parameters)[1:]
+       for name in SERVED},
     "status": (),
 }
 _POLL_MS = 100
@@ -155,10 +165,9 @@ class ReceiverServer:
     def status(self) -> dict[str, Any]:
         """State of the served receiver (plain data; what `RPCClient.status()` returns)."""
         out: dict[str, Any] = {"pid": os.getpid(), "rss_bytes": _rss_bytes(),
-                               "weight_version": getattr(self.client, "weight_version", None),
-                               "num_workers": workers_behind(self.client)}
+                               "weight_version": getattr(self.client, "weight_version", None)}
         if self.engine is not None:
-            out.update(state=self.engine.state, torn=self.engine.torn,
+            out.update(state=self.engine.state.value, torn=self.engine.torn,
                        failure=self.engine.failure,
                        last_update_bytes=self.engine.last_update_bytes,
                        last_update_seconds=self.engine.last_update_seconds)
@@ -175,12 +184,7 @@ class ReceiverServer:
             self._replies.close()
 
 
-def error_reply(exc: BaseException) -> dict[str, Any]:
-    """A failed call's reply: ``{"ok": false, "type": <exception class>, "message": str}``."""
-    return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
-
-
-class RPCClient:
+class RPCClient(SingleEngineClient):
     """The trainer's end of a `ReceiverServer`; a `WeightSyncClient` with deadlines."""
 
     def __init__(self, address: str, *, timeout_s: float = 60.0) -> None:
@@ -220,9 +224,7 @@ class RPCClient:
             raise MetadataError(f"malformed reply from {self.address}: {reply!r:.200}")
         if reply["ok"]:
             return reply.get("result")
-        remote = str(reply.get("type", "Exception"))
-        raise PeerError(f"{method} failed on {self.address}: {remote}: {reply.get('message')}",
-                        remote_type=remote)
+        raise from_reply(reply, f"{method} failed on {self.address}")
 
     def _wait(self, event: int, deadline: float, method: str) -> None:
         left = deadline - time.monotonic()
@@ -260,10 +262,9 @@ class RPCClient:
             raise MetadataError("status reply is not a map")
         return result
 
-    @property
     def num_workers(self) -> int:
         """Receiving workers behind the served object (an engine's data-parallel ranks)."""
-        return int(self.status().get("num_workers", 1))
+        return check_workers(self, self.call("num_workers"))
 
     def close(self) -> None:
         """Close the socket."""

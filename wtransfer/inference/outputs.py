@@ -1,8 +1,10 @@
-"""What the engine returns (torch-free)."""
+"""What the engine returns (torch-free), and its one plain-data form (`to_wire`/`from_wire`),
+used by the HTTP server, the data-parallel sockets and the demo alike."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,6 +15,15 @@ class WeightVersionSpan:
     start: int
     end: int
 
+    def to_wire(self) -> dict[str, Any]:
+        """``{"version", "start", "end"}``."""
+        return {"version": self.version, "start": self.start, "end": self.end}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> WeightVersionSpan:
+        """The inverse of `to_wire`."""
+        return cls(str(data["version"]), int(data["start"]), int(data["end"]))
+
 
 @dataclass(frozen=True)
 class CompletionOutput:
@@ -22,8 +33,27 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None
-    """None while running; "length", "stop" or "abort" at the end."""
+    """None while running; "length", "stop", "abort" or "error" at the end."""
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
+    error: str | None = None
+    """With finish_reason "error": what failed while computing this request."""
+
+    def to_wire(self) -> dict[str, Any]:
+        """The HTTP API's "choice" object."""
+        out = {"index": self.index, "token_ids": self.token_ids, "logprobs": self.logprobs,
+               "finish_reason": self.finish_reason,
+               "weight_versions": [s.to_wire() for s in self.weight_versions]}
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> CompletionOutput:
+        """The inverse of `to_wire`."""
+        return cls(int(data["index"]), list(data["token_ids"]), list(data["logprobs"]),
+                   data["finish_reason"],
+                   [WeightVersionSpan.from_wire(s) for s in data["weight_versions"]],
+                   data.get("error"))
 
 
 @dataclass(frozen=True)
@@ -34,3 +64,23 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data: the request id, prompt, finished flag and every choice."""
+        return {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
+                "finished": self.finished, "outputs": [c.to_wire() for c in self.outputs]}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> RequestOutput:
+        """The inverse of `to_wire`."""
+        return cls(str(data["request_id"]), list(data["prompt_token_ids"]),
+                   [CompletionOutput.from_wire(c) for c in data["outputs"]],
+                   bool(data["finished"]))
+
+    @classmethod
+    def ended(cls, request_id: str, prompt: list[int], reason: str,
+              error: str | None = None) -> RequestOutput:
+        """The final output of a request that ends with no (further) tokens: an abort, say,
+        when its data-parallel rank died."""
+        return cls(request_id, list(prompt), [CompletionOutput(0, [], [], reason, [], error)],
+                   True)

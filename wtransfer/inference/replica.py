@@ -1,44 +1,43 @@
 """One model replica's state and logic, without a thread of its own.
 
-`Replica` owns the model, KV cache, scheduler and weight receiver. Its methods must run on one
-thread, between steps: `EngineCore` drives a replica from a thread of its own (the
-single-process engine); a data-parallel rank drives one from its process's main loop.
+`Replica` owns the model, KV cache, scheduler and weight receiver, and implements
+`wtransfer.inference.commands.EngineCommands`. Its methods must run on one thread, between
+steps: `EngineCore` drives a replica from a thread of its own (the single-process engine); a
+data-parallel rank drives one from its process's main loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from wtransfer.engine import WeightTransferEngine
 from wtransfer.errors import ConfigError, LifecycleError
 from wtransfer.inference.block_manager import BlockManager
+from wtransfer.inference.commands import Emit, PauseMode, check_pause_mode
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.model import load_model
-from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.runner import ModelRunner
 from wtransfer.inference.scheduler import PauseState, Scheduler
 from wtransfer.inference.sequence import Sequence
+from wtransfer.receiver import ReceiverState, WeightTransferEngine
 from wtransfer.registry import create_receiver
 from wtransfer.target import ModuleTarget
-
-PAUSE_MODES = ("abort", "wait", "keep")
+from wtransfer.wire import parse_record
 
 
 class Replica:
     """Model, KV cache, scheduler and receiver of one engine replica (see the module docstring).
 
-    `emit` receives every request's cumulative output after each step that changed it.
+    `emit` receives every request's cumulative output after each step that changed it;
+    `worker_index` is this replica's index among the engine's receiving workers (its
+    data-parallel rank).
     """
 
-    worker_index = 0
-    """Index of this replica among the engine's receiving workers (its data-parallel rank)."""
-
-    def __init__(self, config: EngineConfig, emit: Callable[[RequestOutput], None]) -> None:
+    def __init__(self, config: EngineConfig, emit: Emit, *, worker_index: int = 0) -> None:
         self.config = config
         self.emit = emit
+        self.worker_index = worker_index
         self.model = load_model(config.model, device=config.device, dtype=config.dtype,
                                 seed=config.seed)
         self.target = ModuleTarget(self.model)
@@ -49,7 +48,6 @@ class Replica:
         self.runner = ModelRunner(self.model, config)
         self.weight_version = "default"
         self.receiver: WeightTransferEngine[Any, Any] | None = None
-        self.update_open = False
         self.steps = 0
         self.tokens_generated = 0
         self._sequences: dict[str, Sequence] = {}
@@ -57,11 +55,12 @@ class Replica:
 
     # -- stepping --------------------------------------------------------------------------
 
-    def expire_abandoned_update(self) -> None:
-        """An update whose sender went silent for timeout_s fails (the receiver's deadline), so
-        it cannot hold the engine forever; a pause in effect stays until resume."""
-        if self.update_open and self.receiver is not None and self.receiver.state == "failed":
-            self.update_open = False
+    @property
+    def update_open(self) -> bool:
+        """Whether a weight update is open (the receiver's state says; no copy is kept here).
+        An update whose sender goes silent fails at the receiver's deadline, so it cannot hold
+        the engine forever."""
+        return self.receiver is not None and self.receiver.state is ReceiverState.UPDATING
 
     def can_step(self) -> bool:
         """Whether a step would compute anything now."""
@@ -100,8 +99,10 @@ class Replica:
 
     # -- requests (engine thread) -----------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: list[int],
+                    params: SamplingParams | dict[str, Any]) -> None:
         """Queue a request (validated here, so errors reach the caller)."""
+        params = parse_record(SamplingParams, params, where="sampling_params")
         vocab = self.model.config.vocab_size
         if not prompt:
             raise ConfigError("prompt_token_ids must not be empty")
@@ -125,11 +126,10 @@ class Replica:
 
     # -- pause (engine thread) -------------------------------------------------------------
 
-    def pause(self, mode: str, clear_cache: bool) -> Future[None]:
+    def pause(self, mode: PauseMode, clear_cache: bool) -> Future[None]:
         """Apply a pause; the returned future completes when the pause holds (at once unless
         mode is "wait", which first lets running requests finish)."""
-        if mode not in PAUSE_MODES:
-            raise ConfigError(f"unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
+        mode = check_pause_mode(mode)
         done: Future[None] = Future()
         if mode == "wait":
             self.scheduler.state = PauseState.PAUSED_NEW
@@ -171,8 +171,8 @@ class Replica:
         """Create (once) the configured backend's receiver over the model and initialize it."""
         if self.receiver is None:
             self.receiver = create_receiver(self.config.weight_transfer_backend, self.target,
-                                            device=self.config.device)
-            self.receiver.worker_index = self.worker_index
+                                            device=self.config.device,
+                                            worker_index=self.worker_index)
         self.receiver.init_transfer_engine(init_info)
 
     def _require_receiver(self) -> WeightTransferEngine[Any, Any]:
@@ -187,24 +187,14 @@ class Replica:
             raise LifecycleError("the engine is generating; pause_generation(...) before "
                                  "start_weight_update")
         receiver.start_weight_update()
-        self.update_open = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive one part of the update; a failure closes the update."""
-        receiver = self._require_receiver()
-        try:
-            receiver.update_weights(update_info)
-        except BaseException:
-            self.update_open = False
-            raise
+        self._require_receiver().update_weights(update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Complete the update and, in the same step, relabel the weights."""
-        receiver = self._require_receiver()
-        try:
-            receiver.finish_weight_update()
-        finally:
-            self.update_open = False
+        self._require_receiver().finish_weight_update()
         if weight_version is not None:
             self.weight_version = weight_version
 
@@ -221,6 +211,15 @@ class Replica:
     def fingerprint(self) -> dict[str, str]:
         """Per-tensor digest of the served weights."""
         return self.target.fingerprint()
+
+    def weight_info(self) -> dict[str, Any]:
+        """The weight label, the receiver's update state, and whether a failed update left
+        the weights torn (some tensors new, some old) and why."""
+        receiver = self.receiver
+        return {"weight_version": self.weight_version,
+                "update_state": receiver.state.value if receiver else "none",
+                "torn": bool(receiver and receiver.torn),
+                "failure": receiver.failure if receiver else None}
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and benchmarks."""

@@ -28,8 +28,8 @@ from wtransfer.errors import (
     TransferTimeout,
     WTransferError,
 )
-from wtransfer.inference.engine import AsyncEngine
-from wtransfer.inference.outputs import CompletionOutput
+from wtransfer.inference.async_engine import AsyncEngine
+from wtransfer.inference.commands import check_pause_mode
 from wtransfer.inference.params import SamplingParams
 
 log = logging.getLogger("wtransfer.server")
@@ -88,13 +88,6 @@ def _sampling(data: Any) -> SamplingParams:
     if data is None:
         return SamplingParams()
     return wire.parse_record(SamplingParams, data, where="sampling_params")
-
-
-def _choice(c: CompletionOutput) -> dict[str, Any]:
-    return {"index": c.index, "token_ids": c.token_ids, "logprobs": c.logprobs,
-            "finish_reason": c.finish_reason,
-            "weight_versions": [{"version": s.version, "start": s.start, "end": s.end}
-                                for s in c.weight_versions]}
 
 
 def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | None = None,
@@ -171,7 +164,7 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
                     await outputs.aclose()  # aborts the request in the engine
                     return Response(status_code=499)
             return JSONResponse({"request_id": last.request_id,
-                                 "choices": [_choice(c) for c in last.outputs]})
+                                 "choices": [c.to_wire() for c in last.outputs]})
 
         async def events() -> AsyncIterator[bytes]:
             try:
@@ -189,7 +182,7 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
                     sent = len(tokens)
                 if out.finished:
                     final = {"request_id": out.request_id,
-                             "choices": [_choice(c) for c in out.outputs]}
+                             "choices": [c.to_wire() for c in out.outputs]}
                     yield f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode()
                     return
                 out = await outputs.__anext__()
@@ -209,7 +202,8 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, limit: int) -> None:
     async def pause(mode: str = "abort", clear_cache: str = "true") -> dict[str, Any]:
         if clear_cache.lower() not in ("true", "false", "1", "0"):
             raise BadRequest("clear_cache must be true or false")
-        await engine.pause_generation(mode=mode, clear_cache=clear_cache.lower() in ("true", "1"))
+        await engine.pause_generation(mode=check_pause_mode(mode),
+                                      clear_cache=clear_cache.lower() in ("true", "1"))
         return {"status": "paused", "mode": mode}
 
     @app.post("/resume")
@@ -256,7 +250,7 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, limit: int) -> None:
     @app.get("/weight_info")
     async def weight_info() -> dict[str, Any]:
         return {"weight_version": await engine.get_weight_version(),
-                "num_workers": engine.num_workers}
+                "num_workers": engine.num_workers()}
 
     @app.get("/weight_fingerprint")
     async def weight_fingerprint() -> dict[str, Any]:

@@ -5,7 +5,7 @@
     class TestMyBackend(BackendConformance):
         backend = "mine"
 
-Every case runs receivers in real child processes (`wtransfer.testing.worker`) and the trainer
+Every case runs receivers in real child processes (`wtransfer.peer`) and the trainer
 in the test process, over the real control plane (`wtransfer.rpc`). Override `init_fields` when
 the backend's trainer init info needs more than the wire parameters (e.g. a rendezvous port).
 """
@@ -21,16 +21,16 @@ from typing import Any, ClassVar
 import pytest
 
 from wtransfer import errors
-from wtransfer.clients import FanoutClient, WeightSyncClient
-from wtransfer.engine import TrainerInitInfo, TrainerTransferEngine
+from wtransfer.clients import FanoutClient
 from wtransfer.fingerprint import fingerprint
+from wtransfer.infos import TrainerInitInfo
+from wtransfer.processes import ChildProcess, free_port, spawn_receiver, spawn_trainer
 from wtransfer.registry import create_receiver, get_backend, trainer_init
 from wtransfer.rpc import RPCClient
+from wtransfer.sender import TrainerTransferEngine, WeightSyncClient
+from wtransfer.shapes import build_module, model_metas, randomize
 from wtransfer.source import ModuleSource
 from wtransfer.target import ModuleTarget
-from wtransfer.testing.models import build_module, randomize
-from wtransfer.testing.processes import ChildProcess, free_port, spawn_receiver, spawn_trainer
-from wtransfer.testing.worker import model_metas
 
 MiB = 1 << 20
 

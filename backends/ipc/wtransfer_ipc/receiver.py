@@ -6,10 +6,11 @@ import os
 
 import torch
 
-from wtransfer.engine import WeightTransferEngine
 from wtransfer.errors import MetadataError
 from wtransfer.packing import Slice, metas_from_wire
+from wtransfer.receiver import WeightTransferEngine
 from wtransfer.receiving import UpdateSession
+from wtransfer.target import WeightTarget
 from wtransfer_ipc.cuda import open_buffer
 from wtransfer_ipc.info import IPCInitInfo, IPCUpdateInfo
 from wtransfer_ipc.shm import SharedBuffer
@@ -22,14 +23,22 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
     init_info_cls = IPCInitInfo
     update_info_cls = IPCUpdateInfo
 
-    def _init(self, info: IPCInitInfo) -> None:
+    def __init__(self, target: WeightTarget, *, device: str | torch.device = "cpu",
+                 worker_index: int = 0) -> None:
+        super().__init__(target, device=device, worker_index=worker_index)
         self._shm: list[SharedBuffer] = []
         self._staging: list[torch.Tensor] = []
+
+    def _init(self, info: IPCInitInfo) -> None:
         if info.transport == "shm":
-            for name in info.buffers:
-                if not isinstance(name, str):
-                    raise MetadataError("shm buffer names must be strings")
-                self._shm.append(SharedBuffer(name, info.bucket_bytes, create=False))
+            try:
+                for name in info.buffers:
+                    if not isinstance(name, str):
+                        raise MetadataError("shm buffer names must be strings")
+                    self._shm.append(SharedBuffer(name, info.bucket_bytes, create=False))
+            except BaseException:
+                self._shutdown()  # unmap what was mapped before the failure
+                raise
             self._staging = [b.tensor for b in self._shm if b.tensor is not None]
         else:
             same = info.sender_pid == os.getpid()

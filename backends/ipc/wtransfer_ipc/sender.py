@@ -8,9 +8,12 @@ from typing import Any
 
 import torch
 
-from wtransfer.engine import TrainerTransferEngine, receiver_init_dict
+from wtransfer.errors import ConfigError
+from wtransfer.infos import receiver_init_dict
 from wtransfer.packing import Bucket, BucketPlan, metas_to_wire
+from wtransfer.sender import TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import send_pipelined
+from wtransfer.source import WeightSource
 from wtransfer_ipc.cuda import export_buffer
 from wtransfer_ipc.info import IPCTrainerInitInfo
 from wtransfer_ipc.shm import SharedBuffer
@@ -25,23 +28,29 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
     backend_name = "ipc"
     init_info_cls = IPCTrainerInitInfo
 
-    def _setup(self) -> dict[str, Any]:
-        info = self.init_info
-        device = self.device = self._staging_device(info.device)
+    def __init__(self, init_info: IPCTrainerInitInfo, *, client: WeightSyncClient,
+                 source: WeightSource) -> None:
+        super().__init__(init_info, client=client, source=source)
+        self.device = self._staging_device(self.init_info.device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"ipc: staging on {self.device.type} devices is not supported; "
+                              "use device='cpu' or 'cuda:N'")
+        self._staging: list[torch.Tensor] = []
         self._shm: list[SharedBuffer] = []
+
+    def _connect(self) -> dict[str, Any]:
+        info = self.init_info
         token = secrets.token_hex(8)
-        if device.type == "cuda":
-            self._staging = [torch.empty(info.bucket_bytes, dtype=torch.uint8, device=device)
-                             for _ in range(info.num_buffers)]
+        if self.device.type == "cuda":
+            self._staging = [torch.empty(info.bucket_bytes, dtype=torch.uint8,
+                                         device=self.device) for _ in range(info.num_buffers)]
             buffers: list[Any] = [export_buffer(b, token, i) for i, b in enumerate(self._staging)]
             transport = "cuda"
-        elif device.type == "cpu":
+        else:
             self._shm = SharedBuffer.create_set(info.num_buffers, info.bucket_bytes)
             self._staging = [b.tensor for b in self._shm if b.tensor is not None]
             buffers = [b.name for b in self._shm]
             transport = "shm"
-        else:
-            raise ValueError(f"ipc: staging on {device.type} devices is not supported")
         return receiver_init_dict(info, transport=transport, buffers=buffers,
                                   sender_pid=os.getpid(), token=token)
 
@@ -69,11 +78,11 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _teardown(self) -> None:
+    def _close(self) -> None:
+        had_cuda = bool(self._staging) and self.device.type == "cuda"
         self._staging = []
         for buf in self._shm:
             buf.close()
         self._shm = []
-        if self.device.type == "cuda":
+        if had_cuda:
             torch.cuda.ipc_collect()
-

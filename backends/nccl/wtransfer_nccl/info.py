@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from wtransfer.engine import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 from wtransfer.errors import ConfigError
+from wtransfer.infos import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
+from wtransfer.packing import DEFAULT_ALIGN
 
 TRANSPORTS = ("nccl", "gloo")
 
@@ -24,24 +25,20 @@ def _check_endpoint(address: str, port: int, world_size: int) -> None:
 @dataclass(frozen=True, kw_only=True)
 class NCCLTrainerInitInfo(TrainerInitInfo):
     """Trainer side: the trainer is rank 0 of a `world_size` group it hosts at
-    `master_address:master_port`; engine workers are ranks 1..world_size-1."""
+    `master_address:master_port`; engine workers are ranks 1..world_size-1, numbered in the
+    order of the client's engines (`WeightSyncClient.init_each_engine`)."""
 
     backend: ClassVar[str] = "nccl"
     master_address: str
     master_port: int
     world_size: int
-    workers_per_client: list[int] | None = None
-    """Workers behind each client (FanoutClient order); default each client's `num_workers`
-    (a data-parallel engine has one per rank, others 1). Client i's workers
-    get ranks ``1 + sum(workers_per_client[:i]) + j``."""
+    """The trainer plus every receiving worker behind the client (`client.num_workers()`)."""
     device: str | None = None
     """Staging device; default the source's. CUDA uses NCCL, CPU uses gloo."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_endpoint(self.master_address, self.master_port, self.world_size)
-        if self.workers_per_client is not None and any(n < 1 for n in self.workers_per_client):
-            raise ConfigError("workers_per_client entries must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +55,7 @@ class NCCLInitInfo(ReceiverInitInfo):
     """Namespace of this init's rendezvous keys (a fresh one per sender)."""
     direct_threshold: int | None = 0
     """Resolved by the sender: tensors this large are broadcast without staging."""
-    align: int = 256
+    align: int = DEFAULT_ALIGN
 
     def __post_init__(self) -> None:
         super().__post_init__()

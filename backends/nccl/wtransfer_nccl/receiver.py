@@ -6,7 +6,6 @@ from collections import deque
 
 import torch
 
-from wtransfer.engine import WeightTransferEngine
 from wtransfer.errors import ConfigError, LifecycleError
 from wtransfer.packing import (
     CHECKSUM_BYTES,
@@ -14,7 +13,9 @@ from wtransfer.packing import (
     read_checksum_trailer,
     trailer_length,
 )
+from wtransfer.receiver import WeightTransferEngine
 from wtransfer.receiving import UpdateSession
+from wtransfer.target import WeightTarget
 from wtransfer_nccl.group import Group, Pending, make_group, rendezvous
 from wtransfer_nccl.info import NCCLInitInfo, NCCLUpdateInfo
 
@@ -31,6 +32,12 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
     init_info_cls = NCCLInitInfo
     update_info_cls = NCCLUpdateInfo
 
+    def __init__(self, target: WeightTarget, *, device: str | torch.device = "cpu",
+                 worker_index: int = 0) -> None:
+        super().__init__(target, device=device, worker_index=worker_index)
+        self._group: Group | None = None
+        self._staging: list[torch.Tensor] = []
+
     def _init(self, info: NCCLInitInfo) -> None:
         if info.transport == "nccl" and self.device.type != "cuda":
             raise ConfigError("the trainer broadcasts CUDA tensors over NCCL; this receiver is "
@@ -39,9 +46,8 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         staging_device = self.device if info.transport == "nccl" else torch.device("cpu")
         store = rendezvous(info.master_address, info.master_port, rank, info.session,
                            info.timeout_s)
-        self._group: Group | None = make_group(info.transport, store, rank, info.world_size,
-                                               info.timeout_s, staging_device)
-        self._store = store
+        self._group = make_group(info.transport, store, rank, info.world_size,
+                                 info.timeout_s, staging_device)
         self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=staging_device) for _ in range(info.num_buffers)]
 
@@ -80,12 +86,12 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
                 torch.cuda.current_stream(data.device).synchronize()
 
     def _abort(self) -> None:
-        group, self._group = getattr(self, "_group", None), None
+        group, self._group = self._group, None
         if group is not None:
             group.abort()
 
     def _shutdown(self) -> None:
-        group, self._group = getattr(self, "_group", None), None
+        group, self._group = self._group, None
         if group is not None:
             group.close()
         self._staging = []

@@ -11,16 +11,12 @@ from typing import Any
 
 import torch
 
-from wtransfer.clients import FanoutClient, worker_counts
-from wtransfer.engine import TrainerTransferEngine, receiver_init_dict
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
-from wtransfer.packing import (
-    CHECKSUM_BYTES,
-    BucketPacker,
-    BucketPlan,
-    metas_to_wire,
-)
+from wtransfer.infos import receiver_init_dict
+from wtransfer.packing import CHECKSUM_BYTES, BucketPacker, BucketPlan, metas_to_wire
+from wtransfer.sender import TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import await_receivers, root_cause
+from wtransfer.source import WeightSource
 from wtransfer_nccl.group import Group, Pending, make_group, rendezvous
 from wtransfer_nccl.info import NCCLTrainerInitInfo
 
@@ -36,27 +32,26 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
     backend_name = "nccl"
     init_info_cls = NCCLTrainerInitInfo
 
-    def _setup(self) -> dict[str, Any]:
-        info = self.init_info
-        device = self.device = self._staging_device(info.device)
-        self.transport = "nccl" if device.type == "cuda" else "gloo"
-        behind = worker_counts(self.client)
-        workers = info.workers_per_client or behind
-        if len(workers) != len(behind):
-            raise ConfigError(f"workers_per_client lists {len(workers)} entries for "
-                              f"{len(behind)} client(s)")
-        if 1 + sum(workers) != info.world_size:
-            raise ConfigError(f"world_size={info.world_size}, but the trainer plus "
-                              f"{sum(workers)} worker(s) make {1 + sum(workers)}; set "
-                              f"world_size={1 + sum(workers)}")
-        self._offsets = [1 + sum(workers[:i]) for i in range(len(workers))]
+    def __init__(self, init_info: NCCLTrainerInitInfo, *, client: WeightSyncClient,
+                 source: WeightSource) -> None:
+        super().__init__(init_info, client=client, source=source)
+        self.device = self._staging_device(self.init_info.device)
+        self.transport = "nccl" if self.device.type == "cuda" else "gloo"
         self._session = secrets.token_hex(8)
         self._group: Group | None = None
         self._broken: str | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-nccl")
-        extra = info.bucket_bytes + CHECKSUM_BYTES
-        self._staging = [torch.empty(extra, dtype=torch.uint8, device=device)
-                         for _ in range(info.num_buffers)]
+        self._staging: list[torch.Tensor] = []
+
+    def _connect(self) -> dict[str, Any]:
+        info = self.init_info
+        workers = self.client.num_workers()
+        if 1 + workers != info.world_size:
+            raise ConfigError(f"world_size={info.world_size}, but the trainer plus "
+                              f"{workers} worker(s) make {1 + workers}; set "
+                              f"world_size={1 + workers}")
+        self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
+                                     device=self.device) for _ in range(info.num_buffers)]
         return receiver_init_dict(info, master_address=info.master_address,
                                   master_port=info.master_port, world_size=info.world_size,
                                   rank_offset=1, transport=self.transport,
@@ -78,6 +73,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         return 1 << 20 if self.transport == "gloo" else max(info.bucket_bytes // 4, 1)
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
+        """Form the group on a helper thread while every engine joins it from its init call;
+        engine e's workers get ranks 1 + (workers of the engines before it) + j."""
         info = self.init_info
         made: dict[str, Any] = {}
 
@@ -87,17 +84,13 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                                    info.timeout_s)
                 made["group"] = make_group(self.transport, store, 0, info.world_size,
                                            info.timeout_s, self.device)
-                made["store"] = store
             except BaseException as exc:
                 made["error"] = exc
 
         former = threading.Thread(target=form, name="wtransfer-nccl-rendezvous", daemon=True)
         former.start()
-        inits = [{**receiver_init, "rank_offset": off} for off in self._offsets]
-        if isinstance(self.client, FanoutClient):
-            self.client.map(lambda c, i: c.init_weight_transfer_engine(inits[i]))
-        else:
-            self.client.init_weight_transfer_engine(inits[0])
+        self.client.init_each_engine(
+            lambda first, _count: {**receiver_init, "rank_offset": 1 + first})
         former.join(info.timeout_s)
         if former.is_alive():
             raise TransferTimeout(f"the group of {info.world_size} ranks did not form within "
@@ -105,7 +98,6 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         if "error" in made:
             raise made["error"]
         self._group = made["group"]
-        self._store = made["store"]
 
     def _send(self, plan: BucketPlan) -> None:
         if self._broken or self._group is None:
@@ -162,11 +154,9 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
     def _abort_remote(self, exc: BaseException) -> None:
         """Receivers learn of a failure from the torn-down group; no extra call needed."""
 
-    def _teardown(self) -> None:
-        group, self._group = getattr(self, "_group", None), None
+    def _close(self) -> None:
+        group, self._group = self._group, None
         if group is not None:
             group.abort() if self._broken else group.close()
-        if hasattr(self, "_pool"):
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._staging = []
-

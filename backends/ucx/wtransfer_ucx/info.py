@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from wtransfer.engine import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 from wtransfer.errors import ConfigError
+from wtransfer.infos import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 
 
 @dataclass(frozen=True, kw_only=True)

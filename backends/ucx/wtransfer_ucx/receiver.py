@@ -6,12 +6,13 @@ from collections import deque
 
 import torch
 
-from wtransfer.engine import WeightTransferEngine
+from wtransfer.errors import LifecycleError
 from wtransfer.packing import CHECKSUM_BYTES, Bucket, read_checksum_trailer, trailer_length
+from wtransfer.receiver import WeightTransferEngine
 from wtransfer.receiving import UpdateSession
+from wtransfer.target import WeightTarget
 from wtransfer_ucx.info import UCXInitInfo, UCXUpdateInfo
-from wtransfer_ucx.sender import MAX_INFLIGHT
-from wtransfer_ucx.transport import UCXWorker, tag
+from wtransfer_ucx.transport import MAX_INFLIGHT, UCXWorker, tag
 
 
 class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
@@ -22,9 +23,21 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
     init_info_cls = UCXInitInfo
     update_info_cls = UCXUpdateInfo
 
+    def __init__(self, target: WeightTarget, *, device: str | torch.device = "cpu",
+                 worker_index: int = 0) -> None:
+        super().__init__(target, device=device, worker_index=worker_index)
+        self._ucx: UCXWorker | None = None
+        self._staging: list[torch.Tensor] = []
+
+    def _worker(self) -> UCXWorker:
+        if self._ucx is None:
+            raise LifecycleError("ucx: the receiver is not connected; the trainer must call "
+                                 "init_weight_transfer_engine")
+        return self._ucx
+
     def _init(self, info: UCXInitInfo) -> None:
         self._ucx = UCXWorker()
-        self._endpoint = self._ucx.connect(info.trainer_address, info.trainer_port)
+        self._ucx.connect(info.trainer_address, info.trainer_port)
         self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]
 
@@ -33,6 +46,7 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
         assert init is not None
         plan = session.announce_plan(info.tensors, init.bucket_bytes,
                                      direct_threshold=init.direct_threshold or 0)
+        ucx = self._worker()
         free = deque(range(len(self._staging)))
         posted: deque[tuple[Bucket, int, torch.Tensor, object]] = deque()
         upcoming = deque(plan.buckets)
@@ -45,9 +59,9 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
                 else:
                     slot = free.popleft()
                     data = self._staging[slot][: trailer_length(bucket.nbytes, init.checksum)]
-                posted.append((bucket, slot, data, self._ucx.recv(data, key)))
+                posted.append((bucket, slot, data, ucx.recv(data, key)))
             bucket, slot, data, request = posted.popleft()
-            self._ucx.wait([request], init.timeout_s)
+            ucx.wait([request], init.timeout_s)
             if bucket.direct:
                 session.complete_direct(bucket, data)
                 continue
@@ -59,8 +73,11 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
             free.append(slot)
 
     def _abort(self) -> None:
-        self._ucx.worker.cancel_inflight_requests()
+        if self._ucx is not None:
+            self._ucx.worker.cancel_inflight_requests()
 
     def _shutdown(self) -> None:
-        self._ucx.close()
+        ucx, self._ucx = self._ucx, None
+        if ucx is not None:
+            ucx.close()
         self._staging = []

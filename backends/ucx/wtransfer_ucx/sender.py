@@ -10,22 +10,14 @@ from typing import Any
 
 import torch
 
-from wtransfer.clients import worker_counts
-from wtransfer.engine import TrainerTransferEngine, receiver_init_dict
 from wtransfer.errors import LifecycleError
-from wtransfer.packing import (
-    CHECKSUM_BYTES,
-    BucketPacker,
-    BucketPlan,
-    metas_to_wire,
-)
+from wtransfer.infos import receiver_init_dict
+from wtransfer.packing import CHECKSUM_BYTES, BucketPacker, BucketPlan, metas_to_wire
+from wtransfer.sender import TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import await_receivers, root_cause
+from wtransfer.source import WeightSource
 from wtransfer_ucx.info import UCXTrainerInitInfo
-from wtransfer_ucx.transport import UCXWorker, tag
-
-MAX_INFLIGHT = 16
-"""Messages in flight at once: staging slots bound the packed ones; direct ones need no
-staging, and keeping several in flight hides each rendezvous round trip."""
+from wtransfer_ucx.transport import MAX_INFLIGHT, UCXWorker, tag
 
 
 class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
@@ -34,17 +26,24 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
     backend_name = "ucx"
     init_info_cls = UCXTrainerInitInfo
 
-    def _setup(self) -> dict[str, Any]:
-        info = self.init_info
-        self.device = self._staging_device(info.device)
-        self._ucx = UCXWorker()
-        port = self._ucx.listen(info.listen_port)
+    def __init__(self, init_info: UCXTrainerInitInfo, *, client: WeightSyncClient,
+                 source: WeightSource) -> None:
+        super().__init__(init_info, client=client, source=source)
+        self.device = self._staging_device(self.init_info.device)
         self._session = secrets.randbelow(1 << 16)
         self._updates = 0
         self._broken: str | None = None
+        self._ucx: UCXWorker | None = None
+        self._endpoints: list[Any] = []
+        self._staging: list[torch.Tensor] = []
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-ucx")
+
+    def _connect(self) -> dict[str, Any]:
+        info = self.init_info
+        self._ucx = UCXWorker()
+        port = self._ucx.listen(info.listen_port)
         self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-ucx")
         return receiver_init_dict(info, trainer_address=info.listen_address,
                                   trainer_port=port, session=self._session,
                                   direct_threshold=self.direct_threshold)
@@ -59,9 +58,10 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         return (1 << 20) if info.direct_threshold is None else info.direct_threshold
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
+        assert self._ucx is not None
         super()._init_receivers(receiver_init)  # each worker connects during its init
-        count = sum(worker_counts(self.client))
-        self._endpoints = self._ucx.wait_for_endpoints(count, self.init_info.timeout_s)
+        self._endpoints = self._ucx.wait_for_endpoints(self.client.num_workers(),
+                                                       self.init_info.timeout_s)
 
     def _send(self, plan: BucketPlan) -> None:
         if self._broken:
@@ -87,13 +87,15 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
 
     def _send_buckets(self, plan: BucketPlan, receivers_failed: Callable[[], None]) -> None:
         info = self.init_info
+        ucx = self._ucx
+        assert ucx is not None
         packer = BucketPacker(plan, self.source.tensors())
         free = deque(range(len(self._staging)))
         inflight: deque[tuple[int, list[Any]]] = deque()
 
         def retire_oldest() -> None:
             slot, requests = inflight.popleft()
-            self._ucx.wait(requests, info.timeout_s, receivers_failed)
+            ucx.wait(requests, info.timeout_s, receivers_failed)
             if slot >= 0:
                 free.append(slot)
 
@@ -108,7 +110,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
                 data = packer.pack_framed(bucket, self._staging[slot], info.checksum)
             if data.is_cuda:
                 torch.cuda.current_stream(data.device).synchronize()
-            inflight.append((slot, [self._ucx.send(ep, data, key) for ep in self._endpoints]))
+            inflight.append((slot, [ucx.send(ep, data, key) for ep in self._endpoints]))
         packer.finish()
         while inflight:
             retire_oldest()
@@ -116,9 +118,10 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
     def _abort_remote(self, exc: BaseException) -> None:
         """Workers blocked in a receive fail at their deadline or when the endpoint closes."""
 
-    def _teardown(self) -> None:
-        if hasattr(self, "_pool"):
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        if hasattr(self, "_ucx"):
-            self._ucx.close()
+    def _close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        ucx, self._ucx = self._ucx, None
+        if ucx is not None:
+            ucx.close()
+        self._endpoints = []
         self._staging = []

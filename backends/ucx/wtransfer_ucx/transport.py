@@ -15,6 +15,10 @@ from wtransfer.errors import PeerError, TransferTimeout
 
 _POLL_S = 0.0002
 
+MAX_INFLIGHT = 16
+"""Messages in flight at once per side: staging slots bound the packed ones; direct ones need
+no staging, and keeping several in flight hides each rendezvous round trip."""
+
 
 def tag(session: int, update: int, bucket: int) -> int:
     """The 64-bit tag of one bucket: session (16 bits), update (16 bits), bucket (32 bits)."""

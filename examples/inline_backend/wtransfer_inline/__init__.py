@@ -13,16 +13,11 @@ from typing import Any, ClassVar
 import torch
 
 import wtransfer
-from wtransfer.engine import (
-    ReceiverInitInfo,
-    TrainerInitInfo,
-    TrainerTransferEngine,
-    UpdateInfo,
-    WeightTransferEngine,
-    receiver_init_dict,
-)
+from wtransfer.infos import ReceiverInitInfo, TrainerInitInfo, UpdateInfo, receiver_init_dict
 from wtransfer.packing import Bucket, BucketPlan, Slice, metas_from_wire, metas_to_wire
+from wtransfer.receiver import WeightTransferEngine
 from wtransfer.receiving import UpdateSession
+from wtransfer.sender import TrainerTransferEngine
 from wtransfer.sending import send_pipelined
 
 
@@ -72,7 +67,7 @@ class InlineSender(TrainerTransferEngine[InlineTrainerInitInfo]):
     backend_name = "inline"
     init_info_cls = InlineTrainerInitInfo
 
-    def _setup(self) -> dict[str, Any]:
+    def _connect(self) -> dict[str, Any]:
         self._staging = [torch.empty(self.init_info.bucket_bytes, dtype=torch.uint8)
                          for _ in range(self.init_info.num_buffers)]
         return receiver_init_dict(self.init_info)
@@ -90,7 +85,7 @@ class InlineSender(TrainerTransferEngine[InlineTrainerInitInfo]):
         send_pipelined(plan, self.source, self._staging, transmit,
                        checksum=self.init_info.checksum)
 
-    def _teardown(self) -> None:
+    def _close(self) -> None:
         self._staging = []
 
 

@@ -1,10 +1,12 @@
 """The data-parallel front end: N rank processes behind one `AsyncEngine`.
 
-`DataParallelCore` speaks the same `submit(command, ...)` interface as `EngineCore`. It starts
-the rank processes, hosts their rendezvous store, and owns one ZeroMQ ROUTER socket on an I/O
-thread: commands go out through it, and replies, outputs, wave announcements and fatal errors
-come back through it. Requests go to the rank with the fewest outstanding requests; pause,
-resume and weight-transfer calls go to every rank and complete when every rank answered.
+`DataParallelCore` serves the same commands as `EngineCore` (`submit(command, ...)`, one of
+`COMMANDS`). It starts the rank processes, hosts their rendezvous store, and owns one ZeroMQ
+ROUTER socket on an I/O thread: commands go out through it, and replies, outputs, wave
+announcements and fatal errors come back through it (the messages are listed in `rank.py`).
+Requests go to the rank with the fewest outstanding requests and aborts to the rank holding
+the request; every other command goes to every rank and completes when every rank answered,
+its results combined by `_COMBINE` (the ranks must agree on versions and weights).
 
 A rank that dies breaks the engine: pending calls fail with `PeerError`, every live request
 ends with finish_reason "abort", the other ranks are stopped, and later calls fail at once.
@@ -27,19 +29,13 @@ from typing import Any, TypeVar
 import zmq
 
 from wtransfer import wire
-from wtransfer.errors import ConfigError, IntegrityError, PeerError
+from wtransfer.errors import ConfigError, IntegrityError, PeerError, from_reply
+from wtransfer.inference.commands import Emit, check_command, check_pause_mode
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.core import COMMANDS
 from wtransfer.inference.dp.collective import host_store
-from wtransfer.inference.dp.messages import (
-    aborted_output,
-    error_from_wire,
-    output_from_wire,
-)
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.params import SamplingParams
-from wtransfer.inference.replica import PAUSE_MODES
-from wtransfer.wire import record_to_wire
+from wtransfer.wire import parse_record, record_to_wire
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -102,15 +98,56 @@ def _all(futures: list[Future[Any]]) -> Future[list[Any]]:
     return out
 
 
+def _agree(what: str) -> Callable[[list[Any]], Any]:
+    """Combine per-rank results that must be equal: the common value, else `IntegrityError`."""
+
+    def agree(per_rank: list[Any]) -> Any:
+        odd = [rank for rank, value in enumerate(per_rank) if value != per_rank[0]]
+        if odd:
+            raise IntegrityError(f"data-parallel ranks {odd} hold different {what} from rank 0; "
+                                 "complete a weight update")
+        return per_rank[0]
+
+    return agree
+
+
+def _merge_stats(per_rank: list[Any]) -> dict[str, Any]:
+    total = {key: sum(s[key] for s in per_rank)
+             for key in ("steps", "tokens_generated", "running", "waiting",
+                         "prefix_cache_hits", "preemptions", "last_update_bytes",
+                         "dummy_steps", "waves_started")}
+    return {**total, "paused": any(s["paused"] for s in per_rank),
+            "weight_version": per_rank[0]["weight_version"],
+            "last_update_seconds": max(s["last_update_seconds"] for s in per_rank),
+            "ranks": per_rank}
+
+
+def _merge_weight_info(per_rank: list[Any]) -> dict[str, Any]:
+    torn = [rank for rank, info in enumerate(per_rank) if info["torn"]]
+    states = sorted({info["update_state"] for info in per_rank})
+    return {"weight_version": _agree("weight versions")([i["weight_version"] for i in per_rank]),
+            "update_state": states[0] if len(states) == 1 else "mixed:" + ",".join(states),
+            "torn": bool(torn),
+            "failure": next((per_rank[r]["failure"] for r in torn), None),
+            "ranks": per_rank}
+
+
+_COMBINE: dict[str, Callable[[list[Any]], Any]] = {
+    "is_paused": any,
+    "get_weight_version": _agree("weight versions"),
+    "fingerprint": _agree("weights"),
+    "weight_info": _merge_weight_info,
+}
+"""How the ranks' answers to a command become one; commands not listed answer None."""
+
+
 class DataParallelCore:
     """Front end over `config.data_parallel_size` rank processes (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig, emit: Callable[[RequestOutput], None]) -> None:
+    def __init__(self, config: EngineConfig, emit: Emit) -> None:
         self.config = config
         self.emit = emit
         self.size = config.data_parallel_size
-        self.weight_version = "default"
-        """The label every rank holds (set when all ranks finished an update)."""
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._calls: dict[int, tuple[int, Future[Any]]] = {}
@@ -183,7 +220,7 @@ class DataParallelCore:
             if not future.done():
                 future.set_exception(PeerError(reason))
         for rid, (_, prompt) in live.items():
-            self.emit(aborted_output(rid, prompt))
+            self.emit(RequestOutput.ended(rid, prompt, "abort"))
         for proc in self._procs:
             if proc.poll() is None:
                 proc.kill()
@@ -233,10 +270,10 @@ class DataParallelCore:
                 if message["ok"]:
                     entry[1].set_result(message.get("result"))
                 else:
-                    entry[1].set_exception(error_from_wire(rank, message))
+                    entry[1].set_exception(from_reply(message, f"data-parallel rank {rank}"))
         elif kind == "outputs":
             for data in message["outputs"]:
-                output = output_from_wire(data)
+                output = RequestOutput.from_wire(data)
                 if output.finished:
                     with self._lock:
                         self._live.pop(output.request_id, None)
@@ -253,7 +290,7 @@ class DataParallelCore:
                 self._started.set()
         elif kind == "fatal":
             if len(self._ready) < self.size and self._startup_error is None:
-                self._startup_error = error_from_wire(rank, message)
+                self._startup_error = from_reply(message, f"data-parallel rank {rank}")
             time.sleep(0.05)  # a collective fails because a peer died: name the dead one
             self._check_processes()
             self._fail(f"data-parallel rank {rank} failed: {message.get('type')}: "
@@ -281,8 +318,7 @@ class DataParallelCore:
         that reaches the ranks at different times)."""
         if not 0 <= rank < self.size:
             raise ConfigError(f"rank must be in 0..{self.size - 1}, got {rank}")
-        if command not in COMMANDS:
-            raise ConfigError(f"unknown engine command {command!r}")
+        check_command(command)
         if command == "add_request":
             raise ConfigError("add requests through submit('add_request', ...)")
         return self._call(rank, command, *args)
@@ -291,13 +327,22 @@ class DataParallelCore:
 
     def submit(self, command: str, *args: Any) -> Future[Any]:
         """Run one of `COMMANDS` across the ranks (see the module docstring)."""
-        if command not in COMMANDS:
-            raise ConfigError(f"unknown engine command {command!r}")
         try:
-            result: Future[Any] = getattr(self, f"_cmd_{command}")(*args)
+            check_command(command)
+            if command == "add_request":
+                return self._add_request(*args)
+            if command == "abort":
+                return self._abort(*args)
+            if command == "pause":  # resolves to a second future, like EngineCore's
+                mode, clear_cache = args
+                return _done(_then(self._everyone("pause", check_pause_mode(mode),
+                                                  bool(clear_cache)), lambda _: None))
+            if command == "stats":
+                return _then(self._everyone("stats"), self._stats)
+            combine = _COMBINE.get(command, lambda _: None)
+            return _then(self._everyone(command, *args), combine)
         except Exception as exc:
             return _failed(exc)
-        return result
 
     def _outstanding(self) -> list[int]:
         """Unfinished requests per rank (call under the lock)."""
@@ -306,8 +351,9 @@ class DataParallelCore:
             counts[rank] += 1
         return counts
 
-    def _cmd_add_request(self, request_id: str, prompt: list[int],
-                         params: SamplingParams) -> Future[None]:
+    def _add_request(self, request_id: str, prompt: list[int],
+                     params: SamplingParams | dict[str, Any]) -> Future[None]:
+        params = parse_record(SamplingParams, params, where="sampling_params")
         with self._lock:
             if request_id in self._live:
                 raise ConfigError(f"request id {request_id!r} is already running")
@@ -324,7 +370,7 @@ class DataParallelCore:
         future.add_done_callback(undo_if_refused)
         return future
 
-    def _cmd_abort(self, request_ids: list[str] | None) -> Future[int]:
+    def _abort(self, request_ids: list[str] | None) -> Future[int]:
         if request_ids is None:
             return _then(self._everyone("abort", None), sum)
         by_rank: dict[int, list[str]] = {}
@@ -334,73 +380,11 @@ class DataParallelCore:
                     by_rank.setdefault(self._live[rid][0], []).append(rid)
         return _then(_all([self._call(r, "abort", ids) for r, ids in by_rank.items()]), sum)
 
-    def _cmd_pause(self, mode: str, clear_cache: bool) -> Future[Future[None]]:
-        if mode not in PAUSE_MODES:
-            raise ConfigError(f"unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
-        return _done(_then(self._everyone("pause", mode, bool(clear_cache)), lambda _: None))
-
-    def _cmd_resume(self) -> Future[None]:
-        return _then(self._everyone("resume"), lambda _: None)
-
-    def _cmd_is_paused(self) -> Future[bool]:
-        return _then(self._everyone("is_paused"), any)
-
-    def _cmd_init_weight_transfer_engine(self, init_info: dict[str, Any]) -> Future[None]:
-        return _then(self._everyone("init_weight_transfer_engine", init_info), lambda _: None)
-
-    def _cmd_start_weight_update(self) -> Future[None]:
-        return _then(self._everyone("start_weight_update"), lambda _: None)
-
-    def _cmd_update_weights(self, update_info: dict[str, Any]) -> Future[None]:
-        return _then(self._everyone("update_weights", update_info), lambda _: None)
-
-    def _cmd_finish_weight_update(self, weight_version: str | None = None) -> Future[None]:
-        def relabel(_: list[Any]) -> None:
-            if weight_version is not None:
-                self.weight_version = weight_version
-
-        return _then(self._everyone("finish_weight_update", weight_version), relabel)
-
-    def _cmd_update_weight_version(self, version: str) -> Future[None]:
-        def relabel(_: list[Any]) -> None:
-            self.weight_version = version
-
-        return _then(self._everyone("update_weight_version", version), relabel)
-
-    def _cmd_get_weight_version(self) -> Future[str]:
-        def agree(versions: list[Any]) -> str:
-            if len(set(versions)) > 1:
-                raise IntegrityError(f"data-parallel ranks hold different weight versions "
-                                     f"{versions}; complete a weight update")
-            return str(versions[0])
-
-        return _then(self._everyone("get_weight_version"), agree)
-
-    def _cmd_fingerprint(self) -> Future[dict[str, str]]:
-        def agree(prints: list[Any]) -> dict[str, str]:
-            odd = [rank for rank, p in enumerate(prints) if p != prints[0]]
-            if odd:
-                raise IntegrityError(f"data-parallel ranks {odd} hold different weights from "
-                                     "rank 0")
-            return dict(prints[0])
-
-        return _then(self._everyone("fingerprint"), agree)
-
-    def _cmd_stats(self) -> Future[dict[str, Any]]:
-        def merge(per_rank: list[Any]) -> dict[str, Any]:
-            with self._lock:
-                outstanding = self._outstanding()
-            total = {key: sum(s[key] for s in per_rank)
-                     for key in ("steps", "tokens_generated", "running", "waiting",
-                                 "prefix_cache_hits", "preemptions", "last_update_bytes",
-                                 "dummy_steps", "waves_started")}
-            return {**total, "paused": any(s["paused"] for s in per_rank),
-                    "weight_version": self.weight_version,
-                    "last_update_seconds": max(s["last_update_seconds"] for s in per_rank),
-                    "outstanding": outstanding, "waves_relayed": self.waves_relayed,
-                    "ranks": per_rank}
-
-        return _then(self._everyone("stats"), merge)
+    def _stats(self, per_rank: list[Any]) -> dict[str, Any]:
+        with self._lock:
+            outstanding = self._outstanding()
+        return {**_merge_stats(per_rank), "outstanding": outstanding,
+                "waves_relayed": self.waves_relayed}
 
     # -- shutdown --------------------------------------------------------------------------
 

@@ -19,6 +19,14 @@ state sync shows every rank paused and drained, all ranks leave the wave togethe
 pause, and ignore wake-ups until resume. Resume from the global pause is itself a collective
 (a barrier that carries each rank's verdict): either every rank resumes or none does.
 Weight updates need the global pause, because a rank blocked in a transfer cannot join a wave.
+
+Messages (plain data, `wtransfer.wire`). Front end to rank: ``{"op", "id", "args"}`` where op
+is one of `COMMANDS` (run by name on this rank's `Replica`; "pause" and "resume" are this
+class's own, two-phase versions), "wake" or "shutdown". Rank to front end: ``{"kind":
+"reply", "id", "ok": true, "result"}`` or a failed reply (``"kind"``, ``"id"`` and the fields
+of `wtransfer.errors.error_reply`), ``{"kind": "outputs", "outputs": [RequestOutput.to_wire
+...]}``, ``{"kind": "wave", "wave"}``, ``{"kind": "ready"}``, and ``{"kind": "fatal"}`` with
+the `error_reply` fields.
 """
 
 from __future__ import annotations
@@ -29,22 +37,20 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 import zmq
 
 from wtransfer import wire
-from wtransfer.errors import ConfigError, LifecycleError, PeerError
+from wtransfer.errors import ConfigError, LifecycleError, PeerError, error_reply
+from wtransfer.inference.commands import COMMANDS, PauseMode
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.core import COMMANDS
 from wtransfer.inference.dp.collective import RankGroup
-from wtransfer.inference.dp.messages import output_to_wire
 from wtransfer.inference.outputs import RequestOutput
-from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.replica import Replica
 from wtransfer.inference.scheduler import PauseState
-from wtransfer.rpc import error_reply
 from wtransfer.wire import parse_record
 
 _IDLE_POLL_MS = 200
@@ -58,8 +64,7 @@ class DPRank(Replica):
                  group: Callable[[], RankGroup]) -> None:
         self._outbox: list[dict[str, Any]] = []
         self.socket = socket
-        super().__init__(config, self._collect)
-        self.worker_index = rank
+        super().__init__(config, self._collect, worker_index=rank)
         self.group = group()
         self.wave = 0
         self.in_wave = False
@@ -67,14 +72,14 @@ class DPRank(Replica):
         self.wave_steps = 0
         self.dummy_steps = 0
         self.waves_started = 0
-        self._pause_waiters: list[int] = []
+        self._pause_waiters: list[Future[None]] = []
         self._stopping = False
         self._parent = os.getppid()
 
     # -- messages --------------------------------------------------------------------------
 
     def _collect(self, output: RequestOutput) -> None:
-        self._outbox.append(output_to_wire(output))
+        self._outbox.append(output.to_wire())
 
     def _send(self, message: dict[str, Any]) -> None:
         self.socket.send(wire.encode(message))
@@ -109,20 +114,8 @@ class DPRank(Replica):
             return
         try:
             if op == "shutdown":
-                self.abort(None)
+                result: Any = self.abort(None)
                 self._stopping = True
-                result = None
-            elif op == "pause":
-                self._on_pause(call_id, *args)
-                return
-            elif op == "resume":
-                self._on_resume()
-                result = None
-            elif op == "add_request":
-                rid, prompt, params = args
-                self.add_request(rid, prompt,
-                                 parse_record(SamplingParams, params, where="sampling params"))
-                result = None
             elif op in COMMANDS:
                 result = getattr(self, op)(*args)
             else:
@@ -130,7 +123,10 @@ class DPRank(Replica):
         except Exception as exc:
             self._reply(call_id, error=exc)
             return
-        self._reply(call_id, result)
+        if isinstance(result, Future):  # a pause: answer once it holds (phase 2)
+            result.add_done_callback(lambda f: self._reply(call_id, error=f.exception()))
+        else:
+            self._reply(call_id, result)
 
     # -- waves -----------------------------------------------------------------------------
 
@@ -176,31 +172,34 @@ class DPRank(Replica):
             self._end_wave()
             self.global_paused = True
             waiters, self._pause_waiters = self._pause_waiters, []
-            for call_id in waiters:
-                self._reply(call_id)
+            for waiter in waiters:
+                waiter.set_result(None)
         elif n_busy == 0 and n_requested == 0:
             self._end_wave()
 
     # -- pause and resume ------------------------------------------------------------------
 
-    def _on_pause(self, call_id: int, mode: str, clear_cache: bool) -> None:
-        """Phase 1 here; the reply waits for phase 2 (every rank paused and drained)."""
+    def pause(self, mode: PauseMode, clear_cache: bool) -> Future[None]:
+        """Phase 1 at once; the future completes in phase 2 (every rank paused and drained)."""
+        held: Future[None] = Future()
         if self.global_paused:
             if mode != "wait":  # no rank steps in the global pause, so a wait-mode pause
-                self.pause(mode, clear_cache)  # could never drain kept requests: they stay kept
+                super().pause(mode, clear_cache)  # could never drain kept requests: they stay
             elif clear_cache:
                 self.blocks.reset_prefix_cache()
-            self._reply(call_id)
-            return
-        self.pause(mode, clear_cache)
-        self._pause_waiters.append(call_id)
+            held.set_result(None)
+            return held
+        super().pause(mode, clear_cache)
+        self._pause_waiters.append(held)
+        return held
 
-    def _on_resume(self) -> None:
+    def resume(self) -> None:
+        """Leave the pause; from the global pause, all ranks resume together or none does."""
         if not self.global_paused:
-            self.resume()
+            super().resume()
             waiters, self._pause_waiters = self._pause_waiters, []
-            for call_id in waiters:
-                self._reply(call_id, error=LifecycleError(
+            for waiter in waiters:
+                waiter.set_exception(LifecycleError(
                     "resumed before every data-parallel rank had paused"))
             return
         refusal = self.resume_refusal()
@@ -243,7 +242,6 @@ class DPRank(Replica):
                 self._begin_wave(announce=True)
             else:
                 self._drain_commands(_IDLE_POLL_MS)
-                self.expire_abandoned_update()
                 if os.getppid() != self._parent:
                     return  # the front end died; nobody is left to serve
         self._flush()

@@ -21,19 +21,17 @@ from typing import Any
 
 import httpx
 
-from wtransfer.clients import HTTPClient, WeightSyncClient
 from wtransfer.errors import TransferTimeout
-from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams
-from wtransfer.inference.engine import EngineSyncClient
-from wtransfer.inference.outputs import CompletionOutput
-from wtransfer.testing.processes import free_port
-
-
-def _choice(c: CompletionOutput) -> dict[str, Any]:
-    return {"token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-            "weight_versions": [{"version": s.version, "start": s.start, "end": s.end}
-                                for s in c.weight_versions]}
-
+from wtransfer.inference import (
+    AsyncEngine,
+    EngineConfig,
+    LocalEngineClient,
+    PauseMode,
+    SamplingParams,
+)
+from wtransfer.inference.http_client import HTTPClient
+from wtransfer.processes import free_port
+from wtransfer.sender import WeightSyncClient
 
 CALL_TIMEOUT_S = 600.0
 """Deadline of pause, resume and status calls into the in-process engine."""
@@ -158,7 +156,7 @@ class LocalPolicyServer:
                                                weight_transfer_backend=backend,
                                                max_num_seqs=256,
                                                data_parallel_size=data_parallel_size))
-        self.client: WeightSyncClient = EngineSyncClient(self.engine.core)
+        self.client: WeightSyncClient = LocalEngineClient(self.engine)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
@@ -174,7 +172,7 @@ class LocalPolicyServer:
             if handle is not None:
                 handle.tokens = len(out.outputs[0].token_ids)
         assert last is not None
-        return _choice(last.outputs[0])
+        return last.outputs[0].to_wire()
 
     def generate(self, prompts: list[list[int]], params: dict[str, Any]
                  ) -> list[Future[dict[str, Any]]]:
@@ -190,7 +188,7 @@ class LocalPolicyServer:
                                 else handle.result.set_exception(f.exception()))
         return handle
 
-    def pause(self, mode: str, clear_cache: bool) -> None:
+    def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         """Pause the engine."""
         paused = self._submit(self.engine.pause_generation(mode=mode, clear_cache=clear_cache))
         paused.result(timeout=CALL_TIMEOUT_S)

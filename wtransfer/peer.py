@@ -1,7 +1,7 @@
 """Child-process entry points: a receiver served over RPC, or a trainer that sends.
 
-    python -m wtransfer.testing.worker receiver --backend ipc --model mixed --seed 2
-    python -m wtransfer.testing.worker trainer --backend ipc --address tcp://... --loop
+    python -m wtransfer.peer receiver --backend ipc --model mixed --seed 2
+    python -m wtransfer.peer trainer --backend ipc --address tcp://... --loop
 
 The first stdout line is a JSON object (the receiver's address, or "sending"); the process
 exits when its stdin closes, so a dead parent never leaves it behind.
@@ -16,48 +16,12 @@ import sys
 import threading
 from typing import Any
 
-from torch import nn
-
 from wtransfer import wire
-from wtransfer.packing import TensorMeta
 from wtransfer.registry import create_receiver, get_backend, trainer_init
 from wtransfer.rpc import ReceiverServer, RPCClient
+from wtransfer.shapes import build
 from wtransfer.source import ModuleSource
 from wtransfer.target import ModuleTarget
-from wtransfer.testing.models import (
-    DEMO_SHAPE,
-    MODEL_SHAPES,
-    build_module,
-    mixed_metas,
-    qwen3_metas,
-)
-
-
-def model_metas(name: str) -> list[TensorMeta]:
-    """The parameter list called `name`: "mixed" or a key of `MODEL_SHAPES`."""
-    if name == "mixed":
-        return mixed_metas()
-    if name == "mixed-mismatch":  # one shape and one dtype differ from "mixed"
-        metas = mixed_metas()
-        bad = {5: TensorMeta(metas[5].name, metas[5].dtype, (*metas[5].shape[::-1], 1)),
-               9: TensorMeta(metas[9].name, "float16", metas[9].shape)}
-        return [bad.get(i, m) for i, m in enumerate(metas)]
-    if name == "demo":
-        return qwen3_metas(**DEMO_SHAPE)  # type: ignore[arg-type]
-    if name in MODEL_SHAPES:
-        return qwen3_metas(**MODEL_SHAPES[name])  # type: ignore[arg-type]
-    raise SystemExit(f"unknown model {name!r}; choose mixed, mixed-mismatch, demo or one of "
-                     f"{sorted(MODEL_SHAPES)}")
-
-
-def build(name: str, seed: int, device: str, fill: str = "random") -> nn.Module:
-    """Build model `name` filled from `seed` on `device`; ``llm:NAME`` is the inference
-    engine's own model (`wtransfer.inference.load_model`)."""
-    if name.startswith("llm:"):
-        from wtransfer.inference.model import load_model
-
-        return load_model(name[4:], device=device, seed=seed)
-    return build_module(model_metas(name), seed, device, fill=fill)
 
 
 def _announce(payload: dict[str, Any]) -> None:
@@ -102,7 +66,7 @@ def run_trainer(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line and run the chosen role."""
-    parser = argparse.ArgumentParser(prog="python -m wtransfer.testing.worker")
+    parser = argparse.ArgumentParser(prog="python -m wtransfer.peer")
     parser.add_argument("role", choices=["receiver", "trainer"])
     parser.add_argument("--backend", default="ipc")
     parser.add_argument("--model", default="mixed")

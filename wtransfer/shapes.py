@@ -1,4 +1,5 @@
-"""Realistic synthetic parameter lists and modules that hold them, for tests and benchmarks."""
+"""Realistic parameter lists (real Qwen3 shapes, a mixed-dtype model) and modules that hold
+them, for the demos, benchmarks and tests."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from wtransfer.errors import ConfigError
 from wtransfer.packing import DTYPES, TensorMeta
 
 
@@ -121,3 +123,30 @@ def randomize(module: nn.Module, seed: int) -> None:
         else:
             fresh = torch.randint(-100, 100, t.shape, generator=gen).to(t.dtype)
         t.copy_(fresh)
+
+
+def model_metas(name: str) -> list[TensorMeta]:
+    """The parameter list called `name`: "mixed" or a key of `MODEL_SHAPES`."""
+    if name == "mixed":
+        return mixed_metas()
+    if name == "mixed-mismatch":  # one shape and one dtype differ from "mixed"
+        metas = mixed_metas()
+        bad = {5: TensorMeta(metas[5].name, metas[5].dtype, (*metas[5].shape[::-1], 1)),
+               9: TensorMeta(metas[9].name, "float16", metas[9].shape)}
+        return [bad.get(i, m) for i, m in enumerate(metas)]
+    if name == "demo":
+        return qwen3_metas(**DEMO_SHAPE)  # type: ignore[arg-type]
+    if name in MODEL_SHAPES:
+        return qwen3_metas(**MODEL_SHAPES[name])  # type: ignore[arg-type]
+    raise ConfigError(f"unknown model {name!r}; choose mixed, mixed-mismatch, demo or one of "
+                     f"{sorted(MODEL_SHAPES)}")
+
+
+def build(name: str, seed: int, device: str, fill: str = "random") -> nn.Module:
+    """Build model `name` filled from `seed` on `device`; ``llm:NAME`` is the inference
+    engine's own model (`wtransfer.inference.load_model`)."""
+    if name.startswith("llm:"):
+        from wtransfer.inference.model import load_model
+
+        return load_model(name[4:], device=device, seed=seed)
+    return build_module(model_metas(name), seed, device, fill=fill)

@@ -2,8 +2,9 @@
 
 Everything that touches the scheduler or the weights runs on that thread, between steps:
 requests, aborts, pause/resume and every weight-transfer call arrive as commands
-(`call(fn, ...)` / `submit(name, ...)` return a `concurrent.futures.Future`), so a pause or an
-update never lands in the middle of a forward pass.
+(`submit(name, ...)`, one of `wtransfer.inference.commands.COMMANDS`, returns a
+`concurrent.futures.Future`), so a pause or an update never lands in the middle of a forward
+pass.
 """
 
 from __future__ import annotations
@@ -12,41 +13,18 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any
 
-from wtransfer.errors import ConfigError, LifecycleError
+from wtransfer.errors import LifecycleError
+from wtransfer.inference.commands import Emit, check_command
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.outputs import RequestOutput
-from wtransfer.inference.replica import PAUSE_MODES, Replica
-
-__all__ = ["COMMANDS", "PAUSE_MODES", "CoreClient", "EngineCore"]
-
-COMMANDS = frozenset({
-    "add_request", "abort", "pause", "resume", "is_paused", "init_weight_transfer_engine",
-    "start_weight_update", "update_weights", "finish_weight_update", "update_weight_version",
-    "get_weight_version", "fingerprint", "stats",
-})
-"""The calls a front end may `submit` to an engine core (single-process or data-parallel)."""
-
-
-class CoreClient(Protocol):
-    """What `AsyncEngine` drives: `EngineCore` here, or `DataParallelCore` over N processes."""
-
-    config: EngineConfig
-    weight_version: str
-
-    def submit(self, command: str, *args: Any) -> Future[Any]:
-        """Run one of `COMMANDS`; "pause" resolves to a second future that completes once the
-        pause holds."""
-
-    def shutdown(self) -> None:
-        """Abort live requests and stop."""
+from wtransfer.inference.replica import Replica
 
 
 class EngineCore(Replica):
     """One model replica with its own thread (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig, emit: Callable[[RequestOutput], None]) -> None:
+    def __init__(self, config: EngineConfig, emit: Emit) -> None:
         super().__init__(config, emit)
         self._commands: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
         self._wake = threading.Condition()
@@ -68,16 +46,14 @@ class EngineCore(Replica):
 
     def submit(self, command: str, *args: Any) -> Future[Any]:
         """Run the named command (one of `COMMANDS`) on the engine thread."""
-        if command not in COMMANDS:
-            raise ConfigError(f"unknown engine command {command!r}")
+        check_command(command)
         return self.call(getattr(self, command), *args)
 
     def _loop(self) -> None:
         while True:
             with self._wake:
                 while not self._commands and not self._stopped and not self.can_step():
-                    self._wake.wait(0.5)
-                    self.expire_abandoned_update()
+                    self._wake.wait(0.5)  # an update failed by its watchdog: step again
                 if self._stopped and not self._commands:
                     return
                 commands = list(self._commands)
@@ -88,7 +64,6 @@ class EngineCore(Replica):
                         future.set_result(fn(*args))
                     except BaseException as exc:
                         future.set_exception(exc)
-            self.expire_abandoned_update()
             if self.can_step():
                 self.step()
             self.resolve_drains()

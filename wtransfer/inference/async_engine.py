@@ -1,4 +1,5 @@
-"""`AsyncEngine`: the asyncio front end of the inference engine."""
+"""`AsyncEngine`, the asyncio front end of the inference engine, and `LocalEngineClient`, the
+blocking `WeightSyncClient` a trainer in the same process drives it with."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from wtransfer.clients import SingleEngineClient
 from wtransfer.errors import TransferTimeout
+from wtransfer.inference.commands import CoreClient, PauseMode
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.core import CoreClient, EngineCore
+from wtransfer.inference.engine_core import EngineCore
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.params import SamplingParams
 from wtransfer.rpc import ReceiverServer
@@ -42,11 +45,19 @@ class AsyncEngine:
             loop, queue = stream
             loop.call_soon_threadsafe(queue.put_nowait, output)
 
-    @property
     def num_workers(self) -> int:
         """Receiving workers behind this engine (its data-parallel ranks); a trainer sizes
         NCCL groups and UCX endpoint counts by it."""
         return self.config.data_parallel_size
+
+    def call(self, command: str, *args: Any) -> Any:
+        """Run one of `COMMANDS` from a thread other than this engine's event loop and wait
+        for it (the blocking face, used by `LocalEngineClient` and the RPC server)."""
+        timeout = self.config.call_timeout_s
+        try:
+            return self.core.submit(command, *args).result(timeout=timeout)
+        except FutureTimeout:
+            raise TransferTimeout(f"{command} did not complete within {timeout:g}s") from None
 
     async def _call(self, command: str, *args: Any, timeout: float | None = None) -> Any:
         future = self.core.submit(command, *args)
@@ -80,7 +91,7 @@ class AsyncEngine:
         """Abort the given requests (all when None); returns how many were live."""
         return int(await self._call("abort", request_ids))
 
-    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+    async def pause_generation(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
         """Pause: "abort" ends live requests, "wait" lets them finish first, "keep" freezes
         them to continue after resume. New requests wait until `resume_generation`."""
         held: Future[None] = await self._call("pause", mode, clear_cache,
@@ -127,13 +138,17 @@ class AsyncEngine:
         """Per-tensor digest of the served weights."""
         return dict(await self._call("fingerprint"))
 
+    async def weight_info(self) -> dict[str, Any]:
+        """Version, update state, and whether a failed update left the weights torn."""
+        return dict(await self._call("weight_info"))
+
     async def stats(self) -> dict[str, Any]:
         """Engine counters."""
         return dict(await self._call("stats"))
 
     def serve_rpc(self, address: str = "tcp://127.0.0.1:0") -> str:
         """Serve the weight-sync calls at `address` for an `RPCClient`; returns the address."""
-        server = ReceiverServer(EngineSyncClient(self.core), address).start()
+        server = ReceiverServer(LocalEngineClient(self), address).start()
         self._servers.append(server)
         return server.address
 
@@ -145,45 +160,41 @@ class AsyncEngine:
         self.core.shutdown()
 
 
-class EngineSyncClient:
-    """A `WeightSyncClient` (blocking) over an engine core, for RPC serving."""
+class LocalEngineClient(SingleEngineClient):
+    """A blocking `WeightSyncClient` over an in-process `AsyncEngine` (every data-parallel
+    rank included); call it from any thread but the engine's event loop."""
 
-    def __init__(self, core: CoreClient) -> None:
-        self.core = core
-
-    def _run(self, command: str, *args: Any) -> Any:
-        timeout = self.core.config.call_timeout_s
-        try:
-            return self.core.submit(command, *args).result(timeout=timeout)
-        except FutureTimeout:
-            raise TransferTimeout(f"{command} did not complete within {timeout:g}s") from None
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
 
     @property
     def weight_version(self) -> str:
         """The engine's current weight label."""
-        return self.core.weight_version
+        return str(self.engine.call("get_weight_version"))
 
-    @property
     def num_workers(self) -> int:
         """Receiving workers behind the engine (its data-parallel ranks)."""
-        return self.core.config.data_parallel_size
+        return self.engine.num_workers()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Forwarded to the engine (every rank)."""
-        self._run("init_weight_transfer_engine", init_info)
+        """Initialize the receiver of every rank."""
+        self.engine.call("init_weight_transfer_engine", init_info)
 
     def start_weight_update(self) -> None:
-        """Forwarded to the engine (every rank)."""
-        self._run("start_weight_update")
+        """Open an update on every rank."""
+        self.engine.call("start_weight_update")
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Forwarded to the engine (every rank)."""
-        self._run("update_weights", update_info)
+        """Deliver one part of the update to every rank."""
+        self.engine.call("update_weights", update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """Forwarded to the engine (every rank)."""
-        self._run("finish_weight_update", weight_version)
+        """Finish on every rank and relabel the weights."""
+        self.engine.call("finish_weight_update", weight_version)
 
     def fingerprint(self) -> dict[str, str]:
-        """Forwarded to the engine (every rank must agree)."""
-        return dict(self._run("fingerprint"))
+        """Per-tensor digest of the served weights (every rank must agree)."""
+        return dict(self.engine.call("fingerprint"))
+
+    def __repr__(self) -> str:
+        return f"LocalEngineClient(data_parallel_size={self.engine.num_workers()})"

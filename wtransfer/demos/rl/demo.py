@@ -22,15 +22,15 @@ from typing import Any
 
 import torch
 
+from wtransfer.demos.rl.grpo import Rollout, grpo_step
+from wtransfer.demos.rl.servers import HTTPPolicyServer, LocalPolicyServer, Stream
+from wtransfer.demos.rl.task import ChainParityTask
 from wtransfer.fingerprint import fingerprint
 from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams, load_model
-from wtransfer.inference.core import EngineCore
+from wtransfer.inference.engine_core import EngineCore
+from wtransfer.processes import free_port
 from wtransfer.registry import get_backend, trainer_init
-from wtransfer.rl.grpo import Rollout, grpo_step
-from wtransfer.rl.servers import HTTPPolicyServer, LocalPolicyServer, Stream
-from wtransfer.rl.task import ChainParityTask
 from wtransfer.source import ModuleSource
-from wtransfer.testing.processes import free_port
 
 MODEL = "tiny"
 VALIDATION_TOKENS = 16

@@ -1,4 +1,5 @@
-"""Run receivers and trainers as real child processes (see `wtransfer.testing.worker`)."""
+"""Run receivers and trainers as real child processes (see `wtransfer.peer`), and find free
+ports; used by the demos, the benchmarks and the conformance suite."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
+
 class ChildProcess:
     """A worker child; `info` is the JSON object it printed first. Use as a context manager."""
 
@@ -31,7 +33,7 @@ class ChildProcess:
                  loop: bool = False, env: dict[str, str] | None = None,
                  start_timeout_s: float = 120.0) -> None:
         self.role = role
-        cmd = [sys.executable, "-m", "wtransfer.testing.worker", role, "--backend", backend,
+        cmd = [sys.executable, "-m", "wtransfer.peer", role, "--backend", backend,
                "--model", model, "--seed", str(seed), "--device", device, "--fill", fill]
         if address:
             cmd += ["--address", address]

@@ -1,0 +1,1 @@
+"""The demos behind `wtransfer demo` (async RL, in `rl/`) and `wtransfer transfer-demo`."""

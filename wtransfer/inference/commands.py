@@ -1,0 +1,106 @@
+"""The engine's command set, defined once.
+
+`EngineCommands` is every call a front end may make on an engine replica; each runs on the
+replica's own thread, between two steps, so a pause or an update never lands in the middle of
+a forward pass. `Replica` implements it; `EngineCore` (one replica on a thread) and the
+data-parallel front end and ranks serve it by name through `CoreClient.submit`; `AsyncEngine`
+and `LocalEngineClient` are its asyncio and blocking faces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Literal, Protocol, get_args
+
+from wtransfer.errors import ConfigError
+from wtransfer.inference.config import EngineConfig
+from wtransfer.inference.outputs import RequestOutput
+from wtransfer.inference.params import SamplingParams
+
+PauseMode = Literal["abort", "wait", "keep"]
+"""abort: end live requests; wait: let running ones finish; keep: freeze them for resume."""
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+
+
+def check_pause_mode(mode: object) -> PauseMode:
+    """`mode` if it is a pause mode, else `ConfigError` listing the modes."""
+    if mode not in PAUSE_MODES:
+        raise ConfigError(f"unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
+    return mode  # type: ignore[return-value]
+
+
+class EngineCommands(Protocol):
+    """Every command an engine replica serves (see the module docstring)."""
+
+    def add_request(self, request_id: str, prompt: list[int],
+                    params: SamplingParams | dict[str, Any]) -> None:
+        """Queue a request; refused (nothing else touched) when invalid or its id is live."""
+
+    def abort(self, request_ids: list[str] | None) -> int:
+        """Finish the given requests (all when None) with finish_reason "abort"."""
+
+    def pause(self, mode: PauseMode, clear_cache: bool) -> Future[None]:
+        """Apply a pause; the returned future completes once the pause holds."""
+
+    def resume(self) -> None:
+        """Leave the pause; refused while an update is open or the weights are torn."""
+
+    def is_paused(self) -> bool:
+        """Whether a pause is in effect."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Create (once) and initialize the configured backend's receiver."""
+
+    def start_weight_update(self) -> None:
+        """Open an update (the engine must be paused or idle)."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive one part of the update."""
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Complete the update and, in the same step, relabel the weights."""
+
+    def update_weight_version(self, version: str) -> None:
+        """Relabel the current weights."""
+
+    def get_weight_version(self) -> str:
+        """The current weight label ("default" until the first update)."""
+
+    def fingerprint(self) -> dict[str, str]:
+        """Per-tensor digest of the served weights."""
+
+    def weight_info(self) -> dict[str, Any]:
+        """Version, update state and whether the weights are torn (see `Replica`)."""
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics and benchmarks."""
+
+
+COMMANDS: frozenset[str] = frozenset(
+    name for name, value in vars(EngineCommands).items()
+    if callable(value) and not name.startswith("_"))
+"""The names of `EngineCommands`: what `CoreClient.submit` accepts."""
+
+
+def check_command(command: str) -> None:
+    """`ConfigError` unless `command` is one of `COMMANDS`."""
+    if command not in COMMANDS:
+        raise ConfigError(f"unknown engine command {command!r}; known: {sorted(COMMANDS)}")
+
+
+class CoreClient(Protocol):
+    """What `AsyncEngine` drives: `EngineCore` here, or `DataParallelCore` over N processes."""
+
+    config: EngineConfig
+
+    def submit(self, command: str, *args: Any) -> Future[Any]:
+        """Run one of `COMMANDS`; "pause" resolves to a second future that completes once the
+        pause holds."""
+
+    def shutdown(self) -> None:
+        """Abort live requests and stop."""
+
+
+Emit = Callable[[RequestOutput], None]
+"""Receives every request's cumulative output after each step that changed it."""

@@ -1,0 +1,104 @@
+"""The records of the lifecycle: wire parameters, init and update infos, and transfer stats.
+
+A backend subclasses `TrainerInitInfo` (naming itself in the `backend` class attribute, which
+is checked when the class is defined), `ReceiverInitInfo` and `UpdateInfo`. Dicts from the
+wire become these dataclasses through `wtransfer.wire.parse_record`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from wtransfer.errors import ConfigError
+from wtransfer.packing import DEFAULT_ALIGN
+from wtransfer.wire import record_to_wire
+
+MAX_BUCKET_BYTES = 1 << 40
+
+
+@dataclass(frozen=True, kw_only=True)
+class WireParams:
+    """Transfer parameters the trainer chooses; they travel once, at init, to every receiver."""
+
+    bucket_bytes: int = 64 << 20
+    """Capacity of one staging bucket in bytes; staging memory is num_buffers x this per side."""
+    num_buffers: int = 2
+    """Staging buffers per side; 2 lets packing bucket k+1 overlap moving bucket k."""
+    checksum: bool = False
+    """Checksum every bucket on the sender and verify it on each receiver."""
+    timeout_s: float = 60.0
+    """Deadline of every blocking wait of the transfer, in seconds."""
+    direct_threshold: int | None = None
+    """Tensors of at least this many bytes skip staging and move on their own, where the
+    backend can (nccl, ucx); 0 packs everything; None lets the backend choose."""
+
+    def __post_init__(self) -> None:
+        if not DEFAULT_ALIGN <= self.bucket_bytes <= MAX_BUCKET_BYTES:
+            raise ConfigError(f"bucket_bytes must be between {DEFAULT_ALIGN} and "
+                              f"{MAX_BUCKET_BYTES}, got {self.bucket_bytes}")
+        if not 1 <= self.num_buffers <= 16:
+            raise ConfigError(f"num_buffers must be between 1 and 16, got {self.num_buffers}")
+        if self.direct_threshold is not None and self.direct_threshold < 0:
+            raise ConfigError(f"direct_threshold must be >= 0, got {self.direct_threshold}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ConfigError(f"timeout_s must be a positive number of seconds, "
+                              f"got {self.timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerInitInfo(WireParams):
+    """Base of every backend's trainer-side init info; `backend` picks the backend.
+
+    A subclass must set `backend` (checked when the class is defined); an intermediate base
+    that is not meant to be used itself says so with ``class X(TrainerInitInfo, abstract=True)``.
+    """
+
+    backend: ClassVar[str] = ""
+
+    def __init_subclass__(cls, *, abstract: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = getattr(cls, "backend", "")
+        if not abstract and not (isinstance(name, str) and name):
+            raise TypeError(f"{cls.__name__} must name its backend: add "
+                            "`backend: ClassVar[str] = \"<name>\"` to the class")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiverInitInfo(WireParams):
+    """Base of every backend's receiver-side init info (what the sender tells receivers)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateInfo:
+    """Base of every backend's update info. `abort` carries a sender-side failure."""
+
+    abort: str | None = None
+    """Set by a sender that failed mid-update: the receiver fails the update with this reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    """What one `send_weights` moved and how long it took, end to end."""
+
+    bytes: int
+    tensors: int
+    buckets: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s (10^9 bytes per second)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain form, including `gbps`."""
+        return {**asdict(self), "gbps": self.gbps}
+
+
+def receiver_init_dict(trainer: TrainerInitInfo, **extra: Any) -> dict[str, Any]:
+    """The wire parameters of a trainer init info, plus backend fields, as plain data."""
+    params = {k: v for k, v in record_to_wire(trainer).items()
+              if k in WireParams.__dataclass_fields__ and k != "direct_threshold"}
+    return {**params, **extra}

@@ -1,0 +1,288 @@
+"""The engine side of the lifecycle: `WeightTransferEngine`, the receiver ABC.
+
+State machine (one receiver per model worker)::
+
+    new --init--> ready --start--> updating --finish--> ready
+                    ^                  |  error / sender abort / abandoned
+                    |                  v
+                    +---- start --- failed          (any state) --shutdown--> closed
+
+`init` may be repeated from ready or failed (new wire parameters replace the old ones).
+Public methods are template methods: parse dicts into the backend's dataclasses, check the
+state, then call the backend's ``_init / _start / _receive / _finish / _shutdown`` hooks.
+An update whose sender makes no call for `timeout_s` is failed by a watchdog thread, so an
+engine never waits forever on a trainer that died; reading `state` never changes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+from wtransfer.errors import LifecycleError, PeerError
+from wtransfer.infos import ReceiverInitInfo, UpdateInfo
+from wtransfer.receiving import UpdateSession
+from wtransfer.target import WeightTarget
+from wtransfer.wire import parse_record
+
+InitT = TypeVar("InitT", bound=ReceiverInitInfo)
+UpdateT = TypeVar("UpdateT", bound=UpdateInfo)
+
+
+class ReceiverState(str, enum.Enum):
+    """Where a receiver is in its lifecycle (compares equal to its lowercase name)."""
+
+    NEW = "new"
+    READY = "ready"
+    UPDATING = "updating"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+_HINTS = {
+    ReceiverState.NEW: "call init_transfer_engine first",
+    ReceiverState.CLOSED: "this engine was shut down; create a new one",
+    ReceiverState.UPDATING: "an update is open; finish it first",
+    ReceiverState.FAILED: "the last update failed ({failure}); call start_weight_update",
+    ReceiverState.READY: "call start_weight_update first",
+}
+
+
+class Watchdog:
+    """Calls `expire()` once `deadline` (monotonic seconds) passes, unless disarmed first.
+
+    One daemon thread per watchdog, started on the first `arm`; `close` stops it.
+    """
+
+    def __init__(self, expire: Callable[[], None], name: str) -> None:
+        self._expire = expire
+        self._name = name
+        self._deadline: float | None = None
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, deadline: float) -> None:
+        """Fire at `deadline` unless re-armed or disarmed before."""
+        with self._cond:
+            self._deadline = deadline
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        """Do not fire."""
+        with self._cond:
+            self._deadline = None
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Stop the thread (it never fires afterwards)."""
+        with self._cond:
+            self._closed = True
+            self._deadline = None
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (self._deadline is None
+                                            or time.monotonic() < self._deadline):
+                    wait = None if self._deadline is None else self._deadline - time.monotonic()
+                    self._cond.wait(wait)
+                if self._closed:
+                    return
+                self._deadline = None
+            self._expire()
+
+
+class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
+    """Receiver ABC (see the module docstring for the state machine)."""
+
+    backend_name: ClassVar[str]
+    init_info_cls: ClassVar[type]
+    update_info_cls: ClassVar[type]
+
+    def __init__(self, target: WeightTarget, *, device: str | torch.device = "cpu",
+                 worker_index: int = 0) -> None:
+        self.target = target
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.worker_index = worker_index
+        """Index of this receiver among its engine's workers (a data-parallel engine's rank);
+        collective backends derive the receiver's group rank from it."""
+        self.init_info: InitT | None = None
+        self.failure: str | None = None
+        """Why the last update failed, while the state is FAILED."""
+        self.torn = False
+        """True when the last update failed after changing some weights (and none since)."""
+        self.last_update_bytes = 0
+        self.last_update_seconds = 0.0
+        self._state = ReceiverState.NEW
+        self._session: UpdateSession | None = None
+        self._lock = threading.RLock()
+        self._last_call = time.monotonic()
+        self._started = 0.0
+        self._watchdog = Watchdog(self._expire_if_abandoned, f"wtransfer-{self.backend_name}-"
+                                                             "watchdog")
+
+    # -- state ---------------------------------------------------------------------------
+
+    @property
+    def state(self) -> ReceiverState:
+        """Where the receiver is in its lifecycle (see the module docstring)."""
+        return self._state
+
+    def _require(self, *states: ReceiverState, action: str) -> None:
+        if self._state not in states:
+            hint = _HINTS[self._state].format(failure=self.failure)
+            raise LifecycleError(f"{self.backend_name}: cannot {action} in state "
+                                 f"'{self._state.value}': {hint}")
+
+    def _fail(self, reason: str) -> None:
+        self.failure = reason
+        self.torn = bool(self._session and self._session.touched)
+        self._session = None
+        self._state = ReceiverState.FAILED
+        self._watchdog.disarm()
+        with contextlib.suppress(Exception):  # teardown must not mask the original failure
+            self._abort()
+
+    def _expire_if_abandoned(self) -> None:
+        """The watchdog's action: fail an update whose sender has been silent for timeout_s."""
+        with self._lock:
+            if self._state is not ReceiverState.UPDATING or self.init_info is None:
+                return
+            idle = time.monotonic() - self._last_call
+            if idle >= self.init_info.timeout_s:
+                self._fail(f"update abandoned: no call from the sender for {idle:.1f}s "
+                           f"(timeout_s={self.init_info.timeout_s})")
+            else:
+                self._watchdog.arm(self._last_call + self.init_info.timeout_s)
+
+    def _call(self) -> _CallGuard:
+        return _CallGuard(self)
+
+    # -- public template methods ---------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: InitT | Mapping[str, Any]) -> None:
+        """Parse and apply the sender's init info (staging handles, wire parameters)."""
+        with self._call():
+            self._require(ReceiverState.NEW, ReceiverState.READY, ReceiverState.FAILED,
+                          action="init the transfer engine")
+            info: InitT = parse_record(self.init_info_cls, init_info,
+                                       where=f"{self.backend_name} init info")
+            if self.init_info is not None:
+                self._shutdown()
+                self.init_info = None
+            self._init(info)
+            self.init_info = info
+            if self._state is ReceiverState.NEW:
+                self._state = ReceiverState.READY
+
+    def start_weight_update(self) -> None:
+        """Open an update; weights change only between this and `finish_weight_update`."""
+        with self._call():
+            self._require(ReceiverState.READY, ReceiverState.FAILED,
+                          action="start a weight update")
+            self._session = UpdateSession(self.target, self.device)
+            self._start()
+            self.failure = None
+            self._state = ReceiverState.UPDATING
+            self._started = time.monotonic()
+
+    def update_weights(self, update_info: UpdateT | Mapping[str, Any]) -> None:
+        """Receive one part of the update (a backend may be called any number of times)."""
+        with self._call():
+            self._require(ReceiverState.UPDATING, action="update weights")
+            assert self._session is not None
+            try:
+                info: UpdateT = parse_record(self.update_info_cls, update_info,
+                                             where=f"{self.backend_name} update info")
+                if info.abort is not None:
+                    raise PeerError(f"sender aborted the update: {info.abort}")
+                self._receive(info, self._session)
+            except BaseException as exc:
+                self._fail(f"{type(exc).__name__}: {exc}")
+                raise
+
+    def finish_weight_update(self) -> None:
+        """Check the update is complete, run backend and target post-processing, close it."""
+        with self._call():
+            self._require(ReceiverState.UPDATING, action="finish a weight update")
+            session = self._session
+            assert session is not None
+            try:
+                session.finish()
+                self._finish()
+                self.target.finish()
+            except BaseException as exc:
+                self._fail(f"{type(exc).__name__}: {exc}")
+                raise
+            self.last_update_bytes = session.bytes_received
+            self.last_update_seconds = time.monotonic() - self._started
+            self._session = None
+            self.torn = False
+            self._state = ReceiverState.READY
+
+    def shutdown(self) -> None:
+        """Release every resource (staging buffers, groups); idempotent."""
+        self._watchdog.close()
+        with self._lock:
+            if self._state is ReceiverState.CLOSED:
+                return
+            if self.init_info is not None:
+                self._shutdown()
+            self._session = None
+            self._state = ReceiverState.CLOSED
+
+    # -- backend hooks -------------------------------------------------------------------
+
+    @abstractmethod
+    def _init(self, info: InitT) -> None:
+        """Open staging buffers / groups described by `info`."""
+
+    def _start(self) -> None:
+        """Per-update preparation; optional."""
+
+    @abstractmethod
+    def _receive(self, info: UpdateT, session: UpdateSession) -> None:
+        """Receive the buckets `info` describes and hand them to `session.consume`."""
+
+    def _finish(self) -> None:
+        """Backend post-processing after all buckets arrived; optional."""
+
+    def _abort(self) -> None:
+        """Drop per-update state after a failure; optional."""
+
+    @abstractmethod
+    def _shutdown(self) -> None:
+        """Release what `_init` acquired."""
+
+
+class _CallGuard:
+    """Holds the engine's lock during a public call; while an update stays open afterwards,
+    arms the watchdog for the sender's next call."""
+
+    def __init__(self, engine: WeightTransferEngine[Any, Any]) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> None:
+        self.engine._lock.acquire()
+        self.engine._watchdog.disarm()
+
+    def __exit__(self, *exc: object) -> None:
+        engine = self.engine
+        engine._last_call = time.monotonic()
+        if engine._state is ReceiverState.UPDATING and engine.init_info is not None:
+            engine._watchdog.arm(engine._last_call + engine.init_info.timeout_s)
+        engine._lock.release()
