@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from wtransfer.errors import WTransferError
+from wtransfer.errors import ConfigError, WTransferError
 from wtransfer.registry import list_backends
 
 
@@ -45,7 +45,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run the HTTP server over an inference engine."""
     import os
 
-    import uvicorn
+    try:
+        import uvicorn
+    except ImportError:
+        raise ConfigError("wtransfer serve needs the serve extra: "
+                          "pip install 'wtransfer[serve]'") from None
 
     from wtransfer.inference import AsyncEngine, EngineConfig
     from wtransfer.inference.server import build_app
@@ -79,12 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         .set_defaults(func=cmd_backends)
     rl = sub.add_parser("demo", help="async RL: a trainer improves a policy while a server "
                                      "keeps generating, weights flowing mid-flight")
-    rl.add_argument("--steps", type=int, default=40)
+    rl.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     rl.add_argument("--backend", default="ipc", help="ipc (default) or nccl")
     rl.add_argument("--local", action="store_true", help="in-process engine instead of a server")
-    rl.add_argument("--lr", type=float, default=1e-2)
-    rl.add_argument("--seed", type=int, default=0)
-    rl.add_argument("--run-dir", default=None)
+    rl.add_argument("--lr", type=float, default=1e-2, help="learning rate (default 0.01)")
+    rl.add_argument("--seed", type=int, default=0, help="seed of the policy, task and sampling")
+    rl.add_argument("--run-dir", default=None,
+                    help="where rl.png and metrics.json go (default runs/rl-<timestamp>)")
     rl.add_argument("--data-parallel-size", type=int, default=1,
                     help="serve the policy from N lockstep engine ranks")
     rl.set_defaults(func=cmd_demo)

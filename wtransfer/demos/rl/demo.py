@@ -120,7 +120,11 @@ def _validate(server: Any, trainer: torch.nn.Module, streams: list[tuple[list[in
 
 
 def _plot(records: list[StepRecord], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("  (no plot: pip install 'wtransfer[demo]' for matplotlib)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import secrets
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.params import SamplingParams
 from wtransfer.wire import parse_record, record_to_wire
 
+log = logging.getLogger("wtransfer.dp")
 T = TypeVar("T")
 U = TypeVar("U")
 _POLL_MS = 100
@@ -398,7 +400,7 @@ class DataParallelCore:
                 self._everyone("pause", "abort", True).result(timeout=timeout)
                 self._everyone("shutdown").result(timeout=timeout)
             except Exception as exc:
-                print(f"wtransfer: data-parallel shutdown was not clean: {exc}", file=sys.stderr)
+                log.warning("data-parallel shutdown was not clean: %s", exc)
         self._closing = True
         deadline = time.monotonic() + timeout
         for proc in self._procs:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -53,6 +54,7 @@ from wtransfer.inference.replica import Replica
 from wtransfer.inference.scheduler import PauseState
 from wtransfer.wire import parse_record
 
+log = logging.getLogger("wtransfer.dp")
 _IDLE_POLL_MS = 200
 
 
@@ -288,8 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         node.run()
     except Exception as exc:
         socket.send(wire.encode({"kind": "fatal", **error_reply(exc)}))
-        print(f"wtransfer data-parallel rank {args.rank} failed: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
+        log.error("data-parallel rank %d failed: %s: %s", args.rank, type(exc).__name__, exc)
         return 1
     finally:
         if node is not None and node.receiver is not None:

@@ -6,7 +6,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 MODEL = textwrap.dedent("""
     import torch

@@ -8,11 +8,10 @@ and the weight-version spans on every output.
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 import torch
-from engine_helpers import collect
+from engine_helpers import GREEDY, collect, run, until
 
 import wtransfer
 from wtransfer.errors import LifecycleError, PeerError
@@ -26,7 +25,6 @@ from wtransfer.inference import (
 from wtransfer.inference.model import load_model
 from wtransfer.processes import free_port
 
-DEADLINE_S = 120
 SIZES = [2, 4]
 
 
@@ -36,23 +34,10 @@ def dp_engine(size, **overrides):
     return AsyncEngine(EngineConfig(**fields))
 
 
-def run(coro):
-    asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
-
-
-async def until(predicate, what, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.002)
-
-
 async def rank_stats(engine):
     return (await engine.stats())["ranks"]
 
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -272,7 +257,8 @@ def test_resume_is_all_or_nothing_when_one_rank_has_an_update_open():
             await engine.pause_generation(mode="keep")
             await asyncio.to_thread(trainer_sender, engine, load_model("tiny", seed=2))
             await asyncio.wrap_future(dp.rank_call(0, "start_weight_update"))
-            with pytest.raises(LifecycleError, match="rank 0: LifecycleError: a weight update is open"):
+            with pytest.raises(LifecycleError,
+                               match="rank 0: LifecycleError: a weight update is open"):
                 await engine.resume_generation()
             assert all(r["global_paused"] for r in await rank_stats(engine))
             with pytest.raises(PeerError, match="sender aborted"):

@@ -12,7 +12,7 @@ import torch
 import wtransfer
 from wtransfer.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

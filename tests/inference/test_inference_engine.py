@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 import torch
-from engine_helpers import collect as collect_request
+from engine_helpers import GREEDY, collect, run, until
 from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
@@ -18,23 +18,6 @@ from wtransfer.inference import (
     load_model,
     save_pretrained,
 )
-
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
-
-
-async def collect(engine, rid, prompt, params=GREEDY, progress=None):
-    return await collect_request(engine, rid, prompt, params, progress)
-
-
-async def until(predicate, timeout=30):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.002)
 
 
 def prompts(n):
