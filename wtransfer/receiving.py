@@ -70,11 +70,6 @@ class UpdateSession:
         """True once any byte of the target changed: a failure after this leaves weights torn."""
         self.bytes_received = 0
 
-    @property
-    def metas(self) -> list[TensorMeta]:
-        """The most recently announced tensor list (what slice indexes refer to)."""
-        return self._metas
-
     def announce(self, metas: Sequence[TensorMeta]) -> None:
         """Start a group of tensors; the target checks them all before anything is written."""
         clash = [m.name for m in metas if m.name in self._pending]
