@@ -31,6 +31,11 @@ class TransferTimeout(WTransferError, TimeoutError):
     """A blocking wait ran past its deadline (the peer is gone, slow, or never showed up)."""
 
 
+class EngineDeadError(WTransferError):
+    """The inference engine hit a failure it cannot continue after; every call fails with this
+    until it is restarted (its message says what failed)."""
+
+
 class PeerError(WTransferError):
     """The other side of a transfer failed; carries its error type and message."""
 
@@ -61,10 +66,15 @@ class RemoteTransferTimeout(PeerError, TransferTimeout):
     `TransferTimeout`)."""
 
 
+class RemoteEngineDeadError(PeerError, EngineDeadError):
+    """The peer's engine cannot continue (a `PeerError` and an `EngineDeadError`)."""
+
+
 _REMOTE: dict[str, type[PeerError]] = {
     "ConfigError": RemoteConfigError, "BadRequest": RemoteConfigError,
     "LifecycleError": RemoteLifecycleError, "MetadataError": RemoteMetadataError,
     "IntegrityError": RemoteIntegrityError, "TransferTimeout": RemoteTransferTimeout,
+    "EngineDeadError": RemoteEngineDeadError,
 }
 
 
@@ -90,11 +100,13 @@ def from_reply(reply: object, where: str) -> PeerError:
 
 __all__ = [
     "ConfigError",
+    "EngineDeadError",
     "IntegrityError",
     "LifecycleError",
     "MetadataError",
     "PeerError",
     "RemoteConfigError",
+    "RemoteEngineDeadError",
     "RemoteIntegrityError",
     "RemoteLifecycleError",
     "RemoteMetadataError",

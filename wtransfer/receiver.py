@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -32,6 +33,7 @@ from wtransfer.receiving import UpdateSession
 from wtransfer.target import WeightTarget
 from wtransfer.wire import parse_record
 
+log = logging.getLogger("wtransfer.receiver")
 InitT = TypeVar("InitT", bound=ReceiverInitInfo)
 UpdateT = TypeVar("UpdateT", bound=UpdateInfo)
 
@@ -112,8 +114,11 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     update_info_cls: ClassVar[type]
 
     def __init__(self, target: WeightTarget, *, device: str | torch.device = "cpu",
-                 worker_index: int = 0) -> None:
+                 worker_index: int = 0, rollback: bool = False) -> None:
         self.target = target
+        self.rollback = rollback
+        """Keep each overwritten tensor's old value (host memory) during an update and restore
+        them all when the update fails or is abandoned: the target is then never torn."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -149,13 +154,21 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                                  f"'{self._state.value}': {hint}")
 
     def _fail(self, reason: str) -> None:
-        self.failure = reason
-        self.torn = bool(self._session and self._session.touched)
-        self._session = None
-        self._state = ReceiverState.FAILED
+        """Fail the open update: stop the backend writing, roll back if enabled, record why."""
         self._watchdog.disarm()
         with contextlib.suppress(Exception):  # teardown must not mask the original failure
             self._abort()
+        session, self._session = self._session, None
+        if session is not None and session.touched and self.rollback:
+            try:
+                restored = session.rollback()
+                reason += f"; rolled back {restored} tensor(s) to the last good weights"
+            except Exception as exc:  # the weights stay torn, and say so
+                log.exception("%s: rollback failed", self.backend_name)
+                reason += f"; rollback failed ({type(exc).__name__}: {exc})"
+        self.failure = reason
+        self.torn = bool(session and session.touched)
+        self._state = ReceiverState.FAILED
 
     def _expire_if_abandoned(self) -> None:
         """The watchdog's action: fail an update whose sender has been silent for timeout_s."""
@@ -194,7 +207,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         with self._call():
             self._require(ReceiverState.READY, ReceiverState.FAILED,
                           action="start a weight update")
-            self._session = UpdateSession(self.target, self.device)
+            self._session = UpdateSession(self.target, self.device, rollback=self.rollback)
             self._start()
             self.failure = None
             self._state = ReceiverState.UPDATING

@@ -9,6 +9,10 @@ start -> finish update:
 
 Tensors split across buckets go straight into the target's storage when it offers a byte view
 (`WeightTarget.direct_bytes`); otherwise they are assembled in one temporary buffer each.
+
+With `rollback=True` the session copies each tensor's old value to host memory just before the
+first byte of it is written; `rollback()` puts every such value back, so a failed update leaves
+the target exactly as it was (and `touched` becomes False again).
 """
 
 from __future__ import annotations
@@ -59,9 +63,12 @@ class _Batch:
 class UpdateSession:
     """The state of one update on the receiving side (see the module docstring)."""
 
-    def __init__(self, target: WeightTarget, device: torch.device | str) -> None:
+    def __init__(self, target: WeightTarget, device: torch.device | str, *,
+                 rollback: bool = False) -> None:
         self._target = target
         self._device = torch.device(device)
+        self._rollback = rollback
+        self._saved: dict[str, torch.Tensor] = {}
         self._metas: list[TensorMeta] = []
         self._pending: dict[str, TensorMeta] = {}
         self._announced: dict[str, TensorMeta] = {}
@@ -69,6 +76,27 @@ class UpdateSession:
         self.touched = False
         """True once any byte of the target changed: a failure after this leaves weights torn."""
         self.bytes_received = 0
+
+    def _save(self, name: str) -> None:
+        """Keep `name`'s current value (once per update) before any byte of it changes."""
+        if self._rollback and name not in self._saved:
+            saved = self._target.snapshot(name)
+            if saved is None:
+                raise MetadataError(f"cannot keep a copy of {name!r} for rollback: the target "
+                                    "offers no snapshot; turn rollback off for this target")
+            self._saved[name] = saved
+
+    def rollback(self) -> int:
+        """Restore every tensor this update changed; returns how many were restored."""
+        if not self._saved:
+            return 0
+        restored = list(self._saved.items())
+        self._target.load_weights(restored)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        self._saved.clear()
+        self.touched = False
+        return len(restored)
 
     def announce(self, metas: Sequence[TensorMeta]) -> None:
         """Start a group of tensors; the target checks them all before anything is written."""
@@ -112,6 +140,8 @@ class UpdateSession:
         for s in slices:
             meta = self._slice_meta(s, nbytes)
             piece = data[s.offset : s.offset + s.nbytes]
+            if s.tensor_offset == 0:
+                self._save(meta.name)
             if meta.nbytes == 0:
                 batch.loads.append((meta.name, torch.empty(
                     meta.shape, dtype=DTYPES[meta.dtype], device=self._device)))
@@ -191,6 +221,8 @@ class UpdateSession:
             raise MetadataError("a direct bucket must carry exactly one whole tensor")
         direct = self._target.direct_bytes(meta.name)
         if direct is not None and direct.device == device:
+            self._save(meta.name)
+            self.touched = True  # the backend writes into the target's storage from here on
             return direct
         return torch.empty(meta.nbytes, dtype=torch.uint8, device=device)
 
@@ -201,6 +233,7 @@ class UpdateSession:
         self.touched = True
         direct = self._target.direct_bytes(meta.name)
         if direct is None or direct.data_ptr() != data.data_ptr():
+            self._save(meta.name)
             self._target.load_weights([(meta.name, tensor_from_bytes(data, meta))])
         self.bytes_received += bucket.nbytes
 

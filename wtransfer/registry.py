@@ -174,11 +174,14 @@ def list_backends() -> dict[str, BackendInfo]:
 
 
 def create_receiver(
-    name: str, target: WeightTarget, *, device: str = "cpu", worker_index: int = 0
+    name: str, target: WeightTarget, *, device: str = "cpu", worker_index: int = 0,
+    rollback: bool = False,
 ) -> WeightTransferEngine[Any, Any]:
     """Instantiate backend `name`'s receiver over `target` on `device`; `worker_index` is its
-    index among its engine's receiving workers (a data-parallel engine's rank)."""
-    return get_backend(name).receiver_class()(target, device=device, worker_index=worker_index)
+    index among its engine's receiving workers (a data-parallel engine's rank); `rollback`
+    restores the old weights when an update fails (see `WeightTransferEngine`)."""
+    return get_backend(name).receiver_class()(target, device=device, worker_index=worker_index,
+                                              rollback=rollback)
 
 
 def trainer_init(

@@ -10,7 +10,7 @@ from torch import nn
 
 from wtransfer.errors import MetadataError
 from wtransfer.fingerprint import fingerprint
-from wtransfer.packing import TensorMeta, byte_view
+from wtransfer.packing import DTYPES, TensorMeta, byte_view
 
 
 class WeightTarget(ABC):
@@ -60,6 +60,15 @@ class WeightTarget(ABC):
         temporary for a tensor split across buckets) instead of calling `load_weights`.
         """
         return None
+
+    def snapshot(self, name: str) -> torch.Tensor | None:
+        """A host-memory copy of what the target holds under `name` now, for rolling a failed
+        update back (given back through `load_weights`); None when the target cannot say."""
+        direct = self.direct_bytes(name)
+        meta = self.held(name)
+        if direct is None or meta is None:
+            return None
+        return direct.to("cpu", copy=True).view(DTYPES[meta.dtype]).reshape(meta.shape)
 
     def finish(self) -> None:  # noqa: B027 - optional hook
         """Post-process after all tensors of an update landed (e.g. re-quantize)."""
@@ -123,6 +132,10 @@ class ModuleTarget(WeightTarget):
         if view is not None:
             self._views[name] = view
         return view
+
+    def snapshot(self, name: str) -> torch.Tensor | None:
+        """A host-memory copy of the parameter or buffer `name` maps to."""
+        return self._dest(name).detach().to("cpu", copy=True)
 
     def finish(self) -> None:
         """Run `post_process(module)`, if given."""

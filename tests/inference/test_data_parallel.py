@@ -14,7 +14,7 @@ import torch
 from engine_helpers import GREEDY, collect, run, until
 
 import wtransfer
-from wtransfer.errors import LifecycleError, PeerError
+from wtransfer.errors import EngineDeadError, LifecycleError, PeerError
 from wtransfer.inference import (
     AsyncEngine,
     EngineConfig,
@@ -273,7 +273,7 @@ def test_resume_is_all_or_nothing_when_one_rank_has_an_update_open():
     run(main())
 
 
-def test_a_dead_rank_aborts_its_requests_and_later_calls_fail_fast():
+def test_a_dead_rank_ends_its_requests_with_an_error_and_later_calls_fail_fast():
     async def main():
         engine = dp_engine(2, step_timeout_s=10.0)
         try:
@@ -284,8 +284,10 @@ def test_a_dead_rank_aborts_its_requests_and_later_calls_fail_fast():
             await until(lambda: len(progress) == 4, "every request to run")
             os.kill(engine.core._procs[1].pid, signal.SIGKILL)
             outs = await asyncio.wait_for(asyncio.gather(*tasks), 30)
-            assert {o.outputs[0].finish_reason for o in outs} == {"abort"}
-            with pytest.raises(PeerError, match="rank 1"):
+            assert {o.outputs[0].finish_reason for o in outs} == {"error"}
+            assert all("rank 1" in o.outputs[0].error for o in outs)
+            assert "rank 1" in engine.core.failure()
+            with pytest.raises(EngineDeadError, match="rank 1"):
                 await engine.stats()
         finally:
             engine.shutdown()

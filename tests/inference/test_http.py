@@ -107,7 +107,9 @@ def test_dev_endpoints_and_their_errors(dev):
     assert h.post("/abort_requests", json={"request_ids": [1]}).status_code == 400
     assert h.post("/update_weights", json={"update_info": {}}).status_code == 409
     assert h.post("/update_weight_version", json={"new_version": "v8"}).status_code == 200
-    assert h.get("/weight_info").json() == {"weight_version": "v8", "num_workers": 1}
+    assert h.get("/weight_info").json() == {
+        "weight_version": "v8", "num_workers": 1, "update_state": "none", "torn": False,
+        "failure": None, "rollback": False}
     assert h.post("/update_weight_version", json={}).status_code == 400
     assert len(h.get("/weight_fingerprint").json()["fingerprint"]) > 10
     assert h.post("/resume").status_code == 200
@@ -143,7 +145,9 @@ def test_weight_update_from_a_trainer_process_over_http_with_two_spans(dev):
     with wtransfer.trainer_init(wtransfer_ipc().IPCTrainerInitInfo(bucket_bytes=1 << 16),
                                 client=client, source=wtransfer.ModuleSource(model)) as sender:
         sender.send_weights(weight_version="http-1")
-    assert h.get("/weight_info").json() == {"weight_version": "http-1", "num_workers": 1}
+    info = h.get("/weight_info").json()
+    assert (info["weight_version"], info["num_workers"]) == ("http-1", 1)
+    assert (info["update_state"], info["torn"], info["rollback"]) == ("ready", False, True)
     assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
     h.post("/resume")
     thread.join(120)
@@ -250,7 +254,8 @@ def test_data_parallel_server_pauses_and_updates_every_rank_over_http():
                                     client=client, source=wtransfer.ModuleSource(model)) as s:
             s.send_weights(weight_version="dp-1")
         assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
-        assert h.get("/weight_info").json() == {"weight_version": "dp-1", "num_workers": 2}
+        info = h.get("/weight_info").json()
+        assert (info["weight_version"], info["num_workers"], info["torn"]) == ("dp-1", 2, False)
         assert h.post("/resume").status_code == 200
         for t in threads:
             t.join(120)

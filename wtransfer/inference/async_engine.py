@@ -10,14 +10,35 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+import torch
+
 from wtransfer.clients import SingleEngineClient
-from wtransfer.errors import TransferTimeout
+from wtransfer.errors import ConfigError, TransferTimeout
 from wtransfer.inference.commands import CoreClient, PauseMode
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.engine_core import EngineCore
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.params import SamplingParams
+from wtransfer.registry import get_backend
 from wtransfer.rpc import ReceiverServer
+
+
+def check_runtime(config: EngineConfig) -> None:
+    """What `EngineConfig` cannot check without torch or the registry, checked before any
+    process starts: the weight-transfer backend exists, and the device is there."""
+    get_backend(config.weight_transfer_backend)
+    device = config.device
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} needs a CUDA GPU, but torch sees none "
+                              "(a CPU-only torch build, or CUDA_VISIBLE_DEVICES hides them); "
+                              "use device 'cpu'")
+        index = device.partition(":")[2]
+        if index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+            raise ConfigError(f"device {device!r}: torch sees {torch.cuda.device_count()} "
+                              "GPU(s)")
+    elif device != "cpu":
+        raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
 class AsyncEngine:
@@ -28,6 +49,7 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
+        check_runtime(self.config)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop,
                                        asyncio.Queue[RequestOutput]]] = {}
         self.core: CoreClient
@@ -70,21 +92,28 @@ class AsyncEngine:
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None
                        = None, request_id: str | None = None
                        ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream cumulative outputs of one request; leaving the loop early aborts it."""
+        """Stream cumulative outputs of one request; leaving the loop early aborts it.
+
+        A `request_id` that is already running is refused (`ConfigError`) without touching
+        the running request.
+        """
         rid = request_id or uuid.uuid4().hex
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[rid] = (asyncio.get_running_loop(), queue)
-        finished = False
+        stream = (asyncio.get_running_loop(), queue)
+        if self._streams.setdefault(rid, stream) is not stream:  # atomic check-and-claim
+            raise ConfigError(f"request id {rid!r} is already running; use a unique id")
+        added = finished = False
         try:
             await self._call("add_request", rid, list(prompt_token_ids),
                              sampling_params or SamplingParams())
+            added = True
             while not finished:
                 output = await queue.get()
                 finished = output.finished
                 yield output
         finally:
             self._streams.pop(rid, None)
-            if not finished:
+            if added and not finished:
                 self.core.submit("abort", [rid])
 
     async def abort_requests(self, request_ids: list[str] | None = None) -> int:
@@ -138,9 +167,14 @@ class AsyncEngine:
         """Per-tensor digest of the served weights."""
         return dict(await self._call("fingerprint"))
 
-    async def weight_info(self) -> dict[str, Any]:
+    async def weight_info(self, timeout: float | None = None) -> dict[str, Any]:
         """Version, update state, and whether a failed update left the weights torn."""
-        return dict(await self._call("weight_info"))
+        return dict(await self._call("weight_info", timeout=timeout))
+
+    def failure(self) -> str | None:
+        """Why the engine cannot serve any more (its loop or a data-parallel rank died), or
+        None; once set, every call raises `EngineDeadError`."""
+        return self.core.failure()
 
     async def stats(self) -> dict[str, Any]:
         """Engine counters."""

@@ -96,6 +96,10 @@ class EngineConfig:
     """Deadline of pause and resume (a wait-mode pause includes draining running requests)."""
     call_timeout_s: float = 600.0
     """Deadline of every other call into the engine thread, weight transfers included."""
+    update_rollback: bool | None = None
+    """Keep a host copy of each tensor an update overwrites and restore them all when the
+    update fails or is abandoned, so the engine returns to its old weights and can resume.
+    None (default): on when the model fits in half of the host's available memory."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",

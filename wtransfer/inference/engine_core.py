@@ -5,20 +5,30 @@ requests, aborts, pause/resume and every weight-transfer call arrive as commands
 (`submit(name, ...)`, one of `wtransfer.inference.commands.COMMANDS`, returns a
 `concurrent.futures.Future`), so a pause or an update never lands in the middle of a forward
 pass.
+
+A failure inside a step ends only that step's requests (see `Replica.step`). A failure of the
+loop itself means the engine cannot go on: it says so at once (`failure()`), every live request
+ends with finish_reason "error", and every pending and later call raises `EngineDeadError`;
+nothing waits on a thread that is gone.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from wtransfer.errors import LifecycleError
+from wtransfer.errors import EngineDeadError, LifecycleError
 from wtransfer.inference.commands import Emit, check_command
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.replica import Replica
+from wtransfer.inference.sequence import SeqStatus
+
+log = logging.getLogger("wtransfer.engine")
 
 
 class EngineCore(Replica):
@@ -29,25 +39,39 @@ class EngineCore(Replica):
         self._commands: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
         self._wake = threading.Condition()
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="wtransfer-engine-core",
+        self._failure: str | None = None
+        self._thread = threading.Thread(target=self._run, name="wtransfer-engine-core",
                                         daemon=True)
         self._thread.start()
+
+    def failure(self) -> str | None:
+        """Why the engine cannot serve any more, or None while it can."""
+        return self._failure
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run `fn(*args)` on the engine thread between steps."""
         future: Future[Any] = Future()
         with self._wake:
-            if self._stopped:
+            if self._failure is not None:
+                future.set_exception(EngineDeadError(f"the engine stopped: {self._failure}"))
+            elif self._stopped:
                 future.set_exception(LifecycleError("the engine is shut down"))
-                return future
-            self._commands.append((fn, args, future))
-            self._wake.notify()
+            else:
+                self._commands.append((fn, args, future))
+                self._wake.notify()
         return future
 
     def submit(self, command: str, *args: Any) -> Future[Any]:
         """Run the named command (one of `COMMANDS`) on the engine thread."""
         check_command(command)
         return self.call(getattr(self, command), *args)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            log.exception("the engine loop failed; the engine cannot serve any more")
+            self._die(f"{type(exc).__name__}: {exc}")
 
     def _loop(self) -> None:
         while True:
@@ -62,19 +86,42 @@ class EngineCore(Replica):
                 if future.set_running_or_notify_cancel():
                     try:
                         future.set_result(fn(*args))
-                    except BaseException as exc:
+                    except Exception as exc:
                         future.set_exception(exc)
             if self.can_step():
                 self.step()
             self.resolve_drains()
 
+    def _die(self, reason: str) -> None:
+        """Fail everything that waits on this engine (see the module docstring)."""
+        dead = EngineDeadError(f"the engine stopped: {reason}")
+        with self._wake:
+            self._failure = reason
+            pending, self._commands = list(self._commands), deque()
+        for _, _, future in pending:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(dead)
+        for future, _ in self._drained:
+            if not future.done():
+                future.set_exception(dead)
+        for seq in list(self._sequences.values()):
+            seq.finish_reason, seq.error = "error", f"the engine stopped: {reason}"
+            seq.status = SeqStatus.FINISHED
+            self.emit(seq.to_output())
+        self._sequences.clear()
+
     def shutdown(self) -> None:
         """Abort every request, stop the thread and release the receiver."""
-        done = self.call(self.abort, None)
-        with self._wake:
-            self._stopped = True
-            self._wake.notify()
-        done.result(timeout=self.config.step_timeout_s)
-        self._thread.join(timeout=self.config.step_timeout_s)
+        if self._failure is None:
+            done = self.call(self.abort, None)
+            with self._wake:
+                self._stopped = True
+                self._wake.notify()
+            try:
+                done.exception(timeout=self.config.step_timeout_s)
+            except FutureTimeout:
+                log.warning("shutdown: live requests were not aborted within %gs",
+                            self.config.step_timeout_s)
+            self._thread.join(timeout=self.config.step_timeout_s)
         if self.receiver is not None:
             self.receiver.shutdown()

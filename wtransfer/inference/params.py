@@ -1,4 +1,4 @@
-"""Sampling parameters of one request (torch-free)."""
+"""Sampling parameters of one request (torch-free), validated at admission."""
 
 from __future__ import annotations
 
@@ -7,11 +7,22 @@ from dataclasses import dataclass, field
 
 from wtransfer.errors import ConfigError
 
+MIN_TEMPERATURE = 1e-5
+"""Smallest non-zero temperature: below it, logits / temperature overflows float32."""
+MAX_TOKENS = 1 << 20
+MAX_STOP_TOKENS = 1024
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+"""What a torch generator accepts as a seed."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How to pick each token. temperature 0 is greedy; logprobs of sampled tokens are always
-    returned (under the temperature-scaled distribution, before top-k/top-p)."""
+    returned (under the temperature-scaled distribution, before top-k/top-p).
+
+    Every field is range-checked here, so a request the engine accepts can always be sampled:
+    a bad value is a `ConfigError` (HTTP 400) naming the field and its allowed range.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -23,13 +34,24 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 1 <= self.max_tokens <= MAX_TOKENS:
+            raise ConfigError(f"sampling_params.max_tokens must be in [1, {MAX_TOKENS}], "
+                              f"got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and
+                (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= 1e6)):
+            raise ConfigError(f"sampling_params.temperature must be 0 (greedy) or in "
+                              f"[{MIN_TEMPERATURE:g}, 1e6], got {self.temperature!r}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ConfigError(f"sampling_params.top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+            raise ConfigError(f"sampling_params.top_k must be >= 0 (0: no limit), "
+                              f"got {self.top_k}")
+        low, high = SEED_RANGE
+        if self.seed is not None and not low <= self.seed <= high:
+            raise ConfigError(f"sampling_params.seed must be in [-2**63, 2**64 - 1], "
+                              f"got {self.seed}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKENS:
+            raise ConfigError(f"sampling_params.stop_token_ids holds at most "
+                              f"{MAX_STOP_TOKENS} ids, got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ConfigError("stop_token_ids must be non-negative")
+            raise ConfigError("sampling_params.stop_token_ids must be non-negative")

@@ -8,12 +8,13 @@ data-parallel rank drives one from its process's main loop.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from typing import Any
 
 from wtransfer.errors import ConfigError, LifecycleError
 from wtransfer.inference.block_manager import BlockManager
-from wtransfer.inference.commands import Emit, PauseMode, check_pause_mode
+from wtransfer.inference.commands import Emit, PauseMode, check_pause_mode, check_version
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.model import load_model
 from wtransfer.inference.params import SamplingParams
@@ -24,6 +25,20 @@ from wtransfer.receiver import ReceiverState, WeightTransferEngine
 from wtransfer.registry import create_receiver
 from wtransfer.target import ModuleTarget
 from wtransfer.wire import parse_record
+
+log = logging.getLogger("wtransfer.engine")
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory the kernel says are available (MemAvailable), 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 class Replica:
@@ -67,11 +82,24 @@ class Replica:
         return not self.update_open and self.scheduler.has_work()
 
     def step(self) -> int:
-        """Schedule and compute one step; returns how many sequences it advanced."""
+        """Schedule and compute one step; returns how many sequences it advanced (or ended).
+
+        A failure while computing the step ends only that step's requests, with finish_reason
+        "error" and the message; the engine keeps serving the others.
+        """
         batch = self.scheduler.schedule()
         if not batch:
             return 0
-        results = self.runner.run(batch)
+        try:
+            results = self.runner.run(batch)
+        except Exception as exc:
+            log.exception("step failed; ending its %d request(s) with finish_reason 'error'",
+                          len(batch))
+            for seq in batch:
+                seq.error = f"{type(exc).__name__}: {exc}"[:1000]
+                self._finish(seq, "error")
+                self.emit(seq.to_output())
+            return len(batch)
         self.steps += 1
         for seq, (token, logprob) in zip(batch, results, strict=True):
             seq.append(token, logprob, self.weight_version)
@@ -172,8 +200,15 @@ class Replica:
         if self.receiver is None:
             self.receiver = create_receiver(self.config.weight_transfer_backend, self.target,
                                             device=self.config.device,
-                                            worker_index=self.worker_index)
+                                            worker_index=self.worker_index,
+                                            rollback=self._rollback_enabled())
         self.receiver.init_transfer_engine(init_info)
+
+    def _rollback_enabled(self) -> bool:
+        if self.config.update_rollback is not None:
+            return self.config.update_rollback
+        model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        return model_bytes <= available_host_memory() // 2
 
     def _require_receiver(self) -> WeightTransferEngine[Any, Any]:
         if self.receiver is None:
@@ -194,15 +229,15 @@ class Replica:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Complete the update and, in the same step, relabel the weights."""
+        if weight_version is not None:
+            check_version(weight_version)  # before the update closes, not after
         self._require_receiver().finish_weight_update()
         if weight_version is not None:
             self.weight_version = weight_version
 
     def update_weight_version(self, version: str) -> None:
         """Relabel the current weights."""
-        if not isinstance(version, str) or not version:
-            raise ConfigError("weight version must be a non-empty string")
-        self.weight_version = version
+        self.weight_version = check_version(version)
 
     def get_weight_version(self) -> str:
         """The current weight label."""
@@ -219,7 +254,8 @@ class Replica:
         return {"weight_version": self.weight_version,
                 "update_state": receiver.state.value if receiver else "none",
                 "torn": bool(receiver and receiver.torn),
-                "failure": receiver.failure if receiver else None}
+                "failure": receiver.failure if receiver else None,
+                "rollback": bool(receiver and receiver.rollback)}
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and benchmarks."""
@@ -228,4 +264,5 @@ class Replica:
                 "paused": self.is_paused(), "weight_version": self.weight_version,
                 "prefix_cache_hits": self.blocks.hits, "preemptions": self.scheduler.preemptions,
                 "last_update_bytes": self.receiver.last_update_bytes if self.receiver else 0,
-                "last_update_seconds": self.receiver.last_update_seconds if self.receiver else 0}
+                "last_update_seconds": self.receiver.last_update_seconds if self.receiver else 0,
+                "torn": bool(self.receiver and self.receiver.torn)}

@@ -90,6 +90,7 @@ def _filter(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, 0) / sorted_probs.sum()
         drop = cumulative - sorted_probs / sorted_probs.sum() >= top_p
+        drop[0] = False  # the most likely token always stays, whatever rounding does
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return probs

@@ -31,6 +31,8 @@ class Sequence:
         self.spans: list[list[object]] = []  # [version, start, end]
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
+        self.error: str | None = None
+        """What failed, when finish_reason is "error"."""
         self.block_table: list[int] = []
         self.num_computed = 0
         """Tokens whose K/V are in the cache."""
@@ -68,6 +70,6 @@ class Sequence:
         spans = [WeightVersionSpan(str(v), int(s), int(e))  # type: ignore[call-overload]
                  for v, s, e in self.spans]
         completion = CompletionOutput(0, list(self.output), list(self.logprobs),
-                                      self.finish_reason, spans)
+                                      self.finish_reason, spans, self.error)
         return RequestOutput(self.request_id, list(self.prompt), [completion],
                              self.status is SeqStatus.FINISHED)

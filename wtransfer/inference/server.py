@@ -1,14 +1,17 @@
 """The HTTP server: tokens-in/tokens-out generation, dev-mode RL endpoints, health, metrics.
 
 Request bodies are JSON, or msgpack (``Content-Type: application/msgpack``) where they carry
-bytes (IPC handles); both are decoded by validating code, never unpickled. Errors are JSON
-``{"error": type, "message": ...}`` with a 4xx status that says what to fix: 400 bad input,
-401 missing/wrong key, 404 unknown route (dev routes without --dev-mode), 409 lifecycle misuse,
-413 body too large; 502/504 when the transfer's peer failed or timed out.
+bytes (IPC handles); both are decoded by validating code, never unpickled (`http_body`). Every
+error is JSON ``{"error": type, "message": ...}``: 400 bad input (unknown fields included), 401
+missing/wrong key, 404 unknown route (dev routes without --dev-mode), 405 wrong method, 409
+lifecycle misuse, 413 body too large; 502/504 when the transfer's peer failed or timed out;
+503 when the engine cannot serve (`/health` says why).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -17,11 +20,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from wtransfer import wire
 from wtransfer.errors import (
     ConfigError,
+    EngineDeadError,
     LifecycleError,
     MetadataError,
     PeerError,
@@ -30,64 +35,46 @@ from wtransfer.errors import (
 )
 from wtransfer.inference.async_engine import AsyncEngine
 from wtransfer.inference.commands import check_pause_mode
+from wtransfer.inference.http_body import (
+    BadRequest,
+    BodyTooLarge,
+    Unauthorized,
+    check_fields,
+    field,
+    read_body,
+)
 from wtransfer.inference.params import SamplingParams
+from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.server")
 
-MSGPACK = "application/msgpack"
-class BadRequest(WTransferError):
-    """A request body the server cannot use (answered with 400)."""
-
-
-class BodyTooLarge(BadRequest):
-    """A request body over the server's limit (answered with 413)."""
-
-
 _STATUS: dict[type[WTransferError], int] = {
-    BodyTooLarge: 413, BadRequest: 400, ConfigError: 400, MetadataError: 400,
-    LifecycleError: 409, PeerError: 502, TransferTimeout: 504}
+    BodyTooLarge: 413, BadRequest: 400, Unauthorized: 401, ConfigError: 400,
+    MetadataError: 400, LifecycleError: 409, EngineDeadError: 503, PeerError: 502,
+    TransferTimeout: 504}
 """HTTP status of each error family, most specific first."""
+_HTTP_NAMES = {401: "Unauthorized", 404: "NotFound", 405: "MethodNotAllowed"}
+HEALTH_TIMEOUT_S = 2.0
+"""How long /health waits for the engine thread before answering from what it knows."""
+_GENERATE_FIELDS = ("token_ids", "sampling_params", "request_id", "stream")
 
 
-def _error(status: int, exc: BaseException) -> JSONResponse:
-    return JSONResponse({"error": type(exc).__name__, "message": str(exc)}, status_code=status)
+def _error(status: int, kind: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": kind, "message": message}, status_code=status)
 
 
-async def _body(request: Request, limit: int) -> Any:
-    chunks, size = [], 0
-    async for chunk in request.stream():  # chunked bodies carry no Content-Length to check
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"body exceeds the {limit}-byte limit")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw:
-        return {}
-    if request.headers.get("content-type", "").startswith(MSGPACK):
-        return wire.decode(raw, max_bytes=limit)
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}") from None
+def _status(exc: WTransferError) -> int:
+    return next((code for kind, code in _STATUS.items() if isinstance(exc, kind)), 500)
 
 
-def _field(body: Any, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-    if not isinstance(body, dict):
-        raise BadRequest("body must be a JSON object")
-    if name not in body or body[name] is None:
-        if default is ...:
-            raise BadRequest(f"missing field {name!r}")
-        return default
-    value = body[name]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise BadRequest(f"field {name!r} must be {getattr(kind, '__name__', kind)}")
-    return value
+def _label(value: str) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def _sampling(data: Any) -> SamplingParams:
-    if data is None:
-        return SamplingParams()
-    return wire.parse_record(SamplingParams, data, where="sampling_params")
+async def _until_disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.1)
 
 
 def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | None = None,
@@ -103,7 +90,12 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
         engine.shutdown()  # live requests end with finish_reason="abort", none dropped
 
     app = FastAPI(title="wtransfer", lifespan=lifespan)
-    counters = {"requests": 0, "tokens": 0}
+    counters = {"requests": 0}
+
+    async def body_of(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
+        raw = await read_body(request.stream(), request.headers.get("content-type", ""),
+                              max_body_bytes)
+        return check_fields(raw, allowed)
 
     @app.middleware("http")
     async def guard(request: Request,
@@ -111,20 +103,48 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
         if api_key is not None:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(401, BadRequest("missing or wrong 'Authorization: Bearer <key>'"))
+                return _error(401, "Unauthorized",
+                              "missing or wrong 'Authorization: Bearer <key>'")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return _error(413, BadRequest(f"body exceeds the {max_body_bytes}-byte limit"))
+            return _error(413, "BodyTooLarge", f"body exceeds the {max_body_bytes}-byte limit")
         return await call_next(request)
 
     @app.exception_handler(WTransferError)
     async def wtransfer_error(request: Request, exc: WTransferError) -> JSONResponse:
-        status = next((code for kind, code in _STATUS.items() if isinstance(exc, kind)), 500)
-        return _error(status, exc)
+        return _error(_status(exc), type(exc).__name__, str(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = _HTTP_NAMES.get(exc.status_code, "HTTPError")
+        message = (f"no route {request.method} {request.url.path}" if exc.status_code == 404
+                   else f"{request.method} is not allowed on {request.url.path}"
+                   if exc.status_code == 405 else str(exc.detail))
+        return _error(exc.status_code, kind, message)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return _error(500, "InternalError", f"{type(exc).__name__}: {exc}"[:500])
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        where = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}"
+                          for e in exc.errors()[:5])
+        return _error(400, "BadRequest", where)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        failure = engine.failure()
+        if failure is not None:
+            return JSONResponse({"status": "dead", "reason": failure}, status_code=503)
+        try:
+            info = await engine.weight_info(timeout=HEALTH_TIMEOUT_S)
+        except TransferTimeout:  # a long transfer holds the engine thread: it is alive
+            return JSONResponse({"status": "ok", "busy": True})
+        if info["torn"]:
+            return JSONResponse({"status": "torn", "reason": info["failure"]}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -135,7 +155,8 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
             f"wtransfer_running_requests {s['running']}",
             f"wtransfer_waiting_requests {s['waiting']}",
             f"wtransfer_paused {int(s['paused'])}",
-            f'wtransfer_weight_version_info{{version="{s["weight_version"]}"}} 1',
+            f"wtransfer_weights_torn {int(s['torn'])}",
+            f'wtransfer_weight_version_info{{version="{_label(s["weight_version"])}"}} 1',
             f"wtransfer_last_transfer_bytes {s['last_update_bytes']}",
             f"wtransfer_last_transfer_seconds {s['last_update_seconds']}",
             f"wtransfer_prefix_cache_hit_blocks_total {s['prefix_cache_hits']}",
@@ -145,58 +166,72 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
 
     @app.post("/inference/v1/generate")
     async def generate(request: Request) -> Response:
-        body = await _body(request, max_body_bytes)
-        token_ids = _field(body, "token_ids", list)
+        body = await body_of(request, _GENERATE_FIELDS)
+        token_ids = field(body, "token_ids", list)
         if not token_ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                     for t in token_ids):
             raise BadRequest("token_ids must be a non-empty list of non-negative ints")
-        params = _sampling(_field(body, "sampling_params", dict, None))
-        rid = _field(body, "request_id", str, None)
-        stream = _field(body, "stream", bool, False)
+        params = parse_record(SamplingParams, field(body, "sampling_params", dict, {}),
+                              where="sampling_params")
+        rid = field(body, "request_id", str, None)
+        stream = field(body, "stream", bool, False)
         counters["requests"] += 1
         outputs = engine.generate(token_ids, params, request_id=rid)
         first = await outputs.__anext__()  # surfaces validation errors before streaming
-        if not stream:
+        if stream:
+            return StreamingResponse(_events(first, outputs), media_type="text/event-stream")
+
+        async def finish() -> Any:
             last = first
             async for output in outputs:
                 last = output
-                if await request.is_disconnected():
-                    await outputs.aclose()  # aborts the request in the engine
-                    return Response(status_code=499)
-            return JSONResponse({"request_id": last.request_id,
-                                 "choices": [c.to_wire() for c in last.outputs]})
+            return last
 
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in _sse(first):
-                    yield chunk
-            finally:
-                await outputs.aclose()  # a client that went away aborts its request
-
-        async def _sse(first: Any) -> AsyncIterator[bytes]:
-            sent, out = 0, first
-            while True:
-                tokens = out.outputs[0].token_ids
-                if len(tokens) > sent:
-                    yield f"data: {json.dumps({'token_ids': tokens[sent:]})}\n\n".encode()
-                    sent = len(tokens)
-                if out.finished:
-                    final = {"request_id": out.request_id,
-                             "choices": [c.to_wire() for c in out.outputs]}
-                    yield f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode()
-                    return
-                out = await outputs.__anext__()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        finishing = asyncio.ensure_future(finish())
+        watching = asyncio.ensure_future(_until_disconnected(request))
+        await asyncio.wait({finishing, watching}, return_when=asyncio.FIRST_COMPLETED)
+        watching.cancel()
+        if not finishing.done():  # the client went away: abort its request in the engine
+            finishing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await finishing
+            await outputs.aclose()
+            return Response(status_code=499)
+        last = finishing.result()
+        return JSONResponse({"request_id": last.request_id,
+                             "choices": [c.to_wire() for c in last.outputs]})
 
     if dev_mode:
-        _add_dev_routes(app, engine, max_body_bytes)
+        _add_dev_routes(app, engine, body_of)
     return app
 
 
-def _add_dev_routes(app: FastAPI, engine: AsyncEngine, limit: int) -> None:
+async def _events(first: Any, outputs: Any) -> AsyncIterator[bytes]:
+    """Server-sent events: new tokens as they come, then the final body and ``[DONE]``; a
+    client that goes away (the response is cancelled) aborts its request."""
+    try:
+        sent, out = 0, first
+        while True:
+            tokens = out.outputs[0].token_ids
+            if len(tokens) > sent:
+                yield f"data: {json.dumps({'token_ids': tokens[sent:]})}\n\n".encode()
+                sent = len(tokens)
+            if out.finished:
+                final = {"request_id": out.request_id,
+                         "choices": [c.to_wire() for c in out.outputs]}
+                yield f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode()
+                return
+            out = await outputs.__anext__()
+    finally:
+        await outputs.aclose()
+
+
+BodyOf = Callable[[Request, tuple[str, ...]], Awaitable[dict[str, Any]]]
+
+
+def _add_dev_routes(app: FastAPI, engine: AsyncEngine, body_of: BodyOf) -> None:
     async def arg(request: Request, name: str, kind: type, default: Any = ...) -> Any:
-        return _field(await _body(request, limit), name, kind, default)
+        return field(await body_of(request, (name,)), name, kind, default)
 
     @app.post("/pause")
     async def pause(mode: str = "abort", clear_cache: str = "true") -> dict[str, Any]:
@@ -228,7 +263,8 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, limit: int) -> None:
         return {"status": "ok"}
 
     @app.post("/start_weight_update")
-    async def start() -> dict[str, str]:
+    async def start(request: Request) -> dict[str, str]:
+        await body_of(request, ())
         await engine.start_weight_update()
         return {"status": "ok"}
 
@@ -249,8 +285,10 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, limit: int) -> None:
 
     @app.get("/weight_info")
     async def weight_info() -> dict[str, Any]:
-        return {"weight_version": await engine.get_weight_version(),
-                "num_workers": engine.num_workers()}
+        info = await engine.weight_info()
+        return {"weight_version": info["weight_version"], "num_workers": engine.num_workers(),
+                "update_state": info["update_state"], "torn": info["torn"],
+                "failure": info["failure"], "rollback": info["rollback"]}
 
     @app.get("/weight_fingerprint")
     async def weight_fingerprint() -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -23,9 +24,8 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
     init_info_cls = IPCInitInfo
     update_info_cls = IPCUpdateInfo
 
-    def __init__(self, target: WeightTarget, *, device: str | torch.device = "cpu",
-                 worker_index: int = 0) -> None:
-        super().__init__(target, device=device, worker_index=worker_index)
+    def __init__(self, target: WeightTarget, **options: Any) -> None:
+        super().__init__(target, **options)
         self._shm: list[SharedBuffer] = []
         self._staging: list[torch.Tensor] = []
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -32,9 +33,8 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
     init_info_cls = NCCLInitInfo
     update_info_cls = NCCLUpdateInfo
 
-    def __init__(self, target: WeightTarget, *, device: str | torch.device = "cpu",
-                 worker_index: int = 0) -> None:
-        super().__init__(target, device=device, worker_index=worker_index)
+    def __init__(self, target: WeightTarget, **options: Any) -> None:
+        super().__init__(target, **options)
         self._group: Group | None = None
         self._staging: list[torch.Tensor] = []
 

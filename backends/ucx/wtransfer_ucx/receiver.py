@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -23,9 +24,8 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
     init_info_cls = UCXInitInfo
     update_info_cls = UCXUpdateInfo
 
-    def __init__(self, target: WeightTarget, *, device: str | torch.device = "cpu",
-                 worker_index: int = 0) -> None:
-        super().__init__(target, device=device, worker_index=worker_index)
+    def __init__(self, target: WeightTarget, **options: Any) -> None:
+        super().__init__(target, **options)
         self._ucx: UCXWorker | None = None
         self._staging: list[torch.Tensor] = []
 

@@ -8,8 +8,10 @@ Requests go to the rank with the fewest outstanding requests and aborts to the r
 the request; every other command goes to every rank and completes when every rank answered,
 its results combined by `_COMBINE` (the ranks must agree on versions and weights).
 
-A rank that dies breaks the engine: pending calls fail with `PeerError`, every live request
-ends with finish_reason "abort", the other ranks are stopped, and later calls fail at once.
+A rank that dies breaks the engine: pending calls fail with `RemoteEngineDeadError` (a
+`PeerError`), every live request ends with finish_reason "error" naming the rank, the other
+ranks are stopped, and later calls fail at once. A failure inside one rank's step ends only
+that step's requests (`Replica.step`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ from typing import Any, TypeVar
 import zmq
 
 from wtransfer import wire
-from wtransfer.errors import ConfigError, IntegrityError, PeerError, from_reply
+from wtransfer.errors import (
+    ConfigError,
+    IntegrityError,
+    PeerError,
+    RemoteEngineDeadError,
+    from_reply,
+)
 from wtransfer.inference.commands import Emit, check_command, check_pause_mode
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.dp.collective import host_store
@@ -119,6 +127,7 @@ def _merge_stats(per_rank: list[Any]) -> dict[str, Any]:
                          "prefix_cache_hits", "preemptions", "last_update_bytes",
                          "dummy_steps", "waves_started")}
     return {**total, "paused": any(s["paused"] for s in per_rank),
+            "torn": any(s["torn"] for s in per_rank),
             "weight_version": per_rank[0]["weight_version"],
             "last_update_seconds": max(s["last_update_seconds"] for s in per_rank),
             "ranks": per_rank}
@@ -131,6 +140,7 @@ def _merge_weight_info(per_rank: list[Any]) -> dict[str, Any]:
             "update_state": states[0] if len(states) == 1 else "mixed:" + ",".join(states),
             "torn": bool(torn),
             "failure": next((per_rank[r]["failure"] for r in torn), None),
+            "rollback": all(info["rollback"] for info in per_rank),
             "ranks": per_rank}
 
 
@@ -180,6 +190,10 @@ class DataParallelCore:
         self._io.start()
         self._wait_started()
 
+    def failure(self) -> str | None:
+        """Why the engine cannot serve any more (a rank died or failed), or None."""
+        return self._broken
+
     # -- processes -------------------------------------------------------------------------
 
     def _spawn(self, rank: int) -> subprocess.Popen[bytes]:
@@ -210,7 +224,8 @@ class DataParallelCore:
                 return
 
     def _fail(self, reason: str) -> None:
-        """Break the engine: fail pending calls, abort live requests, stop every rank."""
+        """Break the engine: fail pending calls, end live requests with finish_reason "error",
+        stop every rank; later calls fail at once (`RemoteEngineDeadError`)."""
         with self._lock:
             if self._broken is not None:
                 return
@@ -220,9 +235,9 @@ class DataParallelCore:
         self._started.set()
         for _, future in calls.values():
             if not future.done():
-                future.set_exception(PeerError(reason))
+                future.set_exception(RemoteEngineDeadError(reason))
         for rid, (_, prompt) in live.items():
-            self.emit(RequestOutput.ended(rid, prompt, "abort"))
+            self.emit(RequestOutput.ended(rid, prompt, "error", reason))
         for proc in self._procs:
             if proc.poll() is None:
                 proc.kill()
@@ -302,7 +317,8 @@ class DataParallelCore:
         future: Future[Any] = Future()
         with self._lock:
             if self._broken is not None:
-                return _failed(PeerError(f"the data-parallel engine is broken: {self._broken}"))
+                return _failed(RemoteEngineDeadError(
+                    f"the data-parallel engine stopped: {self._broken}"))
             if self._closing:
                 return _failed(PeerError("the data-parallel engine is shut down"))
             call_id = next(self._ids)
