@@ -58,7 +58,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                       weight_transfer_backend=args.weight_transfer_backend,
                                       data_parallel_size=args.data_parallel_size,
                                       dp_sync_interval=args.dp_sync_interval,
-                                      batch_invariant=args.batch_invariant, seed=args.seed))
+                                      batch_invariant=args.batch_invariant, seed=args.seed,
+                                      update_rollback={"auto": None, "on": True,
+                                                       "off": False}[args.update_rollback]))
     app = build_app(engine, dev_mode=args.dev_mode,
                     api_key=args.api_key or os.environ.get("WTRANSFER_API_KEY"))
 
@@ -117,7 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="engine-core processes stepping in lockstep behind this server")
     serve.add_argument("--dp-sync-interval", type=int, default=32,
                        help="steps between the ranks' state syncs (pause agreement, wave end)")
-    serve.add_argument("--batch-invariant", action="store_true")
+    serve.add_argument("--batch-invariant", action="store_true",
+                       help="a sequence's tokens never depend on its batch-mates")
+    serve.add_argument("--update-rollback", choices=["auto", "on", "off"], default="auto",
+                       help="restore the old weights when an update fails (auto: when the "
+                            "model fits in half the available host memory)")
     serve.set_defaults(func=cmd_serve)
     return parser
 

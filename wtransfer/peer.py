@@ -19,7 +19,7 @@ from typing import Any
 from wtransfer import wire
 from wtransfer.registry import create_receiver, get_backend, trainer_init
 from wtransfer.rpc import ReceiverServer, RPCClient
-from wtransfer.shapes import build
+from wtransfer.shapes import build, randomize
 from wtransfer.source import ModuleSource
 from wtransfer.target import ModuleTarget
 
@@ -45,6 +45,11 @@ def run_receiver(args: argparse.Namespace) -> None:
     threading.Event().wait()
 
 
+def vary_seed(seed: int, step: int) -> int:
+    """The seed a --vary trainer refills its weights from before update `step` (>= 1)."""
+    return 1_000_003 * seed + step
+
+
 def run_trainer(args: argparse.Namespace) -> None:
     """Send model `args.model` to `args.address` once, or forever with --loop."""
     module = build(args.model, args.seed, args.device, args.fill)
@@ -56,6 +61,8 @@ def run_trainer(args: argparse.Namespace) -> None:
     _announce({"event": "sending", "pid": os.getpid()})
     step = 0
     while True:
+        if args.vary and step:
+            randomize(module, vary_seed(args.seed, step))  # a training step changed them
         sender.send_weights(weight_version=f"trainer-{step}")
         step += 1
         if not args.loop:
@@ -77,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--address", default="")
     parser.add_argument("--init-hex", default="", help="msgpack (hex) of init-info fields")
     parser.add_argument("--loop", action="store_true")
+    parser.add_argument("--vary", action="store_true",
+                        help="with --loop: refill the weights before every update after the "
+                             "first (update k sends build(model, seed) randomized with "
+                             "vary_seed(seed, k)), so no two updates carry the same weights")
     args = parser.parse_args(argv)
     _exit_when_parent_goes()
     run_receiver(args) if args.role == "receiver" else run_trainer(args)

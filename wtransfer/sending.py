@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +38,19 @@ def send_pipelined(
     first failure cancels what is queued and is re-raised here.
     """
     packer = BucketPacker(plan, source.tensors())
+    failed = threading.Event()
+
+    def guarded(bucket: Bucket, slot: int, data: torch.Tensor, digest: int | None) -> None:
+        # once one bucket failed, the buckets queued behind it must not each wait out
+        # their own deadline: the caller's deadline is one deadline, not one per bucket
+        if failed.is_set():
+            return
+        try:
+            transmit(bucket, slot, data, digest)
+        except BaseException:
+            failed.set()
+            raise
+
     pending: deque[Future[None]] = deque()
     slot_users: dict[int, Future[None]] = {}
     next_slot = 0
@@ -56,7 +70,7 @@ def send_pipelined(
             if before_transmit is not None:
                 before_transmit(slot)
             digest = bucket_checksum(data) if checksum else None
-            fut = pool.submit(transmit, bucket, slot, data, digest)
+            fut = pool.submit(guarded, bucket, slot, data, digest)
             pending.append(fut)
             if slot >= 0:
                 slot_users[slot] = fut

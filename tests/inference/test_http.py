@@ -89,11 +89,70 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(dev):
     ({"token_ids": [1], "sampling_params": {"temperature": "hot"}}, 400, "temperature"),
     ({"token_ids": [1], "sampling_params": {"max_tokens": 0}}, 400, "max_tokens"),
     ({"token_ids": [999999]}, 400, "token ids must be"),
+    ({"token_ids": [1], "max_tokens": 5}, 400, "unknown field(s) ['max_tokens']"),
+    ({"token_ids": [1], "sampling_params": {"temprature": 0}}, 400, "temprature"),
+    ({"token_ids": [1], "sampling_params": {"seed": 2**64}}, 400, "sampling_params.seed"),
+    ("[" * 5000 + "]" * 5000, 400, "nests deeper"),
+    ({"token_ids": [1], "sampling_params": {"a": [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]}}, 400,
+     "nests deeper"),
 ])
 def test_bad_generate_input_is_a_4xx_that_says_what_to_fix(dev, body, status, match):
     kwargs = {"content": body} if isinstance(body, str) else {"json": body}
     r = dev.http.post("/inference/v1/generate", **kwargs)
     assert r.status_code == status and match in r.json()["message"]
+    assert set(r.json()) == {"error", "message"}
+
+
+def test_every_error_is_json_with_error_and_message(dev):
+    missing = dev.http.get("/no/such/route")
+    assert missing.status_code == 404
+    assert missing.json() == {"error": "NotFound", "message": "no route GET /no/such/route"}
+    wrong = dev.http.get("/inference/v1/generate")
+    assert wrong.status_code == 405 and wrong.json()["error"] == "MethodNotAllowed"
+    unauthorized = httpx.get(dev.url + "/metrics")
+    assert unauthorized.status_code == 401 and unauthorized.json()["error"] == "Unauthorized"
+    extra = dev.http.post("/update_weight_version", json={"new_version": "v", "force": 1})
+    assert extra.status_code == 400 and "unknown field(s) ['force']" in extra.json()["message"]
+
+
+@pytest.mark.parametrize("label", ['v"1', "v\n1", "line\nbreak", "x" * 257, ""])
+def test_unprintable_quoted_or_long_version_labels_are_refused(dev, label):
+    label = label.replace("\\n", "\n")
+    r = dev.http.post("/update_weight_version", json={"new_version": label})
+    if '"' in label or "\\" in label:  # printable: accepted, and escaped in /metrics
+        assert r.status_code == 200
+        return
+    assert r.status_code == 400 and "weight version" in r.json()["message"]
+
+
+def test_metrics_escape_version_labels(dev):
+    assert dev.http.post("/update_weight_version",
+                         json={"new_version": 'a"b\\c'}).status_code == 200
+    metrics = dev.http.get("/metrics").text
+    assert 'wtransfer_weight_version_info{version="a\\"b\\\\c"} 1' in metrics
+    assert dev.http.post("/update_weight_version", json={"new_version": "v0"}).status_code == 200
+
+
+def test_a_non_streaming_client_that_disconnects_aborts_its_request(dev):
+    before = generated_tokens(dev)
+    body = {"token_ids": [6, 6], "sampling_params": {"max_tokens": 1500, "temperature": 0}}
+    with pytest.raises(httpx.ReadTimeout):
+        dev.http.post("/inference/v1/generate", json=body, timeout=1.0)
+    wait_for(lambda: "wtransfer_running_requests 0" in dev.http.get("/metrics").text, 60,
+             "the abandoned request to stop")
+    assert generated_tokens(dev) - before < 1500, "the abandoned request ran to completion"
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--weight-transfer-backend", "bogus"], "unknown backend 'bogus'"),
+    (["--device", "cuda:7"], "device 'cuda:7'"),
+    (["--device", "tpu"], "device must be"),
+])
+def test_bad_serve_options_fail_at_start_up_in_one_line(flags, match):
+    out = subprocess.run([sys.executable, "-m", "wtransfer", "serve", *flags],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert match in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_dev_endpoints_and_their_errors(dev):

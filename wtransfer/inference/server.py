@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from wtransfer.errors import (
     ConfigError,
@@ -72,6 +73,36 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+class Guard:
+    """ASGI middleware: the API key on every route, and the body limit from Content-Length.
+
+    A plain ASGI wrapper (not Starlette's BaseHTTPMiddleware, which hides a client's
+    disconnect from the route until the response starts)."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Refuse with 401 or 413 before the app runs, else pass the request on."""
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            refusal = None
+            if self.expected is not None and not hmac.compare_digest(
+                    headers.get(b"authorization", b""), self.expected):
+                refusal = _error(401, "Unauthorized",
+                                 "missing or wrong 'Authorization: Bearer <key>'")
+            length = headers.get(b"content-length", b"")
+            if refusal is None and length.isdigit() and int(length) > self.max_body_bytes:
+                refusal = _error(413, "BodyTooLarge",
+                                 f"body exceeds the {self.max_body_bytes}-byte limit")
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 async def _until_disconnected(request: Request) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(0.1)
@@ -97,18 +128,7 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
                               max_body_bytes)
         return check_fields(raw, allowed)
 
-    @app.middleware("http")
-    async def guard(request: Request,
-                    call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(401, "Unauthorized",
-                              "missing or wrong 'Authorization: Bearer <key>'")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return _error(413, "BodyTooLarge", f"body exceeds the {max_body_bytes}-byte limit")
-        return await call_next(request)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(WTransferError)
     async def wtransfer_error(request: Request, exc: WTransferError) -> JSONResponse:

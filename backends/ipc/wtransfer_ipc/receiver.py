@@ -14,7 +14,7 @@ from wtransfer.receiving import UpdateSession
 from wtransfer.target import WeightTarget
 from wtransfer_ipc.cuda import open_buffer
 from wtransfer_ipc.info import IPCInitInfo, IPCUpdateInfo
-from wtransfer_ipc.shm import SharedBuffer
+from wtransfer_ipc.shm import SharedBuffer, creator_alive, sweep
 
 
 class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
@@ -31,6 +31,7 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
 
     def _init(self, info: IPCInitInfo) -> None:
         if info.transport == "shm":
+            sweep()
             try:
                 for name in info.buffers:
                     if not isinstance(name, str):
@@ -39,6 +40,9 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
             except BaseException:
                 self._shutdown()  # unmap what was mapped before the failure
                 raise
+            for buf in self._shm:  # the creator died before it could drop the names
+                if not creator_alive(buf.name):
+                    buf.remove_name()
             self._staging = [b.tensor for b in self._shm if b.tensor is not None]
         else:
             same = info.sender_pid == os.getpid()

@@ -3,7 +3,14 @@
 The sender creates and fully reserves each segment up front (`posix_fallocate`), so a full
 /dev/shm is a clear `ConfigError` at init rather than a SIGBUS in the middle of a transfer.
 Once every receiver has mapped the segments, the sender unlinks their names: the memory lives
-exactly as long as some process maps it, and nothing leaks if either side dies.
+exactly as long as some process maps it.
+
+A process can die between creating a segment and unlinking its name (a trainer killed while
+its receivers map them). So nothing is left behind: a segment's name carries its creator
+(``wtransfer_<pid>_<start time>_<token>_<n>``: the pid, and the process's start time so a
+reused pid does not pass for the creator); a receiver unlinks a name it mapped whose creator
+is gone; and every sender and receiver sweeps, when it starts, the names whose creators are
+gone (`sweep`).
 """
 
 from __future__ import annotations
@@ -19,7 +26,44 @@ import torch
 from wtransfer.errors import ConfigError, MetadataError
 
 SHM_DIR = "/dev/shm"
-_NAME = re.compile(r"^wtransfer_[0-9a-f]{16}_[0-9]{1,2}$")
+_NAME = re.compile(r"^wtransfer_(?P<pid>[0-9]{1,10})_(?P<start>[0-9]{1,20})"
+                   r"_[0-9a-f]{16}_[0-9]{1,2}$")
+
+
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot), or None when there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    try:  # the command name may hold spaces and parentheses: fields follow the last ')'
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def creator_alive(name: str) -> bool:
+    """Whether the process that created segment `name` is still running."""
+    match = _NAME.match(name)
+    if match is None:
+        return False
+    return _start_time(int(match["pid"])) == int(match["start"])
+
+
+def sweep() -> list[str]:
+    """Unlink every wtransfer segment whose creator is gone; returns the names removed."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if _NAME.match(name) and not creator_alive(name):
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+    return removed
 
 
 class SharedBuffer:
@@ -63,12 +107,15 @@ class SharedBuffer:
 
     @classmethod
     def create_set(cls, count: int, size: int) -> list[SharedBuffer]:
-        """Create `count` fresh segments of `size` bytes under one random token."""
-        token = secrets.token_hex(8)
+        """Create `count` fresh segments of `size` bytes, named after this process (after
+        sweeping what dead creators left)."""
+        sweep()
+        pid = os.getpid()
+        prefix = f"wtransfer_{pid}_{_start_time(pid) or 0}_{secrets.token_hex(8)}"
         made: list[SharedBuffer] = []
         try:
             for i in range(count):
-                made.append(cls(f"wtransfer_{token}_{i}", size, create=True))
+                made.append(cls(f"{prefix}_{i}", size, create=True))
         except BaseException:
             for buf in made:
                 buf.close()
@@ -76,11 +123,16 @@ class SharedBuffer:
         return made
 
     def unlink(self) -> None:
-        """Remove the name; the memory stays valid while any process maps it."""
+        """Remove the name, if this side created it and has not yet; the memory stays valid
+        while any process maps it."""
         if not self._unlinked:
-            self._unlinked = True
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            self.remove_name()
+
+    def remove_name(self) -> None:
+        """Remove the name whoever created it (a receiver does, when the creator is gone)."""
+        self._unlinked = True
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
 
     def close(self) -> None:
         """Unmap (and unlink, if this side created it and has not yet)."""
