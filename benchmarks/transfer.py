@@ -133,8 +133,26 @@ def ucx_floor(total: int, repeats: int, device: str) -> float:
     return floor
 
 
+def rollback_rows(backend: str, name: str, model: torch.nn.Module, buckets_mb: list[int],
+                  device: str, repeats: int) -> list[dict[str, Any]]:
+    """The packed path into a receiver that keeps a host copy of every tensor it overwrites
+    (`rollback=True`): what failing closed costs per update."""
+    rows = []
+    with spawn_receiver(backend, model=name, seed=2, device=device, fill="constant",
+                        rollback=True) as child:
+        client = RPCClient(child.address, timeout_s=600)
+        for mb in buckets_mb:
+            info = trainer_info(backend, bucket_bytes=mb << 20)
+            with wtransfer.trainer_init(info, client=client,
+                                        source=wtransfer.ModuleSource(model)) as sender:
+                seconds = median_seconds(sender.send_weights, repeats)
+            rows.append({"model": name, "path": "packed+rollback", "bucket_mb": mb,
+                         "seconds": seconds})
+    return rows
+
+
 def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
-                repeats: int) -> list[dict[str, Any]]:
+                repeats: int, rollback: bool = False) -> list[dict[str, Any]]:
     metas = model_metas(name)
     total = sum(m.nbytes for m in metas)
     model = build(name, seed=1, device=device, fill="constant")
@@ -160,13 +178,15 @@ def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
             biggest = max(m.nbytes for m in metas)
             info = IPCTrainerInitInfo(bucket_bytes=-(-biggest // 256) * 256, num_buffers=1,
                                       timeout_s=600)
-            with PerTensorIPCSender(info, client=client,
-                                    source=wtransfer.ModuleSource(model)) as naive:
+            with PerTensorIPCSender.trainer_init(info, client=client,
+                                                 source=wtransfer.ModuleSource(model)) as naive:
                 naive_s = median_seconds(naive.send_weights, repeats)
         if backend != "ucx":
             rows.append({"model": name, "path": "naive per-tensor", "bucket_mb": 0,
                          "seconds": naive_s})
         same = client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+    if rollback:
+        rows += rollback_rows(backend, name, model, buckets_mb, device, repeats)
     for r in rows:
         r.update(bytes=total, tensors=len(metas), gbps=total / r["seconds"] / 1e9,
                  vs_floor=floor / r["seconds"], vs_naive=naive_s / r["seconds"],
@@ -193,11 +213,13 @@ def main() -> None:
     parser.add_argument("--bucket-mb", default="64,256")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rollback", action="store_true",
+                        help="also measure the packed path into a receiver with rollback on")
     args = parser.parse_args()
     rows: list[dict] = []
     for name in args.models.split(","):
         rows += bench_model(args.backend, name, [int(x) for x in args.bucket_mb.split(",")],
-                            args.device, args.repeats)
+                            args.device, args.repeats, args.rollback)
     print(f"\nbackend={args.backend} device={args.device} repeats={args.repeats} "
           f"(median seconds; ratios: floor/time and naive/time, higher is better)")
     print_table(rows, [("model", "model", ""), ("path", "path", ""), ("bucket_mb", "MiB", "d"),

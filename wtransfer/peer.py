@@ -39,7 +39,8 @@ def _exit_when_parent_goes() -> None:
 def run_receiver(args: argparse.Namespace) -> None:
     """Serve a receiver for model `args.model` until stdin closes."""
     module = build(args.model, args.seed, args.device, args.fill)
-    engine = create_receiver(args.backend, ModuleTarget(module), device=args.device)
+    engine = create_receiver(args.backend, ModuleTarget(module), device=args.device,
+                             rollback=args.rollback)
     server = ReceiverServer(engine, args.bind).start()
     _announce({"address": server.address, "pid": os.getpid()})
     threading.Event().wait()
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--address", default="")
     parser.add_argument("--init-hex", default="", help="msgpack (hex) of init-info fields")
     parser.add_argument("--loop", action="store_true")
+    parser.add_argument("--rollback", action="store_true",
+                        help="receiver: restore the old weights when an update fails")
     parser.add_argument("--vary", action="store_true",
                         help="with --loop: refill the weights before every update after the "
                              "first (update k sends build(model, seed) randomized with "

@@ -30,7 +30,8 @@ class ChildProcess:
     def __init__(self, role: str, *, backend: str, model: str = "mixed", seed: int = 0,
                  device: str = "cpu", fill: str = "random", address: str = "",
                  init_fields: dict[str, Any] | None = None,
-                 loop: bool = False, vary: bool = False, env: dict[str, str] | None = None,
+                 loop: bool = False, vary: bool = False, rollback: bool = False,
+                 env: dict[str, str] | None = None,
                  start_timeout_s: float = 120.0) -> None:
         self.role = role
         cmd = [sys.executable, "-m", "wtransfer.peer", role, "--backend", backend,
@@ -43,6 +44,8 @@ class ChildProcess:
             cmd.append("--loop")
         if vary:
             cmd.append("--vary")
+        if rollback:
+            cmd.append("--rollback")
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, **(env or {})},

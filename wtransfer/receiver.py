@@ -7,7 +7,8 @@ State machine (one receiver per model worker)::
                     |                  v
                     +---- start --- failed          (any state) --shutdown--> closed
 
-`init` may be repeated from ready or failed (new wire parameters replace the old ones).
+`init` may be repeated from any state but closed: new wire parameters replace the old ones,
+and an update still open is failed first (its sender is gone: a new one is initializing).
 Public methods are template methods: parse dicts into the backend's dataclasses, check the
 state, then call the backend's ``_init / _start / _receive / _finish / _shutdown`` hooks.
 An update whose sender makes no call for `timeout_s` is failed by a watchdog thread, so an
@@ -119,6 +120,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         self.rollback = rollback
         """Keep each overwritten tensor's old value (host memory) during an update and restore
         them all when the update fails or is abandoned: the target is then never torn."""
+        self._rollback_store: dict[str, torch.Tensor] = {}
+        """Host buffers of the rollback copies, kept across updates (one model's worth)."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -147,6 +150,12 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         """Where the receiver is in its lifecycle (see the module docstring)."""
         return self._state
 
+    @property
+    def update_bytes(self) -> int:
+        """Bytes the open update has received so far (0 when none is open)."""
+        session = self._session
+        return session.bytes_received if session is not None else 0
+
     def _require(self, *states: ReceiverState, action: str) -> None:
         if self._state not in states:
             hint = _HINTS[self._state].format(failure=self.failure)
@@ -159,6 +168,11 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         with contextlib.suppress(Exception):  # teardown must not mask the original failure
             self._abort()
         session, self._session = self._session, None
+        if session is not None:
+            try:
+                self.target.abort()
+            except Exception:
+                log.exception("%s: the target's abort failed", self.backend_name)
         if session is not None and session.touched and self.rollback:
             try:
                 restored = session.rollback()
@@ -188,12 +202,18 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     # -- public template methods ---------------------------------------------------------
 
     def init_transfer_engine(self, init_info: InitT | Mapping[str, Any]) -> None:
-        """Parse and apply the sender's init info (staging handles, wire parameters)."""
+        """Parse and apply the sender's init info (staging handles, wire parameters).
+
+        Only a new sender calls this, so an update still open (its sender died or gave up)
+        is failed first, rolled back where enabled: a restarted trainer need not wait for
+        the watchdog."""
         with self._call():
             self._require(ReceiverState.NEW, ReceiverState.READY, ReceiverState.FAILED,
-                          action="init the transfer engine")
+                          ReceiverState.UPDATING, action="init the transfer engine")
             info: InitT = parse_record(self.init_info_cls, init_info,
                                        where=f"{self.backend_name} init info")
+            if self._state is ReceiverState.UPDATING:
+                self._fail("update superseded: a new sender initialized this receiver")
             if self.init_info is not None:
                 self._shutdown()
                 self.init_info = None
@@ -207,7 +227,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         with self._call():
             self._require(ReceiverState.READY, ReceiverState.FAILED,
                           action="start a weight update")
-            self._session = UpdateSession(self.target, self.device, rollback=self.rollback)
+            self._session = UpdateSession(self.target, self.device, rollback=(
+                self._rollback_store if self.rollback else None))
             self._start()
             self.failure = None
             self._state = ReceiverState.UPDATING
@@ -256,6 +277,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             if self.init_info is not None:
                 self._shutdown()
             self._session = None
+            self._rollback_store = {}
             self._state = ReceiverState.CLOSED
 
     # -- backend hooks -------------------------------------------------------------------

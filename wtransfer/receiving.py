@@ -10,9 +10,10 @@ start -> finish update:
 Tensors split across buckets go straight into the target's storage when it offers a byte view
 (`WeightTarget.direct_bytes`); otherwise they are assembled in one temporary buffer each.
 
-With `rollback=True` the session copies each tensor's old value to host memory just before the
-first byte of it is written; `rollback()` puts every such value back, so a failed update leaves
-the target exactly as it was (and `touched` becomes False again).
+With a `rollback` store the session copies each tensor's old value to host memory just before
+the first byte of it is written (into the store's buffers, reused across updates, so the cost
+is one copy, not an allocation); `rollback()` puts every such value back, so a failed update
+leaves the target exactly as it was (and `touched` becomes False again).
 """
 
 from __future__ import annotations
@@ -64,11 +65,12 @@ class UpdateSession:
     """The state of one update on the receiving side (see the module docstring)."""
 
     def __init__(self, target: WeightTarget, device: torch.device | str, *,
-                 rollback: bool = False) -> None:
+                 rollback: dict[str, torch.Tensor] | None = None) -> None:
         self._target = target
         self._device = torch.device(device)
-        self._rollback = rollback
-        self._saved: dict[str, torch.Tensor] = {}
+        self._store = rollback
+        """Host buffers by tensor name, owned by the receiver (None: no rollback)."""
+        self._saved: set[str] = set()
         self._metas: list[TensorMeta] = []
         self._pending: dict[str, TensorMeta] = {}
         self._announced: dict[str, TensorMeta] = {}
@@ -79,18 +81,21 @@ class UpdateSession:
 
     def _save(self, name: str) -> None:
         """Keep `name`'s current value (once per update) before any byte of it changes."""
-        if self._rollback and name not in self._saved:
-            saved = self._target.snapshot(name)
+        if self._store is not None and name not in self._saved:
+            saved = self._target.snapshot(name, self._store.get(name))
             if saved is None:
                 raise MetadataError(f"cannot keep a copy of {name!r} for rollback: the target "
                                     "offers no snapshot; turn rollback off for this target")
-            self._saved[name] = saved
+            self._store[name] = saved
+            self._saved.add(name)
 
     def rollback(self) -> int:
         """Restore every tensor this update changed; returns how many were restored."""
-        if not self._saved:
+        if not self._saved or self._store is None:
             return 0
-        restored = list(self._saved.items())
+        restored = [(name, self._store[name]) for name in sorted(self._saved)]
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)  # the saving copies and the backend's writes
         self._target.load_weights(restored)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)

@@ -13,6 +13,17 @@ from wtransfer.fingerprint import fingerprint
 from wtransfer.packing import DTYPES, TensorMeta, byte_view
 
 
+def copy_to_host(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`tensor` copied into host tensor `out` (or a new one, pinned for CUDA sources, when
+    `out` does not fit); a CUDA copy is ordered on the current stream, before any later write
+    to `tensor` on that stream."""
+    if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype:
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                          pin_memory=tensor.is_cuda)
+    out.copy_(tensor, non_blocking=tensor.is_cuda)
+    return out
+
+
 class WeightTarget(ABC):
     """What an engine hands to a `WeightTransferEngine`: what it accepts and how to load it.
 
@@ -61,17 +72,23 @@ class WeightTarget(ABC):
         """
         return None
 
-    def snapshot(self, name: str) -> torch.Tensor | None:
-        """A host-memory copy of what the target holds under `name` now, for rolling a failed
-        update back (given back through `load_weights`); None when the target cannot say."""
+    def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Copy what the target holds under `name` now into host memory, for rolling a failed
+        update back (it is given back through `load_weights`): into `out` when it has the
+        right shape and dtype (reused across updates), else into a new tensor, which is
+        returned. None when the target cannot say what it holds."""
         direct = self.direct_bytes(name)
         meta = self.held(name)
         if direct is None or meta is None:
             return None
-        return direct.to("cpu", copy=True).view(DTYPES[meta.dtype]).reshape(meta.shape)
+        return copy_to_host(direct.view(DTYPES[meta.dtype]).reshape(meta.shape), out)
 
     def finish(self) -> None:  # noqa: B027 - optional hook
         """Post-process after all tensors of an update landed (e.g. re-quantize)."""
+
+    def abort(self) -> None:  # noqa: B027 - optional hook
+        """An update failed: drop whatever partial-load state the target keeps (an engine
+        that buffers tensors until a whole layer arrived, say). Called before any rollback."""
 
     @abstractmethod
     def fingerprint(self) -> dict[str, str]:
@@ -133,9 +150,9 @@ class ModuleTarget(WeightTarget):
             self._views[name] = view
         return view
 
-    def snapshot(self, name: str) -> torch.Tensor | None:
-        """A host-memory copy of the parameter or buffer `name` maps to."""
-        return self._dest(name).detach().to("cpu", copy=True)
+    def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Copy the parameter or buffer `name` maps to into host memory (`out` if it fits)."""
+        return copy_to_host(self._dest(name).detach(), out)
 
     def finish(self) -> None:
         """Run `post_process(module)`, if given."""

@@ -90,3 +90,47 @@ def test_send_after_shutdown_is_a_lifecycle_error(pair):
     sender.shutdown()
     with pytest.raises(LifecycleError, match="shut down"):
         sender.send_weights()
+
+
+class Exploding(wtransfer.ModuleSource):
+    """A trainer that crashes while gathering tensor #30 of every update."""
+
+    def tensors(self):
+        for i, item in enumerate(super().tensors()):
+            if i == 30:
+                raise RuntimeError("trainer crashed while gathering")
+            yield item
+
+
+@pytest.mark.parametrize(("bucket_bytes", "wrote"), [(4096, True), (1 << 20, False)])
+def test_rollback_restores_every_overwritten_tensor_after_a_failed_update(bucket_bytes, wrote):
+    metas = mixed_metas(layers=4)
+    trainer, engine_model = build_module(metas, 1), build_module(metas, 2)
+    engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(engine_model),
+                                       rollback=True)
+    client = wtransfer.LocalClient(engine)
+    try:
+        good = wtransfer.fingerprint(engine_model.state_dict())
+        for _ in range(2):  # the rollback buffers are reused by the second failed update
+            sender = wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=bucket_bytes),
+                                            client=client, source=Exploding(trainer))
+            with sender, pytest.raises(RuntimeError, match="gathering"):
+                sender.send_weights()
+            assert engine.state == "failed" and engine.torn is False
+            assert ("rolled back" in engine.failure) is wrote  # big buckets: nothing written
+            assert wtransfer.fingerprint(engine_model.state_dict()) == good
+        with ipc_sender(trainer, client, bucket_bytes=bucket_bytes) as sender:
+            sender.send_weights()
+        assert client.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+    finally:
+        engine.shutdown()
+
+
+def test_a_new_sender_supersedes_an_update_left_open(pair):
+    trainer, engine, client = pair
+    with ipc_sender(trainer, client, bucket_bytes=4096):  # a trainer that dies mid-update
+        engine.start_weight_update()
+    with ipc_sender(trainer, client, bucket_bytes=4096) as sender:
+        sender.send_weights(weight_version="fresh")
+    assert engine.state == "ready" and client.weight_version == "fresh"
+    assert client.fingerprint() == wtransfer.fingerprint(trainer.state_dict())

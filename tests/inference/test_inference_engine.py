@@ -227,9 +227,11 @@ def test_in_process_update_through_ipc_changes_the_served_weights():
     run(main())
 
 
-def test_a_torn_update_keeps_the_label_and_blocks_resume_until_a_good_update():
+@pytest.mark.parametrize("rollback", [False, True])
+def test_a_failed_update_keeps_the_label_and_is_torn_or_rolled_back(rollback):
     async def main():
-        engine = AsyncEngine(EngineConfig(model="tiny"))
+        engine = AsyncEngine(EngineConfig(model="tiny", update_rollback=rollback))
+        before = await engine.fingerprint()
         client = wtransfer.rpc.RPCClient(engine.serve_rpc(), timeout_s=30)
         trainer = load_model("tiny", seed=4)
         loop = asyncio.get_running_loop()
@@ -247,8 +249,13 @@ def test_a_torn_update_keeps_the_label_and_blocks_resume_until_a_good_update():
         with pytest.raises(RuntimeError, match="lost a shard"):
             await loop.run_in_executor(None, sender.send_weights, "bad")
         assert await engine.get_weight_version() == "default"
-        with pytest.raises(LifecycleError, match="refusing to resume"):
+        if rollback:  # the old weights are back: the engine may serve them at once
+            assert await engine.fingerprint() == before
             await engine.resume_generation()
+            await engine.pause_generation(mode="keep")
+        else:
+            with pytest.raises(LifecycleError, match="refusing to resume"):
+                await engine.resume_generation()
         sender.source = wtransfer.ModuleSource(trainer)
         await loop.run_in_executor(None, sender.send_weights, "good")
         await engine.resume_generation()

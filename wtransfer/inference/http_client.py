@@ -17,6 +17,20 @@ from wtransfer.errors import ConfigError, PeerError, TransferTimeout, from_reply
 from wtransfer.inference.commands import PauseMode, check_pause_mode
 
 
+def _error_fields(response: Any) -> dict[str, str]:
+    """``{"type", "message"}`` of an error reply: ours (``{"error", "message"}``), or another
+    server's (``{"error": text}``, FastAPI's ``{"detail": ...}``, plain text)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return {"type": "HTTPError", "message": response.text[:500]}
+    if isinstance(body, dict) and "message" in body and isinstance(body.get("error"), str):
+        return {"type": body["error"], "message": str(body["message"])}
+    if isinstance(body, dict) and ("error" in body or "detail" in body):
+        return {"type": "HTTPError", "message": str(body.get("error", body.get("detail")))}
+    return {"type": "HTTPError", "message": str(body)[:500]}
+
+
 def _httpx() -> Any:
     try:
         import httpx
@@ -29,14 +43,17 @@ class HTTPClient(SingleEngineClient):
     """A `WeightSyncClient` plus pause/resume/version/generate calls for `wtransfer serve`."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0) -> None:
-        httpx = _httpx()
         if not timeout > 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout}")
         self.base_url = base_url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=self.base_url, headers=headers,
-                                  timeout=httpx.Timeout(timeout))
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
+        self._http = self._connect()
+
+    def _connect(self) -> Any:
+        httpx = _httpx()
+        return httpx.Client(base_url=self.base_url, headers=self._headers,
+                            timeout=httpx.Timeout(self.timeout))
 
     def _request(self, method: str, path: str, *, json_body: Any = None, packed: Any = None,
                  params: dict[str, str] | None = None) -> Any:
@@ -55,15 +72,15 @@ class HTTPClient(SingleEngineClient):
         except httpx.TransportError as exc:
             raise PeerError(f"{method} {self.base_url}{path}: cannot reach the server: "
                             f"{exc}") from None
+        if response.status_code >= 500:
+            # a server that failed inside a request may close the connection without saying
+            # so; the next call must not find it in the pool
+            self._http.close()
+            self._http = self._connect()
         if response.status_code >= 400:
-            try:
-                detail = response.json()
-            except ValueError:
-                detail = {"type": "HTTPError", "message": response.text[:500]}
-            if isinstance(detail, dict) and "error" in detail:
-                detail = {"type": detail["error"], "message": detail.get("message", "")}
-            raise from_reply(detail, f"{method} {path} -> {response.status_code}")
-        return response.json()
+            raise from_reply(_error_fields(response), f"{method} {path} -> "
+                                                      f"{response.status_code}")
+        return response.json() if response.content else None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """POST /init_weight_transfer_engine."""

@@ -255,7 +255,8 @@ class Replica:
                 "update_state": receiver.state.value if receiver else "none",
                 "torn": bool(receiver and receiver.torn),
                 "failure": receiver.failure if receiver else None,
-                "rollback": bool(receiver and receiver.rollback)}
+                "rollback": bool(receiver and receiver.rollback),
+                "update_bytes": receiver.update_bytes if receiver else 0}
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and benchmarks."""

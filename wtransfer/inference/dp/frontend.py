@@ -141,6 +141,7 @@ def _merge_weight_info(per_rank: list[Any]) -> dict[str, Any]:
             "torn": bool(torn),
             "failure": next((per_rank[r]["failure"] for r in torn), None),
             "rollback": all(info["rollback"] for info in per_rank),
+            "update_bytes": sum(info["update_bytes"] for info in per_rank),
             "ranks": per_rank}
 
 

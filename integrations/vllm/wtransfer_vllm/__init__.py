@@ -1,0 +1,26 @@
+"""wtransfer inside vLLM: every installed wtransfer backend becomes a vLLM weight-transfer engine
+named ``wtransfer-<backend>`` (registered in every vLLM process by the `vllm.general_plugins`
+entry point), and trainer-side `WeightSyncClient`s drive a real vLLM engine: `AsyncLLMClient`
+in process, `ServerClient` over `vllm serve`.
+
+    args = AsyncEngineArgs(model=path, **wtransfer_vllm.engine_kwargs("ipc"))
+    llm = AsyncLLM.from_engine_args(args)
+    sender = wtransfer.trainer_init(IPCTrainerInitInfo(), client=AsyncLLMClient(llm),
+                                    source=wtransfer.ModuleSource(hf_model))
+"""
+
+from typing import Any
+
+from wtransfer_vllm.clients import AsyncLLMClient, ServerClient
+from wtransfer_vllm.names import BACKEND_PREFIX, WORKER_EXTENSION, vllm_backend_name
+
+
+def engine_kwargs(backend: str) -> dict[str, Any]:
+    """The vLLM engine arguments that serve wtransfer backend `backend`: the weight-transfer
+    config, and the worker extension that lets clients read fingerprints."""
+    return {"weight_transfer_config": {"backend": vllm_backend_name(backend)},
+            "worker_extension_cls": WORKER_EXTENSION}
+
+
+__all__ = ["BACKEND_PREFIX", "WORKER_EXTENSION", "AsyncLLMClient", "ServerClient",
+           "engine_kwargs", "vllm_backend_name"]

@@ -1,0 +1,171 @@
+"""Trainer-side `WeightSyncClient`s that drive a real vLLM engine.
+
+`AsyncLLMClient` calls an in-process `AsyncLLM` from the trainer's thread while the engine's
+event loop runs elsewhere; `ServerClient` speaks ``vllm serve``'s weight-transfer routes
+(``VLLM_SERVER_DEV_MODE=1``). Records travel as plain dicts in process and as msgpack inside
+one JSON field over HTTP (`envelope`): never pickle. Fingerprints and worker states are read
+through vLLM's ``collective_rpc`` from the `WorkerExtension` methods, so start vLLM with
+``worker_extension_cls=wtransfer_vllm.WORKER_EXTENSION`` (see `engine_kwargs`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
+
+from wtransfer.clients import SingleEngineClient, check_workers
+from wtransfer.errors import (
+    ConfigError,
+    IntegrityError,
+    LifecycleError,
+    PeerError,
+    TransferTimeout,
+    WTransferError,
+)
+from wtransfer.inference.http_client import HTTPClient
+from wtransfer_vllm.envelope import wrap
+from wtransfer_vllm.names import FINGERPRINT_METHOD, STATE_METHOD, WORKER_EXTENSION
+
+T = TypeVar("T")
+
+
+def agree(per_worker: list[dict[str, str]]) -> dict[str, str]:
+    """The fingerprint every worker reports; `IntegrityError` naming those that differ."""
+    if not per_worker:
+        raise PeerError("vLLM returned no worker fingerprints")
+    odd = [i for i, p in enumerate(per_worker) if p != per_worker[0]]
+    if odd:
+        raise IntegrityError(f"vLLM workers {odd} hold different weights from worker 0")
+    return dict(per_worker[0])
+
+
+def _no_extension(exc: BaseException) -> bool:
+    return FINGERPRINT_METHOD in str(exc) or STATE_METHOD in str(exc)
+
+
+class AsyncLLMClient(SingleEngineClient):
+    """A `WeightSyncClient` over an in-process vLLM `AsyncLLM`.
+
+    Build it on the engine's event loop (or pass `loop`), then call it from another thread
+    (e.g. ``await asyncio.to_thread(sender.send_weights)``): each call runs on the engine's
+    loop and waits at most `timeout_s`.
+    """
+
+    def __init__(self, engine: Any, *, loop: asyncio.AbstractEventLoop | None = None,
+                 timeout_s: float = 600.0) -> None:
+        self.engine = engine
+        self.loop = loop or asyncio.get_running_loop()
+        self.timeout_s = timeout_s
+
+    def _run(self, what: str, make: Callable[[], Awaitable[T]]) -> T:
+        if threading.get_ident() == getattr(self.loop, "_thread_id", None):
+            raise LifecycleError(f"AsyncLLMClient.{what} was called on the engine's own event "
+                                 "loop, which it would block; call it from another thread "
+                                 "(asyncio.to_thread)")
+
+        async def call() -> T:
+            return await make()
+
+        future = asyncio.run_coroutine_threadsafe(call(), self.loop)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            future.cancel()
+            raise TransferTimeout(f"vLLM {what} did not complete within "
+                                  f"{self.timeout_s:g}s") from None
+        except WTransferError:
+            raise
+        except Exception as exc:
+            raise PeerError(f"vLLM {what} failed: {type(exc).__name__}: {exc}",
+                            remote_type=type(exc).__name__) from exc
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Initialize every worker's wtransfer engine."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._run("init_weight_transfer_engine", lambda: self.engine.init_weight_transfer_engine(
+            WeightTransferInitRequest(init_info=init_info)))
+
+    def start_weight_update(self) -> None:
+        """Open an update on every worker."""
+        self._run("start_weight_update", self.engine.start_weight_update)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Deliver one part of the update to every worker."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._run("update_weights", lambda: self.engine.update_weights(
+            WeightTransferUpdateRequest(update_info=update_info)))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Finish on every worker and label the weights."""
+        self._run("finish_weight_update",
+                  lambda: self.engine.finish_weight_update(weight_version=weight_version))
+
+    def num_workers(self) -> int:
+        """vLLM workers of every data-parallel replica (tensor x pipeline parallel each)."""
+        parallel = self.engine.vllm_config.parallel_config
+        return check_workers(self, parallel.world_size * parallel.data_parallel_size)
+
+    def fingerprint(self) -> dict[str, str]:
+        """Per-tensor digest, by checkpoint name, of what every worker holds (they agree)."""
+        return agree(self._collective(FINGERPRINT_METHOD))
+
+    def worker_states(self) -> list[dict[str, Any]]:
+        """Each worker's receiver state (state, torn, failure)."""
+        return self._collective(STATE_METHOD)
+
+    def _collective(self, method: str) -> Any:
+        try:
+            return self._run(method, lambda: self.engine.collective_rpc(method))
+        except PeerError as exc:
+            if _no_extension(exc):
+                raise ConfigError(f"start vLLM with worker_extension_cls={WORKER_EXTENSION!r} "
+                                  f"to read fingerprints ({exc})") from None
+            raise
+
+    def __repr__(self) -> str:
+        return "AsyncLLMClient()"
+
+
+class ServerClient(HTTPClient):
+    """A `WeightSyncClient` (plus pause/resume/versions) for ``vllm serve`` started with
+    ``VLLM_SERVER_DEV_MODE=1``, ``--weight-transfer-config '{"backend": "wtransfer-<name>"}'``
+    and ``--worker-extension-cls wtransfer_vllm.worker.WorkerExtension``."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """POST /init_weight_transfer_engine (the record as msgpack in one JSON field)."""
+        self._request("POST", "/init_weight_transfer_engine",
+                      json_body={"init_info": wrap(init_info)})
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """POST /update_weights (the record as msgpack in one JSON field)."""
+        self._request("POST", "/update_weights", json_body={"update_info": wrap(update_info)})
+
+    def num_workers(self) -> int:
+        """GET /get_world_size: vLLM workers across data-parallel replicas."""
+        return check_workers(self, self._request("GET", "/get_world_size")["world_size"])
+
+    def fingerprint(self) -> dict[str, str]:
+        """POST /collective_rpc wtransfer_fingerprint: what every worker holds."""
+        return agree(self._collective(FINGERPRINT_METHOD))
+
+    def worker_states(self) -> list[dict[str, Any]]:
+        """Each worker's receiver state."""
+        return list(self._collective(STATE_METHOD))
+
+    def _collective(self, method: str) -> Any:
+        try:
+            return self._request("POST", "/collective_rpc", json_body={"method": method})[
+                "results"]
+        except PeerError as exc:
+            if _no_extension(exc):
+                raise ConfigError(f"start vllm serve with --worker-extension-cls "
+                                  f"{WORKER_EXTENSION} to read fingerprints ({exc})") from None
+            raise
+
+    def __repr__(self) -> str:
+        return f"ServerClient({self.base_url!r})"

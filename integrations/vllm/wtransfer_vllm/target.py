@@ -1,0 +1,176 @@
+"""`VLLMTarget`: where received weights land inside a vLLM worker.
+
+What the engine accepts is the checkpoint it was started from (names, shapes and dtypes read
+from the safetensors headers: no per-model name tables), so an update is checked before any
+byte is written. Weights land through vLLM's own loader under layerwise reload, so fused and
+quantized layers get the same processing as at start-up. Layerwise reload starts only once the
+first tensors arrive, after the manifest was accepted: a refused update never touches the
+model. `fingerprint()` digests, by checkpoint name, what the engine received (or loaded from
+the checkpoint, for names no update has sent yet).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.fingerprint import tensor_digest
+from wtransfer.packing import DTYPES, TensorMeta
+from wtransfer.target import WeightTarget
+
+log = logging.getLogger("wtransfer.vllm")
+
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+
+
+def checkpoint_files(model: str, revision: str | None = None) -> list[str]:
+    """The safetensors files of the checkpoint vLLM loaded (a directory, or a hub id already
+    in the local cache)."""
+    directory = model
+    if not os.path.isdir(directory):
+        try:
+            from huggingface_hub import snapshot_download
+
+            directory = snapshot_download(model, revision=revision, local_files_only=True,
+                                          allow_patterns=["*.safetensors"])
+        except Exception as exc:
+            raise ConfigError(f"wtransfer-vllm: cannot find the checkpoint files of "
+                              f"{model!r} locally ({exc})") from None
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise ConfigError(f"wtransfer-vllm: {directory} holds no *.safetensors; wtransfer reads "
+                          "the checkpoint's tensor list to check updates before writing")
+    return files
+
+
+def read_manifest(files: Sequence[str]) -> dict[str, TensorMeta]:
+    """Name, dtype and shape of every tensor of the checkpoint (headers only)."""
+    manifest: dict[str, TensorMeta] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                piece = f.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+                if dtype is None:
+                    raise ConfigError(f"{path}: tensor {name!r} has dtype {piece.get_dtype()}, "
+                                      "which wtransfer does not move")
+                manifest[name] = TensorMeta(name, dtype, tuple(piece.get_shape()))
+    return manifest
+
+
+def _floating(dtype: str) -> bool:
+    return DTYPES[dtype].is_floating_point
+
+
+class VLLMTarget(WeightTarget):
+    """A vLLM worker's model as a wtransfer `WeightTarget` (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, model_config: Any) -> None:
+        self.model = model
+        self.model_config = model_config
+        self._files = checkpoint_files(model_config.model, getattr(model_config, "revision",
+                                                                   None))
+        self._manifest = read_manifest(self._files)
+        self._checkpoint_digests: dict[str, str] | None = None
+        self._committed: dict[str, str] = {}
+        """Digests of what completed updates delivered, by checkpoint name."""
+        self._received: dict[str, str] = {}
+        """Digests of what the open update delivered so far."""
+        self._reloading = False
+
+    def metadata(self) -> list[TensorMeta]:
+        """The checkpoint's tensors."""
+        return list(self._manifest.values())
+
+    def held(self, name: str) -> TensorMeta | None:
+        """The checkpoint's entry for `name`."""
+        return self._manifest.get(name)
+
+    def check(self, metas: Sequence[TensorMeta]) -> None:
+        """Names and shapes must match the checkpoint; a floating-point tensor may come in
+        another floating-point dtype (vLLM's loader casts), any other dtype must match."""
+        problems = []
+        for meta in metas:
+            have = self._manifest.get(meta.name)
+            if have is None:
+                problems.append(f"unknown tensor {meta.name!r}")
+            elif have.shape != meta.shape or (have.dtype != meta.dtype and not (
+                    _floating(have.dtype) and _floating(meta.dtype))):
+                problems.append(f"{meta.name!r}: sent {meta.dtype}{list(meta.shape)}, the "
+                                f"checkpoint holds {have.dtype}{list(have.shape)}")
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise MetadataError("update refused before any weight changed: "
+                                + "; ".join(problems[:5]) + more)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hand the tensors to vLLM's loader (copies: it may hold them until their layer is
+        complete, and ours are views of staging memory)."""
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        batch = [(name, tensor.clone()) for name, tensor in weights]
+        for name, tensor in batch:
+            self._received[name] = tensor_digest(tensor)
+        if not self._reloading:
+            initialize_layerwise_reload(self.model)
+            self._reloading = True
+        load: Any = self.model.load_weights  # vLLM models define it; nn.Module does not
+        with disable_mtp_completeness_check():
+            load(batch)
+
+    def finish(self) -> None:
+        """Let vLLM process the layers still pending, then record what this update sent."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if self._reloading:
+            finalize_layerwise_reload(self.model, self.model_config)
+            self._reloading = False
+        self._committed.update(self._received)
+        self._received = {}
+
+    def abort(self) -> None:
+        """Put the kept kernel tensors back into every layer the failed update left
+        incomplete, so the model is whole again (layers already completed keep their new
+        weights: the receiver reports the update as torn)."""
+        self._received = {}
+        if not self._reloading:
+            return
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        for layer in self.model.modules():
+            info = layerwise.get_layerwise_info(layer)
+            if info.can_load():
+                if info.kernel_tensors is not None:
+                    layerwise._place_kernel_tensors(layer, info)
+                info.reset()
+        layerwise.LOADING_LAYERS.clear()
+        if hasattr(self.model, "_original_do_torchao_reload"):
+            self.model._do_torchao_reload = self.model._original_do_torchao_reload
+        self._reloading = False
+
+    def fingerprint(self) -> dict[str, str]:
+        """Digest of every checkpoint tensor: as the last update that sent it delivered it,
+        else as the checkpoint holds it."""
+        if self._checkpoint_digests is None:
+            digests = {}
+            for path in self._files:
+                with safe_open(path, framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                        digests[name] = tensor_digest(f.get_tensor(name))
+            self._checkpoint_digests = digests
+        return {**self._checkpoint_digests, **self._committed}
