@@ -30,7 +30,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     return run_rl_demo(steps=args.steps, backend=args.backend, local=args.local,
                        lr=args.lr, seed=args.seed, run_dir=args.run_dir,
-                       data_parallel_size=args.data_parallel_size)
+                       data_parallel_size=args.data_parallel_size, engine=args.engine)
 
 
 def cmd_transfer_demo(args: argparse.Namespace) -> int:
@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where rl.png and metrics.json go (default runs/rl-<timestamp>)")
     rl.add_argument("--data-parallel-size", type=int, default=1,
                     help="serve the policy from N lockstep engine ranks")
+    rl.add_argument("--engine", choices=["wtransfer", "vllm"], default="wtransfer",
+                    help="serve the policy with our engine (default) or an in-process vLLM "
+                         "(needs vllm and wtransfer-vllm: `make test-vllm` builds .venv-vllm)")
     rl.set_defaults(func=cmd_demo)
     demo = sub.add_parser("transfer-demo", help="push a model's weights into another process "
                                                 "and prove they landed")

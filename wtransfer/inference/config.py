@@ -58,6 +58,10 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                         intermediate_size=128, tie_word_embeddings=False,
                         max_position_embeddings=2048),
+    "tiny32": ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                          intermediate_size=128, tie_word_embeddings=False,
+                          max_position_embeddings=2048),
     "small": ModelConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                          intermediate_size=384, tie_word_embeddings=True,
@@ -67,7 +71,8 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
                               intermediate_size=3072, tie_word_embeddings=True,
                               max_position_embeddings=40960, torch_dtype="bfloat16"),
 }
-"""Named random-weight models: "tiny" for tests, Qwen3-0.6B shapes for benchmarks."""
+"""Named random-weight models: "tiny" for tests, "tiny32" where an engine needs head_dim >= 32
+(vLLM's CPU attention), Qwen3-0.6B shapes for benchmarks."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,14 +25,16 @@ import torch
 from wtransfer.demos.rl.grpo import Rollout, grpo_step
 from wtransfer.demos.rl.servers import HTTPPolicyServer, LocalPolicyServer, Stream
 from wtransfer.demos.rl.task import ChainParityTask
+from wtransfer.errors import ConfigError
 from wtransfer.fingerprint import fingerprint
-from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams, load_model
-from wtransfer.inference.engine_core import EngineCore
+from wtransfer.inference import load_model
 from wtransfer.processes import free_port
 from wtransfer.registry import get_backend, trainer_init
 from wtransfer.source import ModuleSource
 
 MODEL = "tiny"
+VLLM_MODEL = "tiny32"
+"""vLLM's CPU attention needs head_dim >= 32."""
 VALIDATION_TOKENS = 192
 """Long enough that a validation request seen running before the last pause is still running
 when the pause lands, even on a loaded machine (a step of the tiny model takes milliseconds)."""
@@ -80,26 +82,31 @@ def _print_row(r: StepRecord) -> None:
           flush=True)
 
 
+def _policy_server(engine: str, local: bool, model: str, backend: str,
+                   data_parallel_size: int) -> Any:
+    """The server the demo generates from (and prints which)."""
+    if engine == "vllm":
+        from wtransfer.demos.rl.vllm_server import VLLMPolicyServer
+
+        where = "vLLM AsyncLLM (in process)"
+        make: Any = VLLMPolicyServer
+    elif engine == "wtransfer":
+        where = "in-process engine" if local else "wtransfer serve (child process, HTTP)"
+        make = LocalPolicyServer if local else HTTPPolicyServer
+    else:
+        raise ConfigError(f"engine must be 'wtransfer' or 'vllm', got {engine!r}")
+    if data_parallel_size > 1:
+        where += f", {data_parallel_size} data-parallel ranks"
+    print(f"wtransfer demo: async GRPO on chain-parity, backend={backend}, server={where}")
+    return make(model=model, seed=0, backend=backend, data_parallel_size=data_parallel_size)
+
+
 def _validate(server: Any, trainer: torch.nn.Module, streams: list[tuple[list[int], Stream]]
               ) -> tuple[bool, list[str]]:
-    """Post-pause tokens of the mid-flight requests against a fresh engine with the final
-    weights; then fingerprints."""
+    """Post-pause tokens of the mid-flight requests against an engine holding the final
+    weights (`server.reference`); then fingerprints."""
     problems: list[str] = []
-    fresh = AsyncEngine(EngineConfig(model=MODEL, batch_invariant=True))
-    core = fresh.core
-    assert isinstance(core, EngineCore)  # data_parallel_size is 1
-    core.call(core.model.load_state_dict, trainer.state_dict()).result(timeout=60)
-
-    async def reference(prompt: list[int], max_tokens: int) -> list[int]:
-        last = None
-        async for out in fresh.generate(prompt, SamplingParams(max_tokens=max_tokens,
-                                                               temperature=0.0)):
-            last = out
-        assert last is not None
-        return last.outputs[0].token_ids
-
-    import asyncio
-
+    reference = server.reference(trainer)
     checked = 0
     for prompt, handle in streams:
         choice = handle.result.result(timeout=120)
@@ -112,11 +119,11 @@ def _validate(server: Any, trainer: torch.nn.Module, streams: list[tuple[list[in
             continue
         pre = spans[0]["end"]
         tokens = choice["token_ids"]
-        want = asyncio.run(reference(prompt + tokens[:pre], VALIDATION_TOKENS - pre))
+        want = reference(prompt + tokens[:pre], VALIDATION_TOKENS - pre)
         if want != tokens[pre:]:
             problems.append(f"post-pause tokens {tokens[pre:]} != fresh engine {want}")
         checked += 1
-    fresh.shutdown()
+    reference.close()
     if not checked:
         problems.append("no validation request was still running when the last pause landed")
     if fingerprint(trainer.state_dict()) != server.client.fingerprint():
@@ -155,22 +162,18 @@ def _plot(records: list[StepRecord], path: Path) -> None:
 def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
                 prompts_per_step: int = 8, group: int = 8, max_tokens: int = 8,
                 lr: float = 1e-2, seed: int = 0, run_dir: str | None = None,
-                data_parallel_size: int = 1) -> int:
-    """Run the demo; returns the exit code (0 when both validations passed)."""
+                data_parallel_size: int = 1, engine: str = "wtransfer") -> int:
+    """Run the demo; returns the exit code (0 when both validations passed). `engine` is
+    "wtransfer" (our engine) or "vllm" (an in-process vLLM AsyncLLM)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     started = time.perf_counter()
     out_dir = Path(run_dir or f"runs/rl-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    where = "in-process engine" if local else "wtransfer serve (child process, HTTP)"
-    if data_parallel_size > 1:
-        where += f", {data_parallel_size} data-parallel ranks"
-    print(f"wtransfer demo: async GRPO on chain-parity, {steps} steps, backend={backend}, "
-          f"server={where}")
-    server: Any = (LocalPolicyServer if local else HTTPPolicyServer)(
-        model=MODEL, seed=0, backend=backend, data_parallel_size=data_parallel_size)
+    model = VLLM_MODEL if engine == "vllm" else MODEL
+    server = _policy_server(engine, local, model, backend, data_parallel_size)
     try:
-        trainer = load_model(MODEL, seed=0)
+        trainer = load_model(model, seed=0)
         task = ChainParityTask(trainer.config.vocab_size)
         if fingerprint(trainer.state_dict()) != server.client.fingerprint():
             raise RuntimeError("trainer and server do not start from the same policy")

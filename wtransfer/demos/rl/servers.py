@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import torch
 
 from wtransfer.errors import TransferTimeout
 from wtransfer.inference import (
@@ -29,12 +30,40 @@ from wtransfer.inference import (
     PauseMode,
     SamplingParams,
 )
+from wtransfer.inference.engine_core import EngineCore
 from wtransfer.inference.http_client import HTTPClient
 from wtransfer.processes import free_port
 from wtransfer.sender import WeightSyncClient
 
 CALL_TIMEOUT_S = 600.0
 """Deadline of pause, resume and status calls into the in-process engine."""
+
+
+class FreshEngineReference:
+    """Greedy continuations from a fresh engine holding a trainer's weights (what the demo
+    checks mid-flight requests against)."""
+
+    def __init__(self, model: str, trainer: torch.nn.Module) -> None:
+        self.engine = AsyncEngine(EngineConfig(model=model, batch_invariant=True))
+        core = self.engine.core
+        assert isinstance(core, EngineCore)  # data_parallel_size is 1
+        core.call(core.model.load_state_dict, trainer.state_dict()).result(timeout=60)
+
+    async def _generate(self, prompt: list[int], max_tokens: int) -> list[int]:
+        last = None
+        async for out in self.engine.generate(prompt, SamplingParams(max_tokens=max_tokens,
+                                                                     temperature=0.0)):
+            last = out
+        assert last is not None
+        return last.outputs[0].token_ids
+
+    def __call__(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """Greedy tokens continuing `prompt`."""
+        return asyncio.run(self._generate(prompt, max_tokens))
+
+    def close(self) -> None:
+        """Stop the engine."""
+        self.engine.shutdown()
 
 
 class Stream:
@@ -50,6 +79,7 @@ class HTTPPolicyServer:
 
     def __init__(self, *, model: str, seed: int, backend: str, data_parallel_size: int = 1,
                  start_timeout_s: float = 120):
+        self.model = model
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close(); a pipe nobody reads could fill
@@ -126,6 +156,10 @@ class HTTPPolicyServer:
         """GET /weight_info."""
         return str(self.http.get("/weight_info").json()["weight_version"])
 
+    def reference(self, trainer: torch.nn.Module) -> FreshEngineReference:
+        """Greedy continuations from a fresh engine holding `trainer`'s weights."""
+        return FreshEngineReference(self.model, trainer)
+
     def inflight(self) -> int:
         """Requests running or waiting in the engine."""
         count = 0
@@ -152,6 +186,7 @@ class LocalPolicyServer:
 
     def __init__(self, *, model: str, seed: int, backend: str,
                  data_parallel_size: int = 1) -> None:
+        self.model = model
         self.engine = AsyncEngine(EngineConfig(model=model, seed=seed, batch_invariant=True,
                                                weight_transfer_backend=backend,
                                                max_num_seqs=256,
@@ -200,6 +235,10 @@ class LocalPolicyServer:
     def weight_version(self) -> str:
         """The engine's weight label."""
         return str(self._submit(self.engine.get_weight_version()).result(timeout=CALL_TIMEOUT_S))
+
+    def reference(self, trainer: torch.nn.Module) -> FreshEngineReference:
+        """Greedy continuations from a fresh engine holding `trainer`'s weights."""
+        return FreshEngineReference(self.model, trainer)
 
     def inflight(self) -> int:
         """Requests running or waiting in the engine."""
