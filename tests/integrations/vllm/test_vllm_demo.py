@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed here; `make test-vllm` runs these")
 
-from wtransfer.demos.rl.demo import run_rl_demo  # noqa: E402
+from wtransfer.demos.rl.demo import run_rl_demo
 
 
 def test_the_rl_demo_runs_on_vllm_and_validates(tmp_path, capsys):
