@@ -35,6 +35,7 @@ import wtransfer
 from wtransfer.packing import Bucket, BucketPlan, Slice, byte_view
 from wtransfer.processes import free_port, spawn_receiver
 from wtransfer.rpc import RPCClient
+from wtransfer.sender import Share
 from wtransfer.shapes import build, model_metas
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -44,7 +45,9 @@ from common import median_seconds, print_table, write_json
 class PerTensorIPCSender(IPCSender):
     """The naive baseline: every tensor is its own message (no packing, no pipelining)."""
 
-    def _send(self, plan: BucketPlan) -> None:
+    def _send(self, share: Share) -> None:
+        plan = share.plan
+        assert self.client is not None
         single = BucketPlan(plan.metas, plan.bucket_bytes, plan.align, tuple(
             Bucket(i, m.nbytes, (Slice(i, 0, 0, m.nbytes),)) for i, m in enumerate(plan.metas)))
         manifest = [m.to_wire() for m in plan.metas]

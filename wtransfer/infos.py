@@ -56,6 +56,9 @@ class TrainerInitInfo(WireParams):
     """
 
     backend: ClassVar[str] = ""
+    senders: int | None = None
+    """Trainer ranks that send at once (each with its own client; the others pass
+    client=None); default: however many ranks have a client. Checked, never sent."""
 
     def __init_subclass__(cls, *, abstract: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -86,6 +89,8 @@ class TransferStats:
     tensors: int
     buckets: int
     seconds: float
+    gathered_peak_bytes: int = 0
+    """Sharded sources: most gathered bytes this rank held at once (bounded by a bucket)."""
 
     @property
     def gbps(self) -> float:

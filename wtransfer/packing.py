@@ -182,6 +182,18 @@ class BucketPlan:
         """Bytes of tensor contents (padding excluded)."""
         return sum(m.nbytes for m in self.metas)
 
+    def owners(self, senders: int) -> list[int]:
+        """Which of `senders` trainer ranks sends each bucket: contiguous runs of buckets
+        holding about equal bytes. Both sides compute the same list from the same plan."""
+        if senders < 1:
+            raise ConfigError(f"senders must be >= 1, got {senders}")
+        total = sum(b.nbytes for b in self.buckets) or 1
+        owners, before = [], 0
+        for bucket in self.buckets:
+            owners.append(min(senders - 1, (2 * before + bucket.nbytes) * senders // (2 * total)))
+            before += bucket.nbytes
+        return owners
+
     @classmethod
     def build(
         cls, metas: Sequence[TensorMeta], bucket_bytes: int, align: int = DEFAULT_ALIGN,
@@ -312,6 +324,7 @@ class BucketPacker:
         self._iter: Iterator[tuple[str, torch.Tensor]] = iter(tensors)
         self._index = -1
         self._bytes: torch.Tensor | None = None
+        self._finished = False
 
     def _tensor_bytes(self, index: int) -> torch.Tensor:
         while self._index < index:
@@ -363,10 +376,14 @@ class BucketPacker:
         return staging[:length]
 
     def finish(self) -> None:
-        """Check the source holds nothing beyond what it announced."""
+        """Check the source yields every announced tensor (those of buckets another sender
+        packs included) and nothing beyond; idempotent."""
+        if self._finished:
+            return
+        self._finished = True
+        if self._plan.metas:
+            self._tensor_bytes(len(self._plan.metas) - 1)
         self._bytes = None
-        if self._index != len(self._plan.metas) - 1:
-            raise MetadataError("packing stopped before the last announced tensor")
         extra = next(self._iter, None)
         if extra is not None:
             raise MetadataError(f"source yielded {extra[0]!r} beyond the tensors it announced")

@@ -39,14 +39,16 @@ from wtransfer.target import WeightTarget
 
 
 class _Partial:
-    """A tensor whose bytes arrive over several buckets, in order."""
+    """A tensor whose bytes arrive over several buckets, in any order (several senders may
+    each send some of them)."""
 
-    __slots__ = ("buffer", "direct", "received")
+    __slots__ = ("buffer", "direct", "received", "spans")
 
     def __init__(self, buffer: torch.Tensor, direct: bool) -> None:
         self.buffer = buffer
         self.direct = direct
         self.received = 0
+        self.spans: list[tuple[int, int]] = []
 
 
 class _Batch:
@@ -145,8 +147,7 @@ class UpdateSession:
         for s in slices:
             meta = self._slice_meta(s, nbytes)
             piece = data[s.offset : s.offset + s.nbytes]
-            if s.tensor_offset == 0:
-                self._save(meta.name)
+            self._save(meta.name)  # once per tensor per update, whichever chunk comes first
             if meta.nbytes == 0:
                 batch.loads.append((meta.name, torch.empty(
                     meta.shape, dtype=DTYPES[meta.dtype], device=self._device)))
@@ -205,9 +206,10 @@ class UpdateSession:
             buffer = direct if direct is not None else torch.empty(
                 meta.nbytes, dtype=torch.uint8, device=self._device)
             part = self._partials[meta.name] = _Partial(buffer, direct is not None)
-        if s.tensor_offset != part.received:
-            raise MetadataError(f"tensor {meta.name!r}: chunk at byte {s.tensor_offset} "
-                                f"arrived but byte {part.received} was expected next")
+        start, end = s.tensor_offset, s.tensor_offset + s.nbytes
+        if any(start < b and a < end for a, b in part.spans):
+            raise MetadataError(f"tensor {meta.name!r}: bytes [{start}, {end}) arrived twice")
+        part.spans.append((start, end))
         batch.dsts.append(part.buffer[s.tensor_offset : s.tensor_offset + s.nbytes])
         batch.srcs.append(piece)
         part.received += s.nbytes

@@ -4,6 +4,13 @@ A sender is built in two steps: a plain constructor that declares every field (s
 works from any point), then `connect()`, the one step that does I/O: allocate staging, form
 groups, and send each receiver its init info through the client. `TrainerTransferEngine.
 trainer_init` (and `wtransfer.trainer_init`) does both and cleans up if `connect` fails.
+
+Sharded trainers. When the source is sharded (FSDP2 / DTensor), a rank passes `client=None`,
+or `process_group=` is given, every trainer rank runs `trainer_init` and `send_weights`
+together (`TrainerGroup`). Ranks with a client send; the bucket plan is split across them
+(`BucketPlan.owners`); the first sender drives start, the tensor list and finish. Every rank
+walks every bucket so that sharded tensors are gathered bucket by bucket (`GatheringPacker`),
+and after each step all ranks agree on the outcome, so they fail together.
 """
 
 from __future__ import annotations
@@ -12,18 +19,22 @@ import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from wtransfer.errors import LifecycleError, TransferTimeout
+from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
+from wtransfer.gathering import GatheringPacker
 from wtransfer.infos import TrainerInitInfo, TransferStats
-from wtransfer.packing import BucketPlan
+from wtransfer.packing import Bucket, BucketPacker, BucketPlan
 from wtransfer.source import WeightSource
+from wtransfer.trainer_group import TrainerGroup
 from wtransfer.wire import parse_record
 
 TInitT = TypeVar("TInitT", bound=TrainerInitInfo)
 S = TypeVar("S", bound="TrainerTransferEngine[Any]")
+T = TypeVar("T")
 
 InitFor = Callable[[int, int], dict[str, Any]]
 """``info_for(first_worker, num_workers)``: the init info of one engine instance, given the
@@ -63,30 +74,54 @@ class WeightSyncClient(Protocol):
         UCX endpoint counts by it)."""
 
 
+@dataclass(frozen=True)
+class Share:
+    """What one sender moves of an update: its buckets of `plan`, in order, and the packer
+    that fills them (which also takes part in the other senders' gathers)."""
+
+    plan: BucketPlan
+    buckets: tuple[Bucket, ...]
+    packer: BucketPacker | GatheringPacker
+    index: int
+    """This sender's index among the senders (0 drives the control plane)."""
+    count: int
+    """How many senders share the plan."""
+
+    @property
+    def lead(self) -> bool:
+        """Whether this sender drives the control plane."""
+        return self.index == 0
+
+
 class TrainerTransferEngine(ABC, Generic[TInitT]):
     """Sender ABC: construct, `connect()`, then `send_weights` any number of times.
 
     Subclasses declare their fields in `__init__` (calling this one first) and implement
-    `_connect` (allocate, return the receiver init info), `_send` and `_close`.
+    `_connect` (allocate, return the receiver init info), `_send` and `_close`; backends that
+    support several senders also `_merge` the senders' init infos (and may `_announce`).
     """
 
     backend_name: ClassVar[str]
     init_info_cls: ClassVar[type]
 
-    def __init__(self, init_info: TInitT, *, client: WeightSyncClient,
-                 source: WeightSource) -> None:
+    def __init__(self, init_info: TInitT, *, client: WeightSyncClient | None,
+                 source: WeightSource, process_group: Any = None) -> None:
         self.init_info: TInitT = parse_record(self.init_info_cls, init_info,
                                               where=f"{self.backend_name} trainer init info")
         self.client = client
         self.source = source
+        self.process_group = process_group
+        self.collective = process_group is not None or client is None or source.sharded
+        """Whether every trainer rank sends together (see the module docstring)."""
+        self.group: TrainerGroup | None = None
         self.connected = False
         self.closed = False
 
     @classmethod
-    def trainer_init(cls: type[S], init_info: Any, *, client: WeightSyncClient,
-                     source: WeightSource) -> S:
+    def trainer_init(cls: type[S], init_info: Any, *, client: WeightSyncClient | None,
+                     source: WeightSource, process_group: Any = None) -> S:
         """Construct and connect; a failed connect releases what it had acquired."""
-        sender = cls(init_info, client=client, source=source)
+        sender = cls(init_info, client=client, source=source, process_group=process_group)
         try:
             sender.connect()
         except BaseException:
@@ -94,37 +129,110 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             raise
         return sender
 
+    @property
+    def sender_index(self) -> int | None:
+        """This rank's index among the senders (None: it only helps gather)."""
+        return self.group.sender_index if self.group is not None else 0
+
+    @property
+    def senders(self) -> int:
+        """How many trainer ranks send."""
+        return len(self.group.senders) if self.group is not None else 1
+
+    @property
+    def lead(self) -> bool:
+        """Whether this rank drives the control plane (start, tensor list, finish)."""
+        return self.sender_index == 0
+
+    def _together(self, step: Callable[[], T]) -> T | None:
+        """Run `step` here, then agree with the other trainer ranks: every rank raises the
+        first failure of any rank."""
+        result, error = None, None
+        try:
+            result = step()
+        except BaseException as exc:
+            error = exc
+        if self.group is not None:
+            self.group.verdict(error)
+        elif error is not None:
+            raise error
+        return result
+
     def connect(self) -> None:
         """Allocate staging, form groups, and initialize every receiver behind the client."""
         if self.closed or self.connected:
             raise LifecycleError(f"{self.backend_name} sender is "
                                  f"{'shut down' if self.closed else 'already connected'}")
-        receiver_init = self._connect()
-        self._init_receivers(receiver_init)
+        if self.collective:
+            self.group = TrainerGroup(self.process_group, has_client=self.client is not None,
+                                      timeout_s=self.init_info.timeout_s,
+                                      senders=self.init_info.senders)
+        fragment = self._together(lambda: self._connect() if self.client else None)
+        gathered = [fragment] if self.group is None else self.group.all_gather_records(fragment)
+        fragments: list[dict[str, Any]] = [f for f in gathered if f is not None]
+        merged = self._merge(fragments)
+        self._together(lambda: self._init_receivers(merged) if self.client else None)
+        self._together(lambda: self._after_init() if self.client else None)
         self.connected = True
 
     def send_weights(self, weight_version: str | None = None) -> TransferStats:
-        """Send every tensor of the source: start -> update(s) -> finish on the client."""
+        """Send every tensor of the source: start -> update(s) -> finish on the client (with
+        a sharded source or several senders: on every trainer rank, together)."""
         if self.closed or not self.connected:
             raise LifecycleError(f"{self.backend_name} sender is "
                                  f"{'shut down' if self.closed else 'not connected'}")
         metas = self.source.metadata()
-        plan = BucketPlan.build(metas, self.init_info.bucket_bytes,
-                                direct_threshold=self.direct_threshold)
+        plan = BucketPlan.build(metas, self.init_info.bucket_bytes, direct_threshold=(
+            0 if self.source.sharded else self.direct_threshold))
+        owners = plan.owners(self.senders)
+        packer: BucketPacker | GatheringPacker = (
+            GatheringPacker(plan, self.source.parts(), owners, self.group.senders)
+            if self.source.sharded and self.group is not None
+            else BucketPacker(plan, self.source.tensors()))
         start = time.perf_counter()
-        self.client.start_weight_update()
+        self._together(lambda: self._open(plan) if self.lead else None)
+        index = self.sender_index
+        failure: BaseException | None = None
         try:
-            self._send(plan)
+            self._together(lambda: self._move(Share(
+                plan, tuple(b for b, o in zip(plan.buckets, owners, strict=True) if o == index),
+                packer, index if index is not None else -1, self.senders)))
         except BaseException as exc:
-            self._abort_remote(exc)
-            raise
-        self.client.finish_weight_update(weight_version)
+            failure = exc
+        if failure is not None:
+            if self.lead:
+                self._abort_remote(failure)
+            raise failure
+        self._together(lambda: self.client.finish_weight_update(weight_version)
+                       if self.lead and self.client else None)
         seconds = time.perf_counter() - start
-        return TransferStats(plan.total_bytes, len(metas), len(plan.buckets), seconds)
+        peak = packer.peak_bytes if isinstance(packer, GatheringPacker) else 0
+        return TransferStats(plan.total_bytes, len(metas), len(plan.buckets), seconds, peak)
+
+    def _open(self, plan: BucketPlan) -> None:
+        """The lead opens the update on the receivers (and, with several senders, announces
+        the tensor list before any sender moves a bucket)."""
+        assert self.client is not None
+        self.client.start_weight_update()
+        if self.senders > 1:
+            self._announce(plan)
+
+    def _move(self, share: Share) -> None:
+        """This rank's part: a sender moves its share; every rank takes part in the gathers of
+        the buckets it does not send, even after its own part failed (so no rank waits on
+        it)."""
+        try:
+            if self.client is not None:
+                self._send(share)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the send's own failure is the one to report
+                share.packer.finish()
+            raise
+        share.packer.finish()
 
     def _abort_remote(self, exc: BaseException) -> None:
         """Tell receivers the update failed here, so they fail it now instead of at timeout."""
-        if isinstance(exc, TransferTimeout):
+        if isinstance(exc, TransferTimeout) or self.client is None:
             return  # a receiver that does not answer would not answer this either
         with contextlib.suppress(Exception):  # a failed receiver's own deadline covers it
             self.client.update_weights({"abort": f"{type(exc).__name__}: {exc}"[:1000]})
@@ -134,6 +242,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         if not self.closed:
             self.closed = True
             self._close()
+            if self.group is not None:
+                self.group.close()
 
     def __enter__(self: S) -> S:
         return self
@@ -159,12 +269,31 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         info as plain data."""
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
-        """Send the receiver init info through the client (override to vary it per engine)."""
-        self.client.init_weight_transfer_engine(receiver_init)
+        """The lead sends the merged receiver init info through its client (override to vary
+        it per engine, or to join groups on every sender)."""
+        if self.lead and self.client is not None:
+            self.client.init_weight_transfer_engine(receiver_init)
+
+    def _after_init(self) -> None:
+        """Runs on every sender once every receiver is initialized; optional."""
+
+    def _merge(self, fragments: list[dict[str, Any]]) -> dict[str, Any]:
+        """One receiver init info from every sender's `_connect` result (in sender order);
+        a backend that supports several senders overrides this."""
+        if len(fragments) != 1:
+            raise ConfigError(f"{self.backend_name}: {len(fragments)} senders at once are not "
+                              "supported by this backend; give one trainer rank a client")
+        return fragments[0]
+
+    def _announce(self, plan: BucketPlan) -> None:
+        """With several senders: tell the receivers the update's tensor list before any
+        sender moves a bucket (backends whose update info carries the list need nothing)."""
 
     @abstractmethod
-    def _send(self, plan: BucketPlan) -> None:
-        """Move every bucket of `plan` (client update calls included)."""
+    def _send(self, share: Share) -> None:
+        """Move the buckets of `share` (client update calls included). Call
+        `share.packer.finish()` once your own buckets are packed and before waiting on the
+        receivers: with a sharded source the other senders' buckets need this rank's rows."""
 
     @abstractmethod
     def _close(self) -> None:

@@ -7,12 +7,15 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
 
 import torch
 
 from wtransfer.errors import TransferTimeout
-from wtransfer.packing import Bucket, BucketPacker, BucketPlan, bucket_checksum
-from wtransfer.source import WeightSource
+from wtransfer.packing import Bucket, bucket_checksum
+
+if TYPE_CHECKING:
+    from wtransfer.sender import Share
 
 Transmit = Callable[[Bucket, int, torch.Tensor, "int | None"], None]
 """Moves one bucket to the receivers: ``transmit(bucket, slot, data, checksum)`` where `data` is
@@ -21,15 +24,14 @@ the packed bytes (staging slot `slot`) or, for a direct bucket, the source tenso
 
 
 def send_pipelined(
-    plan: BucketPlan,
-    source: WeightSource,
+    share: Share,
     staging: Sequence[torch.Tensor],
     transmit: Transmit,
     *,
     checksum: bool = False,
     before_transmit: Callable[[int], None] | None = None,
 ) -> None:
-    """Pack each bucket of `plan` into a free staging slot and hand it to `transmit`.
+    """Pack each bucket of `share` into a free staging slot and hand it to `transmit`.
 
     `transmit` runs on one background thread, in bucket order, so packing the next bucket
     overlaps moving the previous one; at most `len(staging)` buckets are in flight at once,
@@ -37,7 +39,7 @@ def send_pipelined(
     staging. `before_transmit(slot)` runs after packing (e.g. to wait for a CUDA stream). The
     first failure cancels what is queued and is re-raised here.
     """
-    packer = BucketPacker(plan, source.tensors())
+    packer = share.packer
     failed = threading.Event()
 
     def guarded(bucket: Bucket, slot: int, data: torch.Tensor, digest: int | None) -> None:
@@ -56,7 +58,7 @@ def send_pipelined(
     next_slot = 0
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-send")
     try:
-        for bucket in plan.buckets:
+        for bucket in share.buckets:
             if len(pending) == len(staging):
                 pending.popleft().result()
             if bucket.direct:
@@ -76,7 +78,7 @@ def send_pipelined(
                 slot_users[slot] = fut
             while pending and pending[0].done():
                 pending.popleft().result()
-        packer.finish()
+        packer.finish()  # take part in the other senders' gathers while ours are in flight
         while pending:
             pending.popleft().result()
     finally:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from wtransfer.errors import ConfigError
+from wtransfer.gathering import is_dtensor
 from wtransfer.packing import DTYPES, TensorMeta
 
 
@@ -112,7 +113,8 @@ def build_module(metas: Sequence[TensorMeta], seed: int, device: str = "cpu",
 
 @torch.no_grad()
 def randomize(module: nn.Module, seed: int) -> None:
-    """Refill every tensor of `module` in place with values drawn from `seed`."""
+    """Refill every tensor of `module` in place with values drawn from `seed` (a sharded
+    tensor gets its own rows of the same full tensor on every rank)."""
     gen = torch.Generator().manual_seed(seed)
     for tensor in module.state_dict(keep_vars=True).values():
         t = tensor.data
@@ -122,6 +124,10 @@ def randomize(module: nn.Module, seed: int) -> None:
             fresh = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype)
         else:
             fresh = torch.randint(-100, 100, t.shape, generator=gen).to(t.dtype)
+        if is_dtensor(t):
+            from torch.distributed.tensor import distribute_tensor
+
+            fresh = distribute_tensor(fresh, t.device_mesh, t.placements)
         t.copy_(fresh)
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from wtransfer.errors import ConfigError
+from wtransfer.gathering import is_dtensor
 from wtransfer.packing import TensorMeta
 
 
@@ -28,6 +29,17 @@ class WeightSource(ABC):
         """Where the tensors live (senders put staging there); None when unknown."""
         return None
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the tensors are spread over trainer ranks (DTensors): then every rank sends
+        together and full tensors are gathered bucket by bucket (`parts`)."""
+        return False
+
+    def parts(self) -> list[torch.Tensor]:
+        """The tensors as this rank holds them (DTensors for sharded ones), in the order of
+        `metadata()`, without gathering anything; only sharded sources need it."""
+        raise NotImplementedError(f"{type(self).__name__} is not a sharded source")
+
 
 def _unique_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's state dict without aliases (tied weights appear once, first name wins)."""
@@ -45,8 +57,9 @@ class ModuleSource(WeightSource):
     """Sends an `nn.Module`'s parameters and persistent buffers (tied weights once).
 
     `names` restricts the update to a subset; `name_map` renames on the way out (trainer name ->
-    engine name). DTensor parameters are announced with their global shape and gathered with
-    ``full_tensor()`` one at a time while sending.
+    engine name). DTensor parameters (FSDP2) are announced with their global shape; every
+    trainer rank then sends together and the full tensors are gathered bucket by bucket
+    (`wtransfer.gathering`), never the whole model on one rank.
     """
 
     def __init__(
@@ -72,6 +85,15 @@ class ModuleSource(WeightSource):
     def device(self) -> torch.device | None:
         """Device of the first tensor (the local device for DTensors)."""
         return next((t.device for t in self._state.values()), None)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether any tensor is a DTensor (FSDP2 and other sharded models)."""
+        return any(is_dtensor(t) for t in self._state.values())
+
+    def parts(self) -> list[torch.Tensor]:
+        """Each tensor as this rank holds it (DTensors stay sharded), detached."""
+        return [t.detach() for t in self._state.values()]
 
     def metadata(self) -> list[TensorMeta]:
         """Metadata of every tensor, global shapes for DTensors."""

@@ -9,6 +9,8 @@ from wtransfer.errors import ConfigError
 from wtransfer.infos import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 
 TRANSPORTS = ("shm", "cuda")
+STAGING_FIELDS = ("transport", "buffers", "sender_pid", "token")
+"""The fields that describe one sender's staging buffers."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,14 +34,37 @@ class IPCInitInfo(ReceiverInitInfo):
     sender_pid: int
     token: str
     """Identifies this sender's buffers (same-process receivers use them directly)."""
+    senders: list[Any] | None = None
+    """With several trainer ranks sending: every sender's ``{transport, buffers, sender_pid,
+    token}``, in sender order (the fields above repeat sender 0's)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if len(self.buffers) != self.num_buffers:
-            raise ConfigError(f"buffers lists {len(self.buffers)} entries for "
-                              f"num_buffers={self.num_buffers}")
+        for staging in self.stagings():
+            if staging["transport"] not in TRANSPORTS:
+                raise ConfigError(f"transport must be one of {TRANSPORTS}, "
+                                  f"got {staging['transport']!r}")
+            if len(staging["buffers"]) != self.num_buffers:
+                raise ConfigError(f"buffers lists {len(staging['buffers'])} entries for "
+                                  f"num_buffers={self.num_buffers}")
+
+    def stagings(self) -> list[dict[str, Any]]:
+        """Each sender's staging description, checked field by field."""
+        if self.senders is None:
+            return [{k: getattr(self, k) for k in STAGING_FIELDS}]
+        if not 1 <= len(self.senders) <= 1024:
+            raise ConfigError(f"senders lists {len(self.senders)} entries")
+        out = []
+        for i, entry in enumerate(self.senders):
+            if not (isinstance(entry, dict) and set(entry) == set(STAGING_FIELDS)
+                    and isinstance(entry["transport"], str)
+                    and isinstance(entry["buffers"], list)
+                    and isinstance(entry["sender_pid"], int)
+                    and isinstance(entry["token"], str)):
+                raise ConfigError(f"senders[{i}] must be {{transport: str, buffers: list, "
+                                  "sender_pid: int, token: str}")
+            out.append(entry)
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,3 +78,5 @@ class IPCUpdateInfo(UpdateInfo):
     slices: list[Any] = field(default_factory=list)
     """``[[tensor_index, tensor_offset, offset, nbytes], ...]`` placed in this bucket."""
     checksum: int | None = None
+    sender: int = 0
+    """With several senders: whose staging buffers hold the bucket."""

@@ -27,40 +27,48 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
     def __init__(self, target: WeightTarget, **options: Any) -> None:
         super().__init__(target, **options)
         self._shm: list[SharedBuffer] = []
-        self._staging: list[torch.Tensor] = []
+        self._staging: list[list[torch.Tensor]] = []
+        """Each sender's mapped staging buffers."""
 
     def _init(self, info: IPCInitInfo) -> None:
-        if info.transport == "shm":
+        try:
+            self._staging = [self._open(info, staging) for staging in info.stagings()]
+        except BaseException:
+            self._shutdown()  # unmap what was mapped before the failure
+            raise
+
+    def _open(self, info: IPCInitInfo, staging: dict[str, Any]) -> list[torch.Tensor]:
+        """Map one sender's staging buffers."""
+        if staging["transport"] == "shm":
             sweep()
-            try:
-                for name in info.buffers:
-                    if not isinstance(name, str):
-                        raise MetadataError("shm buffer names must be strings")
-                    self._shm.append(SharedBuffer(name, info.bucket_bytes, create=False))
-            except BaseException:
-                self._shutdown()  # unmap what was mapped before the failure
-                raise
-            for buf in self._shm:  # the creator died before it could drop the names
+            opened = []
+            for name in staging["buffers"]:
+                if not isinstance(name, str):
+                    raise MetadataError("shm buffer names must be strings")
+                opened.append(SharedBuffer(name, info.bucket_bytes, create=False))
+                self._shm.append(opened[-1])
+            for buf in opened:  # the creator died before it could drop the names
                 if not creator_alive(buf.name):
                     buf.remove_name()
-            self._staging = [b.tensor for b in self._shm if b.tensor is not None]
-        else:
-            same = info.sender_pid == os.getpid()
-            self._staging = [
-                open_buffer(rec, token=info.token, index=i, same_process=same,
+            return [b.tensor for b in opened if b.tensor is not None]
+        same = staging["sender_pid"] == os.getpid()
+        return [open_buffer(rec, token=staging["token"], index=i, same_process=same,
                             size=info.bucket_bytes)
-                for i, rec in enumerate(info.buffers)
-            ]
+                for i, rec in enumerate(staging["buffers"])]
 
     def _receive(self, info: IPCUpdateInfo, session: UpdateSession) -> None:
         if info.tensors is not None:
             session.announce(metas_from_wire(info.tensors))
         if not info.slices:
             return
-        if not 0 <= info.buffer < len(self._staging):
-            raise MetadataError(f"buffer index {info.buffer} out of range "
+        if not 0 <= info.sender < len(self._staging):
+            raise MetadataError(f"sender index {info.sender} out of range "
                                 f"[0, {len(self._staging)})")
-        staging = self._staging[info.buffer]
+        buffers = self._staging[info.sender]
+        if not 0 <= info.buffer < len(buffers):
+            raise MetadataError(f"buffer index {info.buffer} out of range "
+                                f"[0, {len(buffers)})")
+        staging = buffers[info.buffer]
         session.consume(staging, info.nbytes, [Slice.from_wire(s) for s in info.slices],
                         info.checksum)
         if staging.is_cuda or self.device.type == "cuda":

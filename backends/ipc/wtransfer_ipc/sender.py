@@ -11,11 +11,11 @@ import torch
 from wtransfer.errors import ConfigError
 from wtransfer.infos import receiver_init_dict
 from wtransfer.packing import Bucket, BucketPlan, metas_to_wire
-from wtransfer.sender import TrainerTransferEngine, WeightSyncClient
+from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import send_pipelined
 from wtransfer.source import WeightSource
 from wtransfer_ipc.cuda import export_buffer
-from wtransfer_ipc.info import IPCTrainerInitInfo
+from wtransfer_ipc.info import STAGING_FIELDS, IPCTrainerInitInfo
 from wtransfer_ipc.shm import SharedBuffer
 
 
@@ -28,9 +28,9 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
     backend_name = "ipc"
     init_info_cls = IPCTrainerInitInfo
 
-    def __init__(self, init_info: IPCTrainerInitInfo, *, client: WeightSyncClient,
-                 source: WeightSource) -> None:
-        super().__init__(init_info, client=client, source=source)
+    def __init__(self, init_info: IPCTrainerInitInfo, *, client: WeightSyncClient | None,
+                 source: WeightSource, process_group: Any = None) -> None:
+        super().__init__(init_info, client=client, source=source, process_group=process_group)
         self.device = self._staging_device(self.init_info.device)
         if self.device.type not in ("cpu", "cuda"):
             raise ConfigError(f"ipc: staging on {self.device.type} devices is not supported; "
@@ -54,25 +54,40 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         return receiver_init_dict(info, transport=transport, buffers=buffers,
                                   sender_pid=os.getpid(), token=token)
 
-    def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
-        super()._init_receivers(receiver_init)
+    def _after_init(self) -> None:
         for buf in self._shm:  # every receiver has mapped them: drop the names, keep the memory
             buf.unlink()
 
-    def _send(self, plan: BucketPlan) -> None:
-        manifest = metas_to_wire(plan.metas)
+    def _merge(self, fragments: list[dict[str, Any]]) -> dict[str, Any]:
+        """Several senders: one init info listing every sender's staging buffers."""
+        first = fragments[0]
+        if len(fragments) == 1:
+            return first
+        return {**first, "senders": [{k: f[k] for k in STAGING_FIELDS} for f in fragments]}
+
+    def _announce(self, plan: BucketPlan) -> None:
+        """Several senders: the tensor list travels alone, before any sender's bucket."""
+        assert self.client is not None
+        self.client.update_weights({"tensors": metas_to_wire(plan.metas)})
+
+    def _send(self, share: Share) -> None:
+        manifest = metas_to_wire(share.plan.metas)
+        client = self.client
+        assert client is not None
 
         def transmit(bucket: Bucket, slot: int, data: torch.Tensor, checksum: int | None) -> None:
             update: dict[str, Any] = {
                 "buffer": slot, "nbytes": bucket.nbytes, "checksum": checksum,
                 "slices": [s.to_wire() for s in bucket.slices],
             }
-            if bucket.index == 0:
+            if share.count > 1:
+                update["sender"] = share.index
+            elif bucket.index == 0:
                 update["tensors"] = manifest
-            self.client.update_weights(update)
+            client.update_weights(update)
 
-        send_pipelined(plan, self.source, self._staging, transmit,
-                       checksum=self.init_info.checksum, before_transmit=self._sync)
+        send_pipelined(share, self._staging, transmit, checksum=self.init_info.checksum,
+                       before_transmit=self._sync)
 
     def _sync(self, slot: int) -> None:
         if self.device.type == "cuda":

@@ -37,6 +37,11 @@ def rendezvous(address: str, port: int, rank: int, session: str,
     return dist.PrefixStore(f"wtransfer/{session}/", store)
 
 
+def sender_store(store: dist.Store, sender: int, senders: int) -> dist.Store:
+    """The keys of sender `sender`'s group (the session's own store when it is the only one)."""
+    return store if senders == 1 else dist.PrefixStore(f"sender{sender}/", store)
+
+
 class Pending(ABC):
     """An operation in flight."""
 

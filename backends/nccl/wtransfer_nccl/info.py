@@ -24,15 +24,18 @@ def _check_endpoint(address: str, port: int, world_size: int) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class NCCLTrainerInitInfo(TrainerInitInfo):
-    """Trainer side: the trainer is rank 0 of a `world_size` group it hosts at
-    `master_address:master_port`; engine workers are ranks 1..world_size-1, numbered in the
-    order of the client's engines (`WeightSyncClient.init_each_engine`)."""
+    """Trainer side: the sending trainer ranks are ranks 0..K-1 (one, unless several trainer
+    ranks send) of a `world_size` rendezvous the first sender hosts at
+    `master_address:master_port`; engine workers are ranks K..world_size-1, numbered in the
+    order of the client's engines (`WeightSyncClient.init_each_engine`). Each sender
+    broadcasts its share of the buckets in a group of its own with every worker."""
 
     backend: ClassVar[str] = "nccl"
     master_address: str
     master_port: int
     world_size: int
-    """The trainer plus every receiving worker behind the client (`client.num_workers()`)."""
+    """The sending trainer ranks plus every receiving worker behind the client
+    (`client.num_workers()`)."""
     device: str | None = None
     """Staging device; default the source's. CUDA uses NCCL, CPU uses gloo."""
 
@@ -51,6 +54,9 @@ class NCCLInitInfo(ReceiverInitInfo):
     rank_offset: int
     """Rank of this engine's worker 0; worker i of the engine is ``rank_offset + i``."""
     transport: str
+    senders: int = 1
+    """Sending trainer ranks (ranks 0..senders-1); each broadcasts its buckets
+    (`BucketPlan.owners`) in its own group of itself and every worker."""
     session: str = ""
     """Namespace of this init's rendezvous keys (a fresh one per sender)."""
     direct_threshold: int | None = 0
@@ -60,9 +66,11 @@ class NCCLInitInfo(ReceiverInitInfo):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_endpoint(self.master_address, self.master_port, self.world_size)
-        if not 1 <= self.rank_offset < self.world_size:
-            raise ConfigError(f"rank_offset must be in 1..world_size-1 ({self.world_size - 1}), "
-                              f"got {self.rank_offset}")
+        if not 1 <= self.senders < self.world_size:
+            raise ConfigError(f"senders must be in 1..world_size-1, got {self.senders}")
+        if not self.senders <= self.rank_offset < self.world_size:
+            raise ConfigError(f"rank_offset must be in {self.senders}..world_size-1 "
+                              f"({self.world_size - 1}), got {self.rank_offset}")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Any
 
 import torch
 
-from wtransfer.errors import ConfigError, LifecycleError
+from wtransfer.errors import ConfigError, LifecycleError, PeerError
 from wtransfer.packing import (
     CHECKSUM_BYTES,
     Bucket,
@@ -17,7 +18,7 @@ from wtransfer.packing import (
 from wtransfer.receiver import WeightTransferEngine
 from wtransfer.receiving import UpdateSession
 from wtransfer.target import WeightTarget
-from wtransfer_nccl.group import Group, Pending, make_group, rendezvous
+from wtransfer_nccl.group import Group, Pending, make_group, rendezvous, sender_store
 from wtransfer_nccl.info import NCCLInitInfo, NCCLUpdateInfo
 
 
@@ -35,63 +36,120 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
 
     def __init__(self, target: WeightTarget, **options: Any) -> None:
         super().__init__(target, **options)
-        self._group: Group | None = None
-        self._staging: list[torch.Tensor] = []
+        self._groups: list[Group] = []
+        """One group per sending trainer rank (index = sender)."""
+        self._staging: list[list[torch.Tensor]] = []
+        """`num_buffers` staging buffers per sender."""
 
     def _init(self, info: NCCLInitInfo) -> None:
         if info.transport == "nccl" and self.device.type != "cuda":
             raise ConfigError("the trainer broadcasts CUDA tensors over NCCL; this receiver is "
                               f"on {self.device}: create it with device='cuda:N'")
         rank = info.rank_offset + self.worker_index
+        if not info.senders <= rank < info.world_size:
+            raise ConfigError(f"worker rank {rank} is outside {info.senders}.."
+                              f"{info.world_size - 1}: the engine has more workers than the "
+                              "trainer counted in world_size")
         staging_device = self.device if info.transport == "nccl" else torch.device("cpu")
         store = rendezvous(info.master_address, info.master_port, rank, info.session,
                            info.timeout_s)
-        self._group = make_group(info.transport, store, rank, info.world_size,
-                                 info.timeout_s, staging_device)
-        self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
-                                     device=staging_device) for _ in range(info.num_buffers)]
+        workers = info.world_size - info.senders
+        try:
+            for sender in range(info.senders):
+                self._groups.append(make_group(
+                    info.transport, sender_store(store, sender, info.senders),
+                    rank - info.senders + 1, workers + 1, info.timeout_s, staging_device))
+        except BaseException:
+            self._abort()
+            raise
+        self._staging = [[torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
+                                      device=staging_device) for _ in range(info.num_buffers)]
+                         for _ in range(info.senders)]
 
     def _receive(self, info: NCCLUpdateInfo, session: UpdateSession) -> None:
-        group = self._group
-        if group is None:
+        if not self._groups:
             raise LifecycleError("nccl: the group was torn down after a failure; the trainer "
                                  "must call init_weight_transfer_engine again")
         init = self.init_info
         assert init is not None
         plan = session.announce_plan(info.tensors, init.bucket_bytes, align=init.align,
                                      direct_threshold=init.direct_threshold or 0)
-        free = deque(range(len(self._staging)))
+        owners = plan.owners(init.senders)
+        shares = [[b for b, o in zip(plan.buckets, owners, strict=True) if o == sender]
+                  for sender in range(init.senders)]
+        if init.senders == 1:
+            self._receive_share(self._groups[0], shares[0], self._staging[0], session,
+                                threading.Lock(), None)
+            return
+        lock, stop = threading.Lock(), threading.Event()
+        errors: list[BaseException] = []
+
+        def run(sender: int) -> None:
+            try:
+                self._receive_share(self._groups[sender], shares[sender],
+                                    self._staging[sender], session, lock, stop)
+            except BaseException as exc:
+                errors.append(exc)
+                stop.set()
+
+        threads = [threading.Thread(target=run, args=(i,), name=f"wtransfer-nccl-recv-{i}",
+                                    daemon=True) for i in range(init.senders)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+
+    def _receive_share(self, group: Group, buckets: list[Bucket],
+                       staging_buffers: list[torch.Tensor], session: UpdateSession,
+                       lock: threading.Lock, stop: threading.Event | None) -> None:
+        """Receive one sender's buckets in order, `num_buffers` posted ahead so receiving
+        bucket k+1 overlaps unpacking bucket k."""
+        init = self.init_info
+        assert init is not None
+
+        def stopped() -> None:
+            if stop is not None and stop.is_set():
+                raise PeerError("another sender's share failed")
+
+        free = deque(range(len(staging_buffers)))
         posted: deque[tuple[Bucket, int, torch.Tensor, Pending]] = deque()
-        upcoming = deque(plan.buckets)
+        upcoming = deque(buckets)
         while upcoming or posted:
-            while upcoming and len(posted) < len(self._staging) and (upcoming[0].direct or free):
+            while upcoming and len(posted) < len(staging_buffers) and (
+                    upcoming[0].direct or free):
                 bucket = upcoming.popleft()
                 if bucket.direct:
-                    slot, data = -1, session.direct_destination(bucket, self._staging[0].device)
+                    with lock:
+                        data = session.direct_destination(bucket, staging_buffers[0].device)
+                    slot = -1
                 else:
                     slot = free.popleft()
                     length = trailer_length(bucket.nbytes, init.checksum)
-                    data = self._staging[slot][:length]
+                    data = staging_buffers[slot][:length]
                 posted.append((bucket, slot, data, group.broadcast(data)))
             bucket, slot, data, pending = posted.popleft()
-            pending.wait(init.timeout_s)
-            if bucket.direct:
-                session.complete_direct(bucket, data)
-            else:
-                staging = self._staging[slot]
-                checksum = read_checksum_trailer(staging, bucket.nbytes) if init.checksum else None
-                session.consume(staging, bucket.nbytes, bucket.slices, checksum)
-                free.append(slot)
+            pending.wait(init.timeout_s, stopped)
+            with lock:
+                if bucket.direct:
+                    session.complete_direct(bucket, data)
+                else:
+                    staging = staging_buffers[slot]
+                    checksum = (read_checksum_trailer(staging, bucket.nbytes) if init.checksum
+                                else None)
+                    session.consume(staging, bucket.nbytes, bucket.slices, checksum)
+                    free.append(slot)
             if data.is_cuda:
                 torch.cuda.current_stream(data.device).synchronize()
 
     def _abort(self) -> None:
-        group, self._group = self._group, None
-        if group is not None:
+        groups, self._groups = self._groups, []
+        for group in groups:
             group.abort()
 
     def _shutdown(self) -> None:
-        group, self._group = self._group, None
-        if group is not None:
+        groups, self._groups = self._groups, []
+        for group in groups:
             group.close()
         self._staging = []

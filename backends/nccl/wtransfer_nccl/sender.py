@@ -13,11 +13,11 @@ import torch
 
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.infos import receiver_init_dict
-from wtransfer.packing import CHECKSUM_BYTES, BucketPacker, BucketPlan, metas_to_wire
-from wtransfer.sender import TrainerTransferEngine, WeightSyncClient
+from wtransfer.packing import CHECKSUM_BYTES, metas_to_wire
+from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import await_receivers, root_cause
 from wtransfer.source import WeightSource
-from wtransfer_nccl.group import Group, Pending, make_group, rendezvous
+from wtransfer_nccl.group import Group, Pending, make_group, rendezvous, sender_store
 from wtransfer_nccl.info import NCCLTrainerInitInfo
 
 
@@ -32,9 +32,9 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
     backend_name = "nccl"
     init_info_cls = NCCLTrainerInitInfo
 
-    def __init__(self, init_info: NCCLTrainerInitInfo, *, client: WeightSyncClient,
-                 source: WeightSource) -> None:
-        super().__init__(init_info, client=client, source=source)
+    def __init__(self, init_info: NCCLTrainerInitInfo, *, client: WeightSyncClient | None,
+                 source: WeightSource, process_group: Any = None) -> None:
+        super().__init__(init_info, client=client, source=source, process_group=process_group)
         self.device = self._staging_device(self.init_info.device)
         self.transport = "nccl" if self.device.type == "cuda" else "gloo"
         self._session = secrets.token_hex(8)
@@ -45,17 +45,25 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
 
     def _connect(self) -> dict[str, Any]:
         info = self.init_info
+        assert self.client is not None
         workers = self.client.num_workers()
-        if 1 + workers != info.world_size:
-            raise ConfigError(f"world_size={info.world_size}, but the trainer plus "
-                              f"{workers} worker(s) make {1 + workers}; set "
-                              f"world_size={1 + workers}")
+        if self.senders + workers != info.world_size:
+            raise ConfigError(f"world_size={info.world_size}, but {self.senders} sending "
+                              f"trainer rank(s) plus {workers} worker(s) make "
+                              f"{self.senders + workers}; set world_size="
+                              f"{self.senders + workers}")
         self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]
         return receiver_init_dict(info, master_address=info.master_address,
                                   master_port=info.master_port, world_size=info.world_size,
-                                  rank_offset=1, transport=self.transport,
-                                  session=self._session, direct_threshold=self.direct_threshold)
+                                  rank_offset=self.senders, transport=self.transport,
+                                  senders=self.senders, session=self._session,
+                                  direct_threshold=self.direct_threshold)
+
+    def _merge(self, fragments: list[dict[str, Any]]) -> dict[str, Any]:
+        """Several senders: they share the lead's rendezvous and session (each forms its own
+        group under it), so the lead's init info is everyone's."""
+        return fragments[0]
 
     @property
     def direct_threshold(self) -> int:
@@ -73,24 +81,29 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         return 1 << 20 if self.transport == "gloo" else max(info.bucket_bytes // 4, 1)
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
-        """Form the group on a helper thread while every engine joins it from its init call;
-        engine e's workers get ranks 1 + (workers of the engines before it) + j."""
+        """Form this sender's group on a helper thread while every engine joins it from its
+        init call (the lead makes that call); engine e's workers get ranks K + (workers of
+        the engines before it) + j, K the number of senders."""
         info = self.init_info
         made: dict[str, Any] = {}
+        sender = self.sender_index or 0
+        session = str(receiver_init["session"])  # the lead's: every sender joins under it
 
         def form() -> None:
             try:
-                store = rendezvous(info.master_address, info.master_port, 0, self._session,
+                store = rendezvous(info.master_address, info.master_port, sender, session,
                                    info.timeout_s)
-                made["group"] = make_group(self.transport, store, 0, info.world_size,
-                                           info.timeout_s, self.device)
+                made["group"] = make_group(
+                    self.transport, sender_store(store, sender, self.senders), 0,
+                    info.world_size - self.senders + 1, info.timeout_s, self.device)
             except BaseException as exc:
                 made["error"] = exc
 
         former = threading.Thread(target=form, name="wtransfer-nccl-rendezvous", daemon=True)
         former.start()
-        self.client.init_each_engine(
-            lambda first, _count: {**receiver_init, "rank_offset": 1 + first})
+        if self.lead and self.client is not None:
+            self.client.init_each_engine(
+                lambda first, _count: {**receiver_init, "rank_offset": self.senders + first})
         former.join(info.timeout_s)
         if former.is_alive():
             raise TransferTimeout(f"the group of {info.world_size} ranks did not form within "
@@ -99,36 +112,41 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
             raise made["error"]
         self._group = made["group"]
 
-    def _send(self, plan: BucketPlan) -> None:
+    def _send(self, share: Share) -> None:
+        """The lead starts the receivers' update call (it carries the tensor list and blocks
+        in their receive loops); every sender broadcasts its buckets in its own group."""
         if self._broken or self._group is None:
             raise LifecycleError(f"nccl sender is unusable after an earlier failure "
                                  f"({self._broken}); create a new one with trainer_init")
         group = self._group
         timeout = self.init_info.timeout_s
-        receivers: Future[None] = self._pool.submit(
-            self.client.update_weights, {"tensors": metas_to_wire(plan.metas)})
+        receivers: Future[None] | None = None
+        if share.lead and self.client is not None:
+            receivers = self._pool.submit(self.client.update_weights,
+                                          {"tensors": metas_to_wire(share.plan.metas)})
 
         def receivers_failed() -> None:
-            if receivers.done() and receivers.exception() is not None:
+            if receivers is not None and receivers.done() and receivers.exception() is not None:
                 raise receivers.exception()  # type: ignore[misc]
 
         try:
-            self._broadcast_all(plan, group, receivers_failed)
-            await_receivers(receivers, timeout)
+            self._broadcast_all(share, group, receivers_failed)
+            if receivers is not None:
+                await_receivers(receivers, timeout)
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
             group.abort()
-            cause = root_cause(receivers, exc)
+            cause = root_cause(receivers, exc) if receivers is not None else exc
             if cause is not exc:
                 raise cause from exc
             raise
 
-    def _broadcast_all(self, plan: BucketPlan, group: Group,
+    def _broadcast_all(self, share: Share, group: Group,
                        receivers_failed: Callable[[], None]) -> None:
         """Post every bucket's broadcast, `num_buffers` in flight: packing the next bucket (or
         nothing, for a direct one) overlaps the broadcasts already posted."""
         info = self.init_info
-        packer = BucketPacker(plan, self.source.tensors())
+        packer = share.packer
         free = deque(range(len(self._staging)))
         inflight: deque[tuple[int, Pending]] = deque()
 
@@ -138,7 +156,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
             if slot >= 0:
                 free.append(slot)
 
-        for bucket in plan.buckets:
+        for bucket in share.buckets:
             while len(inflight) >= len(self._staging) or not (bucket.direct or free):
                 retire_oldest()
             if bucket.direct:
@@ -147,7 +165,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                 slot = free.popleft()
                 data = packer.pack_framed(bucket, self._staging[slot], info.checksum)
             inflight.append((slot, group.broadcast(data)))
-        packer.finish()
+        packer.finish()  # take part in the other senders' gathers while ours are in flight
         while inflight:
             retire_oldest()
 

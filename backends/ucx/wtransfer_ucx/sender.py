@@ -12,8 +12,8 @@ import torch
 
 from wtransfer.errors import LifecycleError
 from wtransfer.infos import receiver_init_dict
-from wtransfer.packing import CHECKSUM_BYTES, BucketPacker, BucketPlan, metas_to_wire
-from wtransfer.sender import TrainerTransferEngine, WeightSyncClient
+from wtransfer.packing import CHECKSUM_BYTES, metas_to_wire
+from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import await_receivers, root_cause
 from wtransfer.source import WeightSource
 from wtransfer_ucx.info import UCXTrainerInitInfo
@@ -26,9 +26,9 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
     backend_name = "ucx"
     init_info_cls = UCXTrainerInitInfo
 
-    def __init__(self, init_info: UCXTrainerInitInfo, *, client: WeightSyncClient,
-                 source: WeightSource) -> None:
-        super().__init__(init_info, client=client, source=source)
+    def __init__(self, init_info: UCXTrainerInitInfo, *, client: WeightSyncClient | None,
+                 source: WeightSource, process_group: Any = None) -> None:
+        super().__init__(init_info, client=client, source=source, process_group=process_group)
         self.device = self._staging_device(self.init_info.device)
         self._session = secrets.randbelow(1 << 16)
         self._updates = 0
@@ -58,25 +58,26 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         return (1 << 20) if info.direct_threshold is None else info.direct_threshold
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
-        assert self._ucx is not None
+        assert self._ucx is not None and self.client is not None
         super()._init_receivers(receiver_init)  # each worker connects during its init
         self._endpoints = self._ucx.wait_for_endpoints(self.client.num_workers(),
                                                        self.init_info.timeout_s)
 
-    def _send(self, plan: BucketPlan) -> None:
+    def _send(self, share: Share) -> None:
         if self._broken:
             raise LifecycleError(f"ucx sender is unusable after an earlier failure "
                                  f"({self._broken}); create a new one with trainer_init")
+        assert self.client is not None
         self._updates += 1
         receivers: Future[None] = self._pool.submit(self.client.update_weights, {
-            "tensors": metas_to_wire(plan.metas), "update": self._updates})
+            "tensors": metas_to_wire(share.plan.metas), "update": self._updates})
 
         def receivers_failed() -> None:
             if receivers.done() and receivers.exception() is not None:
                 raise receivers.exception()  # type: ignore[misc]
 
         try:
-            self._send_buckets(plan, receivers_failed)
+            self._send_buckets(share, receivers_failed)
             await_receivers(receivers, self.init_info.timeout_s)
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
@@ -85,11 +86,11 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
                 raise cause from exc
             raise
 
-    def _send_buckets(self, plan: BucketPlan, receivers_failed: Callable[[], None]) -> None:
+    def _send_buckets(self, share: Share, receivers_failed: Callable[[], None]) -> None:
         info = self.init_info
         ucx = self._ucx
         assert ucx is not None
-        packer = BucketPacker(plan, self.source.tensors())
+        packer = share.packer
         free = deque(range(len(self._staging)))
         inflight: deque[tuple[int, list[Any]]] = deque()
 
@@ -99,7 +100,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             if slot >= 0:
                 free.append(slot)
 
-        for bucket in plan.buckets:
+        for bucket in share.buckets:
             key = tag(self._session, self._updates, bucket.index)
             while len(inflight) >= MAX_INFLIGHT or not (bucket.direct or free):
                 retire_oldest()

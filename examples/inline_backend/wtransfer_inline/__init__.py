@@ -14,10 +14,10 @@ import torch
 
 import wtransfer
 from wtransfer.infos import ReceiverInitInfo, TrainerInitInfo, UpdateInfo, receiver_init_dict
-from wtransfer.packing import Bucket, BucketPlan, Slice, metas_from_wire, metas_to_wire
+from wtransfer.packing import Bucket, Slice, metas_from_wire, metas_to_wire
 from wtransfer.receiver import WeightTransferEngine
 from wtransfer.receiving import UpdateSession
-from wtransfer.sender import TrainerTransferEngine
+from wtransfer.sender import Share, TrainerTransferEngine
 from wtransfer.sending import send_pipelined
 
 
@@ -72,18 +72,18 @@ class InlineSender(TrainerTransferEngine[InlineTrainerInitInfo]):
                          for _ in range(self.init_info.num_buffers)]
         return receiver_init_dict(self.init_info)
 
-    def _send(self, plan: BucketPlan) -> None:
+    def _send(self, share: Share) -> None:
         def transmit(bucket: Bucket, slot: int, data: torch.Tensor, checksum: int | None) -> None:
             update: dict[str, Any] = {
                 "data": data.numpy().tobytes(),
                 "slices": [s.to_wire() for s in bucket.slices], "checksum": checksum,
             }
             if bucket.index == 0:
-                update["tensors"] = metas_to_wire(plan.metas)
+                update["tensors"] = metas_to_wire(share.plan.metas)
+            assert self.client is not None
             self.client.update_weights(update)
 
-        send_pipelined(plan, self.source, self._staging, transmit,
-                       checksum=self.init_info.checksum)
+        send_pipelined(share, self._staging, transmit, checksum=self.init_info.checksum)
 
     def _close(self) -> None:
         self._staging = []

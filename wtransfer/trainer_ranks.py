@@ -1,0 +1,182 @@
+"""Sharded trainers as real processes: N ranks of an FSDP2 model sending together.
+
+    python -m wtransfer.trainer_ranks --rank R --ranks N --port P --backend ipc \\
+        --address tcp://... [--address ...] --senders K --model mixed --seed 1
+
+Each rank joins a gloo process group, shards the model with FSDP2 (`fully_shard`, CPU device
+mesh), gives itself a client when R < K (one `RPCClient` per receiver address, fanned out), and
+calls `trainer_init` and `send_weights` with every other rank. It prints one JSON line per
+update: the transfer's stats, the most gathered bytes it held, and (with --fingerprint) the
+fingerprint of the full model. Used by the tests, the benchmark and the demo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from wtransfer import wire
+from wtransfer.errors import TransferTimeout
+
+
+def shard(module: Any, ranks: int) -> Any:
+    """Shard `module`'s parameters over `ranks` CPU ranks with FSDP2 (`fully_shard`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (ranks,))
+    layers = getattr(getattr(module, "model", None), "layers", None)
+    for layer in layers.children() if layers is not None else ():
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(module, mesh=mesh)
+
+
+def run(args: argparse.Namespace) -> None:
+    """One trainer rank (see the module docstring)."""
+    import torch.distributed as dist
+
+    import wtransfer
+    from wtransfer.clients import FanoutClient
+    from wtransfer.rpc import RPCClient
+    from wtransfer.shapes import build, randomize
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+                            rank=args.rank, world_size=args.ranks,
+                            timeout=timedelta(seconds=args.timeout))
+    module = build(args.model, args.seed, "cpu")
+    model = shard(module, args.ranks) if args.ranks > 1 else module
+    client: Any = None
+    if args.rank < args.senders:
+        clients = [RPCClient(a, timeout_s=args.timeout) for a in args.address]
+        client = clients[0] if len(clients) == 1 else FanoutClient(clients)
+    fields = wire.decode(bytes.fromhex(args.init_hex)) if args.init_hex else {}
+    info = wtransfer.get_backend(args.backend).sender_class().init_info_cls(**fields)
+    source = wtransfer.ModuleSource(model)
+    sender = wtransfer.trainer_init(info, client=client, source=source)
+    print(json.dumps({"event": "ready", "rank": args.rank, "pid": os.getpid()}), flush=True)
+    for step in range(args.updates):
+        if step:
+            randomize(model, 1_000_003 * args.seed + step)
+        stats = sender.send_weights(weight_version=f"sharded-{step}")
+        out: dict[str, Any] = {"event": "sent", "rank": args.rank, "step": step,
+                               **stats.as_dict()}
+        if args.fingerprint:
+            out["fingerprint"] = wtransfer.fingerprint(model.state_dict())
+        print(json.dumps(out), flush=True)
+    sender.shutdown()
+    dist.destroy_process_group()
+    print(json.dumps({"event": "done", "rank": args.rank}), flush=True)
+
+
+class TrainerRanks:
+    """N trainer rank processes (see the module docstring); `lines(rank)` reads their reports."""
+
+    def __init__(self, ranks: int, *, backend: str, addresses: list[str], senders: int = 1,
+                 model: str = "mixed", seed: int = 1, updates: int = 1,
+                 init_fields: dict[str, Any] | None = None, fingerprint: bool = False,
+                 timeout_s: float = 60.0) -> None:
+        from wtransfer.processes import free_port
+
+        port = free_port()
+        self.procs = []
+        for rank in range(ranks):
+            cmd = [sys.executable, "-m", "wtransfer.trainer_ranks", "--rank", str(rank),
+                   "--ranks", str(ranks), "--port", str(port), "--backend", backend,
+                   "--senders", str(senders), "--model", model, "--seed", str(seed),
+                   "--updates", str(updates), "--timeout", str(timeout_s)]
+            for address in addresses:
+                cmd += ["--address", address]
+            if init_fields:
+                cmd += ["--init-hex", wire.encode(init_fields).hex()]
+            if fingerprint:
+                cmd.append("--fingerprint")
+            self.procs.append(subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        self._lines: list[list[dict[str, Any]]] = [[] for _ in range(ranks)]
+        self._readers = [threading.Thread(target=self._read, args=(r,), daemon=True)
+                         for r in range(ranks)]
+        for thread in self._readers:
+            thread.start()
+
+    def _read(self, rank: int) -> None:
+        stdout = self.procs[rank].stdout
+        assert stdout is not None
+        for line in stdout:
+            if line.startswith("{"):
+                self._lines[rank].append(json.loads(line))
+
+    def wait_for(self, rank: int, event: str, timeout_s: float, count: int = 1
+                 ) -> dict[str, Any]:
+        """The `count`-th report `event` of `rank`, within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen = [line for line in self._lines[rank] if line["event"] == event]
+            if len(seen) >= count:
+                return seen[count - 1]
+            if self.procs[rank].poll() is not None and not self._readers[rank].is_alive():
+                raise RuntimeError(f"trainer rank {rank} exited with "
+                                   f"{self.procs[rank].returncode}: {self.stderr(rank)[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"trainer rank {rank} did not report {event!r} within "
+                                      f"{timeout_s:g}s")
+            time.sleep(0.01)
+
+    def stderr(self, rank: int) -> str:
+        """What `rank` wrote to stderr (once it exited)."""
+        proc = self.procs[rank]
+        return proc.stderr.read() if proc.stderr is not None and proc.poll() is not None else ""
+
+    def wait(self, timeout_s: float) -> list[int]:
+        """Every rank's exit code, within `timeout_s` (then they are killed)."""
+        deadline = time.monotonic() + timeout_s
+        codes = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes.append(proc.wait())
+        return codes
+
+    def close(self) -> None:
+        """Kill what still runs."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> TrainerRanks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of one rank."""
+    parser = argparse.ArgumentParser(prog="python -m wtransfer.trainer_ranks")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--backend", default="ipc")
+    parser.add_argument("--address", action="append", default=[])
+    parser.add_argument("--senders", type=int, default=1)
+    parser.add_argument("--model", default="mixed")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--updates", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--init-hex", default="")
+    parser.add_argument("--fingerprint", action="store_true")
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
