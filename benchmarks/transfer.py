@@ -197,6 +197,41 @@ def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
     return rows
 
 
+def bench_sharded(backend: str, name: str, buckets_mb: list[int], ranks: int, senders: int,
+                  repeats: int) -> list[dict[str, Any]]:
+    """FSDP2 trainer ranks (gloo, CPU) sending the same model with one sender, then with
+    `senders`: median seconds of an update (the lead's own measure, start to finish)."""
+    from statistics import median
+
+    from wtransfer.trainer_ranks import TrainerRanks
+
+    metas = model_metas(name)
+    total = sum(m.nbytes for m in metas)
+    rows = []
+    with spawn_receiver(backend, model=name, seed=2, fill="constant") as child:
+        for mb in buckets_mb:
+            one = None
+            for k in sorted({1, senders}):
+                fields: dict[str, Any] = {"bucket_bytes": mb << 20, "timeout_s": 600}
+                if backend == "nccl":
+                    fields.update(master_address="127.0.0.1", master_port=free_port(),
+                                  world_size=k + 1)
+                with TrainerRanks(ranks, backend=backend, addresses=[child.address],
+                                  senders=k, model=name, updates=repeats + 1,
+                                  init_fields=fields, timeout_s=600) as trainers:
+                    trainers.wait_for(0, "sent", 3600, count=repeats + 1)
+                    if trainers.wait(600) != [0] * ranks:
+                        sys.exit(f"trainer ranks failed: {trainers.stderr(0)[-2000:]}")
+                    sent = trainers.reports(0, "sent")[1:]
+                seconds = median(r["seconds"] for r in sent)
+                one = seconds if k == 1 else one
+                rows.append({"model": name, "ranks": ranks, "senders": k, "bucket_mb": mb,
+                             "seconds": seconds, "gbps": total / seconds / 1e9,
+                             "vs_one": (one or seconds) / seconds,
+                             "peak_mb": max(r["gathered_peak_bytes"] for r in sent) / 2**20})
+    return rows
+
+
 def trainer_info(backend: str, **fields: Any) -> Any:
     if backend == "ucx":
         from wtransfer_ucx import UCXTrainerInitInfo
@@ -218,7 +253,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rollback", action="store_true",
                         help="also measure the packed path into a receiver with rollback on")
+    parser.add_argument("--trainer-ranks", type=int, default=0,
+                        help="FSDP2 trainer ranks (gloo) sending together instead of one "
+                             "process: one sender versus --senders")
+    parser.add_argument("--senders", type=int, default=2)
     args = parser.parse_args()
+    if args.trainer_ranks:
+        sharded_rows: list[dict] = []
+        for name in args.models.split(","):
+            sharded_rows += bench_sharded(args.backend, name,
+                                          [int(x) for x in args.bucket_mb.split(",")],
+                                          args.trainer_ranks, args.senders, args.repeats)
+        print(f"\nbackend={args.backend} trainer ranks={args.trainer_ranks} (FSDP2, gloo) "
+              f"repeats={args.repeats} (median seconds; vs one = one sender's time / this)")
+        print_table(sharded_rows, [("model", "model", ""), ("ranks", "ranks", "d"),
+                                   ("senders", "senders", "d"), ("bucket_mb", "MiB", "d"),
+                                   ("seconds", "median s", ".3f"), ("gbps", "GB/s", ".2f"),
+                                   ("vs_one", "vs one", ".2f"),
+                                   ("peak_mb", "gathered peak MiB", ".1f")])
+        path = write_json(f"transfer-{args.backend}-ranks{args.trainer_ranks}", sharded_rows,
+                          vars(args))
+        print(f"wrote {path}")
+        return
     rows: list[dict] = []
     for name in args.models.split(","):
         rows += bench_model(args.backend, name, [int(x) for x in args.bucket_mb.split(",")],

@@ -129,6 +129,10 @@ class TrainerRanks:
                                       f"{timeout_s:g}s")
             time.sleep(0.01)
 
+    def reports(self, rank: int, event: str) -> list[dict[str, Any]]:
+        """Every report `event` of `rank` so far."""
+        return [line for line in self._lines[rank] if line["event"] == event]
+
     def stderr(self, rank: int) -> str:
         """What `rank` wrote to stderr (once it exited)."""
         proc = self.procs[rank]
