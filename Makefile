@@ -35,11 +35,12 @@ $(VLLM_STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) integrations
 		-e backends/ipc -e backends/nccl -e integrations/vllm
 	touch $(VLLM_STAMP)
 
-# Three workers: most tests wait on child processes and sockets, so 3 beat 2 on 2 cores.
+# Three workers: most tests wait on child processes and sockets, so 3 beat 2 on 2 cores. A
+# file's tests stay together, in order (module fixtures such as one server are shared).
 PYTEST_WORKERS ?= 3
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 setup-vllm: $(VLLM_STAMP)
 

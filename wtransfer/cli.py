@@ -30,7 +30,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     return run_rl_demo(steps=args.steps, backend=args.backend, local=args.local,
                        lr=args.lr, seed=args.seed, run_dir=args.run_dir,
-                       data_parallel_size=args.data_parallel_size, engine=args.engine)
+                       data_parallel_size=args.data_parallel_size, engine=args.engine,
+                       trainer_ranks=args.trainer_ranks)
 
 
 def cmd_transfer_demo(args: argparse.Namespace) -> int:
@@ -94,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where rl.png and metrics.json go (default runs/rl-<timestamp>)")
     rl.add_argument("--data-parallel-size", type=int, default=1,
                     help="serve the policy from N lockstep engine ranks")
+    rl.add_argument("--trainer-ranks", type=int, default=1,
+                    help="train the policy with N FSDP2 ranks (gloo) that send together")
     rl.add_argument("--engine", choices=["wtransfer", "vllm"], default="wtransfer",
                     help="serve the policy with our engine (default) or an in-process vLLM "
                          "(needs vllm and wtransfer-vllm: `make test-vllm` builds .venv-vllm)")

@@ -185,11 +185,17 @@ def create_receiver(
 
 
 def trainer_init(
-    init_info: TrainerInitInfo, *, client: WeightSyncClient, source: WeightSource
+    init_info: TrainerInitInfo, *, client: WeightSyncClient | None, source: WeightSource,
+    process_group: Any = None,
 ) -> TrainerTransferEngine[Any]:
-    """Create the sender for `init_info`'s backend and initialize every receiver behind `client`."""
+    """Create the sender for `init_info`'s backend and initialize every receiver behind `client`.
+
+    With a sharded source (FSDP2 / DTensor), `client=None` on some ranks, or `process_group`,
+    every trainer rank of the group calls this (and `send_weights`) together; the ranks with a
+    client send (see `wtransfer.sender`)."""
     name = getattr(type(init_info), "backend", "")
     if not name:
         raise ConfigError(f"{type(init_info).__name__} names no backend; pass a backend's "
                           "TrainerInitInfo subclass (e.g. wtransfer_ipc.IPCTrainerInitInfo)")
-    return get_backend(name).sender_class().trainer_init(init_info, client=client, source=source)
+    return get_backend(name).sender_class().trainer_init(init_info, client=client, source=source,
+                                                         process_group=process_group)

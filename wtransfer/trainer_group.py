@@ -95,3 +95,16 @@ class TrainerGroup:
     def close(self) -> None:
         """Release the coordination group."""
         dist.destroy_process_group(self.pg)
+
+
+def broadcast_record(record: Any, src: int = 0, group: Any = None) -> Any:
+    """Rank `src`'s plain-data `record` on every rank of `group` (msgpack through a byte
+    tensor, so nothing is pickled); the other ranks pass None."""
+    mine = dist.get_rank() == src
+    data = wire.encode(record) if mine else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src, group=group)
+    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine
+              else torch.empty(int(size.item()), dtype=torch.uint8))
+    dist.broadcast(buffer, src, group=group)
+    return wire.decode(buffer.numpy().tobytes())

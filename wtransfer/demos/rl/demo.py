@@ -22,15 +22,15 @@ from typing import Any
 
 import torch
 
-from wtransfer.demos.rl.grpo import Rollout, grpo_step
+from wtransfer.demos.rl.grpo import Rollout
 from wtransfer.demos.rl.servers import HTTPPolicyServer, LocalPolicyServer, Stream
 from wtransfer.demos.rl.task import ChainParityTask
+from wtransfer.demos.rl.trainers import LocalTrainer, ShardedTrainer
 from wtransfer.errors import ConfigError
 from wtransfer.fingerprint import fingerprint
-from wtransfer.inference import load_model
+from wtransfer.inference import MODEL_CONFIGS
 from wtransfer.processes import free_port
-from wtransfer.registry import get_backend, trainer_init
-from wtransfer.source import ModuleSource
+from wtransfer.registry import get_backend
 
 MODEL = "tiny"
 VLLM_MODEL = "tiny32"
@@ -101,8 +101,8 @@ def _policy_server(engine: str, local: bool, model: str, backend: str,
     return make(model=model, seed=0, backend=backend, data_parallel_size=data_parallel_size)
 
 
-def _validate(server: Any, trainer: torch.nn.Module, streams: list[tuple[list[int], Stream]]
-              ) -> tuple[bool, list[str]]:
+def _validate(server: Any, trainer: dict[str, torch.Tensor],
+              streams: list[tuple[list[int], Stream]]) -> tuple[bool, list[str]]:
     """Post-pause tokens of the mid-flight requests against an engine holding the final
     weights (`server.reference`); then fingerprints."""
     problems: list[str] = []
@@ -126,7 +126,7 @@ def _validate(server: Any, trainer: torch.nn.Module, streams: list[tuple[list[in
     reference.close()
     if not checked:
         problems.append("no validation request was still running when the last pause landed")
-    if fingerprint(trainer.state_dict()) != server.client.fingerprint():
+    if fingerprint(trainer) != server.client.fingerprint():
         problems.append("trainer and server fingerprints differ")
     print(f"  mid-flight keep requests checked against a fresh engine: {checked}, "
           f"mismatches: {sum('post-pause' in p for p in problems)}")
@@ -162,9 +162,11 @@ def _plot(records: list[StepRecord], path: Path) -> None:
 def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
                 prompts_per_step: int = 8, group: int = 8, max_tokens: int = 8,
                 lr: float = 1e-2, seed: int = 0, run_dir: str | None = None,
-                data_parallel_size: int = 1, engine: str = "wtransfer") -> int:
+                data_parallel_size: int = 1, engine: str = "wtransfer",
+                trainer_ranks: int = 1) -> int:
     """Run the demo; returns the exit code (0 when both validations passed). `engine` is
-    "wtransfer" (our engine) or "vllm" (an in-process vLLM AsyncLLM)."""
+    "wtransfer" (our engine) or "vllm" (an in-process vLLM AsyncLLM); with `trainer_ranks` > 1
+    the policy is trained by that many FSDP2 ranks (this process and helper processes)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     started = time.perf_counter()
@@ -173,13 +175,16 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
     model = VLLM_MODEL if engine == "vllm" else MODEL
     server = _policy_server(engine, local, model, backend, data_parallel_size)
     try:
-        trainer = load_model(model, seed=0)
-        task = ChainParityTask(trainer.config.vocab_size)
+        info = _init_info(backend, data_parallel_size)
+        trainer = (LocalTrainer(model, lr, info, server.client) if trainer_ranks == 1 else
+                   ShardedTrainer(model, lr, info, server.client, ranks=trainer_ranks,
+                                  backend=backend))
+        if trainer_ranks > 1:
+            print(f"  the policy is trained by {trainer_ranks} FSDP2 ranks (gloo); rank 0 "
+                  "sends, every rank gathers bucket by bucket")
+        task = ChainParityTask(MODEL_CONFIGS[model].vocab_size)
         if fingerprint(trainer.state_dict()) != server.client.fingerprint():
             raise RuntimeError("trainer and server do not start from the same policy")
-        optimizer = torch.optim.AdamW(trainer.parameters(), lr=lr)
-        sender = trainer_init(_init_info(backend, data_parallel_size), client=server.client,
-                              source=ModuleSource(trainer))
         sample = {"max_tokens": max_tokens, "temperature": 1.0}
 
         def submit() -> tuple[list[list[int]], list[Any]]:
@@ -199,7 +204,7 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
             pending = submit()  # generation of step k+1 overlaps training on step k
             rollouts = _rollouts(prompts, choices, group, task)
             t0 = time.perf_counter()
-            grpo_step(trainer, optimizer, rollouts, group)
+            trainer.step(rollouts, group)
             train_ms = (time.perf_counter() - t0) * 1e3
             if step == steps - 1:  # mid-flight validation requests straddle the last update
                 greedy = {"max_tokens": VALIDATION_TOKENS, "temperature": 0.0}
@@ -212,7 +217,7 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
             inflight = server.inflight()
             t0 = time.perf_counter()
             server.pause("keep", clear_cache=True)
-            stats = sender.send_weights(weight_version=f"step-{step}")
+            stats = trainer.send(f"step-{step}")
             server.resume()
             paused_ms = (time.perf_counter() - t0) * 1e3
             straddled = sum(len(r.versions) > 1 for r in rollouts)
@@ -223,8 +228,8 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
             _print_row(record)
         for f in pending[1]:
             f.result(timeout=300)
-        ok, problems = _validate(server, trainer, streams)
-        sender.shutdown()
+        ok, problems = _validate(server, trainer.state_dict(), streams)
+        trainer.close()
     finally:
         server.close()
     return _report(records, ok, problems, out_dir, time.perf_counter() - started)

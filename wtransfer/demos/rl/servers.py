@@ -43,11 +43,11 @@ class FreshEngineReference:
     """Greedy continuations from a fresh engine holding a trainer's weights (what the demo
     checks mid-flight requests against)."""
 
-    def __init__(self, model: str, trainer: torch.nn.Module) -> None:
+    def __init__(self, model: str, state: dict[str, torch.Tensor]) -> None:
         self.engine = AsyncEngine(EngineConfig(model=model, batch_invariant=True))
         core = self.engine.core
         assert isinstance(core, EngineCore)  # data_parallel_size is 1
-        core.call(core.model.load_state_dict, trainer.state_dict()).result(timeout=60)
+        core.call(core.model.load_state_dict, state).result(timeout=60)
 
     async def _generate(self, prompt: list[int], max_tokens: int) -> list[int]:
         last = None
@@ -156,9 +156,9 @@ class HTTPPolicyServer:
         """GET /weight_info."""
         return str(self.http.get("/weight_info").json()["weight_version"])
 
-    def reference(self, trainer: torch.nn.Module) -> FreshEngineReference:
-        """Greedy continuations from a fresh engine holding `trainer`'s weights."""
-        return FreshEngineReference(self.model, trainer)
+    def reference(self, state: dict[str, torch.Tensor]) -> FreshEngineReference:
+        """Greedy continuations from a fresh engine holding the weights `state`."""
+        return FreshEngineReference(self.model, state)
 
     def inflight(self) -> int:
         """Requests running or waiting in the engine."""
@@ -236,9 +236,9 @@ class LocalPolicyServer:
         """The engine's weight label."""
         return str(self._submit(self.engine.get_weight_version()).result(timeout=CALL_TIMEOUT_S))
 
-    def reference(self, trainer: torch.nn.Module) -> FreshEngineReference:
-        """Greedy continuations from a fresh engine holding `trainer`'s weights."""
-        return FreshEngineReference(self.model, trainer)
+    def reference(self, state: dict[str, torch.Tensor]) -> FreshEngineReference:
+        """Greedy continuations from a fresh engine holding the weights `state`."""
+        return FreshEngineReference(self.model, state)
 
     def inflight(self) -> int:
         """Requests running or waiting in the engine."""

@@ -121,7 +121,7 @@ class VLLMPolicyServer:
         with self._lock:
             return self._inflight
 
-    def reference(self, trainer: torch.nn.Module) -> VLLMReference:
+    def reference(self, state: dict[str, torch.Tensor]) -> VLLMReference:
         """Greedy continuations from this engine, which holds the final weights now."""
         return VLLMReference(self)
 
