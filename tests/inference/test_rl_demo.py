@@ -30,6 +30,15 @@ def test_reduced_demo_on_a_data_parallel_server(tmp_path, capsys):
     assert "mid-flight keep requests checked against a fresh engine: 6, mismatches: 0" in printed
 
 
+def test_reduced_demo_trained_by_two_fsdp2_ranks(tmp_path, capsys):
+    code = run_rl_demo(steps=2, local=True, prompts_per_step=4, group=4, run_dir=str(tmp_path),
+                       trainer_ranks=2)
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "trained by 2 FSDP2 ranks" in printed
+    assert "mid-flight keep requests checked against a fresh engine: 6, mismatches: 0" in printed
+
+
 def test_chain_parity_reward_is_exact():
     task = ChainParityTask(vocab_size=256)
     assert task.reward([3], [200, 10, 11]) == 1.0   # odd→high, even→low, even→low

@@ -13,6 +13,7 @@ import argparse
 import os
 import subprocess
 import sys
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -65,6 +66,9 @@ def shard_policy(model: Any, ranks: int) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
+    # sequence_logits returns per-sequence views of one logits tensor; nothing modifies them
+    # in place, which is what FSDP2 warns about
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     mesh = init_device_mesh("cpu", (ranks,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
