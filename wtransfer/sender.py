@@ -182,8 +182,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             raise LifecycleError(f"{self.backend_name} sender is "
                                  f"{'shut down' if self.closed else 'not connected'}")
         metas = self.source.metadata()
-        plan = BucketPlan.build(metas, self.init_info.bucket_bytes, direct_threshold=(
-            0 if self.source.sharded else self.direct_threshold))
+        plan = BucketPlan.build(metas, self.init_info.bucket_bytes,
+                                direct_threshold=self.direct_threshold)
         owners = plan.owners(self.senders)
         packer: BucketPacker | GatheringPacker = (
             GatheringPacker(plan, self.source.parts(), owners, self.group.senders)
@@ -254,7 +254,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
     @property
     def direct_threshold(self) -> int:
         """Bytes from which a tensor becomes a direct bucket; 0 (never) unless a backend
-        that can move tensors in place overrides it."""
+        that can move tensors in place overrides it (never with a sharded source, whose
+        tensors are gathered into staging)."""
         return 0
 
     def _staging_device(self, override: str | None) -> torch.device:

@@ -18,9 +18,9 @@ BUCKET = 64 << 10
 
 def init_fields(backend, senders, workers, **extra):
     fields = {"bucket_bytes": BUCKET, "timeout_s": 20.0, **extra}
-    if backend == "nccl":
-        fields.update(master_address="127.0.0.1", master_port=free_port(),
-                      world_size=senders + workers)
+    if backend == "nccl":  # a direct threshold the 512 KiB embedding passes: a sharded source
+        fields.update(master_address="127.0.0.1", master_port=free_port(),  # must not use it
+                      world_size=senders + workers, direct_threshold=32 << 10)
     return fields
 
 

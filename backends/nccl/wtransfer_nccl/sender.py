@@ -74,7 +74,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         staging, so they turn it off.
         """
         info = self.init_info
-        if info.checksum:
+        if info.checksum or self.source.sharded:  # both need staging: checksums, gathers
             return 0
         if info.direct_threshold is not None:
             return info.direct_threshold

@@ -53,7 +53,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         """Tensors this large go from the source tensor straight into the worker's parameter
         (no staging copy on either side); default 1 MiB, off with checksums."""
         info = self.init_info
-        if info.checksum:
+        if info.checksum or self.source.sharded:  # both need staging: checksums, gathers
             return 0
         return (1 << 20) if info.direct_threshold is None else info.direct_threshold
 
