@@ -26,6 +26,24 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
     return statistics.median(times)
 
 
+def paired(path: Callable[[], object], floor: Callable[[], object], repeats: int,
+           warmup: int = 1) -> tuple[float, float]:
+    """Median seconds of `path` and of `floor`, their runs interleaved (path, floor, path, ...)
+    after `warmup` runs of each, so both see the same machine state (caches, clocks, page
+    faults already taken, other load)."""
+    for _ in range(warmup):
+        path()
+        floor()
+    path_times: list[float] = []
+    floor_times: list[float] = []
+    for _ in range(repeats):
+        for fn, times in ((path, path_times), (floor, floor_times)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return statistics.median(path_times), statistics.median(floor_times)
+
+
 def print_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> None:
     """Print `rows` as a table; each column is (key, header, format spec)."""
     widths = [max(len(h), *(len(format(r[k], f)) for r in rows)) for k, h, f in columns]

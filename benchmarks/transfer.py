@@ -18,9 +18,10 @@ RPC control plane. Per backend, the floor and the naive baseline are:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from wtransfer_ipc.sender import IPCSender
 from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
+from wtransfer.clients import FanoutClient
 from wtransfer.packing import Bucket, BucketPlan, Slice, byte_view
 from wtransfer.processes import free_port, spawn_receiver
 from wtransfer.rpc import RPCClient
@@ -39,7 +41,7 @@ from wtransfer.sender import Share
 from wtransfer.shapes import build, model_metas
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import median_seconds, print_table, write_json
+from common import median_seconds, paired, print_table, write_json
 
 
 class PerTensorIPCSender(IPCSender):
@@ -61,12 +63,24 @@ class PerTensorIPCSender(IPCSender):
             self.client.update_weights(update)
 
 
-def floor_two_copies(model: torch.nn.Module, device: str, repeats: int) -> float:
-    """Median seconds to copy every tensor into one flat buffer and back out."""
+def copy_floors(model: torch.nn.Module, device: str) -> dict[str, Callable[[], None]]:
+    """The copy floors over the model's bytes, on its device: one flat copy (what a zero-copy
+    update must do: every byte read once, written once), and two (pack into one flat buffer,
+    unpack out of it: what a packed update must do). Buffers are allocated and touched once
+    here, so no run pays page faults."""
     tensors = [byte_view(t) for t in model.state_dict().values()]
     total = sum(t.numel() for t in tensors)
-    flat = torch.empty(total, dtype=torch.uint8, device=device)
-    dest = [torch.empty_like(t) for t in tensors]
+    flat = torch.zeros(total, dtype=torch.uint8, device=device)
+    other = torch.zeros(total, dtype=torch.uint8, device=device)
+    dest = [torch.zeros_like(t) for t in tensors]
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def one_copy() -> None:
+        other.copy_(flat)
+        sync()
 
     def two_copies() -> None:
         offset = 0
@@ -77,36 +91,47 @@ def floor_two_copies(model: torch.nn.Module, device: str, repeats: int) -> float
         for d in dest:
             d.copy_(flat[offset : offset + d.numel()])
             offset += d.numel()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        sync()
 
-    return median_seconds(two_copies, repeats)
+    return {"floor (1 copy)": one_copy, "floor (2 copies)": two_copies}
 
 
-def broadcast_baselines(name: str, model: torch.nn.Module, repeats: int) -> tuple[float, float]:
-    """(floor, naive) medians: one flat broadcast, and one broadcast per tensor, via gloo."""
+def broadcast_baselines(name: str, model: torch.nn.Module, repeats: int, device: str,
+                        devices: list[str]) -> tuple[float, float]:
+    """(floor, per-tensor) medians between the trainer and one peer per receiver device: one
+    broadcast of a flat buffer holding every byte, and one broadcast per tensor (NCCL on CUDA
+    devices, gloo on CPU), in the same run as the transfers."""
     port = free_port()
-    peer = subprocess.Popen([sys.executable, str(Path(__file__).with_name("bcast_peer.py")),
-                             "--model", name, "--port", str(port), "--repeats", str(repeats)])
+    world = 1 + len(devices)
+    peers = [subprocess.Popen([sys.executable, str(Path(__file__).with_name("bcast_peer.py")),
+                               "--model", name, "--port", str(port), "--repeats", str(repeats),
+                               "--rank", str(rank), "--world", str(world), "--device", d])
+             for rank, d in enumerate(devices, start=1)]
     try:
         store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=120),
                               wait_for_workers=False)
-        pg: Any = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=600))
+        nccl = device.startswith("cuda")
+        pg: Any = (dist.ProcessGroupNCCL(store, 0, world, dist.ProcessGroupNCCL.Options())
+                   if nccl else
+                   dist.ProcessGroupGloo(store, 0, world, timedelta(seconds=600)))
         tensors = [byte_view(t) for t in model.state_dict().values()]
         flat = torch.cat(tensors)
-        one = torch.zeros(1)
+        one = torch.zeros(1, device=device)
 
         def rounds(group: list[torch.Tensor]) -> Callable[[], None]:
             def run() -> None:
                 for t in group:
-                    pg.broadcast(t, 0).wait()
+                    pg.broadcast([t], dist.BroadcastOptions()).wait()
                 pg.allreduce([one]).wait()
+                if nccl:
+                    torch.cuda.synchronize()
             return run
 
         floor = median_seconds(rounds([flat]), repeats)
         naive = median_seconds(rounds(tensors), repeats)
     finally:
-        peer.wait(timeout=600)
+        for peer in peers:
+            peer.wait(timeout=600)
     return floor, naive
 
 
@@ -136,16 +161,26 @@ def ucx_floor(total: int, repeats: int, device: str) -> float:
     return floor
 
 
+@contextlib.contextmanager
+def receivers(backend: str, name: str, devices: list[str], rollback: bool = False
+              ) -> Iterator[Any]:
+    """One receiver process per device (`--receiver-devices`); yields their client."""
+    with contextlib.ExitStack() as stack:
+        children = [stack.enter_context(spawn_receiver(backend, model=name, seed=2, device=d,
+                                                       fill="constant", rollback=rollback))
+                    for d in devices]
+        clients = [RPCClient(c.address, timeout_s=600) for c in children]
+        yield clients[0] if len(clients) == 1 else FanoutClient(clients)
+
+
 def rollback_rows(backend: str, name: str, model: torch.nn.Module, buckets_mb: list[int],
-                  device: str, repeats: int) -> list[dict[str, Any]]:
-    """The packed path into a receiver that keeps a host copy of every tensor it overwrites
+                  devices: list[str], repeats: int) -> list[dict[str, Any]]:
+    """The packed path into receivers that keep a host copy of every tensor they overwrite
     (`rollback=True`): what failing closed costs per update."""
     rows = []
-    with spawn_receiver(backend, model=name, seed=2, device=device, fill="constant",
-                        rollback=True) as child:
-        client = RPCClient(child.address, timeout_s=600)
+    with receivers(backend, name, devices, rollback=True) as client:
         for mb in buckets_mb:
-            info = trainer_info(backend, bucket_bytes=mb << 20)
+            info = trainer_info(backend, len(devices), bucket_bytes=mb << 20)
             with wtransfer.trainer_init(info, client=client,
                                         source=wtransfer.ModuleSource(model)) as sender:
                 seconds = median_seconds(sender.send_weights, repeats)
@@ -155,44 +190,66 @@ def rollback_rows(backend: str, name: str, model: torch.nn.Module, buckets_mb: l
 
 
 def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
-                repeats: int, rollback: bool = False) -> list[dict[str, Any]]:
+                devices: list[str], repeats: int, rollback: bool = False,
+                direct_mb: float | None = None) -> list[dict[str, Any]]:
+    """Every path of `backend` for model `name`, each against its floor from the same run."""
     metas = model_metas(name)
     total = sum(m.nbytes for m in metas)
     model = build(name, seed=1, device=device, fill="constant")
     rows: list[dict[str, Any]] = []
     naive_s = float("nan")
-    if backend == "ipc":
-        floor_path, floor = "floor (2 copies)", floor_two_copies(model, device, repeats)
-    elif backend == "ucx":
-        floor_path, floor = "floor (1 raw UCX send)", ucx_floor(total, repeats, device)
-    else:
-        floor, naive_s = broadcast_baselines(name, model, repeats)
-        floor_path = "floor (1 broadcast)"
-    rows.append({"model": name, "path": floor_path, "bucket_mb": 0, "seconds": floor})
-    with spawn_receiver(backend, model=name, seed=2, device=device, fill="constant") as child:
-        client = RPCClient(child.address, timeout_s=600)
-        for mb in buckets_mb:
-            info = trainer_info(backend, bucket_bytes=mb << 20)
+    floors = copy_floors(model, device) if backend == "ipc" else {}
+    fixed: dict[str, float] = {}
+    if backend == "ucx":
+        fixed["floor (1 raw UCX send)"] = ucx_floor(total, repeats, device)
+    elif backend == "nccl":
+        fixed["floor (1 broadcast)"], naive_s = broadcast_baselines(name, model, repeats,
+                                                                    device, devices)
+    for path, seconds in fixed.items():
+        rows.append({"model": name, "path": path, "bucket_mb": 0, "seconds": seconds,
+                     "floor_s": seconds})
+    paths: list[tuple[str, int, Any]] = []
+    if backend == "ipc" and device.startswith("cuda"):
+        paths.append(("zero-copy", 0, trainer_info(backend, len(devices))))
+    for mb in buckets_mb:
+        extra: dict[str, Any] = {"zero_copy": False} if backend == "ipc" else {}
+        if direct_mb is not None and backend != "ipc":
+            extra["direct_threshold"] = int(direct_mb * (1 << 20))
+        paths.append(("packed", mb, trainer_info(backend, len(devices), bucket_bytes=mb << 20,
+                                                 **extra)))
+    with receivers(backend, name, devices) as client:
+        for path, mb, info in paths:
             with wtransfer.trainer_init(info, client=client,
                                         source=wtransfer.ModuleSource(model)) as sender:
-                seconds = median_seconds(sender.send_weights, repeats)
-            rows.append({"model": name, "path": "packed", "bucket_mb": mb, "seconds": seconds})
+                if floors:  # interleaved with its floor: the same machine state for both
+                    floor_name = "floor (1 copy)" if path == "zero-copy" else "floor (2 copies)"
+                    seconds, floor_s = paired(sender.send_weights, floors[floor_name], repeats)
+                    rows.append({"model": name, "path": floor_name, "bucket_mb": mb,
+                                 "seconds": floor_s, "floor_s": floor_s})
+                else:
+                    seconds = median_seconds(sender.send_weights, repeats)
+                    floor_s = next(iter(fixed.values()))
+            rows.append({"model": name, "path": path, "bucket_mb": mb, "seconds": seconds,
+                         "floor_s": floor_s})
         if backend == "ipc":
             biggest = max(m.nbytes for m in metas)
             info = IPCTrainerInitInfo(bucket_bytes=-(-biggest // 256) * 256, num_buffers=1,
-                                      timeout_s=600)
+                                      timeout_s=600, zero_copy=False)
             with PerTensorIPCSender.trainer_init(info, client=client,
                                                  source=wtransfer.ModuleSource(model)) as naive:
-                naive_s = median_seconds(naive.send_weights, repeats)
+                naive_s, floor_s = paired(naive.send_weights, floors["floor (2 copies)"],
+                                          repeats)
         if backend != "ucx":
             rows.append({"model": name, "path": "naive per-tensor", "bucket_mb": 0,
-                         "seconds": naive_s})
+                         "seconds": naive_s,
+                         "floor_s": floor_s if backend == "ipc" else fixed["floor (1 broadcast)"]})
         same = client.fingerprint() == wtransfer.fingerprint(model.state_dict())
     if rollback:
-        rows += rollback_rows(backend, name, model, buckets_mb, device, repeats)
+        for row in rollback_rows(backend, name, model, buckets_mb, devices, repeats):
+            rows.append({**row, "floor_s": float("nan")})
     for r in rows:
         r.update(bytes=total, tensors=len(metas), gbps=total / r["seconds"] / 1e9,
-                 vs_floor=floor / r["seconds"], vs_naive=naive_s / r["seconds"],
+                 vs_floor=r["floor_s"] / r["seconds"], vs_naive=naive_s / r["seconds"],
                  verified=same)
     return rows
 
@@ -214,8 +271,7 @@ def bench_sharded(backend: str, name: str, buckets_mb: list[int], ranks: int, se
             for k in sorted({1, senders}):
                 fields: dict[str, Any] = {"bucket_bytes": mb << 20, "timeout_s": 600}
                 if backend == "nccl":
-                    fields.update(master_address="127.0.0.1", master_port=free_port(),
-                                  world_size=k + 1)
+                    fields.update(master_address="127.0.0.1", world_size=k + 1)
                 with TrainerRanks(ranks, backend=backend, addresses=[child.address],
                                   senders=k, model=name, updates=repeats + 1,
                                   init_fields=fields, timeout_s=600) as trainers:
@@ -232,14 +288,14 @@ def bench_sharded(backend: str, name: str, buckets_mb: list[int], ranks: int, se
     return rows
 
 
-def trainer_info(backend: str, **fields: Any) -> Any:
+def trainer_info(backend: str, workers: int = 1, **fields: Any) -> Any:
     if backend == "ucx":
         from wtransfer_ucx import UCXTrainerInitInfo
 
         return UCXTrainerInitInfo(timeout_s=600, **fields)
     if backend == "nccl":
-        return NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(),
-                                   world_size=2, timeout_s=600, **fields)
+        return NCCLTrainerInitInfo(master_address="127.0.0.1",
+                                   world_size=1 + workers, timeout_s=600, **fields)
     return IPCTrainerInitInfo(timeout_s=600, **fields)
 
 
@@ -249,8 +305,15 @@ def main() -> None:
     parser.add_argument("--backend", default="ipc", choices=["ipc", "nccl", "ucx"])
     parser.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b")
     parser.add_argument("--bucket-mb", default="64,256")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="the trainer's device")
+    parser.add_argument("--receiver-devices", default=None,
+                        help="one receiver process per device, comma-separated (default: "
+                             "--device); e.g. cuda:1,cuda:2,cuda:3 for nccl across GPUs")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--direct-mb", type=float, default=None,
+                        help="nccl/ucx: tensors of at least this many MiB move on their own, "
+                             "straight into the parameter (0: pack everything); default: the "
+                             "backend's choice")
     parser.add_argument("--rollback", action="store_true",
                         help="also measure the packed path into a receiver with rollback on")
     parser.add_argument("--trainer-ranks", type=int, default=0,
@@ -278,7 +341,8 @@ def main() -> None:
     rows: list[dict] = []
     for name in args.models.split(","):
         rows += bench_model(args.backend, name, [int(x) for x in args.bucket_mb.split(",")],
-                            args.device, args.repeats, args.rollback)
+                            args.device, (args.receiver_devices or args.device).split(","),
+                            args.repeats, args.rollback, args.direct_mb)
     print(f"\nbackend={args.backend} device={args.device} repeats={args.repeats} "
           f"(median seconds; ratios: floor/time and naive/time, higher is better)")
     print_table(rows, [("model", "model", ""), ("path", "path", ""), ("bucket_mb", "MiB", "d"),

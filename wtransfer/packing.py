@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,6 +57,7 @@ class TensorMeta:
     name: str
     dtype: str
     shape: tuple[int, ...]
+    _nbytes: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not 0 < len(self.name) <= MAX_NAME_LEN:
@@ -69,6 +70,7 @@ class TensorMeta:
         for dim in self.shape:
             if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
                 raise MetadataError(f"tensor {self.name!r}: shape {self.shape} has a bad dim")
+        object.__setattr__(self, "_nbytes", math.prod(self.shape) * DTYPES[self.dtype].itemsize)
         if self.nbytes > MAX_TENSOR_BYTES:
             raise MetadataError(f"tensor {self.name!r}: {self.nbytes} bytes exceeds the limit")
 
@@ -90,7 +92,7 @@ class TensorMeta:
     @property
     def nbytes(self) -> int:
         """Bytes of the tensor's contents."""
-        return self.numel * self.itemsize
+        return self._nbytes
 
     def to_wire(self) -> list[object]:
         """Compact plain form: ``[name, dtype, [dims...]]``."""
@@ -283,13 +285,19 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
+_MEMCPY_BYTES = 1 << 20
+"""On CUDA, copies of at least this many bytes go out one by one as device memcpys."""
+
+
 def copy_bytes(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
     """Copy each flat uint8 `srcs[i]` into the flat uint8 `dsts[i]` of the same length.
 
     CPU to CPU is one plain memcpy each through ctypes, which drops the GIL: the transfer
     pipeline already overlaps sender and receiver, and torch's intra-op threads would spin on
-    the cores the other side needs. On one CUDA device all copies go out as a single
-    multi-tensor launch, so a bucket of hundreds of small tensors costs one launch, not hundreds.
+    the cores the other side needs. On one CUDA device the small copies go out as a single
+    multi-tensor launch (hundreds of small tensors cost one launch, not hundreds), and each
+    large one as its own device-to-device memcpy, which runs at copy bandwidth (the
+    multi-tensor kernel copies byte by byte, several times slower on gigabytes).
     """
     for d, s in zip(dsts, srcs, strict=True):
         if d.numel() != s.numel():
@@ -300,7 +308,12 @@ def copy_bytes(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> No
         for d, s in zip(dsts, srcs, strict=True):
             ctypes.memmove(d.data_ptr(), s.data_ptr(), d.numel())
     elif len({t.device for t in (*dsts, *srcs)}) == 1:
-        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+        small = [(d, s) for d, s in zip(dsts, srcs, strict=True) if d.numel() < _MEMCPY_BYTES]
+        if small:
+            torch._foreach_copy_([d for d, _ in small], [s for _, s in small], non_blocking=True)
+        for d, s in zip(dsts, srcs, strict=True):
+            if d.numel() >= _MEMCPY_BYTES:
+                d.copy_(s, non_blocking=True)
     else:
         for d, s in zip(dsts, srcs, strict=True):
             d.copy_(s, non_blocking=True)
@@ -323,6 +336,7 @@ class BucketPacker:
         self._plan = plan
         self._iter: Iterator[tuple[str, torch.Tensor]] = iter(tensors)
         self._index = -1
+        self._tensor: torch.Tensor | None = None
         self._bytes: torch.Tensor | None = None
         self._finished = False
 
@@ -341,7 +355,8 @@ class BucketPacker:
                     f"announced {meta.name!r} {meta.dtype}{list(meta.shape)}; the source must "
                     "iterate exactly the tensors of its metadata(), in order")
             self._index += 1
-            self._bytes = byte_view(tensor.detach())
+            self._tensor = tensor.detach()
+            self._bytes = byte_view(self._tensor)
         assert self._bytes is not None
         return self._bytes
 
@@ -375,6 +390,17 @@ class BucketPacker:
                                             bucket_checksum(staging[: bucket.nbytes]))
         return staging[:length]
 
+    def walk(self) -> list[torch.Tensor]:
+        """Every source tensor, checked against the plan, in order (for a backend that moves
+        the tensors themselves rather than packed buckets); then `finish`."""
+        tensors = []
+        for index in range(len(self._plan.metas)):
+            self._tensor_bytes(index)
+            assert self._tensor is not None
+            tensors.append(self._tensor)
+        self.finish()
+        return tensors
+
     def finish(self) -> None:
         """Check the source yields every announced tensor (those of buckets another sender
         packs included) and nothing beyond; idempotent."""
@@ -383,7 +409,7 @@ class BucketPacker:
         self._finished = True
         if self._plan.metas:
             self._tensor_bytes(len(self._plan.metas) - 1)
-        self._bytes = None
+        self._bytes = self._tensor = None
         extra = next(self._iter, None)
         if extra is not None:
             raise MetadataError(f"source yielded {extra[0]!r} beyond the tensors it announced")

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
 from wtransfer import wire
@@ -18,10 +19,21 @@ from wtransfer.errors import TransferTimeout
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (for rendezvous addresses and test servers)."""
+    """A TCP port nobody listens on right now (for test servers that must be told a port;
+    another process can take it before it is bound, so prefer binding port 0 directly)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def local_store(world_size: int, timeout_s: float, port: int = 0) -> Any:
+    """A `torch.distributed.TCPStore` on 127.0.0.1 for a default process group launched from
+    here: `port=0` hosts one on a port the OS picks (read `.port`, hand it to the ranks),
+    any other port joins that one. No window for another process to take the port."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, world_size, port == 0,
+                         timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 class ChildProcess:

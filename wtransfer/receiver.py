@@ -276,6 +276,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 return
             if self.init_info is not None:
                 self._shutdown()
+            self._close()
             self._session = None
             self._rollback_store = {}
             self._state = ReceiverState.CLOSED
@@ -302,6 +303,10 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     @abstractmethod
     def _shutdown(self) -> None:
         """Release what `_init` acquired."""
+
+    def _close(self) -> None:
+        """Release what outlives one sender (kept for the next `_init`); called once, by
+        `shutdown`, after `_shutdown`. Optional."""
 
 
 class _CallGuard:

@@ -219,6 +219,32 @@ class UpdateSession:
             if not part.direct:
                 batch.assembled.append((meta.name, part.buffer))
 
+    def load_whole(self, sources: Sequence[torch.Tensor]) -> None:
+        """Load every announced tensor whole from its own flat uint8 source (a zero-copy
+        update: the sender's storage), in one batch of copies."""
+        if len(sources) != len(self._metas):
+            raise MetadataError(f"{len(sources)} sources for {len(self._metas)} tensors")
+        batch = _Batch()
+        for index, (meta, src) in enumerate(zip(self._metas, sources, strict=True)):
+            if src.numel() != meta.nbytes:
+                raise MetadataError(f"source of {meta.name!r} holds {src.numel()} bytes, "
+                                    f"not {meta.nbytes}")
+            if meta.name not in self._pending:
+                raise MetadataError(f"tensor {meta.name!r} arrived twice in one update")
+            self._save(meta.name)
+            if meta.nbytes == 0:
+                batch.loads.append((meta.name, torch.empty(
+                    meta.shape, dtype=DTYPES[meta.dtype], device=self._device)))
+                del self._pending[meta.name]
+            else:
+                self._place_whole(meta, Slice(index, 0, 0, meta.nbytes), src, batch)
+        if batch.dsts or batch.loads:
+            self.touched = True
+        copy_bytes(batch.dsts, batch.srcs)
+        if batch.loads:
+            self._target.load_weights(batch.loads)
+        self.bytes_received += sum(m.nbytes for m in self._metas)
+
     def direct_destination(self, bucket: Bucket, device: torch.device) -> torch.Tensor:
         """Where a direct bucket's bytes should land on `device`: the target's own storage
         when it offers it there, else a temporary buffer of the tensor's size."""

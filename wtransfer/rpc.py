@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import os
 import queue
+import sys
 import threading
 import time
 from typing import Any
@@ -52,6 +53,14 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def _cuda_bytes() -> int:
+    """Bytes this process holds in CUDA allocations (0 where CUDA was never initialized)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return 0
+    return sum(int(torch.cuda.memory_allocated(d)) for d in range(torch.cuda.device_count()))
 
 
 class ReceiverServer:
@@ -165,6 +174,7 @@ class ReceiverServer:
     def status(self) -> dict[str, Any]:
         """State of the served receiver (plain data; what `RPCClient.status()` returns)."""
         out: dict[str, Any] = {"pid": os.getpid(), "rss_bytes": _rss_bytes(),
+                               "cuda_bytes": _cuda_bytes(), "threads": threading.active_count(),
                                "weight_version": getattr(self.client, "weight_version", None)}
         if self.engine is not None:
             out.update(state=self.engine.state.value, torn=self.engine.torn,

@@ -27,7 +27,7 @@ import torch
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.gathering import GatheringPacker
 from wtransfer.infos import TrainerInitInfo, TransferStats
-from wtransfer.packing import Bucket, BucketPacker, BucketPlan
+from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta
 from wtransfer.source import WeightSource
 from wtransfer.trainer_group import TrainerGroup
 from wtransfer.wire import parse_record
@@ -114,6 +114,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self.collective = process_group is not None or client is None or source.sharded
         """Whether every trainer rank sends together (see the module docstring)."""
         self.group: TrainerGroup | None = None
+        self._last_plan: tuple[tuple[TensorMeta, ...], BucketPlan] | None = None
         self.connected = False
         self.closed = False
 
@@ -182,8 +183,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             raise LifecycleError(f"{self.backend_name} sender is "
                                  f"{'shut down' if self.closed else 'not connected'}")
         metas = self.source.metadata()
-        plan = BucketPlan.build(metas, self.init_info.bucket_bytes,
-                                direct_threshold=self.direct_threshold)
+        plan = self._plan(metas)
         owners = plan.owners(self.senders)
         packer: BucketPacker | GatheringPacker = (
             GatheringPacker(plan, self.source.parts(), owners, self.group.senders)
@@ -208,6 +208,15 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         seconds = time.perf_counter() - start
         peak = packer.peak_bytes if isinstance(packer, GatheringPacker) else 0
         return TransferStats(plan.total_bytes, len(metas), len(plan.buckets), seconds, peak)
+
+    def _plan(self, metas: list[TensorMeta]) -> BucketPlan:
+        """The bucket plan of `metas` (the last one again when nothing changed: a trainer
+        sends the same tensor list every step)."""
+        key = tuple(metas)
+        if self._last_plan is None or self._last_plan[0] != key:
+            self._last_plan = (key, BucketPlan.build(metas, self.init_info.bucket_bytes,
+                                                     direct_threshold=self.direct_threshold))
+        return self._last_plan[1]
 
     def _open(self, plan: BucketPlan) -> None:
         """The lead opens the update on the receivers (and, with several senders, announces

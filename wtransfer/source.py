@@ -10,7 +10,7 @@ from torch import nn
 
 from wtransfer.errors import ConfigError
 from wtransfer.gathering import is_dtensor
-from wtransfer.packing import TensorMeta
+from wtransfer.packing import DTYPES, TensorMeta
 
 
 class WeightSource(ABC):
@@ -76,6 +76,7 @@ class ModuleSource(WeightSource):
                 raise ConfigError(f"ModuleSource: names not in the module: {missing[:5]}")
             state = {n: state[n] for n in names}
         self._state = state
+        self._metas: list[TensorMeta] | None = None
         self._rename: Callable[[str], str] = (
             (lambda n: name_map.get(n, n)) if isinstance(name_map, Mapping)
             else name_map if name_map is not None else (lambda n: n)
@@ -96,8 +97,14 @@ class ModuleSource(WeightSource):
         return [t.detach() for t in self._state.values()]
 
     def metadata(self) -> list[TensorMeta]:
-        """Metadata of every tensor, global shapes for DTensors."""
-        return [TensorMeta.of(self._rename(n), t) for n, t in self._state.items()]
+        """Metadata of every tensor, global shapes for DTensors (remembered, and built again
+        only when a tensor's shape or dtype changed: a trainer asks every step)."""
+        tensors = list(self._state.values())
+        if self._metas is None or any(
+                t.shape != m.shape or t.dtype != DTYPES[m.dtype]
+                for t, m in zip(tensors, self._metas, strict=True)):
+            self._metas = [TensorMeta.of(self._rename(n), t) for n, t in self._state.items()]
+        return list(self._metas)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield detached tensors; DTensors are gathered to full tensors one at a time."""

@@ -10,7 +10,7 @@ from torch import nn
 
 from wtransfer.errors import MetadataError
 from wtransfer.fingerprint import fingerprint
-from wtransfer.packing import DTYPES, TensorMeta, byte_view
+from wtransfer.packing import DTYPES, TensorMeta, byte_view, dtype_name
 
 
 def copy_to_host(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -133,6 +133,16 @@ class ModuleTarget(WeightTarget):
         dest = self._state.get(self._map(name))
         return None if dest is None else TensorMeta.of(name, dest)
 
+    def check(self, metas: Sequence[TensorMeta]) -> None:
+        """Refuse an update whose tensors the module does not hold as sent (compared against
+        the live parameters, without building their metadata: an update checks hundreds)."""
+        for meta in metas:
+            dest = self._state.get(self._map(meta.name))
+            if dest is None or tuple(dest.shape) != meta.shape or \
+                    dtype_name(dest.dtype) != meta.dtype:
+                super().check(metas)  # names every problem
+                return
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy each tensor into the existing storage of its parameter or buffer."""
@@ -142,9 +152,12 @@ class ModuleTarget(WeightTarget):
     def direct_bytes(self, name: str) -> torch.Tensor | None:
         """Byte view of a contiguous destination; None when it is not contiguous."""
         cached = self._views.get(name)
+        if cached is not None:  # still the parameter's storage (checked without `.data`)
+            held = self._state.get(self._map(name))
+            if held is not None and held.data_ptr() == cached.data_ptr() and \
+                    held.nbytes == cached.numel():
+                return cached
         dest = self._dest(name)
-        if cached is not None and cached.data_ptr() == dest.data_ptr():
-            return cached
         view = byte_view(dest) if dest.is_contiguous() else None
         if view is not None:
             self._views[name] = view

@@ -44,10 +44,11 @@ def run(args: argparse.Namespace) -> None:
 
     import wtransfer
     from wtransfer.clients import FanoutClient
+    from wtransfer.processes import local_store
     from wtransfer.rpc import RPCClient
     from wtransfer.shapes import build, randomize
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+    dist.init_process_group("gloo", store=local_store(args.ranks, args.timeout, args.port),
                             rank=args.rank, world_size=args.ranks,
                             timeout=timedelta(seconds=args.timeout))
     module = build(args.model, args.seed, "cpu")
@@ -82,9 +83,10 @@ class TrainerRanks:
                  model: str = "mixed", seed: int = 1, updates: int = 1,
                  init_fields: dict[str, Any] | None = None, fingerprint: bool = False,
                  timeout_s: float = 60.0) -> None:
-        from wtransfer.processes import free_port
+        from wtransfer.processes import local_store
 
-        port = free_port()
+        self._store = local_store(ranks, timeout_s)  # lives as long as the ranks
+        port = int(self._store.port)
         self.procs = []
         for rank in range(ranks):
             cmd = [sys.executable, "-m", "wtransfer.trainer_ranks", "--rank", str(rank),

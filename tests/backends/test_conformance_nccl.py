@@ -1,6 +1,16 @@
 """The shipped conformance suite on the nccl backend over gloo (CPU, real processes)."""
 
-from wtransfer.processes import free_port
+import socket
+import time
+
+import pytest
+from wtransfer_nccl import NCCLTrainerInitInfo
+
+import wtransfer
+from wtransfer.errors import ConfigError
+from wtransfer.processes import spawn_receiver
+from wtransfer.rpc import RPCClient
+from wtransfer.shapes import build
 from wtransfer.testing.conformance import BackendConformance
 
 
@@ -9,5 +19,24 @@ class TestNCCLConformanceGloo(BackendConformance):
     workers = 3
 
     def init_fields(self, workers):
-        return {"master_address": "127.0.0.1", "master_port": free_port(),
-                "world_size": 1 + workers}
+        return {"master_address": "127.0.0.1", "world_size": 1 + workers}
+
+
+def test_a_taken_master_port_fails_at_once_naming_the_fix_and_leaves_the_engine_untouched():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with spawn_receiver("nccl", model="mixed", seed=2) as receiver:
+            client = RPCClient(receiver.address, timeout_s=30)
+            before = client.status()["state"]
+            info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=port,
+                                       world_size=2, timeout_s=20)
+            started = time.monotonic()
+            with pytest.raises(ConfigError, match=f"could not host the rendezvous at "
+                                                  f"127.0.0.1:{port}.*master_port=0"):
+                wtransfer.trainer_init(info, client=client,
+                                       source=wtransfer.ModuleSource(build("mixed", 1, "cpu")))
+            assert time.monotonic() - started < info.timeout_s  # failed, not timed out
+            assert client.status()["state"] == before == "new"  # no receiver told to join
+            client.close()

@@ -21,7 +21,7 @@ from wtransfer.processes import free_port, spawn_receiver, spawn_trainer
 from wtransfer.shapes import build
 from wtransfer.testing.conformance import wait_for
 
-ROUNDS = 6
+ROUNDS = 4
 INIT = {"bucket_bytes": 64 << 10, "timeout_s": 2.0}
 
 

@@ -7,7 +7,7 @@ import signal
 import pytest
 
 import wtransfer
-from wtransfer.processes import free_port, spawn_receiver
+from wtransfer.processes import spawn_receiver
 from wtransfer.rpc import RPCClient
 from wtransfer.testing.conformance import wait_for
 from wtransfer.trainer_ranks import TrainerRanks
@@ -19,8 +19,8 @@ BUCKET = 64 << 10
 def init_fields(backend, senders, workers, **extra):
     fields = {"bucket_bytes": BUCKET, "timeout_s": 20.0, **extra}
     if backend == "nccl":  # a direct threshold the 512 KiB embedding passes: a sharded source
-        fields.update(master_address="127.0.0.1", master_port=free_port(),  # must not use it
-                      world_size=senders + workers, direct_threshold=32 << 10)
+        fields.update(master_address="127.0.0.1", world_size=senders + workers,  # must not use it
+                      direct_threshold=32 << 10)
     return fields
 
 
@@ -50,7 +50,7 @@ def test_fsdp_ranks_send_one_model_gathered_bucket_by_bucket(ranks, model):
         assert all(o["gathered_peak_bytes"] == 0 for o in outs[1:])  # the others only sent rows
 
 
-@pytest.mark.parametrize(("backend", "receivers"), [("ipc", 1), ("nccl", 2), ("ipc", 2)])
+@pytest.mark.parametrize(("backend", "receivers"), [("ipc", 2), ("nccl", 1)])
 def test_two_senders_share_the_plan_into_every_receiver(backend, receivers):
     children = [spawn_receiver(backend, model="mixed", seed=2 + i) for i in range(receivers)]
     try:

@@ -196,7 +196,7 @@ def fuzz_app():
     engine.shutdown()
 
 
-@settings(max_examples=150, deadline=None,
+@settings(max_examples=80, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=_bodies)
 def test_no_generate_body_gets_a_5xx_and_the_engine_survives_each(fuzz_app, body):

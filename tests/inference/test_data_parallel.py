@@ -23,7 +23,6 @@ from wtransfer.inference import (
     WeightVersionSpan,
 )
 from wtransfer.inference.model import load_model
-from wtransfer.processes import free_port
 
 SIZES = [2, 4]
 
@@ -303,7 +302,6 @@ def backend_init_info(backend):
         import wtransfer_nccl
 
         return wtransfer_nccl.NCCLTrainerInitInfo(master_address="127.0.0.1",
-                                                  master_port=free_port(),
                                                   world_size=3, bucket_bytes=1 << 16,
                                                   timeout_s=30)
     import wtransfer_ucx

@@ -8,10 +8,8 @@ from wtransfer.demos.rl.demo import run_rl_demo
 from wtransfer.demos.rl.task import ChainParityTask
 
 
-@pytest.mark.parametrize("local", [False, True], ids=["http-server", "local-engine"])
-def test_reduced_demo_validates_and_labels_every_update(tmp_path, local, capsys):
-    code = run_rl_demo(steps=3, local=local, prompts_per_step=4, group=4,
-                       run_dir=str(tmp_path))
+def test_reduced_demo_validates_and_labels_every_update(tmp_path, capsys):
+    code = run_rl_demo(steps=3, prompts_per_step=4, group=4, run_dir=str(tmp_path))
     printed = capsys.readouterr().out
     assert code == 0, printed
     metrics = json.loads((tmp_path / "metrics.json").read_text())

@@ -49,7 +49,9 @@ class BackendConformance:
 
     backend: ClassVar[str]
     device: ClassVar[str] = "cpu"
-    """Device of both sides' tensors."""
+    """Device of the trainer's tensors (and the receivers', unless `receiver_devices`)."""
+    receiver_devices: ClassVar[tuple[str, ...]] = ()
+    """Devices of the receivers, in turn (e.g. other GPUs than the trainer's)."""
     model: ClassVar[str] = "mixed"
     bucket_bytes: ClassVar[int] = 128 << 10
     """Smaller than the model's largest tensor (512 KiB), so that one is split."""
@@ -81,8 +83,10 @@ class BackendConformance:
     def receivers(self, procs: ExitStack, count: int = 1, *, model: str | None = None,
                   seed: int = 2) -> list[ChildProcess]:
         """Start `count` receiver processes."""
+        devices = self.receiver_devices or (self.device,)
         return [procs.enter_context(spawn_receiver(self.backend, model=model or self.model,
-                                                   seed=seed + i, device=self.device))
+                                                   seed=seed + i,
+                                                   device=devices[i % len(devices)]))
                 for i in range(count)]
 
     def client(self, children: list[ChildProcess]) -> WeightSyncClient:
@@ -154,6 +158,42 @@ class BackendConformance:
                 rss.append(client.status()["rss_bytes"])
         growth = rss[-1] - rss[4]
         assert growth < 16 * MiB, f"receiver RSS grew {growth / MiB:.1f} MiB over 45 updates"
+
+    def test_twenty_senders_in_a_row_shut_down_promptly_and_leak_nothing(
+        self, procs: ExitStack
+    ) -> None:
+        """Create, send, shut down 20 times against the same receivers: every shutdown of a
+        healthy sender returns promptly (no waiting on peers), and threads, host and device
+        memory stay flat on both sides."""
+        torch = pytest.importorskip("torch")
+        model = self.trainer_model()
+        children = self.receivers(procs, 2)
+        client = self.client(children)
+        watchers = [RPCClient(c.address, timeout_s=self.timeout_s) for c in children]
+
+        def usage() -> list[tuple[int, int, int]]:
+            mine = (threading.active_count(), 0,
+                    torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0)
+            return [mine] + [(s["threads"], s["rss_bytes"], s["cuda_bytes"])
+                             for s in (w.status() for w in watchers)]
+
+        slowest, seen = 0.0, []
+        for cycle in range(20):
+            sender = self.sender(model, client, workers=2)
+            randomize(model, seed=200 + cycle)
+            sender.send_weights(weight_version=f"c{cycle}")
+            started = time.monotonic()
+            sender.shutdown()
+            slowest = max(slowest, time.monotonic() - started)
+            if cycle in (4, 19):
+                seen.append(usage())
+        assert slowest < 5.0, f"a healthy sender took {slowest:.1f}s to shut down"
+        for (threads0, rss0, cuda0), (threads1, rss1, cuda1) in zip(*seen, strict=True):
+            assert threads1 <= threads0, f"threads grew {threads0} -> {threads1} over 15 senders"
+            assert rss1 - rss0 < 32 * MiB, f"RSS grew {(rss1 - rss0) / MiB:.1f} MiB"
+            assert cuda1 <= cuda0, f"CUDA memory grew {cuda0} -> {cuda1} bytes"
+        want = fingerprint(model.state_dict())
+        assert all(w.fingerprint() == want for w in watchers)
 
     def test_subset_update_changes_only_the_subset(self, procs: ExitStack) -> None:
         """Sending a subset changes exactly those tensors."""

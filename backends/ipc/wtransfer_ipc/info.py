@@ -21,6 +21,12 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     device: str | None = None
     """Where staging buffers live ("cpu" -> shared memory, "cuda:N" -> CUDA IPC); default: the
     device of the source's tensors."""
+    zero_copy: bool = True
+    """CUDA sources: share the source tensors' own storage (exported once, again only when a
+    storage changes) and let each receiver copy every tensor straight into its parameter: one
+    device-to-device copy per byte and one control message per update, ordered by a CUDA IPC
+    event. Falls back to packed buckets for what cannot be shared (CPU or non-contiguous
+    tensors, checksums, several senders, sharded sources)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,3 +86,7 @@ class IPCUpdateInfo(UpdateInfo):
     checksum: int | None = None
     sender: int = 0
     """With several senders: whose staging buffers hold the bucket."""
+    zero_copy: dict[str, Any] | None = None
+    """The whole update straight from the sender's storage: ``{"storages": [[index, record or
+    None], ...], "layout": [[storage, byte_offset], ...], "event": bytes, "token": str,
+    "sender_pid": int}`` (record None: the storage the receiver opened before)."""

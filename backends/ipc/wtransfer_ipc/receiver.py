@@ -7,14 +7,15 @@ from typing import Any
 
 import torch
 
-from wtransfer.errors import MetadataError
-from wtransfer.packing import Slice, metas_from_wire
+from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.packing import Slice, TensorMeta, metas_from_wire
 from wtransfer.receiver import WeightTransferEngine
 from wtransfer.receiving import UpdateSession
 from wtransfer.target import WeightTarget
 from wtransfer_ipc.cuda import open_buffer
 from wtransfer_ipc.info import IPCInitInfo, IPCUpdateInfo
 from wtransfer_ipc.shm import SharedBuffer, creator_alive, sweep
+from wtransfer_ipc.zero_copy import ZeroCopyImports
 
 
 class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
@@ -29,6 +30,8 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         self._shm: list[SharedBuffer] = []
         self._staging: list[list[torch.Tensor]] = []
         """Each sender's mapped staging buffers."""
+        self._zero_copy = ZeroCopyImports()
+        self._manifest: tuple[list[Any], list[TensorMeta]] | None = None
 
     def _init(self, info: IPCInitInfo) -> None:
         try:
@@ -58,7 +61,13 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
 
     def _receive(self, info: IPCUpdateInfo, session: UpdateSession) -> None:
         if info.tensors is not None:
-            session.announce(metas_from_wire(info.tensors))
+            metas = self._parse_manifest(info.tensors)
+            session.announce(metas)
+            if info.zero_copy is not None:
+                self._receive_zero_copy(info.zero_copy, metas, session)
+                return
+        elif info.zero_copy is not None:
+            raise MetadataError("a zero-copy update must carry its tensor list")
         if not info.slices:
             return
         if not 0 <= info.sender < len(self._staging):
@@ -75,7 +84,25 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
             torch.cuda.current_stream(staging.device if staging.is_cuda
                                       else self.device).synchronize()
 
+    def _parse_manifest(self, tensors: list[Any]) -> list[TensorMeta]:
+        """The update's tensor list, parsed again only when it differs from the last one (a
+        trainer sends the same list every step; comparing the raw lists is cheap)."""
+        if self._manifest is None or self._manifest[0] != tensors:
+            self._manifest = (tensors, metas_from_wire(tensors))
+        return self._manifest[1]
+
+    def _receive_zero_copy(self, update: dict[str, Any], metas: list[TensorMeta],
+                           session: UpdateSession) -> None:
+        """Copy every tensor straight from the sender's storage (see `zero_copy`)."""
+        if self.device.type != "cuda":
+            raise ConfigError("a zero-copy update shares CUDA memory: create the receiver "
+                              "with device='cuda:N'")
+        session.load_whole(self._zero_copy.sources(update, metas, self.device))
+        torch.cuda.current_stream(self.device).synchronize()  # done reading: the trainer may
+        # write its weights again once this call returns
+
     def _shutdown(self) -> None:
+        self._zero_copy.close()
         self._staging = []
         for buf in self._shm:
             buf.close()

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import os
 import secrets
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from wtransfer.errors import ConfigError
 from wtransfer.infos import receiver_init_dict
-from wtransfer.packing import Bucket, BucketPlan, metas_to_wire
+from wtransfer.packing import Bucket, BucketPacker, BucketPlan, metas_to_wire
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import send_pipelined
 from wtransfer.source import WeightSource
 from wtransfer_ipc.cuda import export_buffer
 from wtransfer_ipc.info import STAGING_FIELDS, IPCTrainerInitInfo
 from wtransfer_ipc.shm import SharedBuffer
+from wtransfer_ipc.zero_copy import ZeroCopyExports, shareable
 
 
 class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
@@ -37,11 +39,16 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                               "use device='cpu' or 'cuda:N'")
         self._staging: list[torch.Tensor] = []
         self._shm: list[SharedBuffer] = []
+        self._zero_copy: ZeroCopyExports | None = None
+        """The source's exported storages, when zero-copy updates apply (CUDA, no checksums,
+        one unsharded sender)."""
 
     def _connect(self) -> dict[str, Any]:
         info = self.init_info
         token = secrets.token_hex(8)
         if self.device.type == "cuda":
+            if info.zero_copy and not info.checksum and not self.source.sharded:
+                self._zero_copy = ZeroCopyExports(token)
             self._staging = [torch.empty(info.bucket_bytes, dtype=torch.uint8,
                                          device=self.device) for _ in range(info.num_buffers)]
             buffers: list[Any] = [export_buffer(b, token, i) for i, b in enumerate(self._staging)]
@@ -74,6 +81,14 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         manifest = metas_to_wire(share.plan.metas)
         client = self.client
         assert client is not None
+        if self._zero_copy is not None and share.count == 1 and \
+                isinstance(share.packer, BucketPacker):
+            tensors = share.packer.walk()
+            if shareable(tensors):
+                client.update_weights({"tensors": manifest,
+                                       "zero_copy": self._zero_copy.update(tensors)})
+                return
+            share = replace(share, packer=BucketPacker(share.plan, self.source.tensors()))
 
         def transmit(bucket: Bucket, slot: int, data: torch.Tensor, checksum: int | None) -> None:
             update: dict[str, Any] = {
@@ -96,6 +111,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
     def _close(self) -> None:
         had_cuda = bool(self._staging) and self.device.type == "cuda"
         self._staging = []
+        self._zero_copy = None
         for buf in self._shm:
             buf.close()
         self._shm = []

@@ -1,7 +1,8 @@
 """Broadcast groups that need no default process group: gloo for CPU, NCCL for CUDA.
 
-Both sides rendezvous through a `TCPStore` hosted by the trainer (rank 0) at
-``master_address:master_port``, under a per-init session prefix. Every wait has a deadline:
+Both sides rendezvous through a `TCPStore` hosted by the first sender at
+``master_address:master_port`` (port 0: one the OS picks), under a per-init session prefix.
+Every wait has a deadline:
 `Pending.wait` polls the operation, the peer-failure check the caller gives, and the clock,
 and a group that failed or timed out is torn down (`abort`) rather than reused.
 """
@@ -18,22 +19,40 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wtransfer.errors import PeerError, TransferTimeout
+from wtransfer.errors import ConfigError, PeerError, TransferTimeout
 from wtransfer_nccl.libnccl import load_nccl
 
 _POLL_S = 0.0005
+MAX_INFLIGHT = 16
+"""Broadcasts posted ahead per side: staging slots bound the packed ones; direct ones (into
+the parameter itself) need none, and keeping several in flight hides each call's latency."""
 
 
-def rendezvous(address: str, port: int, rank: int, session: str,
-               timeout_s: float) -> dist.Store:
-    """The session's key-value store: rank 0 hosts it, the others connect before the deadline."""
+def host_rendezvous(address: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous server, hosted by the first sender. Port 0 lets the OS pick a free one
+    (read it back from `.port`), so no other process can take it between choosing and binding."""
     try:
-        store = dist.TCPStore(address, port, None, rank == 0, timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
+        return dist.TCPStore(address, port, None, True, timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
     except (RuntimeError, OSError) as exc:
-        what = "host" if rank == 0 else "reach"
-        raise TransferTimeout(f"rank {rank} could not {what} the rendezvous at {address}:{port} "
+        raise ConfigError(f"the trainer could not host the rendezvous at {address}:{port}: "
+                          f"{exc}; use a free master_port, or master_port=0 to let the OS "
+                          "choose one") from None
+
+
+def join_rendezvous(address: str, port: int, rank: int, session: str,
+                    timeout_s: float) -> dist.Store:
+    """Connect rank `rank` to the session's rendezvous before the deadline."""
+    try:
+        store = dist.TCPStore(address, port, None, False, timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as exc:
+        raise TransferTimeout(f"rank {rank} could not reach the rendezvous at {address}:{port} "
                               f"within {timeout_s:g}s: {exc}") from None
+    return session_store(store, session)
+
+
+def session_store(store: dist.Store, session: str) -> dist.Store:
+    """The keys of one init (`session`) in a rendezvous store."""
     return dist.PrefixStore(f"wtransfer/{session}/", store)
 
 
@@ -212,11 +231,16 @@ class NCCLGroup(Group):
             self.lib.abort(comm)
 
     def close(self) -> None:
-        """Destroy a healthy communicator."""
+        """Release a healthy communicator once this rank's work on it is done.
+
+        `ncclCommDestroy` finalizes with the peers and so blocks until every rank destroys
+        its communicator too (a sender shut down while receivers kept theirs waited about
+        100 s); `ncclCommAbort` frees this rank's resources at once, and each receiver
+        releases its own when its next sender initializes it, or when it shuts down."""
         comm, self._comm = self._comm, None
         if comm:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self.lib.destroy(comm)
+            self.stream.synchronize()
+            self.lib.abort(comm)
 
 
 def make_group(transport: str, store: dist.Store, rank: int, world_size: int,

@@ -12,11 +12,11 @@ from wtransfer.packing import DEFAULT_ALIGN
 TRANSPORTS = ("nccl", "gloo")
 
 
-def _check_endpoint(address: str, port: int, world_size: int) -> None:
+def _check_endpoint(address: str, port: int, world_size: int, *, lowest_port: int) -> None:
     if not address:
         raise ConfigError("master_address must name the trainer's host (e.g. '127.0.0.1')")
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"master_port must be in 1..65535, got {port}")
+    if not lowest_port <= port <= 65535:
+        raise ConfigError(f"master_port must be in {lowest_port}..65535, got {port}")
     if world_size < 2:
         raise ConfigError(f"world_size counts the trainer and every worker, so it must be >= 2, "
                           f"got {world_size}")
@@ -32,16 +32,18 @@ class NCCLTrainerInitInfo(TrainerInitInfo):
 
     backend: ClassVar[str] = "nccl"
     master_address: str
-    master_port: int
     world_size: int
     """The sending trainer ranks plus every receiving worker behind the client
     (`client.num_workers()`)."""
+    master_port: int = 0
+    """Port of the rendezvous the first sender hosts; 0 (default): a free one the OS picks,
+    sent to the receivers in their init info. Name one where a firewall needs it."""
     device: str | None = None
     """Staging device; default the source's. CUDA uses NCCL, CPU uses gloo."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_endpoint(self.master_address, self.master_port, self.world_size)
+        _check_endpoint(self.master_address, self.master_port, self.world_size, lowest_port=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +67,7 @@ class NCCLInitInfo(ReceiverInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_endpoint(self.master_address, self.master_port, self.world_size)
+        _check_endpoint(self.master_address, self.master_port, self.world_size, lowest_port=1)
         if not 1 <= self.senders < self.world_size:
             raise ConfigError(f"senders must be in 1..world_size-1, got {self.senders}")
         if not self.senders <= self.rank_offset < self.world_size:

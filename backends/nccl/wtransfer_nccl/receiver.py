@@ -18,7 +18,14 @@ from wtransfer.packing import (
 from wtransfer.receiver import WeightTransferEngine
 from wtransfer.receiving import UpdateSession
 from wtransfer.target import WeightTarget
-from wtransfer_nccl.group import Group, Pending, make_group, rendezvous, sender_store
+from wtransfer_nccl.group import (
+    MAX_INFLIGHT,
+    Group,
+    Pending,
+    join_rendezvous,
+    make_group,
+    sender_store,
+)
 from wtransfer_nccl.info import NCCLInitInfo, NCCLUpdateInfo
 
 
@@ -51,8 +58,8 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
                               f"{info.world_size - 1}: the engine has more workers than the "
                               "trainer counted in world_size")
         staging_device = self.device if info.transport == "nccl" else torch.device("cpu")
-        store = rendezvous(info.master_address, info.master_port, rank, info.session,
-                           info.timeout_s)
+        store = join_rendezvous(info.master_address, info.master_port, rank, info.session,
+                                info.timeout_s)
         workers = info.world_size - info.senders
         try:
             for sender in range(info.senders):
@@ -104,8 +111,12 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
     def _receive_share(self, group: Group, buckets: list[Bucket],
                        staging_buffers: list[torch.Tensor], session: UpdateSession,
                        lock: threading.Lock, stop: threading.Event | None) -> None:
-        """Receive one sender's buckets in order, `num_buffers` posted ahead so receiving
-        bucket k+1 overlaps unpacking bucket k."""
+        """Receive one sender's buckets in order. Up to `MAX_INFLIGHT` broadcasts are posted
+        ahead (a packed one needs a free staging slot, a direct one lands in the parameter
+        itself), so receiving overlaps unpacking. On CUDA the host waits only on the oldest
+        broadcast (its deadline and the peer's health): unpacking is ordered after the
+        broadcast on the device, and the next broadcast into a slot after the unpack (the
+        group's stream waits on the current one), with one synchronize at the end."""
         init = self.init_info
         assert init is not None
 
@@ -117,8 +128,7 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         posted: deque[tuple[Bucket, int, torch.Tensor, Pending]] = deque()
         upcoming = deque(buckets)
         while upcoming or posted:
-            while upcoming and len(posted) < len(staging_buffers) and (
-                    upcoming[0].direct or free):
+            while upcoming and len(posted) < MAX_INFLIGHT and (upcoming[0].direct or free):
                 bucket = upcoming.popleft()
                 if bucket.direct:
                     with lock:
@@ -140,8 +150,8 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
                                 else None)
                     session.consume(staging, bucket.nbytes, bucket.slices, checksum)
                     free.append(slot)
-            if data.is_cuda:
-                torch.cuda.current_stream(data.device).synchronize()
+        if staging_buffers and staging_buffers[0].is_cuda:  # the weights are in place when
+            torch.cuda.current_stream(staging_buffers[0].device).synchronize()  # this returns
 
     def _abort(self) -> None:
         groups, self._groups = self._groups, []

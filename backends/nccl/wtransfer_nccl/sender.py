@@ -17,7 +17,16 @@ from wtransfer.packing import CHECKSUM_BYTES, metas_to_wire
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import await_receivers, root_cause
 from wtransfer.source import WeightSource
-from wtransfer_nccl.group import Group, Pending, make_group, rendezvous, sender_store
+from wtransfer_nccl.group import (
+    MAX_INFLIGHT,
+    Group,
+    Pending,
+    host_rendezvous,
+    join_rendezvous,
+    make_group,
+    sender_store,
+    session_store,
+)
 from wtransfer_nccl.info import NCCLTrainerInitInfo
 
 
@@ -39,6 +48,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         self.transport = "nccl" if self.device.type == "cuda" else "gloo"
         self._session = secrets.token_hex(8)
         self._group: Group | None = None
+        self._server: Any = None
+        """The rendezvous server (`dist.TCPStore`) the first sender hosts."""
         self._broken: str | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-nccl")
         self._staging: list[torch.Tensor] = []
@@ -54,8 +65,12 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                               f"{self.senders + workers}")
         self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]
+        port = info.master_port
+        if self.lead:  # host before any peer is told where: a port taken fails here, clearly
+            self._server = host_rendezvous(info.master_address, port, info.timeout_s)
+            port = int(self._server.port)
         return receiver_init_dict(info, master_address=info.master_address,
-                                  master_port=info.master_port, world_size=info.world_size,
+                                  master_port=port, world_size=info.world_size,
                                   rank_offset=self.senders, transport=self.transport,
                                   senders=self.senders, session=self._session,
                                   direct_threshold=self.direct_threshold)
@@ -69,16 +84,17 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
     def direct_threshold(self) -> int:
         """Tensors this large are broadcast straight from the source into the destination.
 
-        Default: 1 MiB over gloo (TCP is the bottleneck, staging copies only cost CPU) and a
-        quarter bucket over NCCL (below that, per-call latency favors packing). Checksums need
-        staging, so they turn it off.
+        Default 1 MiB: such a tensor goes straight from the trainer's tensor into the
+        worker's parameter, with no staging copy on either side; smaller ones are coalesced
+        into buckets (per-call latency favors packing them). Checksums and sharded sources
+        need staging, so they turn it off.
         """
         info = self.init_info
         if info.checksum or self.source.sharded:  # both need staging: checksums, gathers
             return 0
         if info.direct_threshold is not None:
             return info.direct_threshold
-        return 1 << 20 if self.transport == "gloo" else max(info.bucket_bytes // 4, 1)
+        return 1 << 20
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         """Form this sender's group on a helper thread while every engine joins it from its
@@ -91,8 +107,10 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
 
         def form() -> None:
             try:
-                store = rendezvous(info.master_address, info.master_port, sender, session,
-                                   info.timeout_s)
+                store = (session_store(self._server, session) if self._server is not None
+                         else join_rendezvous(str(receiver_init["master_address"]),
+                                              int(receiver_init["master_port"]), sender,
+                                              session, info.timeout_s))
                 made["group"] = make_group(
                     self.transport, sender_store(store, sender, self.senders), 0,
                     info.world_size - self.senders + 1, info.timeout_s, self.device)
@@ -157,7 +175,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                 free.append(slot)
 
         for bucket in share.buckets:
-            while len(inflight) >= len(self._staging) or not (bucket.direct or free):
+            while len(inflight) >= MAX_INFLIGHT or not (bucket.direct or free):
                 retire_oldest()
             if bucket.direct:
                 slot, data = -1, packer.direct(bucket)
@@ -176,5 +194,6 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         group, self._group = self._group, None
         if group is not None:
             group.abort() if self._broken else group.close()
+        self._server = None
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._staging = []

@@ -13,7 +13,13 @@ from wtransfer.receiver import WeightTransferEngine
 from wtransfer.receiving import UpdateSession
 from wtransfer.target import WeightTarget
 from wtransfer_ucx.info import UCXInitInfo, UCXUpdateInfo
-from wtransfer_ucx.transport import MAX_INFLIGHT, UCXWorker, tag
+from wtransfer_ucx.transport import (
+    MAX_INFLIGHT,
+    UCXWorker,
+    acquire_worker,
+    release_worker,
+    tag,
+)
 
 
 class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
@@ -36,7 +42,8 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
         return self._ucx
 
     def _init(self, info: UCXInitInfo) -> None:
-        self._ucx = UCXWorker()
+        if self._ucx is None:  # one context and worker for the receiver's life
+            self._ucx = acquire_worker()
         self._ucx.connect(info.trainer_address, info.trainer_port)
         self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]
@@ -77,7 +84,11 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
             self._ucx.worker.cancel_inflight_requests()
 
     def _shutdown(self) -> None:
+        if self._ucx is not None:
+            self._ucx.disconnect()
+        self._staging = []
+
+    def _close(self) -> None:
         ucx, self._ucx = self._ucx, None
         if ucx is not None:
-            ucx.close()
-        self._staging = []
+            release_worker(ucx)

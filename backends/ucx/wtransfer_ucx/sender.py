@@ -17,7 +17,13 @@ from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import await_receivers, root_cause
 from wtransfer.source import WeightSource
 from wtransfer_ucx.info import UCXTrainerInitInfo
-from wtransfer_ucx.transport import MAX_INFLIGHT, UCXWorker, tag
+from wtransfer_ucx.transport import (
+    MAX_INFLIGHT,
+    UCXWorker,
+    acquire_worker,
+    release_worker,
+    tag,
+)
 
 
 class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
@@ -40,7 +46,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
 
     def _connect(self) -> dict[str, Any]:
         info = self.init_info
-        self._ucx = UCXWorker()
+        self._ucx = acquire_worker()
         port = self._ucx.listen(info.listen_port)
         self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]
@@ -51,11 +57,16 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
     @property
     def direct_threshold(self) -> int:
         """Tensors this large go from the source tensor straight into the worker's parameter
-        (no staging copy on either side); default 1 MiB, off with checksums."""
+        (no staging copy on either side); off with checksums and sharded sources. Default:
+        1 MiB for host memory; off for CUDA memory, where each UCX message costs about
+        0.15 ms of rendezvous (measured on one H200: Qwen3-1.7B shapes 45 ms as ~300 direct
+        messages, 17 ms as a few packed 1 GiB buckets)."""
         info = self.init_info
         if info.checksum or self.source.sharded:  # both need staging: checksums, gathers
             return 0
-        return (1 << 20) if info.direct_threshold is None else info.direct_threshold
+        if info.direct_threshold is not None:
+            return info.direct_threshold
+        return 0 if self.device.type == "cuda" else 1 << 20
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         assert self._ucx is not None and self.client is not None
@@ -100,17 +111,19 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             if slot >= 0:
                 free.append(slot)
 
+        if self.device.type == "cuda":  # the trainer's last writes land before any send reads
+            torch.cuda.current_stream(self.device).synchronize()
         for bucket in share.buckets:
             key = tag(self._session, self._updates, bucket.index)
             while len(inflight) >= MAX_INFLIGHT or not (bucket.direct or free):
                 retire_oldest()
-            if bucket.direct:
+            if bucket.direct:  # the source tensor itself: nothing of ours to wait for
                 slot, data = -1, packer.direct(bucket)
             else:
                 slot = free.popleft()
                 data = packer.pack_framed(bucket, self._staging[slot], info.checksum)
-            if data.is_cuda:
-                torch.cuda.current_stream(data.device).synchronize()
+                if data.is_cuda:  # the packing copies, before UCX reads the slot
+                    torch.cuda.current_stream(data.device).synchronize()
             inflight.append((slot, [ucx.send(ep, data, key) for ep in self._endpoints]))
         packer.finish()
         while inflight:
@@ -122,7 +135,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
     def _close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         ucx, self._ucx = self._ucx, None
-        if ucx is not None:
-            ucx.close()
         self._endpoints = []
+        if ucx is not None:
+            release_worker(ucx)
         self._staging = []

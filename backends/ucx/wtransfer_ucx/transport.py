@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -41,8 +42,11 @@ class UCXWorker:
         self.context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
         self.worker = ucx_api.UCXWorker(self.context)
         self.worker.start_progress_thread(polling_mode=True)
+        self.progressing = True
         self.endpoints: list[Any] = []
         self.closed_endpoints = 0
+        """Endpoints of the current connection set that closed (a peer left)."""
+        self._generation = 0
         self._lock = threading.Lock()
         self._listener: Any = None
 
@@ -52,14 +56,15 @@ class UCXWorker:
 
     def listen(self, port: int) -> int:
         """Accept connections on `port` (0: any); returns the bound port."""
-        holder: list[Any] = []
+        me = weakref.ref(self)  # UCXX keeps its callbacks out of the collector's sight: a
 
-        def accept(conn_request: Any) -> None:
-            ep = self.api.UCXEndpoint.create_from_conn_request(holder[0], conn_request, True)
-            self._watch(ep)
+        def accept(conn_request: Any) -> None:  # strong reference would keep us alive
+            worker = me()
+            if worker is not None and worker._listener is not None:
+                worker._watch(worker.api.UCXEndpoint.create_from_conn_request(
+                    worker._listener, conn_request, True))
 
         self._listener = self.api.UCXListener.create(self.worker, port, accept)
-        holder.append(self._listener)
         return int(self._listener.port)
 
     def connect(self, address: str, port: int) -> Any:
@@ -69,9 +74,15 @@ class UCXWorker:
         return ep
 
     def _watch(self, ep: Any) -> None:
+        generation, me = self._generation, weakref.ref(self)
+
         def gone(*_: Any) -> None:
-            with self._lock:
-                self.closed_endpoints += 1
+            worker = me()
+            if worker is None:
+                return
+            with worker._lock:
+                if generation == worker._generation:  # not an endpoint already let go
+                    worker.closed_endpoints += 1
 
         ep.set_close_callback(gone)
         with self._lock:
@@ -131,14 +142,50 @@ class UCXWorker:
                                       "a peer is gone or stalled")
             time.sleep(_POLL_S)
 
-    def close(self) -> None:
-        """Close endpoints and stop the progress thread."""
+    def disconnect(self) -> None:
+        """Close every endpoint, keeping the context and worker for the next peers (a UCX
+        context costs megabytes that are not all returned when it is destroyed)."""
         with self._lock:
             endpoints, self.endpoints = self.endpoints, []
+            self._generation += 1
+            self.closed_endpoints = 0
         for ep in endpoints:
             if ep.alive:  # closing an endpoint whose peer died crashes inside UCXX
                 with contextlib.suppress(Exception):
                     ep.close()
+
+    def close(self) -> None:
+        """Close endpoints, stop listening and stop the progress thread."""
+        self.disconnect()
         self._listener = None
-        with contextlib.suppress(Exception):
-            self.worker.stop_progress_thread()
+        if self.progressing:
+            self.progressing = False
+            with contextlib.suppress(Exception):
+                self.worker.stop_progress_thread()
+
+
+_idle: list[UCXWorker] = []
+_idle_lock = threading.Lock()
+
+
+def acquire_worker() -> UCXWorker:
+    """A worker for one sender or receiver: one an earlier user released when there is one.
+
+    UCXX does not give back all of a worker's memory once it has had endpoints (about 5 MiB
+    each, measured), so a process that creates a sender per update would grow without
+    bound; reusing idle workers keeps it flat. A worker serves one user at a time."""
+    with _idle_lock:
+        worker = _idle.pop() if _idle else None
+    if worker is None:
+        return UCXWorker()
+    worker.worker.start_progress_thread(polling_mode=True)
+    worker.progressing = True
+    return worker
+
+
+def release_worker(worker: UCXWorker) -> None:
+    """Close `worker`'s endpoints and listener and keep it, idle (no progress thread), for
+    the next `acquire_worker`."""
+    worker.close()
+    with _idle_lock:
+        _idle.append(worker)

@@ -159,8 +159,7 @@ def init_info(backend, **fields):
     if backend == "nccl":
         from wtransfer_nccl import NCCLTrainerInitInfo
 
-        return NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(),
-                                   world_size=2, timeout_s=60, **fields)
+        return NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=60, **fields)
     from wtransfer_ipc import IPCTrainerInitInfo
 
     return IPCTrainerInitInfo(timeout_s=60, **fields)

@@ -29,7 +29,6 @@ from wtransfer.demos.rl.trainers import LocalTrainer, ShardedTrainer
 from wtransfer.errors import ConfigError
 from wtransfer.fingerprint import fingerprint
 from wtransfer.inference import MODEL_CONFIGS
-from wtransfer.processes import free_port
 from wtransfer.registry import get_backend
 
 MODEL = "tiny"
@@ -59,7 +58,7 @@ class StepRecord:
 def _init_info(backend: str, workers: int) -> Any:
     cls = get_backend(backend).sender_class().init_info_cls
     if backend == "nccl":
-        return cls(master_address="127.0.0.1", master_port=free_port(), world_size=1 + workers,
+        return cls(master_address="127.0.0.1", world_size=1 + workers,
                    bucket_bytes=1 << 20)
     return cls(bucket_bytes=1 << 20)
 

@@ -24,6 +24,7 @@ from wtransfer.demos.rl.grpo import Rollout, grpo_step
 from wtransfer.gathering import is_dtensor
 from wtransfer.inference import load_model
 from wtransfer.infos import TransferStats
+from wtransfer.processes import local_store
 from wtransfer.registry import get_backend, trainer_init
 from wtransfer.sender import WeightSyncClient
 from wtransfer.source import ModuleSource
@@ -93,18 +94,18 @@ class ShardedTrainer(LocalTrainer):
                  ranks: int, backend: str) -> None:
         import torch.distributed as dist
 
-        from wtransfer.processes import free_port
         from wtransfer.wire import record_to_wire
 
         self.ranks = ranks
-        port = free_port()
+        store = local_store(ranks, TIMEOUT_S)
+        port = int(store.port)
         self.helpers = [subprocess.Popen(
             [sys.executable, "-m", "wtransfer.demos.rl.trainers", "--rank", str(rank),
              "--ranks", str(ranks), "--port", str(port), "--model", model, "--lr", str(lr),
              "--backend", backend, "--info-hex", wire.encode(record_to_wire(info)).hex()],
             env={**os.environ, "OMP_NUM_THREADS": "1"}) for rank in range(1, ranks)]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=ranks, timeout=timedelta(seconds=TIMEOUT_S))
+        dist.init_process_group("gloo", store=store, rank=0, world_size=ranks,
+                                timeout=timedelta(seconds=TIMEOUT_S))
         super().__init__(model, lr, info, client)
 
     def _policy(self, model: str) -> Any:
@@ -173,7 +174,7 @@ def helper_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", required=True)
     parser.add_argument("--info-hex", required=True)
     args = parser.parse_args(argv)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+    dist.init_process_group("gloo", store=local_store(args.ranks, TIMEOUT_S, args.port),
                             rank=args.rank, world_size=args.ranks,
                             timeout=timedelta(seconds=TIMEOUT_S))
     model = shard_policy(load_model(args.model, seed=0), args.ranks)
