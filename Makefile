@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) integrations/vllm
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "setuptools>=68" wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --no-build-isolation -e ".[serve,demo,test,dev]" $(foreach b,$(BACKENDS),-e $(b)) \
+	$(PY) -m pip install -q --no-build-isolation -e ".[serve,demo,test,dev,ray]" $(foreach b,$(BACKENDS),-e $(b)) \
 		-e "backends/ucx[$(UCX_EXTRA)]" -e integrations/vllm
 	touch $(STAMP)
 

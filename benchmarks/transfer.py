@@ -35,7 +35,7 @@ from wtransfer_nccl import NCCLTrainerInitInfo
 import wtransfer
 from wtransfer.clients import FanoutClient
 from wtransfer.packing import Bucket, BucketPlan, Slice, byte_view
-from wtransfer.processes import free_port, spawn_receiver
+from wtransfer.processes import spawn_receiver
 from wtransfer.rpc import RPCClient
 from wtransfer.sender import Share
 from wtransfer.shapes import build, model_metas
@@ -101,15 +101,15 @@ def broadcast_baselines(name: str, model: torch.nn.Module, repeats: int, device:
     """(floor, per-tensor) medians between the trainer and one peer per receiver device: one
     broadcast of a flat buffer holding every byte, and one broadcast per tensor (NCCL on CUDA
     devices, gloo on CPU), in the same run as the transfers."""
-    port = free_port()
     world = 1 + len(devices)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=120),
+                          wait_for_workers=False)
     peers = [subprocess.Popen([sys.executable, str(Path(__file__).with_name("bcast_peer.py")),
-                               "--model", name, "--port", str(port), "--repeats", str(repeats),
-                               "--rank", str(rank), "--world", str(world), "--device", d])
+                               "--model", name, "--port", str(store.port),
+                               "--repeats", str(repeats), "--rank", str(rank),
+                               "--world", str(world), "--device", d])
              for rank, d in enumerate(devices, start=1)]
     try:
-        store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=120),
-                              wait_for_workers=False)
         nccl = device.startswith("cuda")
         pg: Any = (dist.ProcessGroupNCCL(store, 0, world, dist.ProcessGroupNCCL.Options())
                    if nccl else

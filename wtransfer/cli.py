@@ -31,7 +31,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_rl_demo(steps=args.steps, backend=args.backend, local=args.local,
                        lr=args.lr, seed=args.seed, run_dir=args.run_dir,
                        data_parallel_size=args.data_parallel_size, engine=args.engine,
-                       trainer_ranks=args.trainer_ranks)
+                       trainer_ranks=args.trainer_ranks,
+                       ray_engines=args.engines if args.ray else 0,
+                       ray_address=args.ray_address)
 
 
 def cmd_transfer_demo(args: argparse.Namespace) -> int:
@@ -100,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--engine", choices=["wtransfer", "vllm"], default="wtransfer",
                     help="serve the policy with our engine (default) or an in-process vLLM "
                          "(needs vllm and wtransfer-vllm: `make test-vllm` builds .venv-vllm)")
+    rl.add_argument("--ray", action="store_true",
+                    help="serve the policy from engine actors on Ray (needs wtransfer[ray])")
+    rl.add_argument("--ray-address", default=None,
+                    help="with --ray: the cluster to join (default: start a local one)")
+    rl.add_argument("--engines", type=int, default=2,
+                    help="with --ray: how many engine actors (default 2)")
     rl.set_defaults(func=cmd_demo)
     demo = sub.add_parser("transfer-demo", help="push a model's weights into another process "
                                                 "and prove they landed")

@@ -28,4 +28,4 @@ def test_python_blocks_of_the_page_run(page, tmp_path):
 def test_every_doc_page_with_code_is_covered():
     names = {p.name for p in PAGES}
     assert {"async-rl.md", "backends.md", "http.md", "inference.md",
-            "writing-a-backend.md", "vllm.md"} <= names
+            "writing-a-backend.md", "vllm.md", "ray.md", "sharded-trainers.md"} <= names

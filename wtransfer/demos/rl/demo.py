@@ -82,8 +82,16 @@ def _print_row(r: StepRecord) -> None:
 
 
 def _policy_server(engine: str, local: bool, model: str, backend: str,
-                   data_parallel_size: int) -> Any:
+                   data_parallel_size: int, ray_engines: int = 0,
+                   ray_address: str | None = None) -> Any:
     """The server the demo generates from (and prints which)."""
+    if ray_engines:
+        from wtransfer.demos.rl.ray_server import RayPolicyServer
+
+        print(f"wtransfer demo: async GRPO on chain-parity, backend={backend}, server="
+              f"{ray_engines} engine actor(s) on Ray ({ray_address or 'a local cluster'})")
+        return RayPolicyServer(model=model, seed=0, backend=backend, engines=ray_engines,
+                               address=ray_address)
     if engine == "vllm":
         from wtransfer.demos.rl.vllm_server import VLLMPolicyServer
 
@@ -162,19 +170,28 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
                 prompts_per_step: int = 8, group: int = 8, max_tokens: int = 8,
                 lr: float = 1e-2, seed: int = 0, run_dir: str | None = None,
                 data_parallel_size: int = 1, engine: str = "wtransfer",
-                trainer_ranks: int = 1) -> int:
+                trainer_ranks: int = 1, ray_engines: int = 0,
+                ray_address: str | None = None) -> int:
     """Run the demo; returns the exit code (0 when both validations passed). `engine` is
     "wtransfer" (our engine) or "vllm" (an in-process vLLM AsyncLLM); with `trainer_ranks` > 1
-    the policy is trained by that many FSDP2 ranks (this process and helper processes)."""
+    the policy is trained by that many FSDP2 ranks (this process and helper processes); with
+    `ray_engines` > 0 it is served by that many engine actors on Ray (`ray_address`, or a
+    local cluster)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     started = time.perf_counter()
     out_dir = Path(run_dir or f"runs/rl-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     model = VLLM_MODEL if engine == "vllm" else MODEL
-    server = _policy_server(engine, local, model, backend, data_parallel_size)
+    server = _policy_server(engine, local, model, backend, data_parallel_size, ray_engines,
+                            ray_address)
     try:
-        info = _init_info(backend, data_parallel_size)
+        if ray_engines:  # addresses as Ray sees this node; one worker per engine actor
+            from wtransfer.ray import trainer_init_info
+
+            info = trainer_init_info(backend, server.client, bucket_bytes=1 << 20)
+        else:
+            info = _init_info(backend, data_parallel_size)
         trainer = (LocalTrainer(model, lr, info, server.client) if trainer_ranks == 1 else
                    ShardedTrainer(model, lr, info, server.client, ranks=trainer_ranks,
                                   backend=backend))
