@@ -22,7 +22,7 @@ TIMEOUT_S = 60.0
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()

@@ -64,11 +64,7 @@ class RayPolicyServer:
     def stream(self, prompt: list[int], params: dict[str, Any]) -> Stream:
         """Submit one request whose progress is visible."""
         handle = Stream()
-        inner = self._pool.submit(self._run, prompt, params, handle)
-        inner.add_done_callback(lambda f: handle.result.set_result(f.result())
-                                if f.exception() is None
-                                else handle.result.set_exception(f.exception()))
-        return handle
+        return handle.follow(self._pool.submit(self._run, prompt, params, handle))
 
     def pause(self, mode: str, clear_cache: bool) -> None:
         """Pause every engine."""

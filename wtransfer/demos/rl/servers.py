@@ -73,6 +73,13 @@ class Stream:
         self.tokens = 0
         self.result: Future[dict[str, Any]] = Future()
 
+    def follow(self, future: Future[dict[str, Any]]) -> Stream:
+        """Complete `result` with `future`'s outcome when it is done."""
+        future.add_done_callback(lambda f: self.result.set_result(f.result())
+                                 if f.exception() is None
+                                 else self.result.set_exception(f.exception()))
+        return self
+
 
 class HTTPPolicyServer:
     """`wtransfer serve --dev-mode --batch-invariant` in a child process."""
@@ -217,11 +224,7 @@ class LocalPolicyServer:
     def stream(self, prompt: list[int], params: dict[str, Any]) -> Stream:
         """Submit one request whose progress is visible."""
         handle = Stream()
-        inner = self._submit(self._collect(prompt, params, handle))
-        inner.add_done_callback(lambda f: handle.result.set_result(f.result())
-                                if f.exception() is None
-                                else handle.result.set_exception(f.exception()))
-        return handle
+        return handle.follow(self._submit(self._collect(prompt, params, handle)))
 
     def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         """Pause the engine."""

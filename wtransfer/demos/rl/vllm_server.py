@@ -98,11 +98,8 @@ class VLLMPolicyServer:
     def stream(self, prompt: list[int], params: dict[str, Any]) -> Stream:
         """Submit one request whose progress is visible."""
         handle = Stream()
-        inner = asyncio.run_coroutine_threadsafe(self._run(prompt, params, handle), self._loop)
-        inner.add_done_callback(lambda f: handle.result.set_result(f.result())
-                                if f.exception() is None
-                                else handle.result.set_exception(f.exception()))
-        return handle
+        return handle.follow(asyncio.run_coroutine_threadsafe(self._run(prompt, params, handle),
+                                                              self._loop))
 
     def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         """Pause vLLM (keep + clear_cache: kept requests re-prefill with the new weights)."""
