@@ -1,5 +1,9 @@
 # Every target sets up .venv itself. torch is pinned to the CPU wheel so no CUDA build is pulled.
 PYTHON ?= python3
+# pip does not byte-compile (--no-compile below): every module is compiled once, by the first
+# process that imports it, and only if imported. That needs bytecode writing on, which some
+# images turn off (PYTHONDONTWRITEBYTECODE): then every process would compile torch again.
+unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
@@ -16,9 +20,9 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) integrations/vllm/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "setuptools>=68" wheel
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --no-build-isolation -e ".[serve,demo,test,dev,ray]" $(foreach b,$(BACKENDS),-e $(b)) \
+	$(PY) -m pip install -q --no-compile "setuptools>=68" wheel
+	$(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-compile --no-build-isolation -e ".[serve,demo,test,dev,ray]" $(foreach b,$(BACKENDS),-e $(b)) \
 		-e "backends/ucx[$(UCX_EXTRA)]" -e integrations/vllm
 	touch $(STAMP)
 
@@ -27,11 +31,11 @@ $(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) integrations/vllm
 # and are unused on CPU: they are removed.
 $(VLLM_STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) integrations/vllm/pyproject.toml Makefile
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q "setuptools>=68" wheel
-	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q --no-compile "setuptools>=68" wheel
+	$(VLLM_VENV)/bin/python -m pip install -q --no-compile "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q --no-compile "$(VLLM_SPEC)"
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton
-	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation -e ".[serve,test]" \
+	$(VLLM_VENV)/bin/python -m pip install -q --no-compile --no-build-isolation -e ".[serve,test]" \
 		-e backends/ipc -e backends/nccl -e integrations/vllm
 	touch $(VLLM_STAMP)
 
