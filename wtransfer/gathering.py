@@ -100,14 +100,10 @@ class GatheringPacker:
 
     def pack_framed(self, bucket: Bucket, staging: torch.Tensor, checksum: bool) -> torch.Tensor:
         """`pack`, then the checksum trailer (see `BucketPacker.pack_framed`)."""
-        from wtransfer.packing import bucket_checksum, write_checksum_trailer
+        from wtransfer.packing import frame
 
         self.pack(bucket, staging)
-        length = bucket.nbytes
-        if checksum:
-            length = write_checksum_trailer(staging, bucket.nbytes,
-                                            bucket_checksum(staging[: bucket.nbytes]))
-        return staging[:length]
+        return frame(staging, bucket.nbytes, checksum)
 
     def direct(self, bucket: Bucket) -> torch.Tensor:
         """Not used: plans of sharded sources have no direct buckets."""

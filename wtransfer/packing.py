@@ -384,11 +384,7 @@ class BucketPacker:
         For backends whose data channel carries the checksum with the bucket (staging needs
         `CHECKSUM_BYTES` to spare)."""
         self.pack(bucket, staging)
-        length = bucket.nbytes
-        if checksum:
-            length = write_checksum_trailer(staging, bucket.nbytes,
-                                            bucket_checksum(staging[: bucket.nbytes]))
-        return staging[:length]
+        return frame(staging, bucket.nbytes, checksum)
 
     def walk(self) -> list[torch.Tensor]:
         """Every source tensor, checked against the plan, in order (for a backend that moves
@@ -432,6 +428,14 @@ def write_checksum_trailer(staging: torch.Tensor, nbytes: int, checksum: int) ->
                          dtype=torch.int64)
     staging[at : at + 8].copy_(value.view(torch.uint8))
     return at + 8
+
+
+def frame(staging: torch.Tensor, nbytes: int, checksum: bool) -> torch.Tensor:
+    """The bytes to send of a bucket packed into `staging[:nbytes]`: with `checksum`, its
+    checksum trailer is appended (staging needs `CHECKSUM_BYTES` to spare)."""
+    length = (write_checksum_trailer(staging, nbytes, bucket_checksum(staging[:nbytes]))
+              if checksum else nbytes)
+    return staging[:length]
 
 
 def read_checksum_trailer(staging: torch.Tensor, nbytes: int) -> int:

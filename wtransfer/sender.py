@@ -267,6 +267,14 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         tensors are gathered into staging)."""
         return 0
 
+    def _resolve_direct_threshold(self, default: int) -> int:
+        """For a backend that can move tensors in place: off (0) with checksums or a sharded
+        source (both need staging), else the init info's `direct_threshold`, else `default`."""
+        info = self.init_info
+        if info.checksum or self.source.sharded:
+            return 0
+        return default if info.direct_threshold is None else info.direct_threshold
+
     def _staging_device(self, override: str | None) -> torch.device:
         """Where staging lives: the init info's `device` when given, else the source's."""
         if override:

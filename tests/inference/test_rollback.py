@@ -4,7 +4,6 @@ are torn until a full update lands."""
 
 import os
 import signal
-import time
 
 import httpx
 import pytest
@@ -17,6 +16,7 @@ from wtransfer.inference.server import build_app
 from wtransfer.peer import vary_seed
 from wtransfer.processes import spawn_trainer
 from wtransfer.shapes import build, randomize
+from wtransfer.testing.conformance import wait_for
 
 SEED = 5
 
@@ -28,16 +28,6 @@ def trainer_weights(version):
     if step:
         randomize(model, vary_seed(SEED, step))
     return fingerprint(model.state_dict())
-
-
-def wait(predicate, what, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.001)
 
 
 def kill_mid_update(engine):
@@ -52,13 +42,13 @@ def kill_mid_update(engine):
                 int(info["weight_version"].rsplit("-", 1)[1]) >= 2
             return done and info["update_state"] == "updating" and info["update_bytes"] > 0
 
-        wait(open_and_written, "an update past its first bucket")
+        wait_for(open_and_written, 30, "an update past its first bucket", interval_s=0.001)
         os.kill(trainer.proc.pid, signal.SIGKILL)
     finally:
         trainer.kill()
         trainer.close()
-    return wait(lambda: (i := engine.call("weight_info"))["update_state"] == "failed" and i,
-                "the watchdog to fail the abandoned update", timeout=10)
+    return wait_for(lambda: (i := engine.call("weight_info"))["update_state"] == "failed" and i,
+                    10, "the watchdog to fail the abandoned update")
 
 
 def test_a_trainer_killed_mid_transfer_rolls_the_engine_back():

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import pytest
 
@@ -33,15 +33,20 @@ from wtransfer.source import ModuleSource
 from wtransfer.target import ModuleTarget
 
 MiB = 1 << 20
+T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll `predicate` until true; fail the test naming `what` after `timeout_s`."""
+def wait_for(predicate: Callable[[], T], timeout_s: float, what: str,
+             interval_s: float = 0.01) -> T:
+    """Poll `predicate` (state in another process, which no event reaches) every
+    `interval_s` until it returns something true, and return that; fail the test naming
+    `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while not predicate():
+    while not (value := predicate()):
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.01)
+        time.sleep(interval_s)
+    return value
 
 
 class BackendConformance:
@@ -165,7 +170,8 @@ class BackendConformance:
         """Create, send, shut down 20 times against the same receivers: every shutdown of a
         healthy sender returns promptly (no waiting on peers), and threads, host and device
         memory stay flat on both sides."""
-        torch = pytest.importorskip("torch")
+        import torch
+
         model = self.trainer_model()
         count = min(2, self.workers)
         children = self.receivers(procs, count)

@@ -92,12 +92,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         copies cost more there than calls. Checksums and sharded sources need staging, so
         they turn it off.
         """
-        info = self.init_info
-        if info.checksum or self.source.sharded:  # both need staging: checksums, gathers
-            return 0
-        if info.direct_threshold is not None:
-            return info.direct_threshold
-        return info.bucket_bytes if self.device.type == "cuda" else 1 << 20
+        return self._resolve_direct_threshold(
+            self.init_info.bucket_bytes if self.device.type == "cuda" else 1 << 20)
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         """Form this sender's group on a helper thread while every engine joins it from its

@@ -65,20 +65,18 @@ def test_keep_mode_update_mid_flight_splits_the_spans_at_the_pause(cluster):
     group, clients = engines("ipc", count=1)
     (engine,) = clients
     greedy = {"max_tokens": 96, "temperature": 0.0}
-    progress, finals = [0, 0, 0], [None, None, None]
+    running, finals = [threading.Event() for _ in range(3)], [None, None, None]
 
     def run(i):
         for out in engine.generate_stream([3 + i, 7, 11], greedy):
-            progress[i] = len(out.outputs[0].token_ids)
+            if len(out.outputs[0].token_ids) >= 3:
+                running[i].set()
             finals[i] = out
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    while min(progress) < 3:
-        assert time.monotonic() < deadline, "requests made no progress"
-        time.sleep(0.005)
+    assert all(event.wait(TIMEOUT_S) for event in running), "requests made no progress"
     engine.pause("keep", clear_cache=True)
     assert engine.stats()["running"] + engine.stats()["waiting"] == 3  # kept, not aborted
     model = trainer_model(seed=9)

@@ -15,6 +15,7 @@ import wtransfer_vllm
 
 import wtransfer
 from wtransfer.processes import free_port
+from wtransfer.testing.conformance import wait_for
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 ENGINE_ARGS = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
@@ -124,16 +125,14 @@ class VLLMServer:
              json.dumps({"backend": wtransfer_vllm.vllm_backend_name(backend)}),
              "--worker-extension-cls", wtransfer_vllm.WORKER_EXTENSION],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while True:
+        def healthy():
             assert self.proc.poll() is None, log_path.read_text()[-3000:]
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
+                return httpx.get(self.url + "/health", timeout=2).status_code == 200
             except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "vllm serve did not start in 300s"
-            time.sleep(0.5)
+                return False
+
+        wait_for(healthy, 300, "vllm serve to start", interval_s=0.5)
         self.client = wtransfer_vllm.ServerClient(self.url, timeout=120)
 
     def greedy(self, prompts=PROMPTS, max_tokens=12):
