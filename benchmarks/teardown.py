@@ -60,12 +60,18 @@ def main() -> None:
         watchers = list(getattr(client, "clients", [client]))
         for cycle in range(args.cycles):
             info = trainer_info(args.backend, len(devices), bucket_bytes=args.bucket_mb << 20)
+            begun = time.perf_counter()
             sender = wtransfer.trainer_init(info, client=client,
                                             source=wtransfer.ModuleSource(model))
+            inited = time.perf_counter()
             sender.send_weights(weight_version=f"c{cycle}")
             start = time.perf_counter()
             sender.shutdown()
             times.append(time.perf_counter() - start)
+            print(f"{time.strftime('%H:%M:%S')} cycle {cycle}: init {inited - begun:.2f}s, "
+                  f"send {start - inited:.3f}s, shutdown {times[-1]:.3f}s, RSS MB trainer "
+                  f"{_rss() >> 20} receivers {[w.status()['rss_bytes'] >> 20 for w in watchers]}",
+                  file=sys.stderr, flush=True)
             if cycle in (1, args.cycles - 1):
                 snapshots.append((cycle + 1, usage(watchers)))
         same = all(w.fingerprint() == wtransfer.fingerprint(model.state_dict())

@@ -169,7 +169,9 @@ class BackendConformance:
     ) -> None:
         """Create, send, shut down 20 times against the same receivers: every shutdown of a
         healthy sender returns promptly (no waiting on peers), and threads, host and device
-        memory stay flat on both sides."""
+        memory stay flat on both sides over the last ten (host allocators settle during the
+        first ones: with NCCL on H200s both sides' RSS rose for 8 senders, then stayed flat
+        to the 30th)."""
         import torch
 
         model = self.trainer_model()
@@ -197,12 +199,12 @@ class BackendConformance:
             started = time.monotonic()
             sender.shutdown()
             slowest = max(slowest, time.monotonic() - started)
-            if cycle in (4, 19):
+            if cycle in (9, 19):
                 seen.append(usage())
         assert slowest < 5.0, f"a healthy sender took {slowest:.1f}s to shut down"
         for (threads0, rss0, cuda0), (threads1, rss1, cuda1) in zip(*seen, strict=True):
-            assert threads1 <= threads0, f"threads grew {threads0} -> {threads1} over 15 senders"
-            assert rss1 - rss0 < 32 * MiB, f"RSS grew {(rss1 - rss0) / MiB:.1f} MiB"
+            assert threads1 <= threads0, f"threads grew {threads0} -> {threads1} over 10 senders"
+            assert rss1 - rss0 < 20 * MiB, f"RSS grew {(rss1 - rss0) / MiB:.1f} MiB over 10 senders"
             assert cuda1 - cuda0 < 64 * MiB, f"CUDA memory grew {(cuda1 - cuda0) / MiB:.1f} MiB"
         want = fingerprint(model.state_dict())
         assert all(w.fingerprint() == want for w in watchers)

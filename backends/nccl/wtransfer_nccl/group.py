@@ -183,25 +183,39 @@ class NCCLGroup(Group):
             raise TransferTimeout(f"rank {rank}: no NCCL id from rank 0 within "
                                   f"{timeout_s:g}s: {exc}") from None
         uid = bytes(store.get("nccl_uid"))
-        result: dict[str, object] = {}
+        self.stream = torch.cuda.Stream(device)
+        result: dict[str, Any] = {}
 
         def init() -> None:
             try:
                 with torch.cuda.device(device):
                     result["comm"] = self.lib.init_rank(world_size, uid, rank)
+                    self._connect(result["comm"])
+                    result["ready"] = True
             except BaseException as exc:
                 result["error"] = exc
 
         thread = threading.Thread(target=init, name="wtransfer-nccl-init", daemon=True)
         thread.start()
         thread.join(timeout_s)
-        if thread.is_alive():
-            raise TransferTimeout(f"NCCL communicator of {world_size} ranks did not form within "
-                                  f"{timeout_s:g}s (rank {rank})")
-        if "error" in result:
-            raise result["error"]  # type: ignore[misc]
-        self._comm: int | None = int(result["comm"])  # type: ignore[call-overload]
-        self.stream = torch.cuda.Stream(device)
+        if "ready" not in result:
+            if result.get("comm"):
+                self.lib.abort(result["comm"])
+            if "error" in result:
+                raise result["error"]
+            raise TransferTimeout(f"NCCL communicator of {world_size} ranks did not form and "
+                                  f"connect within {timeout_s:g}s (rank {rank})")
+        self._comm: int | None = int(result["comm"])
+
+    def _connect(self, comm: int) -> None:
+        """One 1-byte broadcast right after init, on every rank. NCCL connects its rings at
+        a communicator's first collective, and that connect blocks the calling host thread
+        until every peer calls one too, with no deadline of its own: a receiver that refused
+        an update before its first broadcast left the trainer stuck inside `ncclBroadcast`
+        for good (H200 pair, 2026-11-29). Here it happens under the init deadline instead."""
+        probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        self.lib.broadcast(comm, probe.data_ptr(), 1, 0, self.stream.cuda_stream)
+        self.stream.synchronize()
 
     def raise_async_error(self) -> None:
         """Raise `PeerError` (and abort) if NCCL reported an asynchronous failure."""
