@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections import deque
 from typing import Any
 
 import torch
@@ -18,10 +17,10 @@ from wtransfer.packing import (
 from wtransfer.receiver import WeightTransferEngine
 from wtransfer.receiving import UpdateSession
 from wtransfer.target import WeightTarget
+from wtransfer.window import receive_windowed
 from wtransfer_nccl.group import (
     MAX_INFLIGHT,
     Group,
-    Pending,
     join_rendezvous,
     make_group,
     sender_store,
@@ -124,32 +123,29 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
             if stop is not None and stop.is_set():
                 raise PeerError("another sender's share failed")
 
-        free = deque(range(len(staging_buffers)))
-        posted: deque[tuple[Bucket, int, torch.Tensor, Pending]] = deque()
-        upcoming = deque(buckets)
-        while upcoming or posted:
-            while upcoming and len(posted) < MAX_INFLIGHT and (upcoming[0].direct or free):
-                bucket = upcoming.popleft()
-                if bucket.direct:
-                    with lock:
-                        data = session.direct_destination(bucket, staging_buffers[0].device)
-                    slot = -1
-                else:
-                    slot = free.popleft()
-                    length = trailer_length(bucket.nbytes, init.checksum)
-                    data = staging_buffers[slot][:length]
-                posted.append((bucket, slot, data, group.broadcast(data)))
-            bucket, slot, data, pending = posted.popleft()
-            pending.wait(init.timeout_s, stopped)
+        device = staging_buffers[0].device if staging_buffers else self.device
+
+        def destination(bucket: Bucket) -> torch.Tensor:
             with lock:
-                if bucket.direct:
+                return session.direct_destination(bucket, device)
+
+        def landed(bucket: Bucket, slot: int, data: torch.Tensor) -> None:
+            with lock:
+                if slot < 0:
                     session.complete_direct(bucket, data)
-                else:
-                    staging = staging_buffers[slot]
-                    checksum = (read_checksum_trailer(staging, bucket.nbytes) if init.checksum
-                                else None)
-                    session.consume(staging, bucket.nbytes, bucket.slices, checksum)
-                    free.append(slot)
+                    return
+                staging = staging_buffers[slot]
+                checksum = (read_checksum_trailer(staging, bucket.nbytes) if init.checksum
+                            else None)
+                session.consume(staging, bucket.nbytes, bucket.slices, checksum)
+
+        receive_windowed(
+            buckets, len(staging_buffers), max_inflight=MAX_INFLIGHT, destination=destination,
+            staging=lambda bucket, slot: staging_buffers[slot][
+                :trailer_length(bucket.nbytes, init.checksum)],
+            post=lambda _bucket, data: group.broadcast(data),
+            wait=lambda pending: pending.wait(init.timeout_s, stopped),
+            landed=landed)
         if staging_buffers and staging_buffers[0].is_cuda:  # the weights are in place when
             torch.cuda.current_stream(staging_buffers[0].device).synchronize()  # this returns
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -17,10 +16,10 @@ from wtransfer.packing import CHECKSUM_BYTES, metas_to_wire
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import await_receivers, root_cause
 from wtransfer.source import WeightSource
+from wtransfer.window import send_windowed
 from wtransfer_nccl.group import (
     MAX_INFLIGHT,
     Group,
-    Pending,
     host_rendezvous,
     join_rendezvous,
     make_group,
@@ -160,31 +159,16 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
 
     def _broadcast_all(self, share: Share, group: Group,
                        receivers_failed: Callable[[], None]) -> None:
-        """Post every bucket's broadcast, `num_buffers` in flight: packing the next bucket (or
-        nothing, for a direct one) overlaps the broadcasts already posted."""
+        """Post every bucket's broadcast through the shared window (`MAX_INFLIGHT` ahead, a
+        packed one in a free staging slot); the host waits only on the oldest."""
         info = self.init_info
-        packer = share.packer
-        free = deque(range(len(self._staging)))
-        inflight: deque[tuple[int, Pending]] = deque()
-
-        def retire_oldest() -> None:
-            slot, pending = inflight.popleft()
-            pending.wait(info.timeout_s, receivers_failed)
-            if slot >= 0:
-                free.append(slot)
-
-        for bucket in share.buckets:
-            while len(inflight) >= MAX_INFLIGHT or not (bucket.direct or free):
-                retire_oldest()
-            if bucket.direct:
-                slot, data = -1, packer.direct(bucket)
-            else:
-                slot = free.popleft()
-                data = packer.pack_framed(bucket, self._staging[slot], info.checksum)
-            inflight.append((slot, group.broadcast(data)))
-        packer.finish()  # take part in the other senders' gathers while ours are in flight
-        while inflight:
-            retire_oldest()
+        staging = self._staging
+        send_windowed(
+            share, len(staging), max_inflight=MAX_INFLIGHT,
+            stage=lambda bucket, slot: share.packer.pack_framed(bucket, staging[slot],
+                                                                info.checksum),
+            post=lambda _bucket, data: group.broadcast(data),
+            wait=lambda pending: pending.wait(info.timeout_s, receivers_failed))
 
     def _abort_remote(self, exc: BaseException) -> None:
         """Receivers learn of a failure from the torn-down group; no extra call needed."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 import torch
@@ -12,6 +11,7 @@ from wtransfer.packing import CHECKSUM_BYTES, Bucket, read_checksum_trailer, tra
 from wtransfer.receiver import WeightTransferEngine
 from wtransfer.receiving import UpdateSession
 from wtransfer.target import WeightTarget
+from wtransfer.window import receive_windowed
 from wtransfer_ucx.info import UCXInitInfo, UCXUpdateInfo
 from wtransfer_ucx.transport import (
     MAX_INFLIGHT,
@@ -54,30 +54,27 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
         plan = session.announce_plan(info.tensors, init.bucket_bytes,
                                      direct_threshold=init.direct_threshold or 0)
         ucx = self._worker()
-        free = deque(range(len(self._staging)))
-        posted: deque[tuple[Bucket, int, torch.Tensor, object]] = deque()
-        upcoming = deque(plan.buckets)
-        while upcoming or posted:
-            while upcoming and len(posted) < MAX_INFLIGHT and (upcoming[0].direct or free):
-                bucket = upcoming.popleft()
-                key = tag(init.session, info.update, bucket.index)
-                if bucket.direct:
-                    slot, data = -1, session.direct_destination(bucket, self.device)
-                else:
-                    slot = free.popleft()
-                    data = self._staging[slot][: trailer_length(bucket.nbytes, init.checksum)]
-                posted.append((bucket, slot, data, ucx.recv(data, key)))
-            bucket, slot, data, request = posted.popleft()
-            ucx.wait([request], init.timeout_s)
-            if bucket.direct:
+        staging = self._staging
+
+        def landed(bucket: Bucket, slot: int, data: torch.Tensor) -> None:
+            if slot < 0:
                 session.complete_direct(bucket, data)
-                continue
-            staging = self._staging[slot]
-            checksum = read_checksum_trailer(staging, bucket.nbytes) if init.checksum else None
-            session.consume(staging, bucket.nbytes, bucket.slices, checksum)
-            if staging.is_cuda:
-                torch.cuda.current_stream(staging.device).synchronize()
-            free.append(slot)
+                return
+            checksum = (read_checksum_trailer(staging[slot], bucket.nbytes) if init.checksum
+                        else None)
+            session.consume(staging[slot], bucket.nbytes, bucket.slices, checksum)
+            if data.is_cuda:  # unpacked before the slot takes the next bucket
+                torch.cuda.current_stream(data.device).synchronize()
+
+        receive_windowed(
+            plan.buckets, len(staging), max_inflight=MAX_INFLIGHT,
+            destination=lambda bucket: session.direct_destination(bucket, self.device),
+            staging=lambda bucket, slot: staging[slot][
+                :trailer_length(bucket.nbytes, init.checksum)],
+            post=lambda bucket, data: ucx.recv(data, tag(init.session, info.update,
+                                                         bucket.index)),
+            wait=lambda request: ucx.wait([request], init.timeout_s),
+            landed=landed)
 
     def _abort(self) -> None:
         if self._ucx is not None:

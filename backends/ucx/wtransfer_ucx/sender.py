@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import secrets
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -12,10 +11,11 @@ import torch
 
 from wtransfer.errors import LifecycleError
 from wtransfer.infos import receiver_init_dict
-from wtransfer.packing import CHECKSUM_BYTES, metas_to_wire
+from wtransfer.packing import CHECKSUM_BYTES, Bucket, metas_to_wire
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import await_receivers, root_cause
 from wtransfer.source import WeightSource
+from wtransfer.window import send_windowed
 from wtransfer_ucx.info import UCXTrainerInitInfo
 from wtransfer_ucx.transport import (
     MAX_INFLIGHT,
@@ -97,33 +97,23 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         info = self.init_info
         ucx = self._ucx
         assert ucx is not None
-        packer = share.packer
-        free = deque(range(len(self._staging)))
-        inflight: deque[tuple[int, list[Any]]] = deque()
+        staging = self._staging
+        endpoints = self._endpoints
 
-        def retire_oldest() -> None:
-            slot, requests = inflight.popleft()
-            ucx.wait(requests, info.timeout_s, receivers_failed)
-            if slot >= 0:
-                free.append(slot)
+        def stage(bucket: Bucket, slot: int) -> torch.Tensor:
+            data = share.packer.pack_framed(bucket, staging[slot], info.checksum)
+            if data.is_cuda:  # the packing copies, before UCX reads the slot
+                torch.cuda.current_stream(data.device).synchronize()
+            return data
 
         if self.device.type == "cuda":  # the trainer's last writes land before any send reads
             torch.cuda.current_stream(self.device).synchronize()
-        for bucket in share.buckets:
-            key = tag(self._session, self._updates, bucket.index)
-            while len(inflight) >= MAX_INFLIGHT or not (bucket.direct or free):
-                retire_oldest()
-            if bucket.direct:  # the source tensor itself: nothing of ours to wait for
-                slot, data = -1, packer.direct(bucket)
-            else:
-                slot = free.popleft()
-                data = packer.pack_framed(bucket, self._staging[slot], info.checksum)
-                if data.is_cuda:  # the packing copies, before UCX reads the slot
-                    torch.cuda.current_stream(data.device).synchronize()
-            inflight.append((slot, [ucx.send(ep, data, key) for ep in self._endpoints]))
-        packer.finish()
-        while inflight:
-            retire_oldest()
+        send_windowed(
+            share, len(staging), max_inflight=MAX_INFLIGHT, stage=stage,
+            post=lambda bucket, data: [ucx.send(ep, data, tag(self._session, self._updates,
+                                                              bucket.index))
+                                       for ep in endpoints],
+            wait=lambda requests: ucx.wait(requests, info.timeout_s, receivers_failed))
 
     def _abort_remote(self, exc: BaseException) -> None:
         """Workers blocked in a receive fail at their deadline or when the endpoint closes."""
