@@ -16,13 +16,17 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: setup setup-vllm test test-vllm demo lint bench clean
 
+# The two venvs may be built at once (.ci/run does): their editable installs write metadata
+# into the same source trees, so they take turns where flock exists.
+EDITABLE_LOCK := $(if $(shell command -v flock),flock .editable-install.lock,)
+
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) integrations/vllm/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile "setuptools>=68" wheel
 	$(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --no-compile --no-build-isolation -e ".[serve,demo,test,dev,ray]" $(foreach b,$(BACKENDS),-e $(b)) \
+	$(EDITABLE_LOCK) $(PY) -m pip install -q --no-compile --no-build-isolation -e ".[serve,demo,test,dev,ray]" $(foreach b,$(BACKENDS),-e $(b)) \
 		-e "backends/ucx[$(UCX_EXTRA)]" -e integrations/vllm
 	touch $(STAMP)
 
@@ -35,7 +39,7 @@ $(VLLM_STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) integrations
 	$(VLLM_VENV)/bin/python -m pip install -q --no-compile "$(TORCH_SPEC)"
 	$(VLLM_VENV)/bin/python -m pip install -q --no-compile "$(VLLM_SPEC)"
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton
-	$(VLLM_VENV)/bin/python -m pip install -q --no-compile --no-build-isolation -e ".[serve,test]" \
+	$(EDITABLE_LOCK) $(VLLM_VENV)/bin/python -m pip install -q --no-compile --no-build-isolation -e ".[serve,test]" \
 		-e backends/ipc -e backends/nccl -e integrations/vllm
 	touch $(VLLM_STAMP)
 
@@ -64,4 +68,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/transfer.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .editable-install.lock

@@ -106,8 +106,11 @@ def test_a_keep_mode_update_mid_flight_splits_the_spans(engine, checkpoints):
     assert list(out.token_ids)[:k] == old_tokens[:k]
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=["nccl"])
 def server(request, checkpoints, tmp_path_factory):
+    """`vllm serve` with our worker extension, over nccl (gloo): the HTTP routes are the same
+    for every backend, and the in-process engine cases above run both (one vLLM start less in
+    CI, which is near its 15 minutes)."""
     root, _, _ = checkpoints
     log = tmp_path_factory.mktemp("logs") / f"vllm-serve-{request.param}.log"
     srv = VLLMServer(root / "base", request.param, log)
