@@ -202,10 +202,15 @@ class BackendConformance:
             if cycle in (9, 19):
                 seen.append(usage())
         assert slowest < 5.0, f"a healthy sender took {slowest:.1f}s to shut down"
-        for (threads0, rss0, cuda0), (threads1, rss1, cuda1) in zip(*seen, strict=True):
-            assert threads1 <= threads0, f"threads grew {threads0} -> {threads1} over 10 senders"
-            assert rss1 - rss0 < 20 * MiB, f"RSS grew {(rss1 - rss0) / MiB:.1f} MiB over 10 senders"
-            assert cuda1 - cuda0 < 64 * MiB, f"CUDA memory grew {(cuda1 - cuda0) / MiB:.1f} MiB"
+        sides = ["trainer"] + [f"receiver {i}" for i in range(count)]
+        for side, (threads0, rss0, cuda0), (threads1, rss1, cuda1) in zip(sides, *seen,
+                                                                          strict=True):
+            assert threads1 <= threads0, \
+                f"{side}: threads grew {threads0} -> {threads1} over 10 senders"
+            assert rss1 - rss0 < 20 * MiB, \
+                f"{side}: RSS grew {(rss1 - rss0) / MiB:.1f} MiB over 10 senders"
+            assert cuda1 - cuda0 < 64 * MiB, \
+                f"{side}: CUDA memory grew {(cuda1 - cuda0) / MiB:.1f} MiB"
         want = fingerprint(model.state_dict())
         assert all(w.fingerprint() == want for w in watchers)
 

@@ -123,7 +123,7 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
             if stop is not None and stop.is_set():
                 raise PeerError("another sender's share failed")
 
-        device = staging_buffers[0].device if staging_buffers else self.device
+        device = staging_buffers[0].device  # num_buffers >= 1 (checked in the init info)
 
         def destination(bucket: Bucket) -> torch.Tensor:
             with lock:
@@ -146,8 +146,8 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
             post=lambda _bucket, data: group.broadcast(data),
             wait=lambda pending: pending.wait(init.timeout_s, stopped),
             landed=landed)
-        if staging_buffers and staging_buffers[0].is_cuda:  # the weights are in place when
-            torch.cuda.current_stream(staging_buffers[0].device).synchronize()  # this returns
+        if device.type == "cuda":  # the weights are in place when this returns
+            torch.cuda.current_stream(device).synchronize()
 
     def _abort(self) -> None:
         groups, self._groups = self._groups, []

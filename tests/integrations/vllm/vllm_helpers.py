@@ -72,7 +72,7 @@ class InProcessVLLM:
         self.client = (wtransfer_vllm.AsyncLLMClient(self.llm, loop=self.thread.loop)
                        if backend else None)
 
-    async def _generate(self, prompt, max_tokens, request_id, progress=None):
+    async def _generate(self, prompt, max_tokens, request_id, started=None, after_tokens=0):
         from vllm import SamplingParams
 
         last = None
@@ -80,8 +80,8 @@ class InProcessVLLM:
                                            SamplingParams(max_tokens=max_tokens, temperature=0),
                                            request_id=request_id):
             last = out
-            if progress is not None:
-                progress[request_id] = len(out.outputs[0].token_ids)
+            if started is not None and len(out.outputs[0].token_ids) >= after_tokens:
+                started.set()
         return last.outputs[0]
 
     def greedy(self, prompts=PROMPTS, max_tokens=12):
@@ -93,10 +93,12 @@ class InProcessVLLM:
 
         return self.thread.run(all_of_them())
 
-    def start_request(self, prompt, max_tokens, request_id, progress):
-        """Start one greedy request in the background; returns its concurrent future."""
+    def start_request(self, prompt, max_tokens, request_id, started, after_tokens):
+        """Start one greedy request in the background; `started` (a threading.Event) is set
+        once it produced `after_tokens` tokens. Returns its concurrent future."""
         return asyncio.run_coroutine_threadsafe(
-            self._generate(prompt, max_tokens, request_id, progress), self.thread.loop)
+            self._generate(prompt, max_tokens, request_id, started, after_tokens),
+            self.thread.loop)
 
     def call(self, coro_fn, *args, **kwargs):
         """Run an AsyncLLM coroutine method on the engine's loop."""
