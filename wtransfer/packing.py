@@ -341,6 +341,14 @@ class BucketPacker:
         self._finished = False
 
     def _tensor_bytes(self, index: int) -> torch.Tensor:
+        self._advance(index)
+        if self._bytes is None:
+            assert self._tensor is not None
+            self._bytes = byte_view(self._tensor)
+        return self._bytes
+
+    def _advance(self, index: int) -> None:
+        """Take source tensors up to number `index`, each checked against the plan."""
         while self._index < index:
             meta = self._plan.metas[self._index + 1]
             try:
@@ -356,9 +364,7 @@ class BucketPacker:
                     "iterate exactly the tensors of its metadata(), in order")
             self._index += 1
             self._tensor = tensor.detach()
-            self._bytes = byte_view(self._tensor)
-        assert self._bytes is not None
-        return self._bytes
+            self._bytes = None
 
     def direct(self, bucket: Bucket) -> torch.Tensor:
         """The source bytes of a `direct` bucket (its one whole tensor), without copying."""
@@ -391,7 +397,7 @@ class BucketPacker:
         the tensors themselves rather than packed buckets); then `finish`."""
         tensors = []
         for index in range(len(self._plan.metas)):
-            self._tensor_bytes(index)
+            self._advance(index)
             assert self._tensor is not None
             tensors.append(self._tensor)
         self.finish()
@@ -404,7 +410,7 @@ class BucketPacker:
             return
         self._finished = True
         if self._plan.metas:
-            self._tensor_bytes(len(self._plan.metas) - 1)
+            self._advance(len(self._plan.metas) - 1)
         self._bytes = self._tensor = None
         extra = next(self._iter, None)
         if extra is not None:

@@ -1,10 +1,12 @@
 """The posting window of the streaming backends (nccl, ucx), one loop per side.
 
-Both sides walk the same bucket plan and keep up to `max_inflight` operations posted ahead,
-waiting only on the oldest, when the window or a staging slot is needed. A packed bucket
-needs one of `slots` staging slots until its operation completed; a direct bucket moves the
-source tensor's own bytes into the destination's and needs none. A backend supplies only its
-primitives: post an operation on some bytes, wait for one (with its deadline and peer checks).
+Both sides walk the same bucket plan in the same units (`units`: a packed bucket alone, or a
+run of up to `batch` consecutive direct buckets, which a backend may launch as one operation)
+and keep up to `max_inflight` units posted ahead, waiting only on the oldest when the window or
+a staging slot is needed. A packed bucket needs one of `slots` staging slots until its
+operation completed; a direct bucket moves the source tensor's own bytes into the
+destination's and needs none. A backend supplies only its primitives: post an operation on
+some bytes, wait for one (with its deadline and peer checks).
 """
 
 from __future__ import annotations
@@ -24,11 +26,33 @@ Op = TypeVar("Op")
 """A backend's handle on one posted operation (a CUDA event, UCX requests, ...)."""
 
 
-def send_windowed(share: Share, slots: int, *, max_inflight: int,
+def units(buckets: Sequence[Bucket], batch: int) -> list[list[Bucket]]:
+    """`buckets` in posting units: each packed bucket alone, runs of up to `batch` consecutive
+    direct ones together. A pure function of the plan, so sender and receivers (which derive
+    the same plan) post the same units: NCCL needs every rank to group its calls alike."""
+    out: list[list[Bucket]] = []
+    run: list[Bucket] = []
+    for bucket in buckets:
+        if bucket.direct and batch > 1:
+            run.append(bucket)
+            if len(run) == batch:
+                out.append(run)
+                run = []
+            continue
+        if run:
+            out.append(run)
+            run = []
+        out.append([bucket])
+    if run:
+        out.append(run)
+    return out
+
+
+def send_windowed(share: Share, slots: int, *, max_inflight: int, batch: int = 1,
                   stage: Callable[[Bucket, int], torch.Tensor],
-                  post: Callable[[Bucket, torch.Tensor], Op],
+                  post: Callable[[list[Bucket], list[torch.Tensor]], Op],
                   wait: Callable[[Op], None]) -> None:
-    """Post every bucket of `share` in order. `stage(bucket, slot)` packs a bucket into staging
+    """Post every unit of `share` in order. `stage(bucket, slot)` packs a bucket into staging
     slot `slot` and returns the bytes to post; a direct bucket posts `share.packer.direct`.
     Packing the next bucket overlaps the operations already posted. Once all are posted the
     packer finishes (its part in other senders' gathers), then every operation is waited on."""
@@ -42,44 +66,48 @@ def send_windowed(share: Share, slots: int, *, max_inflight: int,
         if slot >= 0:
             free.append(slot)
 
-    for bucket in share.buckets:
-        while len(inflight) >= max_inflight or not (bucket.direct or free):
+    for unit in units(share.buckets, batch):
+        direct = unit[0].direct
+        while len(inflight) >= max_inflight or not (direct or free):
             retire_oldest()
-        if bucket.direct:
-            slot, data = -1, packer.direct(bucket)
+        if direct:
+            slot, data = -1, [packer.direct(bucket) for bucket in unit]
         else:
             slot = free.popleft()
-            data = stage(bucket, slot)
-        inflight.append((slot, post(bucket, data)))
+            data = [stage(unit[0], slot)]
+        inflight.append((slot, post(unit, data)))
     packer.finish()
     while inflight:
         retire_oldest()
 
 
 def receive_windowed(buckets: Sequence[Bucket], slots: int, *, max_inflight: int,
+                     batch: int = 1,
                      destination: Callable[[Bucket], torch.Tensor],
                      staging: Callable[[Bucket, int], torch.Tensor],
-                     post: Callable[[Bucket, torch.Tensor], Op],
+                     post: Callable[[list[Bucket], list[torch.Tensor]], Op],
                      wait: Callable[[Op], None],
                      landed: Callable[[Bucket, int, torch.Tensor], None]) -> None:
-    """Receive `buckets` in order. A direct bucket lands at `destination(bucket)` (the
-    parameter itself where the target offers it), a packed one in `staging(bucket, slot)`.
-    When the oldest operation completed, `landed(bucket, slot, data)` takes its bytes (slot -1
-    for a direct bucket) and the slot is free again, so unpacking overlaps receiving."""
+    """Receive `buckets` in order, in the sender's units. A direct bucket lands at
+    `destination(bucket)` (the parameter itself where the target offers it), a packed one in
+    `staging(bucket, slot)`. When the oldest operation completed, `landed(bucket, slot, data)`
+    takes each of its buckets' bytes (slot -1 for a direct bucket) and the slot is free again,
+    so unpacking overlaps receiving."""
     free = deque(range(slots))
-    posted: deque[tuple[Bucket, int, torch.Tensor, Op]] = deque()
-    upcoming = deque(buckets)
+    posted: deque[tuple[list[Bucket], int, list[torch.Tensor], Op]] = deque()
+    upcoming = deque(units(buckets, batch))
     while upcoming or posted:
-        while upcoming and len(posted) < max_inflight and (upcoming[0].direct or free):
-            bucket = upcoming.popleft()
-            if bucket.direct:
-                slot, data = -1, destination(bucket)
+        while upcoming and len(posted) < max_inflight and (upcoming[0][0].direct or free):
+            unit = upcoming.popleft()
+            if unit[0].direct:
+                slot, data = -1, [destination(bucket) for bucket in unit]
             else:
                 slot = free.popleft()
-                data = staging(bucket, slot)
-            posted.append((bucket, slot, data, post(bucket, data)))
-        bucket, slot, data, op = posted.popleft()
+                data = [staging(unit[0], slot)]
+            posted.append((unit, slot, data, post(unit, data)))
+        unit, slot, data, op = posted.popleft()
         wait(op)
-        landed(bucket, slot, data)
+        for bucket, landed_bytes in zip(unit, data, strict=True):
+            landed(bucket, slot, landed_bytes)
         if slot >= 0:
             free.append(slot)

@@ -24,7 +24,7 @@ def test_binding_loads_and_a_world_of_one_broadcasts_on_its_own_stream():
     data = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda:0")
     want = data.clone()
     for _ in range(3):
-        group.broadcast(data).wait(30)
+        group.broadcast([data]).wait(30)
     assert torch.equal(data, want)
     group.raise_async_error()
     group.close()
@@ -35,7 +35,7 @@ def test_aborted_communicator_refuses_further_work():
     group = NCCLGroup(store, 0, 1, 30, torch.device("cuda:0"))
     group.abort()
     with pytest.raises(PeerError, match="torn down"):
-        group.broadcast(torch.zeros(8, dtype=torch.uint8, device="cuda:0"))
+        group.broadcast([torch.zeros(8, dtype=torch.uint8, device="cuda:0")])
 
 
 def test_cuda_tensors_over_gloo_staging_between_two_processes_on_one_gpu():

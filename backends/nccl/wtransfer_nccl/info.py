@@ -64,10 +64,15 @@ class NCCLInitInfo(ReceiverInitInfo):
     direct_threshold: int | None = 0
     """Resolved by the sender: tensors this large are broadcast without staging."""
     align: int = DEFAULT_ALIGN
+    batch: int = 1
+    """Consecutive direct tensors the sender broadcasts in one NCCL group call; every rank
+    must group alike, so the receiver takes the sender's number."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_endpoint(self.master_address, self.master_port, self.world_size, lowest_port=1)
+        if not 1 <= self.batch <= 1024:
+            raise ConfigError(f"batch must be in 1..1024, got {self.batch}")
         if not 1 <= self.senders < self.world_size:
             raise ConfigError(f"senders must be in 1..world_size-1, got {self.senders}")
         if not self.senders <= self.rank_offset < self.world_size:

@@ -1,8 +1,8 @@
 """A ctypes binding to the NCCL library itself (``libnccl.so.2``), found at run time.
 
-Only what a broadcast needs: unique id, communicator init/abort/destroy, broadcast, async
-error query. Search order: ``$WTRANSFER_NCCL_LIBRARY``, the ``nvidia-nccl-cu12``/``-cu13``
-wheels, the copy next to torch, then the system loader path.
+Only what a broadcast needs: unique id, communicator init/abort/destroy, broadcast, group
+start/end, async error query. Search order: ``$WTRANSFER_NCCL_LIBRARY``, the
+``nvidia-nccl-cu12``/``-cu13`` wheels, the copy next to torch, then the system loader path.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ class NCCLLibrary:
                                       ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_void_p]
         lib.ncclCommGetAsyncError.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        lib.ncclGroupStart.argtypes = []
+        lib.ncclGroupEnd.argtypes = []
         lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
         lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
 
@@ -97,6 +99,14 @@ class NCCLLibrary:
         """In-place broadcast of `nbytes` at device address `ptr`, enqueued on `stream`."""
         self._check(self._lib.ncclBroadcast(ptr, ptr, nbytes, NCCL_UINT8, root, comm, stream),
                     "ncclBroadcast")
+
+    def group_start(self) -> None:
+        """Open a group: the calls until `group_end` are launched together, as one kernel."""
+        self._check(self._lib.ncclGroupStart(), "ncclGroupStart")
+
+    def group_end(self) -> None:
+        """Close the group opened by `group_start` and launch its calls."""
+        self._check(self._lib.ncclGroupEnd(), "ncclGroupEnd")
 
     def async_error(self, comm: int) -> int:
         """The communicator's asynchronous error code (0 while healthy)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from wtransfer.errors import ConfigError, LifecycleError, PeerError
 from wtransfer.packing import (
     CHECKSUM_BYTES,
     Bucket,
+    TensorMeta,
     read_checksum_trailer,
     trailer_length,
 )
@@ -46,11 +48,14 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         """One group per sending trainer rank (index = sender)."""
         self._staging: list[list[torch.Tensor]] = []
         """`num_buffers` staging buffers per sender."""
+        self._plan: tuple[Any, Sequence[TensorMeta], list[list[Bucket]]] | None = None
+        """The last update's raw tensor list, its metas and each sender's buckets."""
 
     def _init(self, info: NCCLInitInfo) -> None:
         if info.transport == "nccl" and self.device.type != "cuda":
             raise ConfigError("the trainer broadcasts CUDA tensors over NCCL; this receiver is "
                               f"on {self.device}: create it with device='cuda:N'")
+        self._plan = None  # the plan depends on this init's bucket size and threshold
         rank = info.rank_offset + self.worker_index
         if not info.senders <= rank < info.world_size:
             raise ConfigError(f"worker rank {rank} is outside {info.senders}.."
@@ -76,13 +81,9 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         if not self._groups:
             raise LifecycleError("nccl: the group was torn down after a failure; the trainer "
                                  "must call init_weight_transfer_engine again")
+        shares = self._shares(info.tensors, session)
         init = self.init_info
         assert init is not None
-        plan = session.announce_plan(info.tensors, init.bucket_bytes, align=init.align,
-                                     direct_threshold=init.direct_threshold or 0)
-        owners = plan.owners(init.senders)
-        shares = [[b for b, o in zip(plan.buckets, owners, strict=True) if o == sender]
-                  for sender in range(init.senders)]
         if init.senders == 1:
             self._receive_share(self._groups[0], shares[0], self._staging[0], session,
                                 threading.Lock(), None)
@@ -106,6 +107,23 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
             thread.join()
         if errors:
             raise errors[0]
+
+    def _shares(self, tensors: Any, session: UpdateSession) -> list[list[Bucket]]:
+        """Announce the update's tensors; each sender's buckets of the plan derived from them.
+        A trainer sends the same list every step, so the plan of the last list is reused
+        while the raw list is equal (comparing it costs far less than parsing and planning)."""
+        init = self.init_info
+        assert init is not None
+        if self._plan is not None and self._plan[0] == tensors:
+            session.announce(self._plan[1])
+            return self._plan[2]
+        plan = session.announce_plan(tensors, init.bucket_bytes, align=init.align,
+                                     direct_threshold=init.direct_threshold or 0)
+        owners = plan.owners(init.senders)
+        shares = [[b for b, o in zip(plan.buckets, owners, strict=True) if o == sender]
+                  for sender in range(init.senders)]
+        self._plan = (tensors, plan.metas, shares)
+        return shares
 
     def _receive_share(self, group: Group, buckets: list[Bucket],
                        staging_buffers: list[torch.Tensor], session: UpdateSession,
@@ -140,10 +158,11 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
                 session.consume(staging, bucket.nbytes, bucket.slices, checksum)
 
         receive_windowed(
-            buckets, len(staging_buffers), max_inflight=MAX_INFLIGHT, destination=destination,
+            buckets, len(staging_buffers), max_inflight=MAX_INFLIGHT, batch=init.batch,
+            destination=destination,
             staging=lambda bucket, slot: staging_buffers[slot][
                 :trailer_length(bucket.nbytes, init.checksum)],
-            post=lambda _bucket, data: group.broadcast(data),
+            post=lambda _unit, data: group.broadcast(data),
             wait=lambda pending: pending.wait(init.timeout_s, stopped),
             landed=landed)
         if device.type == "cuda":  # the weights are in place when this returns

@@ -71,8 +71,8 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
             destination=lambda bucket: session.direct_destination(bucket, self.device),
             staging=lambda bucket, slot: staging[slot][
                 :trailer_length(bucket.nbytes, init.checksum)],
-            post=lambda bucket, data: ucx.recv(data, tag(init.session, info.update,
-                                                         bucket.index)),
+            post=lambda unit, data: ucx.recv(data[0], tag(init.session, info.update,
+                                                          unit[0].index)),
             wait=lambda request: ucx.wait([request], init.timeout_s),
             landed=landed)
 

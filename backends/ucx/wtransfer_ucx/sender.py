@@ -110,9 +110,9 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             torch.cuda.current_stream(self.device).synchronize()
         send_windowed(
             share, len(staging), max_inflight=MAX_INFLIGHT, stage=stage,
-            post=lambda bucket, data: [ucx.send(ep, data, tag(self._session, self._updates,
-                                                              bucket.index))
-                                       for ep in endpoints],
+            post=lambda unit, data: [ucx.send(ep, data[0], tag(self._session, self._updates,
+                                                               unit[0].index))
+                                     for ep in endpoints],
             wait=lambda requests: ucx.wait(requests, info.timeout_s, receivers_failed))
 
     def _abort_remote(self, exc: BaseException) -> None:
