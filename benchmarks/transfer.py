@@ -215,8 +215,10 @@ def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
         extra: dict[str, Any] = {"zero_copy": False} if backend == "ipc" else {}
         if direct_mb is not None and backend != "ipc":
             extra["direct_threshold"] = int(direct_mb * (1 << 20))
-        paths.append(("packed", mb, trainer_info(backend, len(devices), bucket_bytes=mb << 20,
-                                                 **extra)))
+        # nccl and ucx may move tensors on their own (direct) besides packed buckets
+        label = "packed" if backend == "ipc" else "send_weights"
+        paths.append((label, mb, trainer_info(backend, len(devices), bucket_bytes=mb << 20,
+                                               **extra)))
     with receivers(backend, name, devices) as client:
         for path, mb, info in paths:
             with wtransfer.trainer_init(info, client=client,

@@ -189,6 +189,8 @@ class BucketPlan:
         holding about equal bytes. Both sides compute the same list from the same plan."""
         if senders < 1:
             raise ConfigError(f"senders must be >= 1, got {senders}")
+        if senders == 1:
+            return [0] * len(self.buckets)
         total = sum(b.nbytes for b in self.buckets) or 1
         owners, before = [], 0
         for bucket in self.buckets:

@@ -10,7 +10,7 @@ from torch import nn
 
 from wtransfer.errors import MetadataError
 from wtransfer.fingerprint import fingerprint
-from wtransfer.packing import DTYPES, TensorMeta, byte_view, dtype_name
+from wtransfer.packing import DTYPES, TensorMeta, byte_view
 
 
 def copy_to_host(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -138,8 +138,7 @@ class ModuleTarget(WeightTarget):
         the live parameters, without building their metadata: an update checks hundreds)."""
         for meta in metas:
             dest = self._state.get(self._map(meta.name))
-            if dest is None or tuple(dest.shape) != meta.shape or \
-                    dtype_name(dest.dtype) != meta.dtype:
+            if dest is None or dest.shape != meta.shape or dest.dtype != DTYPES.get(meta.dtype):
                 super().check(metas)  # names every problem
                 return
 

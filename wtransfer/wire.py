@@ -11,10 +11,11 @@ anywhere in wtransfer; this module is why none is needed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
-from collections.abc import Mapping
-from typing import Any, TypeVar, Union
+from collections.abc import Hashable, Mapping
+from typing import Any, TypeVar, Union, cast
 
 import msgpack
 
@@ -119,13 +120,10 @@ def parse_record(
         return data
     if not isinstance(data, Mapping):
         raise error(f"{where}: expected a mapping or {cls.__name__}, got {type(data).__name__}")
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"{cls!r} is not a dataclass")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields, hints = _record_fields(cast(Hashable, cls))
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise error(f"{where}: unknown field(s) {unknown}; known fields are {sorted(fields)}")
-    hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for name, field in fields.items():
         if name not in data:
@@ -143,6 +141,16 @@ def parse_record(
         raise
     except (TypeError, ValueError) as exc:
         raise error(f"{where}: {exc}") from None
+
+
+@functools.cache
+def _record_fields(cls: Hashable) -> tuple[dict[str, dataclasses.Field[Any]], dict[str, Any]]:
+    """A record class's init fields and resolved annotations, worked out once per class
+    (resolving string annotations evaluates code; a receiver parses a record every update)."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    return fields, typing.get_type_hints(cls)
 
 
 def record_to_wire(record: Any) -> dict[str, Any]:
