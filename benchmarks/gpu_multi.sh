@@ -1,4 +1,4 @@
-# The multi-GPU nccl run: trainer on cuda:0, receiver on cuda:1 (nvidia-h200-x2); about 6 min.
+# The multi-GPU nccl run: trainer on cuda:0, receiver on cuda:1 (nvidia-h200-x2); about 7 min.
 # Run from the repository root on the device machine with the pyzmq wheel carried in .whl/
 # (the image has torch and NCCL but not pyzmq); results and logs go to $OUT.
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site NCCL_NVLS_ENABLE=0
@@ -16,8 +16,13 @@ timeout 75 python3 benchmarks/teardown.py --backend nccl --model qwen3-1.7b --de
     --receiver-devices cuda:1 --cycles 30 > $OUT/teardown.txt 2>&1; echo "rc $?"
 tail -6 $OUT/teardown.txt
 echo "$(ts) bench"
-WTRANSFER_BENCH_DIR=$OUT timeout 110 python3 benchmarks/transfer.py --backend nccl \
-    --device cuda:0 --receiver-devices cuda:1 --models qwen3-8b --bucket-mb 64,256,1024 \
-    --repeats 3 > $OUT/bench.txt 2>&1; echo "rc $?"
+# every tensor goes direct on CUDA by default, so one bucket size (for what still packs)
+WTRANSFER_BENCH_DIR=$OUT timeout 150 python3 benchmarks/transfer.py --backend nccl \
+    --device cuda:0 --receiver-devices cuda:1 --models qwen3-8b --bucket-mb 1024 \
+    --repeats 5 > $OUT/bench.txt 2>&1; echo "rc $?"
 tail -8 $OUT/bench.txt
+echo "$(ts) strategies (raw NCCL)"
+timeout 60 python3 benchmarks/nccl_strategies.py --model qwen3-8b --repeats 3 \
+    > $OUT/strategies.txt 2>&1; echo "rc $?"
+tail -13 $OUT/strategies.txt
 echo "$(ts) end"

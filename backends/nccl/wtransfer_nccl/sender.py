@@ -75,7 +75,6 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                                   senders=self.senders, session=self._session,
                                   direct_threshold=self.direct_threshold, batch=DIRECT_BATCH)
 
-
     def _merge(self, fragments: list[dict[str, Any]]) -> dict[str, Any]:
         """Several senders: they share the lead's rendezvous and session (each forms its own
         group under it), so the lead's init info is everyone's."""
