@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import types
 import typing
 from collections.abc import Hashable, Mapping
@@ -37,6 +38,12 @@ def encode(obj: Any) -> bytes:
         return bytes(msgpack.packb(obj, use_bin_type=True))
     except (TypeError, ValueError, OverflowError) as exc:
         raise MetadataError(f"cannot encode message: {type(exc).__name__}: {exc}") from None
+
+
+def digest(obj: Any) -> str:
+    """A 128-bit digest (hex) of plain data, by its msgpack encoding: lets a peer name data the
+    other side already holds instead of sending it again."""
+    return hashlib.blake2b(encode(obj), digest_size=16).hexdigest()
 
 
 def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:

@@ -7,7 +7,7 @@ import pytest
 from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
-from wtransfer.errors import ConfigError
+from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.processes import spawn_receiver
 from wtransfer.rpc import RPCClient
 from wtransfer.shapes import build, randomize
@@ -42,20 +42,54 @@ def test_a_taken_master_port_fails_at_once_naming_the_fix_and_leaves_the_engine_
             client.close()
 
 
+class _RecordingClient(RPCClient):
+    """Remembers which fields each update call carried."""
+
+    def __init__(self, address: str, **kwargs) -> None:
+        super().__init__(address, **kwargs)
+        self.sent: list[list[str]] = []
+
+    def update_weights(self, update_info):
+        self.sent.append(sorted(update_info))
+        super().update_weights(update_info)
+
+
 def test_every_tensor_direct_in_group_units_lands_bit_exact_over_gloo():
     """The CUDA default's path (every non-empty tensor straight into its parameter, posted in
     units of up to 32), exercised on CPU: the mixed model's 0-d and empty tensors travel in a
-    packed bucket between the runs of direct ones."""
+    packed bucket between the runs of direct ones. After the first update the unchanged tensor
+    list travels as its digest."""
     model = build("mixed", seed=1, device="cpu")
     with spawn_receiver("nccl", model="mixed", seed=2) as receiver:
-        client = RPCClient(receiver.address, timeout_s=60)
+        client = _RecordingClient(receiver.address, timeout_s=60)
         info = NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=60,
                                    direct_threshold=1)
         with wtransfer.trainer_init(info, client=client,
                                     source=wtransfer.ModuleSource(model)) as sender:
-            for step in range(2):
+            for step in range(3):
                 randomize(model, seed=100 + step)
                 stats = sender.send_weights()
                 assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
         assert stats.buckets > stats.tensors // 2  # nearly every tensor was a bucket of its own
+        assert client.sent == [["tensors"], ["tensors_digest"], ["tensors_digest"]]
+        client.close()
+
+
+def test_an_update_naming_an_unknown_tensor_list_is_refused_before_any_weight_changes():
+    model = build("mixed", seed=1, device="cpu")
+    with spawn_receiver("nccl", model="mixed", seed=2) as receiver:
+        client = RPCClient(receiver.address, timeout_s=60)
+        info = NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=30)
+        with wtransfer.trainer_init(info, client=client, source=wtransfer.ModuleSource(model)):
+            before = client.fingerprint()
+            client.start_weight_update()  # no update yet under this init: no list to name
+            with pytest.raises(MetadataError, match=r"tensors_digest '0+' does not name the "
+                                                    r"tensor list.*must send 'tensors'"):
+                client.update_weights({"tensors_digest": "0" * 32})
+            assert client.status()["state"] == "failed"
+            assert client.fingerprint() == before
+            client.start_weight_update()
+            with pytest.raises(MetadataError, match="'tensors' or 'tensors_digest', not both"):
+                client.update_weights({"tensors": [], "tensors_digest": "0" * 32})
+            assert client.fingerprint() == before
         client.close()

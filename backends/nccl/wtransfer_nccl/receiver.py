@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from wtransfer.errors import ConfigError, LifecycleError, PeerError
+from wtransfer.errors import ConfigError, LifecycleError, MetadataError, PeerError
 from wtransfer.packing import (
     CHECKSUM_BYTES,
     Bucket,
@@ -20,6 +20,7 @@ from wtransfer.receiver import WeightTransferEngine
 from wtransfer.receiving import UpdateSession
 from wtransfer.target import WeightTarget
 from wtransfer.window import receive_windowed
+from wtransfer.wire import digest
 from wtransfer_nccl.group import (
     MAX_INFLIGHT,
     Group,
@@ -48,8 +49,9 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         """One group per sending trainer rank (index = sender)."""
         self._staging: list[list[torch.Tensor]] = []
         """`num_buffers` staging buffers per sender."""
-        self._plan: tuple[Any, Sequence[TensorMeta], list[list[Bucket]]] | None = None
-        """The last update's raw tensor list, its metas and each sender's buckets."""
+        self._plan: tuple[Any, Sequence[TensorMeta], list[list[Bucket]], str] | None = None
+        """The last update's raw tensor list, its metas, each sender's buckets and the list's
+        digest (`wtransfer.wire.digest`)."""
 
     def _init(self, info: NCCLInitInfo) -> None:
         if info.transport == "nccl" and self.device.type != "cuda":
@@ -81,7 +83,7 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         if not self._groups:
             raise LifecycleError("nccl: the group was torn down after a failure; the trainer "
                                  "must call init_weight_transfer_engine again")
-        shares = self._shares(info.tensors, session)
+        shares = self._shares(info, session)
         init = self.init_info
         assert init is not None
         if init.senders == 1:
@@ -108,22 +110,28 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         if errors:
             raise errors[0]
 
-    def _shares(self, tensors: Any, session: UpdateSession) -> list[list[Bucket]]:
+    def _shares(self, info: NCCLUpdateInfo, session: UpdateSession) -> list[list[Bucket]]:
         """Announce the update's tensors; each sender's buckets of the plan derived from them.
-        A trainer sends the same list every step, so the plan of the last list is reused
-        while the raw list is equal (comparing it costs far less than parsing and planning)."""
+        A trainer sends the same list every step: after the first update of an init it names
+        the list by digest, and an equal list sent again reuses the plan too."""
         init = self.init_info
         assert init is not None
-        if self._plan is not None and self._plan[0] == tensors:
-            session.announce(self._plan[1])
-            return self._plan[2]
-        plan = session.announce_plan(tensors, init.bucket_bytes, align=init.align,
-                                     direct_threshold=init.direct_threshold or 0)
-        owners = plan.owners(init.senders)
-        shares = [[b for b, o in zip(plan.buckets, owners, strict=True) if o == sender]
-                  for sender in range(init.senders)]
-        self._plan = (tensors, plan.metas, shares)
-        return shares
+        last = self._plan
+        if info.tensors is None and info.tensors_digest is not None:
+            if last is None or last[3] != info.tensors_digest:
+                raise MetadataError(f"tensors_digest {info.tensors_digest!r} does not name the "
+                                    "tensor list of this receiver's last update; the sender "
+                                    "must send 'tensors'")
+        elif last is None or last[0] != info.tensors:
+            plan = session.announce_plan(info.tensors, init.bucket_bytes, align=init.align,
+                                         direct_threshold=init.direct_threshold or 0)
+            owners = plan.owners(init.senders)
+            shares = [[b for b, o in zip(plan.buckets, owners, strict=True) if o == sender]
+                      for sender in range(init.senders)]
+            self._plan = (info.tensors, plan.metas, shares, digest(info.tensors))
+            return shares
+        session.announce(last[1])
+        return last[2]
 
     def _receive_share(self, group: Group, buckets: list[Bucket],
                        staging_buffers: list[torch.Tensor], session: UpdateSession,
