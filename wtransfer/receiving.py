@@ -259,6 +259,13 @@ class UpdateSession:
             return direct
         return torch.empty(meta.nbytes, dtype=torch.uint8, device=device)
 
+    def direct_temporary_bytes(self, bucket: Bucket, device: torch.device) -> int:
+        """Bytes `direct_destination` would allocate for a direct bucket on `device`: 0 when
+        the target offers its own storage there, else the tensor's size."""
+        meta = self._metas[bucket.slices[0].tensor]
+        direct = self._target.direct_bytes(meta.name)
+        return 0 if direct is not None and direct.device == device else meta.nbytes
+
     def complete_direct(self, bucket: Bucket, data: torch.Tensor) -> None:
         """Record a direct bucket that landed in `data` (from `direct_destination`)."""
         meta = self._metas[bucket.slices[0].tensor]

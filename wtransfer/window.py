@@ -87,27 +87,48 @@ def receive_windowed(buckets: Sequence[Bucket], slots: int, *, max_inflight: int
                      staging: Callable[[Bucket, int], torch.Tensor],
                      post: Callable[[list[Bucket], list[torch.Tensor]], Op],
                      wait: Callable[[Op], None],
-                     landed: Callable[[Bucket, int, torch.Tensor], None]) -> None:
+                     landed: Callable[[Bucket, int, torch.Tensor], None],
+                     temporary: Callable[[Bucket], int] | None = None,
+                     budget: int = 0) -> None:
     """Receive `buckets` in order, in the sender's units. A direct bucket lands at
     `destination(bucket)` (the parameter itself where the target offers it), a packed one in
     `staging(bucket, slot)`. When the oldest operation completed, `landed(bucket, slot, data)`
     takes each of its buckets' bytes (slot -1 for a direct bucket) and the slot is free again,
-    so unpacking overlaps receiving."""
+    so unpacking overlaps receiving.
+
+    `temporary(bucket)` says how many bytes a direct bucket's destination allocates (0 when it
+    lands in the target's own storage); units whose temporaries would take more than `budget`
+    bytes in flight wait for earlier ones to land (one unit always goes), so a target that
+    offers no storage of its own costs bounded memory, not a model's worth of temporaries."""
     free = deque(range(slots))
-    posted: deque[tuple[list[Bucket], int, list[torch.Tensor], Op]] = deque()
+    posted: deque[tuple[list[Bucket], int, list[torch.Tensor], Op, int]] = deque()
     upcoming = deque(units(buckets, batch))
+    held = 0
+    head_need: tuple[list[Bucket], int] | None = None
     while upcoming or posted:
-        while upcoming and len(posted) < max_inflight and (upcoming[0][0].direct or free):
-            unit = upcoming.popleft()
+        while upcoming and len(posted) < max_inflight:
+            unit = upcoming[0]
+            need = 0
             if unit[0].direct:
+                if temporary is not None:
+                    if head_need is None or head_need[0] is not unit:
+                        head_need = (unit, sum(temporary(bucket) for bucket in unit))
+                    need = head_need[1]
+                if posted and held + need > budget:
+                    break
                 slot, data = -1, [destination(bucket) for bucket in unit]
-            else:
+            elif free:
                 slot = free.popleft()
                 data = [staging(unit[0], slot)]
-            posted.append((unit, slot, data, post(unit, data)))
-        unit, slot, data, op = posted.popleft()
+            else:
+                break
+            upcoming.popleft()
+            posted.append((unit, slot, data, post(unit, data), need))
+            held += need
+        unit, slot, data, op, need = posted.popleft()
         wait(op)
         for bucket, landed_bytes in zip(unit, data, strict=True):
             landed(bucket, slot, landed_bytes)
+        held -= need
         if slot >= 0:
             free.append(slot)

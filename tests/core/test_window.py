@@ -7,7 +7,7 @@ import torch
 
 from wtransfer.errors import ConfigError
 from wtransfer.packing import BucketPlan, TensorMeta
-from wtransfer.window import units
+from wtransfer.window import receive_windowed, units
 
 
 def _plan(sizes: list[int], threshold: int) -> BucketPlan:
@@ -47,3 +47,43 @@ def test_nccl_receiver_refuses_a_batch_out_of_range() -> None:
     assert NCCLInitInfo(**base, batch=32).batch == 32
     with pytest.raises(ConfigError, match=r"batch must be in 1\.\.1024, got 0"):
         NCCLInitInfo(**base, batch=0)
+
+
+def test_temporaries_in_flight_stay_within_the_budget_and_every_bucket_lands_in_order() -> None:
+    plan = _plan([4096] * 40 + [10, 20] + [4096] * 30, threshold=2048)
+    landed: list[int] = []
+    inflight: list[int] = []
+    peak = 0
+
+    def post(unit, data):
+        nonlocal peak
+        inflight.extend(d.numel() for d, b in zip(data, unit, strict=True) if b.direct)
+        peak = max(peak, sum(inflight))
+        return [d.numel() for d, b in zip(data, unit, strict=True) if b.direct]
+
+    def wait(sizes):
+        for n in sizes:
+            inflight.remove(n)
+
+    receive_windowed(
+        plan.buckets, 2, max_inflight=16, batch=8,
+        destination=lambda b: torch.empty(b.nbytes, dtype=torch.uint8),
+        staging=lambda b, slot: torch.empty(1024, dtype=torch.uint8)[: b.nbytes],
+        post=post, wait=wait,
+        landed=lambda b, slot, data: landed.append(b.index),
+        temporary=lambda b: b.nbytes, budget=3 * 8 * 4096)
+    assert landed == [b.index for b in plan.buckets]
+    assert peak == 3 * 8 * 4096  # three units of eight in flight, never a fourth
+
+
+def test_one_unit_goes_even_when_it_alone_is_over_the_budget() -> None:
+    plan = _plan([4096] * 5, threshold=2048)
+    landed: list[int] = []
+    receive_windowed(
+        plan.buckets, 1, max_inflight=16, batch=5,
+        destination=lambda b: torch.empty(b.nbytes, dtype=torch.uint8),
+        staging=lambda b, slot: torch.empty(0, dtype=torch.uint8),
+        post=lambda unit, data: None, wait=lambda op: None,
+        landed=lambda b, slot, data: landed.append(b.index),
+        temporary=lambda b: b.nbytes, budget=100)
+    assert landed == [0, 1, 2, 3, 4]

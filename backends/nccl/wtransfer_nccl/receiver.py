@@ -172,7 +172,9 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
                 :trailer_length(bucket.nbytes, init.checksum)],
             post=lambda _unit, data: group.broadcast(data),
             wait=lambda pending: pending.wait(init.timeout_s, stopped),
-            landed=landed)
+            landed=landed,
+            temporary=lambda bucket: session.direct_temporary_bytes(bucket, device),
+            budget=init.num_buffers * init.bucket_bytes)
         if device.type == "cuda":  # the weights are in place when this returns
             torch.cuda.current_stream(device).synchronize()
 

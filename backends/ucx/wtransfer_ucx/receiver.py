@@ -74,7 +74,9 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
             post=lambda unit, data: ucx.recv(data[0], tag(init.session, info.update,
                                                           unit[0].index)),
             wait=lambda request: ucx.wait([request], init.timeout_s),
-            landed=landed)
+            landed=landed,
+            temporary=lambda bucket: session.direct_temporary_bytes(bucket, self.device),
+            budget=init.num_buffers * init.bucket_bytes)
 
     def _abort(self) -> None:
         if self._ucx is not None:
