@@ -27,10 +27,10 @@ import torch
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.gathering import GatheringPacker
 from wtransfer.infos import TrainerInitInfo, TransferStats
-from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta
+from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta, metas_to_wire
 from wtransfer.source import WeightSource
 from wtransfer.trainer_group import TrainerGroup
-from wtransfer.wire import parse_record
+from wtransfer.wire import digest, parse_record
 
 TInitT = TypeVar("TInitT", bound=TrainerInitInfo)
 S = TypeVar("S", bound="TrainerTransferEngine[Any]")
@@ -115,6 +115,10 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         """Whether every trainer rank sends together (see the module docstring)."""
         self.group: TrainerGroup | None = None
         self._last_plan: tuple[tuple[TensorMeta, ...], BucketPlan] | None = None
+        self._listed: tuple[BucketPlan, list[Any], str] | None = None
+        self.receivers_hold: str | None = None
+        """Digest of the tensor list the receivers got in this sender's last successful
+        update (a backend that names an unchanged list by digest sets it)."""
         self.connected = False
         self.closed = False
 
@@ -217,6 +221,14 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             self._last_plan = (key, BucketPlan.build(metas, self.init_info.bucket_bytes,
                                                      direct_threshold=self.direct_threshold))
         return self._last_plan[1]
+
+    def tensor_list(self, plan: BucketPlan) -> tuple[list[Any], str]:
+        """`plan`'s tensor list as sent on the wire and its `wtransfer.wire.digest` (worked out
+        again only for a new plan: the plan is reused while the source stays the same)."""
+        if self._listed is None or self._listed[0] is not plan:
+            wire_list = metas_to_wire(plan.metas)
+            self._listed = (plan, wire_list, digest(wire_list))
+        return self._listed[1], self._listed[2]
 
     def _open(self, plan: BucketPlan) -> None:
         """The lead opens the update on the receivers (and, with several senders, announces

@@ -1,7 +1,50 @@
 """The shipped conformance suite, run on the ipc backend (POSIX shared memory on CPU)."""
 
+import pytest
+from wtransfer_ipc import IPCTrainerInitInfo
+
+import wtransfer
+from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.packing import BucketPlan, metas_to_wire
+from wtransfer.shapes import build
 from wtransfer.testing.conformance import BackendConformance
+from wtransfer.wire import digest
 
 
 class TestIPCConformance(BackendConformance):
     backend = "ipc"
+
+
+def test_a_zero_copy_update_may_name_the_last_tensor_list_by_digest_and_nothing_else():
+    """A zero-copy update names an unchanged tensor list by its digest. On CPU the receiver
+    accepts a digest of the list it got last (and then refuses zero-copy itself: that needs
+    CUDA), and refuses any other digest, a digest outside zero-copy, or a list and a digest
+    together, each before any weight changes."""
+    source, held = build("mixed", seed=1, device="cpu"), build("mixed", seed=2, device="cpu")
+    listed = metas_to_wire(wtransfer.ModuleSource(source).metadata())
+    engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(held))
+    with wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=1 << 20),
+                                client=wtransfer.LocalClient(engine),
+                                source=wtransfer.ModuleSource(source)) as sender:
+        sender.send_weights()  # packed: the first bucket carries the whole list
+        landed = wtransfer.fingerprint(held.state_dict())
+        zero_copy = {"storages": [], "layout": [], "event": b"", "token": "t", "sender_pid": 1}
+        cases = [
+            ({"tensors_digest": digest(listed), "zero_copy": zero_copy}, ConfigError,
+             "zero-copy update shares CUDA memory"),
+            ({"tensors_digest": "0" * 32, "zero_copy": zero_copy}, MetadataError,
+             "does not name the tensor list this receiver got last"),
+            ({"tensors_digest": digest(listed)}, MetadataError,
+             "only a zero-copy update may name its tensor list by digest"),
+            ({"tensors": listed, "tensors_digest": digest(listed)}, MetadataError,
+             "'tensors' or 'tensors_digest', not both"),
+        ]
+        for update, error, message in cases:
+            engine.start_weight_update()
+            with pytest.raises(error, match=message):
+                engine.update_weights(update)
+            assert engine.state == "failed"
+            assert wtransfer.fingerprint(held.state_dict()) == landed
+        plan = BucketPlan.build(wtransfer.ModuleSource(source).metadata(), 1 << 20)
+        assert sender.tensor_list(plan) == (listed, digest(listed))  # what a sender would name
+    engine.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from wtransfer.errors import ConfigError
+from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.infos import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 
 TRANSPORTS = ("shm", "cuda")
@@ -79,6 +79,9 @@ class IPCUpdateInfo(UpdateInfo):
 
     tensors: list[Any] | None = None
     """``[[name, dtype, shape], ...]`` of the whole update; sent with the first bucket."""
+    tensors_digest: str | None = None
+    """Instead of `tensors`, in a zero-copy update: `wtransfer.wire.digest` of the list this
+    receiver got last (a trainer sends the same list every step)."""
     buffer: int = 0
     nbytes: int = 0
     slices: list[Any] = field(default_factory=list)
@@ -90,3 +93,7 @@ class IPCUpdateInfo(UpdateInfo):
     """The whole update straight from the sender's storage: ``{"storages": [[index, record or
     None], ...], "layout": [[storage, byte_offset], ...], "event": bytes, "token": str,
     "sender_pid": int}`` (record None: the storage the receiver opened before)."""
+
+    def __post_init__(self) -> None:
+        if self.tensors is not None and self.tensors_digest is not None:
+            raise MetadataError("an ipc update carries 'tensors' or 'tensors_digest', not both")

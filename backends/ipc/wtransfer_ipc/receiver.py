@@ -12,6 +12,7 @@ from wtransfer.packing import Slice, TensorMeta, metas_from_wire
 from wtransfer.receiver import WeightTransferEngine
 from wtransfer.receiving import UpdateSession
 from wtransfer.target import WeightTarget
+from wtransfer.wire import digest
 from wtransfer_ipc.cuda import open_buffer
 from wtransfer_ipc.info import IPCInitInfo, IPCUpdateInfo
 from wtransfer_ipc.shm import SharedBuffer, creator_alive, sweep
@@ -31,7 +32,8 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         self._staging: list[list[torch.Tensor]] = []
         """Each sender's mapped staging buffers."""
         self._zero_copy = ZeroCopyImports()
-        self._manifest: tuple[list[Any], list[TensorMeta]] | None = None
+        self._manifest: tuple[list[Any], list[TensorMeta], str] | None = None
+        """The last tensor list received, its metas and its digest."""
 
     def _init(self, info: IPCInitInfo) -> None:
         try:
@@ -60,14 +62,14 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
                 for i, rec in enumerate(staging["buffers"])]
 
     def _receive(self, info: IPCUpdateInfo, session: UpdateSession) -> None:
-        if info.tensors is not None:
-            metas = self._parse_manifest(info.tensors)
+        metas = self._listed(info)
+        if metas is not None:
             session.announce(metas)
             if info.zero_copy is not None:
                 self._receive_zero_copy(info.zero_copy, metas, session)
                 return
         elif info.zero_copy is not None:
-            raise MetadataError("a zero-copy update must carry its tensor list")
+            raise MetadataError("a zero-copy update must carry its tensor list (or its digest)")
         if not info.slices:
             return
         if not 0 <= info.sender < len(self._staging):
@@ -84,11 +86,23 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
             torch.cuda.current_stream(staging.device if staging.is_cuda
                                       else self.device).synchronize()
 
-    def _parse_manifest(self, tensors: list[Any]) -> list[TensorMeta]:
-        """The update's tensor list, parsed again only when it differs from the last one (a
-        trainer sends the same list every step; comparing the raw lists is cheap)."""
-        if self._manifest is None or self._manifest[0] != tensors:
-            self._manifest = (tensors, metas_from_wire(tensors))
+    def _listed(self, info: IPCUpdateInfo) -> list[TensorMeta] | None:
+        """The tensor list this update carries or names by digest (None: it carries neither),
+        parsed again only when it differs from the last one (a trainer sends the same list
+        every step; comparing the raw lists is cheap)."""
+        if info.tensors is not None:
+            if self._manifest is None or self._manifest[0] != info.tensors:
+                self._manifest = (info.tensors, metas_from_wire(info.tensors),
+                                  digest(info.tensors))
+            return self._manifest[1]
+        if info.tensors_digest is None:
+            return None
+        if info.zero_copy is None:
+            raise MetadataError("only a zero-copy update may name its tensor list by digest")
+        if self._manifest is None or self._manifest[2] != info.tensors_digest:
+            raise MetadataError(f"tensors_digest {info.tensors_digest!r} does not name the "
+                                "tensor list this receiver got last; the sender must send "
+                                "'tensors'")
         return self._manifest[1]
 
     def _receive_zero_copy(self, update: dict[str, Any], metas: list[TensorMeta],

@@ -78,15 +78,14 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         self.client.update_weights({"tensors": metas_to_wire(plan.metas)})
 
     def _send(self, share: Share) -> None:
-        manifest = metas_to_wire(share.plan.metas)
+        manifest, _ = self.tensor_list(share.plan)
         client = self.client
         assert client is not None
         if self._zero_copy is not None and share.count == 1 and \
                 isinstance(share.packer, BucketPacker):
             tensors = share.packer.walk()
             if shareable(tensors):
-                client.update_weights({"tensors": manifest,
-                                       "zero_copy": self._zero_copy.update(tensors)})
+                self._send_zero_copy(share.plan, tensors, self._zero_copy)
                 return
             share = replace(share, packer=BucketPacker(share.plan, self.source.tensors()))
 
@@ -103,6 +102,19 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
         send_pipelined(share, self._staging, transmit, checksum=self.init_info.checksum,
                        before_transmit=self._sync)
+
+    def _send_zero_copy(self, plan: BucketPlan, tensors: list[torch.Tensor],
+                        exports: ZeroCopyExports) -> None:
+        """The whole update in one call; an unchanged tensor list travels as its digest once
+        the receivers hold it (a failed update sends it in full next time)."""
+        assert self.client is not None
+        wire_list, list_digest = self.tensor_list(plan)
+        listed: dict[str, Any] = ({"tensors_digest": list_digest}
+                                  if self.receivers_hold == list_digest
+                                  else {"tensors": wire_list})
+        self.receivers_hold = None
+        self.client.update_weights({**listed, "zero_copy": exports.update(tensors)})
+        self.receivers_hold = list_digest
 
     def _sync(self, slot: int) -> None:
         if self.device.type == "cuda":

@@ -12,12 +12,11 @@ import torch
 
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.infos import receiver_init_dict
-from wtransfer.packing import CHECKSUM_BYTES, BucketPlan, metas_to_wire
+from wtransfer.packing import CHECKSUM_BYTES
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import await_receivers, root_cause
 from wtransfer.source import WeightSource
 from wtransfer.window import send_windowed
-from wtransfer.wire import digest
 from wtransfer_nccl.group import (
     DIRECT_BATCH,
     MAX_INFLIGHT,
@@ -54,11 +53,6 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         self._broken: str | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-nccl")
         self._staging: list[torch.Tensor] = []
-        self._listed: tuple[BucketPlan, list[Any], str] | None = None
-        """The last plan, its tensor list as sent and that list's digest."""
-        self._receivers_hold: str | None = None
-        """Digest of the tensor list the receivers got in this sender's last update: the next
-        update with the same list names it instead of sending it."""
 
     def _connect(self) -> dict[str, Any]:
         info = self.init_info
@@ -142,10 +136,10 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         group = self._group
         timeout = self.init_info.timeout_s
         receivers: Future[None] | None = None
-        listed = self._tensor_list(share.plan)
+        wire_list, list_digest = self.tensor_list(share.plan)
         if share.lead and self.client is not None:
-            update = ({"tensors_digest": listed[2]} if self._receivers_hold == listed[2]
-                      else {"tensors": listed[1]})
+            update = ({"tensors_digest": list_digest} if self.receivers_hold == list_digest
+                      else {"tensors": wire_list})
             receivers = self._pool.submit(self.client.update_weights, update)
 
         def receivers_failed() -> None:
@@ -156,7 +150,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
             self._broadcast_all(share, group, receivers_failed)
             if receivers is not None:
                 await_receivers(receivers, timeout)
-                self._receivers_hold = listed[2]
+                self.receivers_hold = list_digest
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
             group.abort()
@@ -164,14 +158,6 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
             if cause is not exc:
                 raise cause from exc
             raise
-
-    def _tensor_list(self, plan: BucketPlan) -> tuple[BucketPlan, list[Any], str]:
-        """The plan's tensor list as sent, and its digest (worked out again only for a new
-        plan: the sender base reuses its plan while the source's tensors stay the same)."""
-        if self._listed is None or self._listed[0] is not plan:
-            wire_list = metas_to_wire(plan.metas)
-            self._listed = (plan, wire_list, digest(wire_list))
-        return self._listed
 
     def _broadcast_all(self, share: Share, group: Group,
                        receivers_failed: Callable[[], None]) -> None:
