@@ -1,4 +1,4 @@
-# The multi-GPU nccl run: trainer on cuda:0, receiver on cuda:1 (nvidia-h200-x2); about 7 min.
+# The multi-GPU nccl run: trainer on cuda:0, receiver on cuda:1 (nvidia-h200-x2); about 8 min.
 # Run from the repository root on the device machine with the pyzmq wheel carried in .whl/
 # (the image has torch and NCCL but not pyzmq); results and logs go to $OUT.
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site NCCL_NVLS_ENABLE=0
@@ -25,4 +25,7 @@ echo "$(ts) strategies (raw NCCL)"
 timeout 60 python3 benchmarks/nccl_strategies.py --model qwen3-8b --repeats 3 \
     > $OUT/strategies.txt 2>&1; echo "rc $?"
 tail -13 $OUT/strategies.txt
+echo "$(ts) timeline (where one send's time goes, both sides)"
+timeout 60 python3 benchmarks/nccl_timeline.py --model qwen3-8b > $OUT/timeline.txt 2>&1
+echo "rc $?"; tail -14 $OUT/timeline.txt
 echo "$(ts) end"
