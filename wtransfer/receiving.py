@@ -36,6 +36,7 @@ from wtransfer.packing import (
     tensor_from_bytes,
 )
 from wtransfer.target import WeightTarget
+from wtransfer.wire import digest
 
 
 class _Partial:
@@ -283,3 +284,31 @@ class UpdateSession:
             names = sorted(self._pending)
             raise IntegrityError(f"update incomplete: {len(names)} announced tensor(s) never "
                                  f"arrived whole, e.g. {names[:3]}")
+
+
+class TensorLists:
+    """The last tensor list a receiver got, so an update may name it by digest instead.
+
+    A trainer sends the same list every step. An update carries either the list (`tensors`,
+    parsed again only when it differs from the last one; comparing raw lists is cheap) or
+    `tensors_digest`, the `wtransfer.wire.digest` of the last one; anything else is refused
+    before any weight changes."""
+
+    def __init__(self) -> None:
+        self._last: tuple[object, list[TensorMeta], str] | None = None
+
+    def resolve(self, tensors: object, tensors_digest: str | None) -> list[TensorMeta] | None:
+        """The metas the update carries or names (the same list object while unchanged);
+        None when it does neither."""
+        if tensors is not None and tensors_digest is not None:
+            raise MetadataError("an update carries 'tensors' or 'tensors_digest', not both")
+        if tensors is not None:
+            if self._last is None or self._last[0] != tensors:
+                self._last = (tensors, metas_from_wire(tensors), digest(tensors))
+            return self._last[1]
+        if tensors_digest is None:
+            return None
+        if self._last is None or self._last[2] != tensors_digest:
+            raise MetadataError(f"tensors_digest {tensors_digest!r} does not name the tensor "
+                                "list this receiver got last; the sender must send 'tensors'")
+        return self._last[1]

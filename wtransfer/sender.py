@@ -230,6 +230,15 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             self._listed = (plan, wire_list, digest(wire_list))
         return self._listed[1], self._listed[2]
 
+    def listed_tensors(self, plan: BucketPlan) -> tuple[dict[str, Any], str]:
+        """The update fields that give the receivers `plan`'s tensor list (the list, or its
+        digest once they hold it: `receivers_hold`), and that digest."""
+        wire_list, list_digest = self.tensor_list(plan)
+        fields: dict[str, Any] = ({"tensors_digest": list_digest}
+                                  if self.receivers_hold == list_digest
+                                  else {"tensors": wire_list})
+        return fields, list_digest
+
     def _open(self, plan: BucketPlan) -> None:
         """The lead opens the update on the receivers (and, with several senders, announces
         the tensor list before any sender moves a bucket)."""

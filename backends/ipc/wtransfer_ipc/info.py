@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.errors import ConfigError
 from wtransfer.infos import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 
 TRANSPORTS = ("shm", "cuda")
@@ -93,7 +93,3 @@ class IPCUpdateInfo(UpdateInfo):
     """The whole update straight from the sender's storage: ``{"storages": [[index, record or
     None], ...], "layout": [[storage, byte_offset], ...], "event": bytes, "token": str,
     "sender_pid": int}`` (record None: the storage the receiver opened before)."""
-
-    def __post_init__(self) -> None:
-        if self.tensors is not None and self.tensors_digest is not None:
-            raise MetadataError("an ipc update carries 'tensors' or 'tensors_digest', not both")

@@ -8,11 +8,10 @@ from typing import Any
 import torch
 
 from wtransfer.errors import ConfigError, MetadataError
-from wtransfer.packing import Slice, TensorMeta, metas_from_wire
+from wtransfer.packing import Slice, TensorMeta
 from wtransfer.receiver import WeightTransferEngine
-from wtransfer.receiving import UpdateSession
+from wtransfer.receiving import TensorLists, UpdateSession
 from wtransfer.target import WeightTarget
-from wtransfer.wire import digest
 from wtransfer_ipc.cuda import open_buffer
 from wtransfer_ipc.info import IPCInitInfo, IPCUpdateInfo
 from wtransfer_ipc.shm import SharedBuffer, creator_alive, sweep
@@ -32,8 +31,7 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         self._staging: list[list[torch.Tensor]] = []
         """Each sender's mapped staging buffers."""
         self._zero_copy = ZeroCopyImports()
-        self._manifest: tuple[list[Any], list[TensorMeta], str] | None = None
-        """The last tensor list received, its metas and its digest."""
+        self._lists = TensorLists()
 
     def _init(self, info: IPCInitInfo) -> None:
         try:
@@ -87,23 +85,11 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
                                       else self.device).synchronize()
 
     def _listed(self, info: IPCUpdateInfo) -> list[TensorMeta] | None:
-        """The tensor list this update carries or names by digest (None: it carries neither),
-        parsed again only when it differs from the last one (a trainer sends the same list
-        every step; comparing the raw lists is cheap)."""
-        if info.tensors is not None:
-            if self._manifest is None or self._manifest[0] != info.tensors:
-                self._manifest = (info.tensors, metas_from_wire(info.tensors),
-                                  digest(info.tensors))
-            return self._manifest[1]
-        if info.tensors_digest is None:
-            return None
-        if info.zero_copy is None:
+        """The tensor list this update carries or names by digest (None: neither); only a
+        zero-copy update (one call for the whole update) may name it."""
+        if info.tensors is None and info.tensors_digest is not None and info.zero_copy is None:
             raise MetadataError("only a zero-copy update may name its tensor list by digest")
-        if self._manifest is None or self._manifest[2] != info.tensors_digest:
-            raise MetadataError(f"tensors_digest {info.tensors_digest!r} does not name the "
-                                "tensor list this receiver got last; the sender must send "
-                                "'tensors'")
-        return self._manifest[1]
+        return self._lists.resolve(info.tensors, info.tensors_digest)
 
     def _receive_zero_copy(self, update: dict[str, Any], metas: list[TensorMeta],
                            session: UpdateSession) -> None:

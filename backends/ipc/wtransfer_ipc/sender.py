@@ -108,10 +108,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         """The whole update in one call; an unchanged tensor list travels as its digest once
         the receivers hold it (a failed update sends it in full next time)."""
         assert self.client is not None
-        wire_list, list_digest = self.tensor_list(plan)
-        listed: dict[str, Any] = ({"tensors_digest": list_digest}
-                                  if self.receivers_hold == list_digest
-                                  else {"tensors": wire_list})
+        listed, list_digest = self.listed_tensors(plan)
         self.receivers_hold = None
         self.client.update_weights({**listed, "zero_copy": exports.update(tensors)})
         self.receivers_hold = list_digest

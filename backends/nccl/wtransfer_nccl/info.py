@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.errors import ConfigError
 from wtransfer.infos import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 from wtransfer.packing import DEFAULT_ALIGN
 
@@ -92,7 +92,3 @@ class NCCLUpdateInfo(UpdateInfo):
     """Instead of `tensors`: `wtransfer.wire.digest` of the list this receiver got in its last
     update under the same init. A trainer sends the same list every step; naming it spares
     sending, decoding and comparing hundreds of entries on every update."""
-
-    def __post_init__(self) -> None:
-        if self.tensors is not None and self.tensors_digest is not None:
-            raise MetadataError("an nccl update carries 'tensors' or 'tensors_digest', not both")

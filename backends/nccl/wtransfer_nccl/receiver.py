@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -12,15 +11,15 @@ from wtransfer.errors import ConfigError, LifecycleError, MetadataError, PeerErr
 from wtransfer.packing import (
     CHECKSUM_BYTES,
     Bucket,
+    BucketPlan,
     TensorMeta,
     read_checksum_trailer,
     trailer_length,
 )
 from wtransfer.receiver import WeightTransferEngine
-from wtransfer.receiving import UpdateSession
+from wtransfer.receiving import TensorLists, UpdateSession
 from wtransfer.target import WeightTarget
 from wtransfer.window import receive_windowed
-from wtransfer.wire import digest
 from wtransfer_nccl.group import (
     MAX_INFLIGHT,
     Group,
@@ -49,9 +48,9 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         """One group per sending trainer rank (index = sender)."""
         self._staging: list[list[torch.Tensor]] = []
         """`num_buffers` staging buffers per sender."""
-        self._plan: tuple[Any, Sequence[TensorMeta], list[list[Bucket]], str] | None = None
-        """The last update's raw tensor list, its metas, each sender's buckets and the list's
-        digest (`wtransfer.wire.digest`)."""
+        self._lists = TensorLists()
+        self._plan: tuple[list[TensorMeta], list[list[Bucket]]] | None = None
+        """The metas the plan was made for, and each sender's buckets of it."""
 
     def _init(self, info: NCCLInitInfo) -> None:
         if info.transport == "nccl" and self.device.type != "cuda":
@@ -80,10 +79,10 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
                          for _ in range(info.senders)]
 
     def _receive(self, info: NCCLUpdateInfo, session: UpdateSession) -> None:
+        shares = self._shares(info, session)  # a malformed update is named as such first
         if not self._groups:
             raise LifecycleError("nccl: the group was torn down after a failure; the trainer "
                                  "must call init_weight_transfer_engine again")
-        shares = self._shares(info, session)
         init = self.init_info
         assert init is not None
         if init.senders == 1:
@@ -111,27 +110,21 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
             raise errors[0]
 
     def _shares(self, info: NCCLUpdateInfo, session: UpdateSession) -> list[list[Bucket]]:
-        """Announce the update's tensors; each sender's buckets of the plan derived from them.
-        A trainer sends the same list every step: after the first update of an init it names
-        the list by digest, and an equal list sent again reuses the plan too."""
+        """Announce the update's tensors; each sender's buckets of the plan derived from them
+        (planned again only for a new list: a trainer sends the same one every step)."""
         init = self.init_info
         assert init is not None
-        last = self._plan
-        if info.tensors is None and info.tensors_digest is not None:
-            if last is None or last[3] != info.tensors_digest:
-                raise MetadataError(f"tensors_digest {info.tensors_digest!r} does not name the "
-                                    "tensor list of this receiver's last update; the sender "
-                                    "must send 'tensors'")
-        elif last is None or last[0] != info.tensors:
-            plan = session.announce_plan(info.tensors, init.bucket_bytes, align=init.align,
-                                         direct_threshold=init.direct_threshold or 0)
+        metas = self._lists.resolve(info.tensors, info.tensors_digest)
+        if metas is None:
+            raise MetadataError("the update info must carry 'tensors' or 'tensors_digest'")
+        session.announce(metas)
+        if self._plan is None or self._plan[0] is not metas:
+            plan = BucketPlan.build(metas, init.bucket_bytes, init.align,
+                                    direct_threshold=init.direct_threshold or 0)
             owners = plan.owners(init.senders)
-            shares = [[b for b, o in zip(plan.buckets, owners, strict=True) if o == sender]
-                      for sender in range(init.senders)]
-            self._plan = (info.tensors, plan.metas, shares, digest(info.tensors))
-            return shares
-        session.announce(last[1])
-        return last[2]
+            self._plan = (metas, [[b for b, o in zip(plan.buckets, owners, strict=True)
+                                   if o == sender] for sender in range(init.senders)])
+        return self._plan[1]
 
     def _receive_share(self, group: Group, buckets: list[Bucket],
                        staging_buffers: list[torch.Tensor], session: UpdateSession,

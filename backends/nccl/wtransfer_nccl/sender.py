@@ -136,11 +136,9 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         group = self._group
         timeout = self.init_info.timeout_s
         receivers: Future[None] | None = None
-        wire_list, list_digest = self.tensor_list(share.plan)
+        listed, list_digest = self.listed_tensors(share.plan)
         if share.lead and self.client is not None:
-            update = ({"tensors_digest": list_digest} if self.receivers_hold == list_digest
-                      else {"tensors": wire_list})
-            receivers = self._pool.submit(self.client.update_weights, update)
+            receivers = self._pool.submit(self.client.update_weights, listed)
 
         def receivers_failed() -> None:
             if receivers is not None and receivers.done() and receivers.exception() is not None:
