@@ -60,6 +60,24 @@ def stamp_broadcasts(current: Stamps, cpu: bool) -> None:
           lambda _a, _r, s, e: current.setdefault("wait", []).extend((s, e)))
 
 
+def stamp_calls(current: Stamps) -> None:
+    """Record when the trainer issues each control call and when its reply is read."""
+    issued: dict[int, str] = {}
+
+    def submitted(args: tuple[Any, ...], call: Any, start: float, _end: float) -> None:
+        issued[call.call_id] = str(args[1])
+        current[f"{args[1]} issued"] = [start]
+
+    def read(args: tuple[Any, ...], _result: Any, _start: float, end: float) -> None:
+        client = args[0]
+        for call_id in list(issued):
+            if call_id in client._replies:
+                current[f"{issued.pop(call_id)} answered"] = [end]
+
+    stamp(RPCClient, "submit", submitted)
+    stamp(RPCClient, "_read_replies", read)
+
+
 def serve(model: str, device: str, cpu: bool) -> None:
     """The receiver child: serve until stdin closes, then print every update's stamps."""
     updates: list[Stamps] = []
@@ -67,7 +85,7 @@ def serve(model: str, device: str, cpu: bool) -> None:
     stamp_broadcasts(current, cpu)
 
     def parsed(_args: tuple[Any, ...], request: Any, start: float, end: float) -> None:
-        if request[0] == "update_weights":
+        if request[0] == "update_weights":  # (method, args, after)
             current.clear()
             current.update(arrive=[start], parsed=[end])
 
@@ -79,9 +97,13 @@ def serve(model: str, device: str, cpu: bool) -> None:
 
     def executed(_args: tuple[Any, ...], _result: Any, start: float, end: float) -> None:
         current.update(execute=[start, end])
+
+    def finished(_args: tuple[Any, ...], _result: Any, start: float, end: float) -> None:
+        current.update(finish=[start, end])
         updates.append(dict(current))
 
     stamp(engine, "update_weights", executed)
+    stamp(engine, "finish_weight_update", finished)
     server = ReceiverServer(engine, "tcp://127.0.0.1:0").start()
     print(json.dumps({"address": server.address}), flush=True)
     sys.stdin.read()
@@ -108,8 +130,7 @@ def main() -> None:
     address = json.loads(child.stdout.readline())["address"]
     current: Stamps = {}
     stamp_broadcasts(current, args.cpu)
-    stamp(RPCClient, "call",
-          lambda a, _r, s, e: current.setdefault(str(a[1]), []).extend((s, e)))
+    stamp_calls(current)
     model = build(args.model, 1, trainer_device, "constant")
     client = RPCClient(address, timeout_s=120)
     info = NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=120)
@@ -128,18 +149,20 @@ def main() -> None:
     received: list[Stamps] = json.loads(child.stdout.readline())
     child.wait(timeout=30)
     rows = [
-        ("trainer: start_weight_update called", "trainer", "start_weight_update", 0),
-        ("trainer: start_weight_update returned", "trainer", "start_weight_update", 1),
-        ("trainer: update_weights called", "trainer", "update_weights", 0),
+        ("trainer: start issued", "trainer", "start_weight_update issued", 0),
+        ("trainer: update issued", "trainer", "update_weights issued", 0),
+        ("trainer: first broadcast posted", "trainer", "post", 0),
         ("receiver: update_weights arrived", "receiver", "arrive", 0),
         ("receiver: decoded", "receiver", "parsed", 0),
         ("receiver: update call starts", "receiver", "execute", 0),
-        ("trainer: first broadcast posted", "trainer", "post", 0),
         ("receiver: first broadcast posted", "receiver", "post", 0),
+        ("trainer: last broadcast done", "trainer", "wait", -1),
+        ("trainer: finish issued", "trainer", "finish_weight_update issued", 0),
         ("receiver: last broadcast done", "receiver", "wait", -1),
         ("receiver: update call ends", "receiver", "execute", 1),
-        ("trainer: update_weights returned", "trainer", "update_weights", 1),
-        ("trainer: finish_weight_update returned", "trainer", "finish_weight_update", 1),
+        ("receiver: finish call ends", "receiver", "finish", 1),
+        ("trainer: update answered", "trainer", "update_weights answered", 0),
+        ("trainer: finish answered", "trainer", "finish_weight_update answered", 0),
         ("trainer: send_weights returned", "trainer", "send", 1),
     ]
     pairs = list(zip(sends, received, strict=True))[2:]

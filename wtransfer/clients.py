@@ -8,11 +8,19 @@ to several engine instances at once (engines behind an external load balancer).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from wtransfer.errors import ConfigError, IntegrityError, PeerError, TransferTimeout
+from wtransfer.calls import CallQueue, PendingCall
+from wtransfer.errors import (
+    ConfigError,
+    IntegrityError,
+    PeerError,
+    TransferTimeout,
+    remote_error,
+)
 from wtransfer.receiver import WeightTransferEngine
 from wtransfer.sender import InitFor, WeightSyncClient
 
@@ -91,6 +99,7 @@ class FanoutClient:
         self.clients = list(clients)
         self._pool = ThreadPoolExecutor(max_workers=len(self.clients),
                                         thread_name_prefix="wtransfer-fanout")
+        self._queues: list[CallQueue] | None = None
 
     def map(self, call: Callable[[WeightSyncClient, int], T]) -> list[T]:
         """Run `call(client, index)` on every client at once; raise on any failure."""
@@ -103,14 +112,38 @@ class FanoutClient:
             except Exception as exc:
                 failures.append((i, exc))
         if failures:
-            i, first = failures[0]
-            where = ", ".join(f"#{j} ({self.clients[j]!r})" for j, _ in failures)
-            message = f"{len(failures)} of {len(self.clients)} instance(s) failed: {where}; " \
-                      f"first error: {type(first).__name__}: {first}"
-            if isinstance(first, TransferTimeout):
-                raise TransferTimeout(message) from first
-            raise PeerError(message, remote_type=type(first).__name__) from first
+            raise self.failed(failures)
         return results
+
+    def failed(self, failures: list[tuple[int, BaseException]]) -> Exception:
+        """One error for the instances that failed (index, error), led by the first that is
+        not a timeout (others often time out only because of it): a `PeerError` of its kind
+        (`errors.remote_error`), or `TransferTimeout` when every one timed out; the message
+        names each instance."""
+        first = next((e for _, e in failures if not isinstance(e, TransferTimeout)),
+                     failures[0][1])
+        where = ", ".join(f"#{j} ({self.clients[j]!r})" for j, _ in failures)
+        message = f"{len(failures)} of {len(self.clients)} instance(s) failed: {where}; " \
+                  f"first error: {type(first).__name__}: {first}"
+        kind = first.remote_type if isinstance(first, PeerError) and first.remote_type \
+            else type(first).__name__
+        error = TransferTimeout(message) if isinstance(first, TransferTimeout) \
+            else remote_error(message, kind)
+        error.__cause__ = first
+        return error
+
+    def submit(self, method: str, *, after: FanoutCall | None = None,
+               **args: Any) -> FanoutCall:
+        """Issue ``method(**args)`` on every instance without waiting (pipelined on each
+        instance whose client pipelines; in submission order per instance either way). With
+        `after`, each instance runs it only if its part of that call succeeded."""
+        if self._queues is None:
+            self._queues = [CallQueue(c) for c in self.clients]
+        if after is not None and after.fanout is not self:
+            raise TypeError("'after' must be a call of this FanoutClient")
+        return FanoutCall(self, [
+            q.submit(method, after=after.calls[i] if after is not None else None, **args)
+            for i, q in enumerate(self._queues)])
 
     def workers_per_engine(self) -> list[int]:
         """Receiving workers behind each client, in order."""
@@ -156,6 +189,45 @@ class FanoutClient:
     def close(self) -> None:
         """Stop the worker threads."""
         self._pool.shutdown(wait=False)
+        for queue in self._queues or []:
+            queue.close()
 
     def __repr__(self) -> str:
         return f"FanoutClient({self.clients!r})"
+
+
+class FanoutCall:
+    """One call issued on every instance of a `FanoutClient` (a `PendingCall`)."""
+
+    def __init__(self, fanout: FanoutClient, calls: list[PendingCall]) -> None:
+        self.fanout = fanout
+        self.calls = calls
+
+    def done(self) -> bool:
+        """Whether every instance answered, or one failed (never blocks)."""
+        finished = [call for call in self.calls if call.done()]
+        if len(finished) == len(self.calls):
+            return True
+        for call in finished:
+            try:
+                call.result(0)
+            except Exception:
+                return True
+        return False
+
+    def result(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for every instance; raise as `FanoutClient.map` does."""
+        deadline = time.monotonic() + timeout_s
+        failures: list[tuple[int, BaseException]] = []
+        for i, call in enumerate(self.calls):
+            try:
+                call.result(max(0.0, deadline - time.monotonic()))
+            except Exception as exc:
+                failures.append((i, exc))
+        if failures:
+            raise self.fanout.failed(failures)
+
+    def cancel(self) -> None:
+        """Stop waiting on every instance."""
+        for call in self.calls:
+            call.cancel()

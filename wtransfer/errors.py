@@ -94,8 +94,13 @@ def from_reply(reply: object, where: str) -> PeerError:
     fields = reply if isinstance(reply, dict) else {}
     kind = str(fields.get("type", "Exception"))
     message = str(fields.get("message", reply if not fields else ""))
-    cls = _REMOTE.get(kind, PeerError)
-    return cls(f"{where}: {kind}: {message}", remote_type=kind)
+    return remote_error(f"{where}: {kind}: {message}", kind)
+
+
+def remote_error(message: str, kind: str) -> PeerError:
+    """A `PeerError` for a failure of type name `kind` on a peer, also of the matching
+    wtransfer type when there is one (kind "LifecycleError": a `RemoteLifecycleError`)."""
+    return _REMOTE.get(kind, PeerError)(message, remote_type=kind)
 
 
 __all__ = [
@@ -115,4 +120,5 @@ __all__ = [
     "WTransferError",
     "error_reply",
     "from_reply",
+    "remote_error",
 ]

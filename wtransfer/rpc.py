@@ -5,13 +5,16 @@
 itself a `WeightSyncClient`. Every call has a deadline (`TransferTimeout`); an exception on the
 serving side comes back as `PeerError` carrying the remote type and message.
 
-Wire format (both directions, one frame, `wtransfer.wire`):
-request ``{"method": str, "args": {...}}``; reply ``{"ok": true, "result": ...}`` or
-``{"ok": false, "type": str, "message": str}``.
+Wire format (`wtransfer.wire`): a request is the body ``{"method": str, "args": {...}}``
+after an envelope that ends with an empty frame; the reply repeats the envelope, then
+``{"ok": true, "result": ...}`` or ``{"ok": false, "type": str, "message": str}``. A REQ socket
+makes the envelope itself; `RPCClient` (DEALER) sends ``[call id (8 bytes), b"", body]``, which
+lets it keep several calls in flight and match each reply to its call.
 """
 
 from __future__ import annotations
 
+import collections
 import inspect
 import os
 import queue
@@ -26,6 +29,7 @@ from wtransfer import wire
 from wtransfer.clients import LocalClient, SingleEngineClient, check_workers
 from wtransfer.errors import (
     ConfigError,
+    LifecycleError,
     MetadataError,
     TransferTimeout,
     error_reply,
@@ -45,6 +49,9 @@ _METHODS: dict[str, tuple[str, ...]] = {
     "status": (),
 }
 _POLL_MS = 100
+_FAILED_KEPT = 4096
+_SLICE_S = 0.005
+"""Longest a waiting `RPCClient` thread holds its socket before letting others use it."""
 
 
 def _rss_bytes() -> int:
@@ -99,7 +106,12 @@ class ReceiverServer:
         self._replies_at = f"inproc://wtransfer-rpc-{id(self)}"
         self._replies: zmq.Socket[bytes] = ctx.socket(zmq.PULL)
         self._replies.bind(self._replies_at)
-        self._work: queue.Queue[tuple[list[bytes], str, dict[str, Any]] | None] = queue.Queue()
+        self._work: queue.Queue[tuple[list[bytes], str, dict[str, Any], bytes | None] | None] \
+            = queue.Queue()
+        self._failed: collections.OrderedDict[tuple[bytes, ...], None] = \
+            collections.OrderedDict()
+        """Recent calls (envelope without its delimiter) that failed or were skipped, for
+        requests that run only `after` another one succeeded."""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -128,11 +140,14 @@ class ReceiverServer:
 
     def _accept(self, frames: list[bytes]) -> None:
         if b"" not in frames:
-            return  # not a REQ envelope: nothing to answer to
+            return  # no envelope: nothing to answer to
         split = frames.index(b"")
         envelope, body = frames[: split + 1], frames[split + 1 :]
         try:
-            method, args = self._parse(body)
+            method, args, after = self._parse(body)
+            if after is not None and len(envelope) < 3:
+                raise MetadataError("'after' names a call by id: send [call id, b'', request] "
+                                    "from a DEALER socket")
         except Exception as exc:
             self._socket.send_multipart([*envelope, wire.encode(error_reply(exc))])
             return
@@ -140,20 +155,24 @@ class ReceiverServer:
             self._socket.send_multipart([*envelope, wire.encode(
                 {"ok": True, "result": self.status()})])
         else:
-            self._work.put((envelope, method, args))
+            self._work.put((envelope, method, args, after))
 
-    def _parse(self, body: list[bytes]) -> tuple[str, dict[str, Any]]:
+    def _parse(self, body: list[bytes]) -> tuple[str, dict[str, Any], bytes | None]:
         if len(body) != 1:
             raise MetadataError(f"expected one frame per request, got {len(body)}")
         request = wire.decode(body[0], max_bytes=self._max)
-        if not isinstance(request, dict) or set(request) != {"method", "args"}:
-            raise MetadataError("request must be {'method': str, 'args': map}")
-        method, args = request["method"], request["args"]
+        if not isinstance(request, dict) or not {"method", "args"} <= set(request) <= {
+                "method", "args", "after"}:
+            raise MetadataError("request must be {'method': str, 'args': map} (and optionally "
+                                "'after': the id of an earlier call of this client)")
+        method, args, after = request["method"], request["args"], request.get("after")
         if method not in _METHODS or not isinstance(args, dict):
             raise MetadataError(f"unknown method {method!r}; known: {sorted(_METHODS)}")
         if set(args) - set(_METHODS[method]):
             raise MetadataError(f"{method}: unexpected arguments {sorted(args)}")
-        return method, args
+        if after is not None and not (isinstance(after, int) and 0 <= after < 1 << 64):
+            raise MetadataError(f"'after' must be a call id (an int >= 0), got {after!r}")
+        return method, args, None if after is None else after.to_bytes(8, "little")
 
     def _execute(self) -> None:
         out: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
@@ -163,11 +182,18 @@ class ReceiverServer:
             item = self._work.get()
             if item is None:
                 break
-            envelope, method, args = item
+            envelope, method, args, after = item
+            key = tuple(envelope[:-1])
             try:
+                if after is not None and (*key[:-1], after) in self._failed:
+                    raise LifecycleError(f"{method} skipped: it was sent to run after call "
+                                         f"{int.from_bytes(after, 'little')}, which failed")
                 reply = {"ok": True, "result": getattr(self.client, method)(**args)}
             except Exception as exc:
                 reply = error_reply(exc)
+                self._failed[key] = None
+                while len(self._failed) > _FAILED_KEPT:
+                    self._failed.popitem(last=False)
             out.send_multipart([*envelope, wire.encode(reply)])
         out.close()
 
@@ -194,8 +220,55 @@ class ReceiverServer:
             self._replies.close()
 
 
+class RPCCall:
+    """One request of an `RPCClient` in flight (a `wtransfer.calls.PendingCall`)."""
+
+    def __init__(self, client: RPCClient, call_id: int, method: str, deadline: float,
+                 timeout_s: float) -> None:
+        self.client = client
+        self.call_id = call_id
+        self.method = method
+        self.deadline = deadline
+        """When the call gives up (monotonic seconds): its submission plus the timeout."""
+        self.timeout_s = timeout_s
+        self._reply: bytes | None = None
+
+    def done(self) -> bool:
+        """Whether the reply is in; never blocks."""
+        if self._reply is None and self.client._arrived(self.call_id):
+            self._reply = self.client._collect(self.call_id, 0.0)
+        return self._reply is not None
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        """The call's result; `PeerError` (typed by the remote error) if it failed there,
+        `TransferTimeout` once its deadline, or `timeout_s` from now, passes first."""
+        if self._reply is None:
+            deadline = self.deadline if timeout_s is None else min(
+                self.deadline, time.monotonic() + timeout_s)
+            self._reply = self.client._collect(self.call_id, deadline)
+            if self._reply is None:
+                waited = self.timeout_s if deadline == self.deadline else timeout_s
+                raise TransferTimeout(self.client._silence(self.method, waited or 0.0))
+        reply = wire.decode(self._reply)
+        if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+            raise MetadataError(f"malformed reply from {self.client.address}: {reply!r:.200}")
+        if reply["ok"]:
+            return reply.get("result")
+        raise from_reply(reply, f"{self.method} failed on {self.client.address}")
+
+    def cancel(self) -> None:
+        """Stop waiting: a reply that comes later is dropped."""
+        if self._reply is None:
+            self.client._forget(self.call_id)
+
+
 class RPCClient(SingleEngineClient):
-    """The trainer's end of a `ReceiverServer`; a `WeightSyncClient` with deadlines."""
+    """The trainer's end of a `ReceiverServer`; a `WeightSyncClient` with deadlines.
+
+    Requests travel on a DEALER socket tagged with an id that the server echoes, so several
+    may be in flight at once (`submit`: the server runs them in arrival order) and a reply that
+    comes after its caller gave up is recognized and dropped. Safe to share between threads.
+    """
 
     def __init__(self, address: str, *, timeout_s: float = 60.0) -> None:
         if timeout_s <= 0:
@@ -203,44 +276,97 @@ class RPCClient(SingleEngineClient):
         self.address = address
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._socket = self._connect()
-
-    def _connect(self) -> zmq.Socket[bytes]:
-        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
+        """Guards the socket and the reply table (a ZeroMQ socket is not thread-safe)."""
+        self._next_id = 0
+        self._waiting: set[int] = set()
+        self._replies: dict[int, bytes] = {}
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(self.address)
+            sock.connect(address)
         except zmq.ZMQError as exc:
             sock.close()
-            raise ConfigError(f"bad receiver address {self.address!r}: {exc}") from None
-        return sock
+            raise ConfigError(f"bad receiver address {address!r}: {exc}") from None
+        self._socket = sock
+
+    def submit(self, method: str, *, after: RPCCall | None = None,
+               timeout_s: float | None = None, **args: Any) -> RPCCall:
+        """Send ``method(**args)`` without waiting for the reply (see `RPCCall`); calls from one
+        client run on the receiver in submission order. With `after` (an earlier call of this
+        client) the receiver runs it only if that call succeeded, else refuses it with a
+        `LifecycleError` saying so: an update never lands in an update that was not opened."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        request: dict[str, Any] = {"method": method, "args": args}
+        if after is not None:
+            if after.client is not self:
+                raise ConfigError("'after' must be a call of the same client")
+            request["after"] = after.call_id
+        payload = wire.encode(request)
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            call_id, self._next_id = self._next_id, self._next_id + 1
+            frames = [call_id.to_bytes(8, "little"), b"", payload]
+            while True:
+                try:
+                    self._socket.send_multipart(frames, zmq.NOBLOCK)
+                    break
+                except zmq.Again:  # queue full: the receiver is not reading
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._socket.poll(int(left * 1000) + 1, zmq.POLLOUT):
+                        raise TransferTimeout(self._silence(method, timeout)) from None
+            self._waiting.add(call_id)
+        return RPCCall(self, call_id, method, deadline, timeout)
 
     def call(self, method: str, *, timeout_s: float | None = None, **args: Any) -> Any:
         """Invoke `method` remotely; `TransferTimeout` past the deadline, `PeerError` on failure."""
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        payload = wire.encode({"method": method, "args": args})
-        with self._lock:
-            deadline = time.monotonic() + timeout
-            try:
-                self._wait(zmq.POLLOUT, deadline, method)
-                self._socket.send(payload, zmq.NOBLOCK)
-                self._wait(zmq.POLLIN, deadline, method)
-                reply = wire.decode(self._socket.recv())
-            except TransferTimeout:
-                self._socket.close()
-                self._socket = self._connect()  # a REQ socket is unusable after a lost reply
-                raise
-        if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
-            raise MetadataError(f"malformed reply from {self.address}: {reply!r:.200}")
-        if reply["ok"]:
-            return reply.get("result")
-        raise from_reply(reply, f"{method} failed on {self.address}")
+        pending = self.submit(method, timeout_s=timeout_s, **args)
+        try:
+            return pending.result()
+        finally:
+            pending.cancel()
 
-    def _wait(self, event: int, deadline: float, method: str) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0 or not self._socket.poll(int(left * 1000) + 1, event):
-            raise TransferTimeout(f"{method}: no answer from {self.address} within "
-                                  f"{self.timeout_s:g}s; is the receiver process alive?")
+    def _silence(self, method: str, timeout_s: float) -> str:
+        return (f"{method}: no answer from {self.address} within {timeout_s:g}s; is the "
+                "receiver process alive?")
+
+    def _collect(self, call_id: int, deadline: float) -> bytes | None:
+        """The reply body of `call_id` once in, or None at `deadline`. Whoever waits reads
+        every reply that arrives and files it by id; the lock is given up every few ms so
+        another thread's request or wait is never held behind a long one."""
+        while True:
+            with self._lock:
+                if call_id in self._replies:
+                    return self._replies.pop(call_id)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                if self._socket.poll(max(1, int(min(left, _SLICE_S) * 1000)), zmq.POLLIN):
+                    self._read_replies()
+
+    def _arrived(self, call_id: int) -> bool:
+        """Whether `call_id`'s reply is in (reads what is waiting; never blocks)."""
+        with self._lock:
+            if call_id not in self._replies and self._socket.poll(0, zmq.POLLIN):
+                self._read_replies()
+            return call_id in self._replies
+
+    def _read_replies(self) -> None:
+        while True:
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[0]) != 8 or frames[1] != b"":
+                continue  # not an answer to any request of ours
+            call_id = int.from_bytes(frames[0], "little")
+            if call_id in self._waiting:
+                self._waiting.discard(call_id)
+                self._replies[call_id] = frames[2]
+
+    def _forget(self, call_id: int) -> None:
+        with self._lock:
+            self._waiting.discard(call_id)
+            self._replies.pop(call_id, None)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Initialize the remote receiver."""

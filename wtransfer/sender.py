@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from wtransfer.calls import CallQueue, UpdateCalls
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.gathering import GatheringPacker
 from wtransfer.infos import TrainerInitInfo, TransferStats
@@ -116,6 +117,11 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self.group: TrainerGroup | None = None
         self._last_plan: tuple[tuple[TensorMeta, ...], BucketPlan] | None = None
         self._listed: tuple[BucketPlan, list[Any], str] | None = None
+        self.calls = CallQueue(client) if client is not None else None
+        """This rank's control calls, issued without waiting for each reply."""
+        self.update_calls: UpdateCalls | None = None
+        """The calls of the update in progress (None outside `send_weights`, and on a rank
+        without a client)."""
         self.receivers_hold: str | None = None
         """Digest of the tensor list the receivers got in this sender's last successful
         update (a backend that names an unchanged list by digest sets it)."""
@@ -194,21 +200,29 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             if self.source.sharded and self.group is not None
             else BucketPacker(plan, self.source.tensors()))
         start = time.perf_counter()
-        self._together(lambda: self._open(plan) if self.lead else None)
-        index = self.sender_index
-        failure: BaseException | None = None
+        calls = self.update_calls = (UpdateCalls(self.calls, self.init_info.timeout_s,
+                                                 weight_version)
+                                     if self.calls is not None else None)
         try:
-            self._together(lambda: self._move(Share(
-                plan, tuple(b for b, o in zip(plan.buckets, owners, strict=True) if o == index),
-                packer, index if index is not None else -1, self.senders)))
-        except BaseException as exc:
-            failure = exc
-        if failure is not None:
-            if self.lead:
-                self._abort_remote(failure)
-            raise failure
-        self._together(lambda: self.client.finish_weight_update(weight_version)
-                       if self.lead and self.client else None)
+            self._together(lambda: self._open(plan) if self.lead else None)
+            index = self.sender_index
+            failure: BaseException | None = None
+            try:
+                self._together(lambda: self._move(Share(
+                    plan,
+                    tuple(b for b, o in zip(plan.buckets, owners, strict=True) if o == index),
+                    packer, index if index is not None else -1, self.senders)))
+            except BaseException as exc:
+                failure = exc
+            if failure is not None:
+                if self.lead:
+                    self._abort_remote(failure)
+                raise failure
+            self._together(lambda: self._close_update() if self.lead and calls else None)
+        finally:
+            if calls is not None:
+                calls.drop()
+            self.update_calls = None
         seconds = time.perf_counter() - start
         peak = packer.peak_bytes if isinstance(packer, GatheringPacker) else 0
         return TransferStats(plan.total_bytes, len(metas), len(plan.buckets), seconds, peak)
@@ -240,38 +254,64 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         return fields, list_digest
 
     def _open(self, plan: BucketPlan) -> None:
-        """The lead opens the update on the receivers (and, with several senders, announces
-        the tensor list before any sender moves a bucket)."""
-        assert self.client is not None
-        self.client.start_weight_update()
+        """The lead opens the update on the receivers without waiting for the reply (its
+        update call follows right behind it); with several senders it waits, then announces
+        the tensor list, before any sender moves a bucket."""
+        calls = self.update_calls
+        assert calls is not None
+        calls.start()
         if self.senders > 1:
+            calls.settle()
             self._announce(plan)
+
+    def finish_early(self) -> None:
+        """For a backend's `_send`, once this rank's data has left: the lead of a lone sender
+        issues finish now, behind its update call (the engine runs it as soon as the update
+        is in, saving a round trip). Other senders' data may still be moving otherwise, so
+        then finish waits for every rank's verdict."""
+        if self.lead and self.senders == 1 and self.update_calls is not None:
+            self.update_calls.finish()
+
+    def _close_update(self) -> None:
+        """The lead finishes the update (unless `finish_early` did) and waits for every reply."""
+        calls = self.update_calls
+        assert calls is not None
+        calls.finish()
+        calls.settle()
 
     def _move(self, share: Share) -> None:
         """This rank's part: a sender moves its share; every rank takes part in the gathers of
         the buckets it does not send, even after its own part failed (so no rank waits on
-        it)."""
+        it). A failure is reported as the receivers' own error when one comes (`UpdateCalls.
+        cause`)."""
         try:
             if self.client is not None:
                 self._send(share)
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(Exception):  # the send's own failure is the one to report
                 share.packer.finish()
+            calls = self.update_calls
+            cause = calls.cause(exc) if calls is not None else exc
+            if cause is not exc:  # the receivers' refusal, not the broken channel it caused
+                raise cause from exc
             raise
         share.packer.finish()
 
     def _abort_remote(self, exc: BaseException) -> None:
         """Tell receivers the update failed here, so they fail it now instead of at timeout."""
-        if isinstance(exc, TransferTimeout) or self.client is None:
+        calls = self.update_calls
+        if isinstance(exc, TransferTimeout) or calls is None:
             return  # a receiver that does not answer would not answer this either
         with contextlib.suppress(Exception):  # a failed receiver's own deadline covers it
-            self.client.update_weights({"abort": f"{type(exc).__name__}: {exc}"[:1000]})
+            calls.abort(f"{type(exc).__name__}: {exc}"[:1000])
 
     def shutdown(self) -> None:
         """Free staging buffers and connections; idempotent."""
         if not self.closed:
             self.closed = True
             self._close()
+            if self.calls is not None:
+                self.calls.close()
             if self.group is not None:
                 self.group.close()
 
@@ -330,9 +370,11 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
 
     @abstractmethod
     def _send(self, share: Share) -> None:
-        """Move the buckets of `share` (client update calls included). Call
-        `share.packer.finish()` once your own buckets are packed and before waiting on the
-        receivers: with a sharded source the other senders' buckets need this rank's rows."""
+        """Move the buckets of `share`, issuing the update call(s) through
+        `self.update_calls` (they follow the lead's start without waiting for it), and settle
+        them before returning. Call `share.packer.finish()` once your own buckets are packed
+        and before waiting on the receivers (with a sharded source the other senders' buckets
+        need this rank's rows), and `finish_early()` once your data has left."""
 
     @abstractmethod
     def _close(self) -> None:

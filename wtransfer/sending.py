@@ -6,12 +6,10 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
 import torch
 
-from wtransfer.errors import TransferTimeout
 from wtransfer.packing import Bucket, bucket_checksum
 
 if TYPE_CHECKING:
@@ -85,25 +83,3 @@ def send_pipelined(
         for fut in pending:
             fut.cancel()
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def await_receivers(receivers: Future[None], timeout_s: float) -> None:
-    """Wait for the receivers' concurrent `update_weights` call (collective backends)."""
-    try:
-        receivers.result(timeout=timeout_s)
-    except FutureTimeout:
-        raise TransferTimeout(f"the receivers did not confirm the update within "
-                              f"{timeout_s:g}s") from None
-
-
-def root_cause(receivers: Future[None], local: BaseException) -> BaseException:
-    """The receivers' own error (a refused update, say) if they report one within 5 s, else
-    the local one: when a receiver fails, the data channel breaks here moments before its
-    reply arrives, and its reply is the useful message."""
-    try:
-        receivers.result(timeout=5)
-    except FutureTimeout:
-        return local
-    except BaseException as remote:
-        return remote
-    return local

@@ -44,6 +44,8 @@ def test_remote_lifecycle_error_comes_back_as_peer_error_with_its_type(served):
     (wire.encode({"method": "fingerprint", "args": {"x": 1}}), "unexpected arguments"),
     (wire.encode([1, 2, 3]), "must be"),
     (b"\x93\x01\x02\x03\x04", "trailing"),
+    (wire.encode({"method": "fingerprint", "args": {}, "after": "x"}), "must be a call id"),
+    (wire.encode({"method": "fingerprint", "args": {}, "after": 0}), "DEALER"),
 ])
 def test_hostile_requests_get_an_error_reply_and_the_server_keeps_serving(served, payload, match):
     server, client = served

@@ -246,6 +246,24 @@ class BackendConformance:
                  "the receiver to report the failed update")
         assert client.status()["torn"] is False
 
+    def test_an_update_opened_by_someone_else_is_not_joined(self, procs: ExitStack) -> None:
+        """`send_weights` while the engine is inside an update this sender did not open
+        (another caller's, or one a stuck trainer left): the start is refused, and the update
+        and finish issued right behind it are skipped, so no weight changes and the other
+        update stays open."""
+        model = self.trainer_model()
+        children = self.receivers(procs)
+        client = self.client(children)
+        other = RPCClient(children[0].address, timeout_s=self.timeout_s)
+        before = other.fingerprint()
+        with self.sender(model, client) as sender:
+            other.start_weight_update()
+            with pytest.raises(errors.LifecycleError, match="an update is open"):
+                sender.send_weights()
+        assert other.fingerprint() == before
+        assert other.status()["state"] == "updating"
+        other.close()
+
     def test_lifecycle_misuse_raises_lifecycle_error(self) -> None:
         """Calls out of order raise LifecycleError with the fix."""
         target = ModuleTarget(self.trainer_model())

@@ -79,8 +79,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
     def _send(self, share: Share) -> None:
         manifest, _ = self.tensor_list(share.plan)
-        client = self.client
-        assert client is not None
+        calls = self.update_calls
+        assert calls is not None
         if self._zero_copy is not None and share.count == 1 and \
                 isinstance(share.packer, BucketPacker):
             tensors = share.packer.walk()
@@ -98,19 +98,24 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                 update["sender"] = share.index
             elif bucket.index == 0:
                 update["tensors"] = manifest
-            client.update_weights(update)
+            calls.update(update).result(calls.timeout_s)
 
         send_pipelined(share, self._staging, transmit, checksum=self.init_info.checksum,
                        before_transmit=self._sync)
+        self.finish_early()
+        calls.settle()
 
     def _send_zero_copy(self, plan: BucketPlan, tensors: list[torch.Tensor],
                         exports: ZeroCopyExports) -> None:
         """The whole update in one call; an unchanged tensor list travels as its digest once
         the receivers hold it (a failed update sends it in full next time)."""
-        assert self.client is not None
+        calls = self.update_calls
+        assert calls is not None
         listed, list_digest = self.listed_tensors(plan)
         self.receivers_hold = None
-        self.client.update_weights({**listed, "zero_copy": exports.update(tensors)})
+        calls.update({**listed, "zero_copy": exports.update(tensors)})
+        self.finish_early()  # start, update and finish travel together: one round trip
+        calls.settle()
         self.receivers_hold = list_digest
 
     def _sync(self, slot: int) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -14,7 +13,6 @@ from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.infos import receiver_init_dict
 from wtransfer.packing import CHECKSUM_BYTES
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
-from wtransfer.sending import await_receivers, root_cause
 from wtransfer.source import WeightSource
 from wtransfer.window import send_windowed
 from wtransfer_nccl.group import (
@@ -51,7 +49,6 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         self._server: Any = None
         """The rendezvous server (`dist.TCPStore`) the first sender hosts."""
         self._broken: str | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-nccl")
         self._staging: list[torch.Tensor] = []
 
     def _connect(self) -> dict[str, Any]:
@@ -128,33 +125,26 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         self._group = made["group"]
 
     def _send(self, share: Share) -> None:
-        """The lead starts the receivers' update call (it carries the tensor list and blocks
-        in their receive loops); every sender broadcasts its buckets in its own group."""
+        """The lead issues the receivers' update call (it carries the tensor list, or its
+        digest, and blocks in their receive loops) right behind start; every sender
+        broadcasts its buckets in its own group; finish follows as soon as they are out."""
         if self._broken or self._group is None:
             raise LifecycleError(f"nccl sender is unusable after an earlier failure "
                                  f"({self._broken}); create a new one with trainer_init")
         group = self._group
-        timeout = self.init_info.timeout_s
-        receivers: Future[None] | None = None
+        calls = self.update_calls
         listed, list_digest = self.listed_tensors(share.plan)
-        if share.lead and self.client is not None:
-            receivers = self._pool.submit(self.client.update_weights, listed)
-
-        def receivers_failed() -> None:
-            if receivers is not None and receivers.done() and receivers.exception() is not None:
-                raise receivers.exception()  # type: ignore[misc]
-
+        if share.lead and calls is not None:
+            calls.update(listed)
         try:
-            self._broadcast_all(share, group, receivers_failed)
-            if receivers is not None:
-                await_receivers(receivers, timeout)
+            self._broadcast_all(share, group, calls.check if calls is not None else _no_news)
+            self.finish_early()
+            if calls is not None:
+                calls.settle()
                 self.receivers_hold = list_digest
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
             group.abort()
-            cause = root_cause(receivers, exc) if receivers is not None else exc
-            if cause is not exc:
-                raise cause from exc
             raise
 
     def _broadcast_all(self, share: Share, group: Group,
@@ -178,7 +168,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         if group is not None:
             group.abort() if self._broken else group.close()
         self._server = None
-        # healthy: the worker is idle, so join it (no thread outlives the sender); broken:
-        # it may still sit in a receivers' call, which its own deadline ends
-        self._pool.shutdown(wait=self._broken is None, cancel_futures=True)
         self._staging = []
+
+
+def _no_news() -> None:
+    """A rank without a client hears nothing from the receivers while it broadcasts."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -13,7 +12,6 @@ from wtransfer.errors import LifecycleError
 from wtransfer.infos import receiver_init_dict
 from wtransfer.packing import CHECKSUM_BYTES, Bucket, metas_to_wire
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
-from wtransfer.sending import await_receivers, root_cause
 from wtransfer.source import WeightSource
 from wtransfer.window import send_windowed
 from wtransfer_ucx.info import UCXTrainerInitInfo
@@ -42,7 +40,6 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         self._ucx: UCXWorker | None = None
         self._endpoints: list[Any] = []
         self._staging: list[torch.Tensor] = []
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-ucx")
 
     def _connect(self) -> dict[str, Any]:
         info = self.init_info
@@ -74,23 +71,16 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         if self._broken:
             raise LifecycleError(f"ucx sender is unusable after an earlier failure "
                                  f"({self._broken}); create a new one with trainer_init")
-        assert self.client is not None
+        calls = self.update_calls
+        assert calls is not None
         self._updates += 1
-        receivers: Future[None] = self._pool.submit(self.client.update_weights, {
-            "tensors": metas_to_wire(share.plan.metas), "update": self._updates})
-
-        def receivers_failed() -> None:
-            if receivers.done() and receivers.exception() is not None:
-                raise receivers.exception()  # type: ignore[misc]
-
+        calls.update({"tensors": metas_to_wire(share.plan.metas), "update": self._updates})
         try:
-            self._send_buckets(share, receivers_failed)
-            await_receivers(receivers, self.init_info.timeout_s)
+            self._send_buckets(share, calls.check)
+            self.finish_early()
+            calls.settle()
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
-            cause = root_cause(receivers, exc)
-            if cause is not exc:
-                raise cause from exc
             raise
 
     def _send_buckets(self, share: Share, receivers_failed: Callable[[], None]) -> None:
@@ -119,9 +109,6 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         """Workers blocked in a receive fail at their deadline or when the endpoint closes."""
 
     def _close(self) -> None:
-        # healthy: the worker is idle, so join it (no thread outlives the sender); broken:
-        # it may still sit in a receivers' call, which its own deadline ends
-        self._pool.shutdown(wait=self._broken is None, cancel_futures=True)
         ucx, self._ucx = self._ucx, None
         self._endpoints = []
         if ucx is not None:

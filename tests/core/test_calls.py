@@ -1,0 +1,105 @@
+"""Pipelined control calls: replies matched to their calls, late replies dropped, a call chained
+after a failed one skipped, on the RPC client and on clients that cannot pipeline."""
+
+import os
+import threading
+
+import pytest
+import torch
+import zmq
+from wtransfer_ipc import IPCTrainerInitInfo
+
+import wtransfer
+from wtransfer import wire
+from wtransfer.calls import CallQueue, UpdateCalls
+from wtransfer.errors import LifecycleError, TransferTimeout
+from wtransfer.rpc import ReceiverServer, RPCClient
+
+
+class _HeldFingerprint(wtransfer.LocalClient):
+    """An engine's client whose `fingerprint` waits until the test releases it."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.release = threading.Event()
+
+    def fingerprint(self):
+        assert self.release.wait(10), "the test never released the call"
+        return super().fingerprint()
+
+
+@pytest.fixture
+def engine():
+    engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(torch.nn.Linear(4, 4)))
+    yield engine
+    engine.shutdown()
+
+
+def test_a_status_asked_during_a_long_call_gets_its_own_reply_first(engine):
+    held = _HeldFingerprint(engine)
+    server = ReceiverServer(held).start()
+    client = RPCClient(server.address, timeout_s=10)
+    slow = client.submit("fingerprint")
+    assert client.status()["pid"] == os.getpid()  # answered while the call is held
+    assert not slow.done()
+    held.release.set()
+    assert slow.result() == held.fingerprint()
+    assert slow.done()
+    client.close()
+    server.close()
+
+
+def test_a_late_reply_is_dropped_and_the_next_call_gets_its_own():
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = RPCClient(f"tcp://127.0.0.1:{port}", timeout_s=0.3)
+    with pytest.raises(TransferTimeout, match="fingerprint: no answer"):
+        client.fingerprint()
+    first = router.recv_multipart()  # [identity, call id, b"", request]
+    second_call = client.submit("num_workers")
+    second = router.recv_multipart()
+    assert wire.decode(second[-1])["method"] == "num_workers"
+    router.send_multipart([*first[:-1], wire.encode({"ok": True, "result": {"late": "x"}})])
+    router.send_multipart([*second[:-1], wire.encode({"ok": True, "result": 3})])
+    assert second_call.result() == 3
+    client.close()
+    router.close()
+
+
+def _open_elsewhere_then_send(engine, client) -> None:
+    """Init a sender over `client`, let another caller open an update, then send."""
+    model = torch.nn.Linear(4, 4)
+    info = IPCTrainerInitInfo(bucket_bytes=1 << 16, timeout_s=10)
+    with wtransfer.trainer_init(info, client=client,
+                                source=wtransfer.ModuleSource(model)) as sender:
+        engine.start_weight_update()
+        with pytest.raises(LifecycleError, match="an update is open"):
+            sender.send_weights()
+
+
+@pytest.mark.parametrize("kind", ["local", "rpc", "fanout"])
+def test_calls_behind_a_refused_start_are_skipped_on_every_client(engine, kind):
+    server = ReceiverServer(engine).start() if kind != "local" else None
+    client = (wtransfer.LocalClient(engine) if server is None
+              else RPCClient(server.address, timeout_s=10))
+    if kind == "fanout":
+        client = wtransfer.FanoutClient([client])
+    before = engine.target.fingerprint()
+    _open_elsewhere_then_send(engine, client)
+    assert engine.target.fingerprint() == before  # nothing landed in the other update
+    assert engine.state == "updating"
+    if server is not None:
+        server.close()
+
+
+def test_update_calls_report_the_first_failure_in_order(engine):
+    queue = CallQueue(wtransfer.LocalClient(engine))
+    calls = UpdateCalls(queue, timeout_s=5, weight_version="v")
+    calls.start()  # refused: the engine was never initialized
+    calls.update({"tensors": []})
+    calls.finish()
+    with pytest.raises(LifecycleError, match="init_transfer_engine first"):
+        calls.settle()
+    calls.settle()  # nothing left to wait for
+    queue.close()
