@@ -28,6 +28,7 @@ from wtransfer_nccl import group as nccl_group
 from wtransfer_nccl.receiver import NCCLReceiver
 
 import wtransfer
+from wtransfer.receiving import UpdateSession
 from wtransfer.rpc import ReceiverServer, RPCClient
 from wtransfer.shapes import build
 from wtransfer.target import ModuleTarget
@@ -90,6 +91,8 @@ def serve(model: str, device: str, cpu: bool) -> None:
             current.update(arrive=[start], parsed=[end])
 
     stamp(ReceiverServer, "_parse", parsed)
+    stamp(UpdateSession, "announce",
+          lambda _a, _r, s, e: current.update(announce=[s, e]))
     stamp(NCCLReceiver, "_receive_share",
           lambda _a, _r, s, e: current.update(share=[s, e]))
     engine = wtransfer.create_receiver("nccl", ModuleTarget(build(model, 2, device, "constant")),
@@ -155,6 +158,8 @@ def main() -> None:
         ("receiver: update_weights arrived", "receiver", "arrive", 0),
         ("receiver: decoded", "receiver", "parsed", 0),
         ("receiver: update call starts", "receiver", "execute", 0),
+        ("receiver: tensors announced (checked)", "receiver", "announce", 1),
+        ("receiver: share starts", "receiver", "share", 0),
         ("receiver: first broadcast posted", "receiver", "post", 0),
         ("trainer: last broadcast done", "trainer", "wait", -1),
         ("trainer: finish issued", "trainer", "finish_weight_update issued", 0),

@@ -138,14 +138,19 @@ class UpdateCalls:
         """Issue one update call."""
         return self.submit("update_weights", update_info=update_info)
 
-    def abort(self, reason: str) -> None:
-        """Tell the engine the update failed on this side (it fails it at once instead of at
-        its deadline); runs only if this update's start succeeded, whatever came after."""
+    def abort(self, reason: str, grace_s: float = 5.0) -> None:
+        """Tell the engine the update failed on this side, so it fails it now instead of at
+        its deadline; runs only if this update's start succeeded. Waits (up to `grace_s`) for
+        the engine to take it only when every earlier call is answered: behind a call still
+        running (an update blocked in its receive loop) it would wait that call's deadline."""
+        answered = all(call.done() for call in self._calls)
         self.drop()  # what came before is answered or moot: the update failed
         call = self.queue.submit("update_weights", after=self._calls[0] if self._calls
                                  else None, update_info={"abort": reason})
         self._calls.append(call)
-        self.settle()
+        if answered:
+            self._calls[-1].result(grace_s)
+        self._settled = len(self._calls)
 
     def finish(self) -> None:
         """Issue finish (once): right after the data left, it reaches the engine while the

@@ -68,6 +68,10 @@ class Watchdog:
         self._expire = expire
         self._name = name
         self._deadline: float | None = None
+        self._sleeping_until: float | None = None
+        """The deadline the thread sleeps towards (None: until notified). Only an earlier
+        deadline wakes it: every engine call arms and disarms, and waking a thread for
+        nothing costs the caller a GIL hand-off."""
         self._closed = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -79,13 +83,13 @@ class Watchdog:
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if self._sleeping_until is None or deadline < self._sleeping_until:
+                self._cond.notify()
 
     def disarm(self) -> None:
-        """Do not fire."""
+        """Do not fire (the thread finds no deadline when it next wakes)."""
         with self._cond:
             self._deadline = None
-            self._cond.notify()
 
     def close(self) -> None:
         """Stop the thread (it never fires afterwards)."""
@@ -99,8 +103,10 @@ class Watchdog:
             with self._cond:
                 while not self._closed and (self._deadline is None
                                             or time.monotonic() < self._deadline):
+                    self._sleeping_until = self._deadline
                     wait = None if self._deadline is None else self._deadline - time.monotonic()
                     self._cond.wait(wait)
+                self._sleeping_until = None
                 if self._closed:
                     return
                 self._deadline = None

@@ -106,8 +106,8 @@ class ReceiverServer:
         self._replies_at = f"inproc://wtransfer-rpc-{id(self)}"
         self._replies: zmq.Socket[bytes] = ctx.socket(zmq.PULL)
         self._replies.bind(self._replies_at)
-        self._work: queue.Queue[tuple[list[bytes], str, dict[str, Any], bytes | None] | None] \
-            = queue.Queue()
+        self._work: queue.SimpleQueue[
+            tuple[list[bytes], str, dict[str, Any], bytes | None] | None] = queue.SimpleQueue()
         self._failed: collections.OrderedDict[tuple[bytes, ...], None] = \
             collections.OrderedDict()
         """Recent calls (envelope without its delimiter) that failed or were skipped, for

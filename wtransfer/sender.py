@@ -192,32 +192,31 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         if self.closed or not self.connected:
             raise LifecycleError(f"{self.backend_name} sender is "
                                  f"{'shut down' if self.closed else 'not connected'}")
-        metas = self.source.metadata()
-        plan = self._plan(metas)
-        owners = plan.owners(self.senders)
-        packer: BucketPacker | GatheringPacker = (
-            GatheringPacker(plan, self.source.parts(), owners, self.group.senders)
-            if self.source.sharded and self.group is not None
-            else BucketPacker(plan, self.source.tensors()))
         start = time.perf_counter()
         calls = self.update_calls = (UpdateCalls(self.calls, self.init_info.timeout_s,
                                                  weight_version)
                                      if self.calls is not None else None)
         try:
-            self._together(lambda: self._open(plan) if self.lead else None)
-            index = self.sender_index
-            failure: BaseException | None = None
+            if self.lead and calls is not None:
+                calls.start()  # the engine opens the update while this rank plans it
             try:
+                metas = self.source.metadata()
+                plan = self._plan(metas)
+                owners = plan.owners(self.senders)
+                packer: BucketPacker | GatheringPacker = (
+                    GatheringPacker(plan, self.source.parts(), owners, self.group.senders)
+                    if self.source.sharded and self.group is not None
+                    else BucketPacker(plan, self.source.tensors()))
+                self._together(lambda: self._open(plan) if self.lead else None)
+                index = self.sender_index
                 self._together(lambda: self._move(Share(
                     plan,
                     tuple(b for b, o in zip(plan.buckets, owners, strict=True) if o == index),
                     packer, index if index is not None else -1, self.senders)))
             except BaseException as exc:
-                failure = exc
-            if failure is not None:
                 if self.lead:
-                    self._abort_remote(failure)
-                raise failure
+                    self._abort_remote(exc)
+                raise
             self._together(lambda: self._close_update() if self.lead and calls else None)
         finally:
             if calls is not None:
@@ -254,21 +253,19 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         return fields, list_digest
 
     def _open(self, plan: BucketPlan) -> None:
-        """The lead opens the update on the receivers without waiting for the reply (its
-        update call follows right behind it); with several senders it waits, then announces
-        the tensor list, before any sender moves a bucket."""
-        calls = self.update_calls
-        assert calls is not None
-        calls.start()
+        """With several senders, the lead waits for its start (issued first thing in
+        `send_weights`), then announces the tensor list, before any sender moves a bucket."""
         if self.senders > 1:
+            calls = self.update_calls
+            assert calls is not None
             calls.settle()
             self._announce(plan)
 
     def finish_early(self) -> None:
-        """For a backend's `_send`, once this rank's data has left: the lead of a lone sender
-        issues finish now, behind its update call (the engine runs it as soon as the update
-        is in, saving a round trip). Other senders' data may still be moving otherwise, so
-        then finish waits for every rank's verdict."""
+        """For a backend's `_send`, once every update call of this rank is issued: the lead
+        of a lone sender issues finish right behind them (the engine runs it only if they
+        succeed, so as soon as the data is in, saving a round trip). With several senders
+        finish waits for every rank's verdict instead."""
         if self.lead and self.senders == 1 and self.update_calls is not None:
             self.update_calls.finish()
 
@@ -374,7 +371,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         `self.update_calls` (they follow the lead's start without waiting for it), and settle
         them before returning. Call `share.packer.finish()` once your own buckets are packed
         and before waiting on the receivers (with a sharded source the other senders' buckets
-        need this rank's rows), and `finish_early()` once your data has left."""
+        need this rank's rows), and `finish_early()` once your update calls are issued."""
 
     @abstractmethod
     def _close(self) -> None:

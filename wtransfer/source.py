@@ -10,7 +10,7 @@ from torch import nn
 
 from wtransfer.errors import ConfigError
 from wtransfer.gathering import is_dtensor
-from wtransfer.packing import DTYPES, TensorMeta
+from wtransfer.packing import TensorMeta
 
 
 class WeightSource(ABC):
@@ -77,6 +77,9 @@ class ModuleSource(WeightSource):
             state = {n: state[n] for n in names}
         self._state = state
         self._metas: list[TensorMeta] | None = None
+        self._signature: tuple[list[torch.Size], list[torch.dtype]] = ([], [])
+        """Every tensor's shape and dtype when `_metas` was built (compared in two list
+        comparisons: a trainer asks for the metadata every step)."""
         self._rename: Callable[[str], str] = (
             (lambda n: name_map.get(n, n)) if isinstance(name_map, Mapping)
             else name_map if name_map is not None else (lambda n: n)
@@ -99,11 +102,11 @@ class ModuleSource(WeightSource):
     def metadata(self) -> list[TensorMeta]:
         """Metadata of every tensor, global shapes for DTensors (remembered, and built again
         only when a tensor's shape or dtype changed: a trainer asks every step)."""
-        tensors = list(self._state.values())
-        if self._metas is None or any(
-                t.shape != m.shape or t.dtype != DTYPES[m.dtype]
-                for t, m in zip(tensors, self._metas, strict=True)):
+        tensors = self._state.values()
+        shapes, dtypes = [t.shape for t in tensors], [t.dtype for t in tensors]
+        if self._metas is None or (shapes, dtypes) != self._signature:
             self._metas = [TensorMeta.of(self._rename(n), t) for n, t in self._state.items()]
+            self._signature = (shapes, dtypes)
         return list(self._metas)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

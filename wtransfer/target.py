@@ -117,6 +117,11 @@ class ModuleTarget(WeightTarget):
         )  # fmt: skip
         self._post_process = post_process
         self._views: dict[str, torch.Tensor] = {}
+        self._checked: tuple[Sequence[TensorMeta], list[torch.Tensor], list[torch.Size],
+                             list[torch.dtype]] | None = None
+        """The last list that passed `check`, its destinations and their shapes and dtypes
+        then: the same list object (receivers keep the one they parsed while the sender's
+        list is unchanged) passes again while the destinations still have them."""
 
     def _dest(self, name: str) -> torch.Tensor:
         try:
@@ -136,11 +141,19 @@ class ModuleTarget(WeightTarget):
     def check(self, metas: Sequence[TensorMeta]) -> None:
         """Refuse an update whose tensors the module does not hold as sent (compared against
         the live parameters, without building their metadata: an update checks hundreds)."""
+        if self._checked is not None and self._checked[0] is metas:
+            _, held, shapes, dtypes = self._checked  # the same list again: every step
+            if [d.shape for d in held] == shapes and [d.dtype for d in held] == dtypes:
+                return
+        self._checked = None
+        held = []
         for meta in metas:
             dest = self._state.get(self._map(meta.name))
             if dest is None or dest.shape != meta.shape or dest.dtype != DTYPES.get(meta.dtype):
                 super().check(metas)  # names every problem
                 return
+            held.append(dest)
+        self._checked = (metas, held, [d.shape for d in held], [d.dtype for d in held])
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -62,3 +62,29 @@ def test_unknown_names_are_listed():
     target = wtransfer.ModuleTarget(small_model(0))
     with pytest.raises(MetadataError, match=r"unknown tensor 'nope\.weight'"):
         target.check([TensorMeta("nope.weight", "float32", (1,))])
+
+
+def test_a_list_checked_before_is_checked_again_against_what_the_module_holds_now():
+    module = torch.nn.Linear(4, 3)
+    target = wtransfer.ModuleTarget(module)
+    source = wtransfer.ModuleSource(torch.nn.Linear(4, 3))
+    metas = source.metadata()
+    target.check(metas)
+    target.check(metas)  # the same list again: still fine
+    module.weight.data = torch.zeros(3, 5)  # the engine resized a parameter in place
+    with pytest.raises(MetadataError, match=r"'weight': sent float32\[3, 4\], engine holds "
+                                            r"float32\[3, 5\]"):
+        target.check(metas)
+    module.weight.data = torch.zeros(3, 4, dtype=torch.float64)
+    with pytest.raises(MetadataError, match="engine holds float64"):
+        target.check(metas)
+
+
+def test_a_source_reports_a_tensor_that_changed_shape_since_the_last_update():
+    module = torch.nn.Linear(4, 3)
+    source = wtransfer.ModuleSource(module)
+    assert source.metadata()[0].shape == (3, 4)
+    module.weight.data = torch.zeros(3, 6)
+    assert source.metadata()[0].shape == (3, 6)
+    module.weight.data = torch.zeros(3, 6, dtype=torch.float16)
+    assert source.metadata()[0].dtype == "float16"

@@ -115,7 +115,12 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         self.receivers_hold = None
         calls.update({**listed, "zero_copy": exports.update(tensors)})
         self.finish_early()  # start, update and finish travel together: one round trip
-        calls.settle()
+        try:
+            calls.settle()
+        except BaseException:
+            exports.forget()
+            raise
+        exports.confirm()
         self.receivers_hold = list_digest
 
     def _sync(self, slot: int) -> None:

@@ -41,10 +41,49 @@ class ZeroCopyExports:
         """Byte views of the exported storages (strong references: receivers map them)."""
         self._index: dict[int, int] = {}
         self.event: torch.cuda.Event | None = None
+        self._last: tuple[list[int], list[int], list[list[int]]] | None = None
+        """The tensors' pointers at the last update, the storages it used, and its layout."""
+        self._sent: set[int] = set()
+        """Storages whose handle the receivers hold (confirmed by a successful update)."""
 
     def update(self, tensors: list[torch.Tensor]) -> dict[str, Any]:
-        """The zero-copy part of one update of `tensors` (the source's, in manifest order)."""
-        used: dict[int, Any] = {}
+        """The zero-copy part of one update of `tensors` (the source's, in manifest order):
+        which storages they use (with the handle record of each one the receivers do not
+        hold yet), where each tensor lies in them, and the event after the last write."""
+        pointers = [t.data_ptr() for t in tensors]
+        if self._last is None or self._last[0] != pointers:
+            self._last = (pointers, *self._place(tensors))
+        _, used, layout = self._last
+        storages = [[i, None if i in self._sent else self._record(i)] for i in used]
+        device = tensors[0].device if tensors else torch.device("cuda")
+        if self.event is None:
+            self.event = torch.cuda.Event(interprocess=True)
+        self.event.record(torch.cuda.current_stream(device))
+        return {"storages": storages, "layout": layout,
+                "event": bytes(self.event.ipc_handle()), "token": self.token,
+                "sender_pid": os.getpid()}
+
+    def _record(self, index: int) -> list[Any]:
+        exported = self._exported[index]
+        assert exported is not None  # a storage in use is held
+        return export_buffer(exported, self.token, index)
+
+    def confirm(self) -> None:
+        """The receivers took the last update: they hold every storage it listed."""
+        if self._last is not None:
+            self._sent.update(self._last[1])
+
+    def forget(self) -> None:
+        """The last update failed: send every storage's handle again next time (a receiver
+        that failed may not have opened them)."""
+        self._sent.clear()
+
+    def _place(self, tensors: list[torch.Tensor]) -> tuple[list[int], list[list[int]]]:
+        """The storages `tensors` use (exporting new ones) and each tensor's [storage, byte
+        offset]; worked out again only when a tensor moved. Every exported storage is held,
+        so no other storage can appear at a pointer seen before: the same pointers mean the
+        same storages and offsets."""
+        used: dict[int, None] = {}
         layout = []
         for tensor in tensors:
             if tensor.numel() == 0:  # nothing to read: no storage to share
@@ -54,24 +93,16 @@ class ZeroCopyExports:
             index = self._index.get(storage.data_ptr())
             if index is None:
                 index = len(self._exported)
-                exported = _storage_bytes(storage)
-                self._exported.append(exported)
+                self._exported.append(_storage_bytes(storage))
                 self._index[storage.data_ptr()] = index
-                used[index] = export_buffer(exported, self.token, index)
-            else:
-                used.setdefault(index, None)
+            used[index] = None
             layout.append([index, int(tensor.storage_offset()) * tensor.element_size()])
         for key, index in list(self._index.items()):  # storages the source no longer uses
             if index not in used:
                 del self._index[key]
                 self._exported[index] = None
-        device = tensors[0].device if tensors else torch.device("cuda")
-        if self.event is None:
-            self.event = torch.cuda.Event(interprocess=True)
-        self.event.record(torch.cuda.current_stream(device))
-        return {"storages": [[i, r] for i, r in sorted(used.items())], "layout": layout,
-                "event": bytes(self.event.ipc_handle()), "token": self.token,
-                "sender_pid": os.getpid()}
+                self._sent.discard(index)
+        return sorted(used), layout
 
 
 class ZeroCopyImports:

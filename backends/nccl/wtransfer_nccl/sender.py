@@ -126,8 +126,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
 
     def _send(self, share: Share) -> None:
         """The lead issues the receivers' update call (it carries the tensor list, or its
-        digest, and blocks in their receive loops) right behind start; every sender
-        broadcasts its buckets in its own group; finish follows as soon as they are out."""
+        digest, and blocks in their receive loops) right behind start, and a lone sender its
+        finish right behind that; every sender broadcasts its buckets in its own group."""
         if self._broken or self._group is None:
             raise LifecycleError(f"nccl sender is unusable after an earlier failure "
                                  f"({self._broken}); create a new one with trainer_init")
@@ -136,9 +136,9 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         listed, list_digest = self.listed_tensors(share.plan)
         if share.lead and calls is not None:
             calls.update(listed)
+            self.finish_early()
         try:
             self._broadcast_all(share, group, calls.check if calls is not None else _no_news)
-            self.finish_early()
             if calls is not None:
                 calls.settle()
                 self.receivers_hold = list_digest
@@ -159,9 +159,6 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                                                                 info.checksum),
             post=lambda _unit, data: group.broadcast(data),
             wait=lambda pending: pending.wait(info.timeout_s, receivers_failed))
-
-    def _abort_remote(self, exc: BaseException) -> None:
-        """Receivers learn of a failure from the torn-down group; no extra call needed."""
 
     def _close(self) -> None:
         group, self._group = self._group, None

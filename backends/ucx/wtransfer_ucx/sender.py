@@ -75,9 +75,9 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         assert calls is not None
         self._updates += 1
         calls.update({"tensors": metas_to_wire(share.plan.metas), "update": self._updates})
+        self.finish_early()
         try:
             self._send_buckets(share, calls.check)
-            self.finish_early()
             calls.settle()
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
@@ -104,9 +104,6 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
                                                                unit[0].index))
                                      for ep in endpoints],
             wait=lambda requests: ucx.wait(requests, info.timeout_s, receivers_failed))
-
-    def _abort_remote(self, exc: BaseException) -> None:
-        """Workers blocked in a receive fail at their deadline or when the endpoint closes."""
 
     def _close(self) -> None:
         ucx, self._ucx = self._ucx, None
