@@ -359,13 +359,13 @@ class BucketPacker:
                 raise MetadataError(f"source ended before tensor {meta.name!r} it announced") \
                     from None
             if (name != meta.name or tensor.dtype != DTYPES[meta.dtype]
-                    or tuple(tensor.shape) != meta.shape):
+                    or tensor.shape != meta.shape):
                 raise MetadataError(
                     f"source yielded {name!r} {str(tensor.dtype)[6:]}{list(tensor.shape)} but "
                     f"announced {meta.name!r} {meta.dtype}{list(meta.shape)}; the source must "
                     "iterate exactly the tensors of its metadata(), in order")
             self._index += 1
-            self._tensor = tensor.detach()
+            self._tensor = tensor.detach() if tensor.requires_grad else tensor
             self._bytes = None
 
     def direct(self, bucket: Bucket) -> torch.Tensor:

@@ -76,6 +76,7 @@ class ModuleSource(WeightSource):
                 raise ConfigError(f"ModuleSource: names not in the module: {missing[:5]}")
             state = {n: state[n] for n in names}
         self._state = state
+        self._sharded = any(is_dtensor(t) for t in state.values())
         self._metas: list[TensorMeta] | None = None
         self._signature: tuple[list[torch.Size], list[torch.dtype]] = ([], [])
         """Every tensor's shape and dtype when `_metas` was built (compared in two list
@@ -93,7 +94,7 @@ class ModuleSource(WeightSource):
     @property
     def sharded(self) -> bool:
         """Whether any tensor is a DTensor (FSDP2 and other sharded models)."""
-        return any(is_dtensor(t) for t in self._state.values())
+        return self._sharded
 
     def parts(self) -> list[torch.Tensor]:
         """Each tensor as this rank holds it (DTensors stay sharded), detached."""
@@ -111,6 +112,11 @@ class ModuleSource(WeightSource):
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield detached tensors; DTensors are gathered to full tensors one at a time."""
+        rename = self._rename
+        if not self._sharded:
+            for name, tensor in self._state.items():
+                yield rename(name), tensor.detach()
+            return
         for name, tensor in self._state.items():
             full = getattr(tensor, "full_tensor", None)
-            yield self._rename(name), (full() if callable(full) else tensor).detach()
+            yield rename(name), (full() if callable(full) else tensor).detach()

@@ -28,7 +28,8 @@ def test_a_zero_copy_update_may_name_the_last_tensor_list_by_digest_and_nothing_
                                 source=wtransfer.ModuleSource(source)) as sender:
         sender.send_weights()  # packed: the first bucket carries the whole list
         landed = wtransfer.fingerprint(held.state_dict())
-        zero_copy = {"storages": [], "layout": [], "event": b"", "token": "t", "sender_pid": 1}
+        zero_copy = {"storages": [], "used": b"", "layout": b"", "event": b"", "token": "t",
+                     "sender_pid": 1}
         cases = [
             ({"tensors_digest": digest(listed), "zero_copy": zero_copy}, ConfigError,
              "zero-copy update shares CUDA memory"),

@@ -1,5 +1,7 @@
 """The CUDA path of the ipc backend: CUDA IPC handles between processes on one GPU."""
 
+from array import array
+
 import pytest
 import torch
 from wtransfer_ipc import IPCTrainerInitInfo
@@ -107,7 +109,9 @@ def test_a_zero_copy_layout_outside_its_storage_is_refused_before_any_write():
         exports = sender._zero_copy
         tensors = [t for _, t in sender.source.tensors()]
         update = exports.update(tensors)
-        update["layout"][3][1] += 1 << 40  # past the end of its storage
+        layout = array("q", update["layout"])  # each tensor's storage and byte offset
+        layout[2 * 3 + 1] += 1 << 40  # tensor 3, past the end of its storage
+        update["layout"] = layout.tobytes()
         engine.start_weight_update()
         manifest = [m.to_wire() for m in sender.source.metadata()]
         with pytest.raises(wtransfer.errors.MetadataError, match="does not fit"):

@@ -8,11 +8,18 @@ IPC event recorded after the trainer's last write. The receiver opens new storag
 its stream wait on the event (no host round trip), copies every tensor straight into its
 parameter (one multi-tensor launch), and synchronizes before answering, so `send_weights`
 returns only once the receivers finished reading and the optimizer may write again.
+
+Wire form (the ``zero_copy`` field of the update info): ``storages``, ``[index, handle
+record]`` for each storage the receivers do not hold yet; ``used``, the indices of every
+storage the update reads; ``layout``, each tensor's storage index (-1 for an empty tensor)
+and byte offset; ``used`` and ``layout`` as packed signed 64-bit integers in the host's byte
+order (both processes share a host), so an unchanged one is compared, not walked, on arrival.
 """
 
 from __future__ import annotations
 
 import os
+from array import array
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,10 +29,22 @@ from wtransfer.errors import MetadataError
 from wtransfer.packing import TensorMeta
 from wtransfer_ipc.cuda import export_buffer, open_buffer
 
+_FIELDS = {"storages", "used", "layout", "event", "token", "sender_pid"}
+
 
 def shareable(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether every tensor can be read in place by another process (contiguous, CUDA)."""
     return all(t.is_cuda and t.is_contiguous() for t in tensors)
+
+
+def _packed(values: list[int]) -> bytes:
+    return array("q", values).tobytes()
+
+
+def _unpacked(data: object, what: str) -> list[int]:
+    if not isinstance(data, bytes) or len(data) % 8:
+        raise MetadataError(f"zero_copy {what} must be packed 64-bit integers (bytes)")
+    return array("q", data).tolist()
 
 
 def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -41,8 +60,9 @@ class ZeroCopyExports:
         """Byte views of the exported storages (strong references: receivers map them)."""
         self._index: dict[int, int] = {}
         self.event: torch.cuda.Event | None = None
-        self._last: tuple[list[int], list[int], list[list[int]]] | None = None
-        """The tensors' pointers at the last update, the storages it used, and its layout."""
+        self._last: tuple[list[int], list[int], bytes, bytes] | None = None
+        """The tensors' pointers at the last update, the storages it used, and its `used`
+        and `layout` fields."""
         self._sent: set[int] = set()
         """Storages whose handle the receivers hold (confirmed by a successful update)."""
 
@@ -52,14 +72,15 @@ class ZeroCopyExports:
         hold yet), where each tensor lies in them, and the event after the last write."""
         pointers = [t.data_ptr() for t in tensors]
         if self._last is None or self._last[0] != pointers:
-            self._last = (pointers, *self._place(tensors))
-        _, used, layout = self._last
-        storages = [[i, None if i in self._sent else self._record(i)] for i in used]
+            used, layout = self._place(tensors)
+            self._last = (pointers, used, _packed(used), _packed(layout))
+        _, used, used_bytes, layout_bytes = self._last
         device = tensors[0].device if tensors else torch.device("cuda")
         if self.event is None:
             self.event = torch.cuda.Event(interprocess=True)
         self.event.record(torch.cuda.current_stream(device))
-        return {"storages": storages, "layout": layout,
+        return {"storages": [[i, self._record(i)] for i in used if i not in self._sent],
+                "used": used_bytes, "layout": layout_bytes,
                 "event": bytes(self.event.ipc_handle()), "token": self.token,
                 "sender_pid": os.getpid()}
 
@@ -78,16 +99,16 @@ class ZeroCopyExports:
         that failed may not have opened them)."""
         self._sent.clear()
 
-    def _place(self, tensors: list[torch.Tensor]) -> tuple[list[int], list[list[int]]]:
-        """The storages `tensors` use (exporting new ones) and each tensor's [storage, byte
-        offset]; worked out again only when a tensor moved. Every exported storage is held,
-        so no other storage can appear at a pointer seen before: the same pointers mean the
-        same storages and offsets."""
+    def _place(self, tensors: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+        """The storages `tensors` use (exporting new ones) and each tensor's storage and byte
+        offset, flat; worked out again only when a tensor moved. Every exported storage is
+        held, so no other storage can appear at a pointer seen before: the same pointers mean
+        the same storages and offsets."""
         used: dict[int, None] = {}
-        layout = []
+        layout: list[int] = []
         for tensor in tensors:
             if tensor.numel() == 0:  # nothing to read: no storage to share
-                layout.append([-1, 0])
+                layout += (-1, 0)
                 continue
             storage = tensor.untyped_storage()
             index = self._index.get(storage.data_ptr())
@@ -96,7 +117,7 @@ class ZeroCopyExports:
                 self._exported.append(_storage_bytes(storage))
                 self._index[storage.data_ptr()] = index
             used[index] = None
-            layout.append([index, int(tensor.storage_offset()) * tensor.element_size()])
+            layout += (index, int(tensor.storage_offset()) * tensor.element_size())
         for key, index in list(self._index.items()):  # storages the source no longer uses
             if index not in used:
                 del self._index[key]
@@ -111,81 +132,87 @@ class ZeroCopyImports:
     def __init__(self) -> None:
         self._opened: dict[int, torch.Tensor] = {}
         self._token: str | None = None
-        self._last: tuple[list[Any], list[TensorMeta], list[torch.Tensor]] | None = None
-        """The last layout, its tensor list and the source views it gave (reused while the
-        sender's storages and layout stay the same: every step, for a trainer)."""
+        self._last: tuple[object, object, list[TensorMeta], list[torch.Tensor]] | None = None
+        """The last update's `used` and `layout`, its tensor list and the source views they
+        gave (reused while all stay the same: every step, for a trainer)."""
+        self._event: tuple[bytes, torch.cuda.Event] | None = None
+        """The sender's IPC event handle and the event it opened to."""
 
     def sources(self, update: dict[str, Any], metas: list[TensorMeta],
                 device: torch.device) -> list[torch.Tensor]:
         """Each tensor's bytes in the sender's storage, checked against `metas`; the current
         stream waits for the sender's writes."""
-        if not isinstance(update, dict) or set(update) != {"storages", "layout", "event",
-                                                          "token", "sender_pid"}:
-            raise MetadataError("zero_copy must be {storages, layout, event, token, sender_pid}")
+        if not isinstance(update, dict) or set(update) != _FIELDS:
+            raise MetadataError(f"zero_copy must be {{{', '.join(sorted(_FIELDS))}}}")
         token, pid = update["token"], update["sender_pid"]
         if not isinstance(token, str) or not isinstance(pid, int):
             raise MetadataError("zero_copy token must be a string and sender_pid an int")
         if token != self._token:  # a new sender: nothing opened before is its
-            self._opened, self._token, self._last = {}, token, None
-        listed = update["storages"]
-        if not isinstance(listed, list) or len(listed) > 1 << 20:
+            self._opened, self._token, self._last, self._event = {}, token, None, None
+        new, used, layout = update["storages"], update["used"], update["layout"]
+        if not isinstance(new, list) or len(new) > 1 << 20:
             raise MetadataError("zero_copy storages must be a list")
-        keep: dict[int, torch.Tensor] = {}
-        for item in listed:
-            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)):
-                raise MetadataError("zero_copy storages holds [index, record or null] pairs")
-            index, record = item
-            if record is not None:
-                keep[index] = open_buffer(record, token=token, index=index,
-                                          same_process=pid == os.getpid(), size=0)
-            elif index in self._opened:
-                keep[index] = self._opened[index]
-            else:
-                raise MetadataError(f"zero_copy storage {index} was never sent")
-        self._opened = keep
-        layout = update["layout"]
-        unchanged = all(record is None for _, record in listed)
-        if unchanged and self._last is not None and self._last[1] is metas and \
-                self._last[0] == layout:
-            out = self._last[2]
-            self._wait(update, pid, device)
-            return out
-        if not isinstance(layout, list) or len(layout) != len(metas):
-            raise MetadataError(f"zero_copy layout must list one [storage, offset] per "
-                                f"announced tensor ({len(metas)})")
-        out = []
-        empty = torch.empty(0, dtype=torch.uint8, device=device)
-        for meta, place in zip(metas, layout, strict=True):
-            if meta.nbytes == 0 and place == [-1, 0]:
-                out.append(empty)
-                continue
-            if not (isinstance(place, list) and len(place) == 2
-                    and all(isinstance(v, int) and v >= 0 for v in place)):
-                raise MetadataError(f"zero_copy layout of {meta.name!r} must be [storage, offset]")
-            storage = keep.get(place[0])
-            if storage is None:
-                raise MetadataError(f"zero_copy layout of {meta.name!r} names storage "
-                                    f"{place[0]}, which the update does not list")
-            if place[1] % meta.itemsize or place[1] + meta.nbytes > storage.numel():
-                raise MetadataError(f"zero_copy: {meta.name!r} at byte {place[1]} "
-                                    f"({meta.nbytes} bytes) does not fit its {storage.numel()}-"
-                                    "byte storage aligned")
-            out.append(storage[place[1] : place[1] + meta.nbytes])
-        self._last = (layout, metas, out)
-        self._wait(update, pid, device)
+        last = self._last
+        if new or last is None or last[0] != used:
+            self._open(new, _unpacked(used, "used"), token, pid == os.getpid())
+            last = None
+        if last is None or last[1] != layout or last[2] is not metas:
+            out = self._place(_unpacked(layout, "layout"), metas, device)
+            self._last = (used, layout, metas, out)
+        else:
+            out = last[3]
+        self._wait(update["event"], pid, device)
         return out
 
-    @staticmethod
-    def _wait(update: dict[str, Any], pid: int, device: torch.device) -> None:
-        """The current stream waits for the sender's writes (its IPC event)."""
-        event = update["event"]
-        if not isinstance(event, bytes):
+    def _open(self, new: list[Any], used: list[int], token: str, same_process: bool) -> None:
+        """Open the storages sent with handles; keep exactly those the update uses."""
+        for item in new:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)):
+                raise MetadataError("zero_copy storages holds [index, handle record] pairs")
+            self._opened[item[0]] = open_buffer(item[1], token=token, index=item[0],
+                                                same_process=same_process, size=0)
+        missing = [i for i in used if i not in self._opened]
+        if missing:
+            raise MetadataError(f"zero_copy storage {missing[0]} was never sent")
+        self._opened = {i: self._opened[i] for i in used}
+
+    def _place(self, layout: list[int], metas: list[TensorMeta],
+               device: torch.device) -> list[torch.Tensor]:
+        """Each tensor's bytes in its storage, checked against `metas`."""
+        if len(layout) != 2 * len(metas):
+            raise MetadataError(f"zero_copy layout must hold a storage and an offset for each "
+                                f"of the {len(metas)} announced tensors")
+        out = []
+        empty = torch.empty(0, dtype=torch.uint8, device=device)
+        for i, meta in enumerate(metas):
+            index, offset = layout[2 * i], layout[2 * i + 1]
+            if meta.nbytes == 0 and index == -1:
+                out.append(empty)
+                continue
+            storage = self._opened.get(index)
+            if storage is None:
+                raise MetadataError(f"zero_copy layout of {meta.name!r} names storage "
+                                    f"{index}, which the update does not list")
+            if offset < 0 or offset % meta.itemsize or offset + meta.nbytes > storage.numel():
+                raise MetadataError(f"zero_copy: {meta.name!r} at byte {offset} "
+                                    f"({meta.nbytes} bytes) does not fit its {storage.numel()}-"
+                                    "byte storage aligned")
+            out.append(storage[offset : offset + meta.nbytes])
+        return out
+
+    def _wait(self, handle: object, pid: int, device: torch.device) -> None:
+        """The current stream waits for the sender's writes (its IPC event, opened once: the
+        sender records the same event every update)."""
+        if not isinstance(handle, bytes):
             raise MetadataError("zero_copy event must be bytes")
-        if pid != os.getpid():
-            torch.cuda.current_stream(device).wait_event(
-                torch.cuda.Event.from_ipc_handle(device, event))
+        if pid == os.getpid():
+            return
+        if self._event is None or self._event[0] != handle:
+            self._event = (handle, torch.cuda.Event.from_ipc_handle(device, handle))
+        torch.cuda.current_stream(device).wait_event(self._event[1])
 
     def close(self) -> None:
         """Drop every mapping."""
         self._opened = {}
         self._last = None
+        self._event = None
