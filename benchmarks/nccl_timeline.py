@@ -91,6 +91,11 @@ def serve(model: str, device: str, cpu: bool) -> None:
             current.update(arrive=[start], parsed=[end])
 
     stamp(ReceiverServer, "_parse", parsed)
+    def forwarded(_args: tuple[Any, ...], _result: Any, _start: float, end: float) -> None:
+        if updates and "finish" in current and "replied" not in updates[-1]:
+            updates[-1]["replied"] = [end]  # the first replies sent after finish ran
+
+    stamp(ReceiverServer, "_forward", forwarded)
     stamp(UpdateSession, "announce",
           lambda _a, _r, s, e: current.update(announce=[s, e]))
     stamp(NCCLReceiver, "_receive_share",
@@ -166,6 +171,7 @@ def main() -> None:
         ("receiver: last broadcast done", "receiver", "wait", -1),
         ("receiver: update call ends", "receiver", "execute", 1),
         ("receiver: finish call ends", "receiver", "finish", 1),
+        ("receiver: replies sent after finish", "receiver", "replied", 0),
         ("trainer: update answered", "trainer", "update_weights answered", 0),
         ("trainer: finish answered", "trainer", "finish_weight_update answered", 0),
         ("trainer: send_weights returned", "trainer", "send", 1),

@@ -132,11 +132,20 @@ class ReceiverServer:
         while not self._stop.is_set():
             ready = dict(poller.poll(_POLL_MS))
             if self._replies in ready:
-                self._socket.send_multipart(self._replies.recv_multipart())
+                self._forward()
             if self._socket in ready:
                 self._accept(self._socket.recv_multipart())
         self._socket.close()
         self._replies.close()
+
+    def _forward(self) -> None:
+        """Send every reply the worker thread has finished to its caller."""
+        while True:
+            try:
+                frames = self._replies.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._socket.send_multipart(frames)
 
     def _accept(self, frames: list[bytes]) -> None:
         if b"" not in frames:

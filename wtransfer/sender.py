@@ -104,6 +104,10 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
 
     backend_name: ClassVar[str]
     init_info_cls: ClassVar[type]
+    pipelined: ClassVar[bool] = False
+    """Whether `_send` issues its update calls through `self.update_calls`: they then follow
+    the start without waiting for it. A backend that calls `self.client` itself (the
+    simplest third-party kind) leaves this False and gets the start confirmed first."""
 
     def __init__(self, init_info: TInitT, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
@@ -253,12 +257,14 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         return fields, list_digest
 
     def _open(self, plan: BucketPlan) -> None:
-        """With several senders, the lead waits for its start (issued first thing in
-        `send_weights`), then announces the tensor list, before any sender moves a bucket."""
-        if self.senders > 1:
-            calls = self.update_calls
-            assert calls is not None
+        """The lead confirms its start (issued first thing in `send_weights`) unless the
+        backend pipelines its update calls behind it, and with several senders announces the
+        tensor list, before any sender moves a bucket."""
+        calls = self.update_calls
+        assert calls is not None
+        if self.senders > 1 or not self.pipelined:
             calls.settle()
+        if self.senders > 1:
             self._announce(plan)
 
     def finish_early(self) -> None:

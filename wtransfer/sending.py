@@ -1,4 +1,6 @@
-"""Sender-side pipelining shared by backends: pack bucket k+1 while bucket k is in flight."""
+"""Sender-side pipelining shared by backends: pack bucket k+1 while bucket k is in flight
+(`send_pipelined` for backends that make each call themselves, `send_issued` for those whose
+calls are pipelined)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from wtransfer.packing import Bucket, bucket_checksum
 
 if TYPE_CHECKING:
+    from wtransfer.calls import PendingCall
     from wtransfer.sender import Share
 
 Transmit = Callable[[Bucket, int, torch.Tensor, "int | None"], None]
@@ -83,3 +86,47 @@ def send_pipelined(
         for fut in pending:
             fut.cancel()
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+Issue = Callable[[Bucket, int, torch.Tensor, "int | None"], "PendingCall"]
+"""Issues one bucket's update call without waiting: ``issue(bucket, slot, data, checksum)``
+(arguments as for `Transmit`); the call's reply says the receivers are done with `data`."""
+
+
+def send_issued(
+    share: Share,
+    staging: Sequence[torch.Tensor],
+    issue: Issue,
+    *,
+    timeout_s: float,
+    checksum: bool = False,
+    before_issue: Callable[[int], None] | None = None,
+    check: Callable[[], None] | None = None,
+) -> None:
+    """Pack each bucket of `share` into a free staging slot and `issue` its call, without
+    waiting for the replies of earlier ones: up to `len(staging)` calls are in flight, and a
+    slot is packed again only once the call that used it is answered (within `timeout_s`).
+    For backends whose update calls are pipelined (`wtransfer.calls`): the receivers find the
+    next bucket's call waiting when they finish one. `before_issue(slot)` runs after packing;
+    `check()` may raise a refusal already answered. The replies of the last calls are left
+    for the caller to settle."""
+    packer = share.packer
+    in_slot: dict[int, PendingCall] = {}
+    next_slot = 0
+    for bucket in share.buckets:
+        if check is not None:
+            check()
+        if bucket.direct:
+            slot, data = -1, packer.direct(bucket)
+        else:
+            slot, next_slot = next_slot, (next_slot + 1) % len(staging)
+            if slot in in_slot:
+                in_slot.pop(slot).result(timeout_s)
+            packer.pack(bucket, staging[slot])
+            data = staging[slot][: bucket.nbytes]
+        if before_issue is not None:
+            before_issue(slot)
+        call = issue(bucket, slot, data, bucket_checksum(data) if checksum else None)
+        if slot >= 0:
+            in_slot[slot] = call
+    packer.finish()  # take part in the other senders' gathers while ours are in flight

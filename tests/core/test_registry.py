@@ -49,11 +49,36 @@ def test_third_party_backend_passes_the_shipped_conformance_suite(plugin_dir, tm
     (tmp_path / "test_inline.py").write_text(
         "from wtransfer.testing.conformance import BackendConformance\n"
         "class TestInline(BackendConformance):\n    backend = 'inline'\n")
+    (tmp_path / "test_inline_local.py").write_text(IN_PROCESS_CASE)
     out = run_with_plugins(plugin_dir, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           str(tmp_path / "test_inline.py"), "-k",
-                           "round_trip or lifecycle or bad_init or mismatched or subset")
+                           str(tmp_path / "test_inline.py"), str(tmp_path / "test_inline_local.py"),
+                           "-k", "round_trip or lifecycle or bad_init or mismatched or subset "
+                                 "or someone_else or in_process")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "6 passed" in out.stdout
+    assert "8 passed" in out.stdout
+
+
+IN_PROCESS_CASE = """
+import wtransfer
+from wtransfer.shapes import build, randomize
+from wtransfer_inline import InlineTrainerInitInfo
+
+
+def test_in_process_client_lands_every_update():
+    # the backend calls its client itself: its update calls must follow a confirmed start
+    model, engine_model = build("mixed", 1, "cpu"), build("mixed", 2, "cpu")
+    engine = wtransfer.create_receiver("inline", wtransfer.ModuleTarget(engine_model))
+    client = wtransfer.LocalClient(engine)
+    info = InlineTrainerInitInfo(bucket_bytes=1 << 16)
+    with wtransfer.trainer_init(info, client=client,
+                                source=wtransfer.ModuleSource(model)) as sender:
+        for step in range(20):
+            randomize(model, seed=step)
+            sender.send_weights(weight_version=str(step))
+            assert wtransfer.fingerprint(engine_model.state_dict()) == \
+                wtransfer.fingerprint(model.state_dict())
+    engine.shutdown()
+"""
 
 
 def test_broken_backend_lookup_names_the_problem(plugin_dir):

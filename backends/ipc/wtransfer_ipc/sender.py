@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 
+from wtransfer.calls import PendingCall
 from wtransfer.errors import ConfigError
 from wtransfer.infos import receiver_init_dict
 from wtransfer.packing import Bucket, BucketPacker, BucketPlan, metas_to_wire
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
-from wtransfer.sending import send_pipelined
+from wtransfer.sending import send_issued
 from wtransfer.source import WeightSource
 from wtransfer_ipc.cuda import export_buffer
 from wtransfer_ipc.info import STAGING_FIELDS, IPCTrainerInitInfo
@@ -29,6 +30,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
     backend_name = "ipc"
     init_info_cls = IPCTrainerInitInfo
+    pipelined = True
 
     def __init__(self, init_info: IPCTrainerInitInfo, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
@@ -89,7 +91,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                 return
             share = replace(share, packer=BucketPacker(share.plan, self.source.tensors()))
 
-        def transmit(bucket: Bucket, slot: int, data: torch.Tensor, checksum: int | None) -> None:
+        def issue(bucket: Bucket, slot: int, data: torch.Tensor,
+                  checksum: int | None) -> PendingCall:
             update: dict[str, Any] = {
                 "buffer": slot, "nbytes": bucket.nbytes, "checksum": checksum,
                 "slices": [s.to_wire() for s in bucket.slices],
@@ -98,10 +101,11 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                 update["sender"] = share.index
             elif bucket.index == 0:
                 update["tensors"] = manifest
-            calls.update(update).result(calls.timeout_s)
+            return calls.update(update)
 
-        send_pipelined(share, self._staging, transmit, checksum=self.init_info.checksum,
-                       before_transmit=self._sync)
+        send_issued(share, self._staging, issue, timeout_s=calls.timeout_s,
+                    checksum=self.init_info.checksum, before_issue=self._sync,
+                    check=calls.check)
         self.finish_early()
         calls.settle()
 

@@ -38,6 +38,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
 
     backend_name = "nccl"
     init_info_cls = NCCLTrainerInitInfo
+    pipelined = True
 
     def __init__(self, init_info: NCCLTrainerInitInfo, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:

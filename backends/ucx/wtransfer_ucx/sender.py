@@ -29,6 +29,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
 
     backend_name = "ucx"
     init_info_cls = UCXTrainerInitInfo
+    pipelined = True
 
     def __init__(self, init_info: UCXTrainerInitInfo, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
