@@ -405,6 +405,12 @@ class BucketPacker:
         self.finish()
         return tensors
 
+    def release(self) -> None:
+        """Finish without reading the source further: the caller read its tensors another way
+        (`WeightSource.held`), which matches the metadata by construction."""
+        self._finished = True
+        self._bytes = self._tensor = None
+
     def finish(self) -> None:
         """Check the source yields every announced tensor (those of buckets another sender
         packs included) and nothing beyond; idempotent."""

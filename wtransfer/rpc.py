@@ -21,6 +21,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -52,6 +53,15 @@ _POLL_MS = 100
 _FAILED_KEPT = 4096
 _SLICE_S = 0.005
 """Longest a waiting `RPCClient` thread holds its socket before letting others use it."""
+
+
+def _waiting(sock: zmq.Socket[bytes]) -> Iterator[list[bytes]]:
+    """Every message `sock` holds now, without blocking."""
+    while True:
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
 
 
 def _rss_bytes() -> int:
@@ -140,11 +150,7 @@ class ReceiverServer:
 
     def _forward(self) -> None:
         """Send every reply the worker thread has finished to its caller."""
-        while True:
-            try:
-                frames = self._replies.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for frames in _waiting(self._replies):
             self._socket.send_multipart(frames)
 
     def _accept(self, frames: list[bytes]) -> None:
@@ -360,11 +366,7 @@ class RPCClient(SingleEngineClient):
             return call_id in self._replies
 
     def _read_replies(self) -> None:
-        while True:
-            try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for frames in _waiting(self._socket):
             if len(frames) != 3 or len(frames[0]) != 8 or frames[1] != b"":
                 continue  # not an answer to any request of ours
             call_id = int.from_bytes(frames[0], "little")

@@ -40,6 +40,14 @@ class WeightSource(ABC):
         `metadata()`, without gathering anything; only sharded sources need it."""
         raise NotImplementedError(f"{type(self).__name__} is not a sharded source")
 
+    def held(self) -> list[torch.Tensor] | None:
+        """Every tensor, in the order of `metadata()` and matching it by construction, as the
+        source holds it (to be read in place, never written), or None when the source cannot
+        promise that (then a sender walks `tensors()` and checks each one against the
+        metadata). Lets a backend that reads the tensors where they lie (zero-copy CUDA IPC)
+        skip that walk."""
+        return None
+
 
 def _unique_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's state dict without aliases (tied weights appear once, first name wins)."""
@@ -99,6 +107,10 @@ class ModuleSource(WeightSource):
     def parts(self) -> list[torch.Tensor]:
         """Each tensor as this rank holds it (DTensors stay sharded), detached."""
         return [t.detach() for t in self._state.values()]
+
+    def held(self) -> list[torch.Tensor] | None:
+        """The module's own tensors (the ones `metadata()` describes), unless sharded."""
+        return None if self._sharded else list(self._state.values())
 
     def metadata(self) -> list[TensorMeta]:
         """Metadata of every tensor, global shapes for DTensors (remembered, and built again

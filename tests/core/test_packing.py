@@ -130,6 +130,21 @@ def test_source_that_differs_from_its_announcement_is_caught_on_the_sender():
         packer.pack(plan.buckets[0], torch.empty(1024, dtype=torch.uint8))
 
 
+def test_a_released_packer_reads_no_further_and_an_unreleased_one_checks_to_the_end():
+    metas = [TensorMeta("a", "float32", (4,)), TensorMeta("b", "float32", (4,))]
+    plan = BucketPlan.build(metas, 1024)
+
+    def wrong_source():
+        yield "a", torch.zeros(4)
+        yield "b", torch.zeros(5)  # not what was announced
+
+    with pytest.raises(MetadataError, match="announced"):
+        BucketPacker(plan, wrong_source()).finish()
+    released = BucketPacker(plan, wrong_source())
+    released.release()  # the sender read the tensors in place (`WeightSource.held`)
+    released.finish()
+
+
 def test_corrupted_bucket_raises_integrity_error_and_checksum_sees_reordering():
     data = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
     digest = bucket_checksum(data)

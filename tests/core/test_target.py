@@ -88,3 +88,13 @@ def test_a_source_reports_a_tensor_that_changed_shape_since_the_last_update():
     assert source.metadata()[0].shape == (3, 6)
     module.weight.data = torch.zeros(3, 6, dtype=torch.float16)
     assert source.metadata()[0].dtype == "float16"
+
+
+def test_a_source_offers_its_tensors_in_place_in_metadata_order():
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    source = wtransfer.ModuleSource(module, names=["1.bias", "0.weight"])
+    held = source.held()
+    assert [m.name for m in source.metadata()] == ["1.bias", "0.weight"]
+    assert [t.data_ptr() for t in held] == [module[1].bias.data_ptr(),
+                                            module[0].weight.data_ptr()]
+    assert [t.data_ptr() for _, t in source.tensors()] == [t.data_ptr() for t in held]

@@ -85,11 +85,15 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         assert calls is not None
         if self._zero_copy is not None and share.count == 1 and \
                 isinstance(share.packer, BucketPacker):
-            tensors = share.packer.walk()
+            held = self.source.held()
+            tensors = held if held is not None else share.packer.walk()
             if shareable(tensors):
+                if held is not None:
+                    share.packer.release()
                 self._send_zero_copy(share.plan, tensors, self._zero_copy)
                 return
-            share = replace(share, packer=BucketPacker(share.plan, self.source.tensors()))
+            if held is None:  # the walk used up the source's iterator
+                share = replace(share, packer=BucketPacker(share.plan, self.source.tensors()))
 
         def issue(bucket: Bucket, slot: int, data: torch.Tensor,
                   checksum: int | None) -> PendingCall:
