@@ -319,6 +319,9 @@ class RPCClient(SingleEngineClient):
         payload = wire.encode(request)
         deadline = time.monotonic() + timeout
         with self._lock:
+            if self._socket.closed:
+                raise LifecycleError(f"{method}: this RPCClient to {self.address} was closed; "
+                                     "create a new one")
             call_id, self._next_id = self._next_id, self._next_id + 1
             frames = [call_id.to_bytes(8, "little"), b"", payload]
             while True:
@@ -414,8 +417,11 @@ class RPCClient(SingleEngineClient):
         return check_workers(self, self.call("num_workers"))
 
     def close(self) -> None:
-        """Close the socket."""
-        self._socket.close()
+        """Close the socket (after any other thread's socket operation in progress)."""
+        with self._lock:
+            self._socket.close()
+            self._waiting.clear()
+            self._replies.clear()
 
     def __repr__(self) -> str:
         return f"RPCClient({self.address!r})"

@@ -6,7 +6,7 @@ import zmq
 
 import wtransfer
 from wtransfer import wire
-from wtransfer.errors import PeerError, TransferTimeout
+from wtransfer.errors import LifecycleError, PeerError, TransferTimeout
 from wtransfer.rpc import ReceiverServer, RPCClient
 
 
@@ -66,3 +66,12 @@ def test_a_silent_peer_times_out_and_the_client_recovers(served):
         client.fingerprint()
     silent.close(linger=0)
     assert RPCClient(server.address, timeout_s=5).status()["state"] == "new"
+
+
+def test_a_closed_client_says_so(served):
+    server, _client = served
+    client = RPCClient(server.address, timeout_s=5)
+    assert client.status()["state"] == "new"
+    client.close()
+    with pytest.raises(LifecycleError, match="was closed; create a new one"):
+        client.status()
