@@ -153,8 +153,9 @@ class UpdateCalls:
         self._settled = len(self._calls)
 
     def finish(self) -> None:
-        """Issue finish (once): right after the data left, it reaches the engine while the
-        engine still receives, so finishing costs no extra round trip."""
+        """Issue finish (once). Issued right behind the update call(s), it waits at the
+        engine, which runs it as soon as they succeed: finishing costs no round trip of its
+        own."""
         if not self.finishing:
             self.finishing = True
             self.submit("finish_weight_update", weight_version=self.weight_version)
@@ -162,10 +163,12 @@ class UpdateCalls:
     def check(self) -> None:
         """Raise the first failure among the replies already in (never blocks): a refused
         update is seen while the data is still moving."""
-        for call in self._calls[self._settled:]:
+        while self._settled < len(self._calls):
+            call = self._calls[self._settled]
             if not call.done():
                 return
             call.result(0)
+            self._settled += 1
 
     def settle(self) -> None:
         """Wait for every issued call in order; raise the first failure (and stop waiting for
