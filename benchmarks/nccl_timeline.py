@@ -157,31 +157,31 @@ def main() -> None:
     received: list[Stamps] = json.loads(child.stdout.readline())
     child.wait(timeout=30)
     rows = [
-        ("trainer: start issued", "trainer", "start_weight_update issued", 0),
-        ("trainer: update issued", "trainer", "update_weights issued", 0),
-        ("trainer: first broadcast posted", "trainer", "post", 0),
-        ("receiver: update_weights arrived", "receiver", "arrive", 0),
-        ("receiver: decoded", "receiver", "parsed", 0),
-        ("receiver: update call starts", "receiver", "execute", 0),
-        ("receiver: tensors announced (checked)", "receiver", "announce", 1),
-        ("receiver: share starts", "receiver", "share", 0),
-        ("receiver: first broadcast posted", "receiver", "post", 0),
-        ("trainer: last broadcast done", "trainer", "wait", -1),
-        ("trainer: finish issued", "trainer", "finish_weight_update issued", 0),
-        ("receiver: last broadcast done", "receiver", "wait", -1),
-        ("receiver: update call ends", "receiver", "execute", 1),
-        ("receiver: finish call ends", "receiver", "finish", 1),
-        ("receiver: replies sent after finish", "receiver", "replied", 0),
-        ("trainer: update answered", "trainer", "update_weights answered", 0),
-        ("trainer: finish answered", "trainer", "finish_weight_update answered", 0),
-        ("trainer: send_weights returned", "trainer", "send", 1),
+        ("trainer: start issued", "start_weight_update issued", 0),
+        ("trainer: update issued", "update_weights issued", 0),
+        ("trainer: first broadcast posted", "post", 0),
+        ("receiver: update_weights arrived", "arrive", 0),
+        ("receiver: decoded", "parsed", 0),
+        ("receiver: update call starts", "execute", 0),
+        ("receiver: tensors announced (checked)", "announce", 1),
+        ("receiver: share starts", "share", 0),
+        ("receiver: first broadcast posted", "post", 0),
+        ("trainer: last broadcast done", "wait", -1),
+        ("trainer: finish issued", "finish_weight_update issued", 0),
+        ("receiver: last broadcast done", "wait", -1),
+        ("receiver: update call ends", "execute", 1),
+        ("receiver: finish call ends", "finish", 1),
+        ("receiver: replies sent after finish", "replied", 0),
+        ("trainer: update answered", "update_weights answered", 0),
+        ("trainer: finish answered", "finish_weight_update answered", 0),
+        ("trainer: send_weights returned", "send", 1),
     ]
     pairs = list(zip(sends, received, strict=True))[2:]
     print(f"\n{args.model}, {args.sends} sends ({'gloo, CPU' if args.cpu else 'NCCL, 2 GPUs'})"
           ": median ms from the start of send_weights")
-    for label, side, key, index in rows:
-        values = [(r if side == "receiver" else s).get(key, [float("nan")])[index] - s["send"][0]
-                  for s, r in pairs]
+    for label, key, index in rows:  # a label names its side: "trainer: ..." / "receiver: ..."
+        values = [(r if label.startswith("receiver") else s).get(key, [float("nan")])[index]
+                  - s["send"][0] for s, r in pairs]
         print(f"  {label:42s} {statistics.median(values) * 1e3:8.2f}")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from wtransfer.errors import LifecycleError, TransferTimeout
 
@@ -73,6 +73,7 @@ class CallQueue:
 
     def __init__(self, client: Any) -> None:
         self.client = client
+        self._pipelined = isinstance(client, PipelinedClient)  # a protocol check: not per call
         self._pool: ThreadPoolExecutor | None = None
         self._last: Future[Any] | None = None
 
@@ -81,8 +82,8 @@ class CallQueue:
         """Issue ``client.method(**args)`` after every call submitted before it; with `after`
         (an earlier call of this queue) only if that one succeeded, else it fails with a
         `LifecycleError` saying it was skipped."""
-        if isinstance(self.client, PipelinedClient):
-            return self.client.submit(method, after=after, **args)
+        if self._pipelined:
+            return cast(PipelinedClient, self.client).submit(method, after=after, **args)
         if after is not None and not isinstance(after, FutureCall):
             raise TypeError(f"'after' must be a call of this queue, got {after!r}")
         call = getattr(self.client, method)

@@ -326,6 +326,13 @@ def tensor_from_bytes(data: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
     return data.view(DTYPES[meta.dtype]).reshape(meta.shape)
 
 
+def signature(tensors: Iterable[torch.Tensor]) -> tuple[list[torch.Size], list[torch.dtype]]:
+    """Every tensor's shape and dtype, as two lists: what a sender or an engine compares (in
+    two list comparisons) to see that a tensor list it checked before still holds."""
+    tensors = list(tensors)
+    return [t.shape for t in tensors], [t.dtype for t in tensors]
+
+
 class BucketPacker:
     """Packs a plan's buckets in order from a tensor iterator, one source tensor live at a time.
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from wtransfer.errors import ConfigError
 from wtransfer.gathering import is_dtensor
-from wtransfer.packing import TensorMeta
+from wtransfer.packing import TensorMeta, signature
 
 
 class WeightSource(ABC):
@@ -87,8 +88,8 @@ class ModuleSource(WeightSource):
         self._sharded = any(is_dtensor(t) for t in state.values())
         self._metas: list[TensorMeta] | None = None
         self._signature: tuple[list[torch.Size], list[torch.dtype]] = ([], [])
-        """Every tensor's shape and dtype when `_metas` was built (compared in two list
-        comparisons: a trainer asks for the metadata every step)."""
+        """`packing.signature` of the tensors when `_metas` was built (a trainer asks for the
+        metadata every step)."""
         self._rename: Callable[[str], str] = (
             (lambda n: name_map.get(n, n)) if isinstance(name_map, Mapping)
             else name_map if name_map is not None else (lambda n: n)
@@ -115,20 +116,15 @@ class ModuleSource(WeightSource):
     def metadata(self) -> list[TensorMeta]:
         """Metadata of every tensor, global shapes for DTensors (remembered, and built again
         only when a tensor's shape or dtype changed: a trainer asks every step)."""
-        tensors = self._state.values()
-        shapes, dtypes = [t.shape for t in tensors], [t.dtype for t in tensors]
-        if self._metas is None or (shapes, dtypes) != self._signature:
+        now = signature(self._state.values())
+        if self._metas is None or now != self._signature:
             self._metas = [TensorMeta.of(self._rename(n), t) for n, t in self._state.items()]
-            self._signature = (shapes, dtypes)
+            self._signature = now
         return list(self._metas)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield detached tensors; DTensors are gathered to full tensors one at a time."""
-        rename = self._rename
-        if not self._sharded:
-            for name, tensor in self._state.items():
-                yield rename(name), tensor.detach()
-            return
         for name, tensor in self._state.items():
-            full = getattr(tensor, "full_tensor", None)
-            yield rename(name), (full() if callable(full) else tensor).detach()
+            if self._sharded and is_dtensor(tensor):
+                tensor = cast(Any, tensor).full_tensor()
+            yield self._rename(name), tensor.detach()

@@ -10,7 +10,7 @@ from torch import nn
 
 from wtransfer.errors import MetadataError
 from wtransfer.fingerprint import fingerprint
-from wtransfer.packing import DTYPES, TensorMeta, byte_view
+from wtransfer.packing import DTYPES, TensorMeta, byte_view, signature
 
 
 def copy_to_host(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -117,11 +117,11 @@ class ModuleTarget(WeightTarget):
         )  # fmt: skip
         self._post_process = post_process
         self._views: dict[str, torch.Tensor] = {}
-        self._checked: tuple[Sequence[TensorMeta], list[torch.Tensor], list[torch.Size],
-                             list[torch.dtype]] | None = None
-        """The last list that passed `check`, its destinations and their shapes and dtypes
-        then: the same list object (receivers keep the one they parsed while the sender's
-        list is unchanged) passes again while the destinations still have them."""
+        self._checked: tuple[Sequence[TensorMeta], list[torch.Tensor],
+                             tuple[list[torch.Size], list[torch.dtype]]] | None = None
+        """The last list that passed `check`, its destinations and their `signature` then: the
+        same list object (receivers keep the one they parsed while the sender's list is
+        unchanged) passes again while the destinations still have them."""
 
     def _dest(self, name: str) -> torch.Tensor:
         try:
@@ -142,8 +142,8 @@ class ModuleTarget(WeightTarget):
         """Refuse an update whose tensors the module does not hold as sent (compared against
         the live parameters, without building their metadata: an update checks hundreds)."""
         if self._checked is not None and self._checked[0] is metas:
-            _, held, shapes, dtypes = self._checked  # the same list again: every step
-            if [d.shape for d in held] == shapes and [d.dtype for d in held] == dtypes:
+            _, held, then = self._checked  # the same list again: every step
+            if signature(held) == then:
                 return
         self._checked = None
         held = []
@@ -153,7 +153,7 @@ class ModuleTarget(WeightTarget):
                 super().check(metas)  # names every problem
                 return
             held.append(dest)
-        self._checked = (metas, held, [d.shape for d in held], [d.dtype for d in held])
+        self._checked = (metas, held, signature(held))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -12,7 +12,7 @@ import torch
 from wtransfer.calls import PendingCall
 from wtransfer.errors import ConfigError
 from wtransfer.infos import receiver_init_dict
-from wtransfer.packing import Bucket, BucketPacker, BucketPlan, metas_to_wire
+from wtransfer.packing import Bucket, BucketPacker, BucketPlan
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import send_issued
 from wtransfer.source import WeightSource
@@ -77,7 +77,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
     def _announce(self, plan: BucketPlan) -> None:
         """Several senders: the tensor list travels alone, before any sender's bucket."""
         assert self.client is not None
-        self.client.update_weights({"tensors": metas_to_wire(plan.metas)})
+        self.client.update_weights({"tensors": self.tensor_list(plan)[0]})
 
     def _send(self, share: Share) -> None:
         manifest, _ = self.tensor_list(share.plan)

@@ -10,7 +10,7 @@ import torch
 
 from wtransfer.errors import LifecycleError
 from wtransfer.infos import receiver_init_dict
-from wtransfer.packing import CHECKSUM_BYTES, Bucket, metas_to_wire
+from wtransfer.packing import CHECKSUM_BYTES, Bucket
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.source import WeightSource
 from wtransfer.window import send_windowed
@@ -75,7 +75,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         calls = self.update_calls
         assert calls is not None
         self._updates += 1
-        calls.update({"tensors": metas_to_wire(share.plan.metas), "update": self._updates})
+        calls.update({"tensors": self.tensor_list(share.plan)[0], "update": self._updates})
         self.finish_early()
         try:
             self._send_buckets(share, calls.check)
