@@ -50,6 +50,7 @@ log = logging.getLogger("wtransfer.dp")
 T = TypeVar("T")
 U = TypeVar("U")
 _POLL_MS = 100
+_PEER_EXIT_GRACE_S = 2.0  # how long a survivor's "a rank died" waits for the dead one's exit
 _HOST = "127.0.0.1"
 
 
@@ -224,6 +225,20 @@ class DataParallelCore:
                 self._fail(f"data-parallel rank {rank} exited with code {code}")
                 return
 
+    def _dead_peer(self, survivor: int, within_s: float) -> tuple[int, int] | None:
+        """The rank other than `survivor` that exited, and its exit code, waiting up to
+        `within_s` for it to be reaped: a dead peer's sockets close before its exit is visible,
+        so the survivor's collective can report the death first."""
+        deadline = time.monotonic() + within_s
+        while True:
+            for rank, proc in enumerate(self._procs):
+                code = proc.poll()
+                if rank != survivor and code is not None:
+                    return rank, code
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+
     def _fail(self, reason: str) -> None:
         """Break the engine: fail pending calls, end live requests with finish_reason "error",
         stop every rank; later calls fail at once (`RemoteEngineDeadError`)."""
@@ -309,10 +324,13 @@ class DataParallelCore:
         elif kind == "fatal":
             if len(self._ready) < self.size and self._startup_error is None:
                 self._startup_error = from_reply(message, f"data-parallel rank {rank}")
-            time.sleep(0.05)  # a collective fails because a peer died: name the dead one
-            self._check_processes()
-            self._fail(f"data-parallel rank {rank} failed: {message.get('type')}: "
-                       f"{message.get('message')}")
+            reason = f"data-parallel rank {rank} failed: {message.get('type')}: " \
+                     f"{message.get('message')}"
+            if message.get("type") == PeerError.__name__:  # a collective failed: name the dead
+                dead = self._dead_peer(rank, _PEER_EXIT_GRACE_S)
+                if dead is not None:
+                    reason = f"data-parallel rank {dead[0]} exited with code {dead[1]} ({reason})"
+            self._fail(reason)
 
     def _call(self, rank: int, op: str, *args: Any) -> Future[Any]:
         future: Future[Any] = Future()
