@@ -55,7 +55,8 @@ class PerTensorIPCSender(IPCSender):
         manifest = [m.to_wire() for m in plan.metas]
         for bucket, (_, tensor) in zip(single.buckets, self.source.tensors(), strict=True):
             self._staging[0][: bucket.nbytes].copy_(byte_view(tensor))
-            self._sync(0)
+            if self.device.type == "cuda":  # naive: the host waits for every copy
+                torch.cuda.current_stream(self.device).synchronize()
             update: dict[str, Any] = {"buffer": 0, "nbytes": bucket.nbytes,
                                       "slices": [bucket.slices[0].to_wire()]}
             if bucket.index == 0:
@@ -191,7 +192,7 @@ def rollback_rows(backend: str, name: str, model: torch.nn.Module, buckets_mb: l
 
 def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
                 devices: list[str], repeats: int, rollback: bool = False,
-                direct_mb: float | None = None) -> list[dict[str, Any]]:
+                direct_mb: float | None = None, num_buffers: int = 2) -> list[dict[str, Any]]:
     """Every path of `backend` for model `name`, each against its floor from the same run."""
     metas = model_metas(name)
     total = sum(m.nbytes for m in metas)
@@ -218,7 +219,7 @@ def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
         # nccl and ucx may move tensors on their own (direct) besides packed buckets
         label = "packed" if backend == "ipc" else "send_weights"
         paths.append((label, mb, trainer_info(backend, len(devices), bucket_bytes=mb << 20,
-                                               **extra)))
+                                               num_buffers=num_buffers, **extra)))
     with receivers(backend, name, devices) as client:
         for path, mb, info in paths:
             with wtransfer.trainer_init(info, client=client,
@@ -312,6 +313,8 @@ def main() -> None:
                         help="one receiver process per device, comma-separated (default: "
                              "--device); e.g. cuda:1,cuda:2,cuda:3 for nccl across GPUs")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--num-buffers", type=int, default=2,
+                        help="staging buffers per side for the packed paths")
     parser.add_argument("--direct-mb", type=float, default=None,
                         help="nccl/ucx: tensors of at least this many MiB move on their own, "
                              "straight into the parameter (0: pack everything); default: the "
@@ -344,7 +347,7 @@ def main() -> None:
     for name in args.models.split(","):
         rows += bench_model(args.backend, name, [int(x) for x in args.bucket_mb.split(",")],
                             args.device, (args.receiver_devices or args.device).split(","),
-                            args.repeats, args.rollback, args.direct_mb)
+                            args.repeats, args.rollback, args.direct_mb, args.num_buffers)
     print(f"\nbackend={args.backend} device={args.device} repeats={args.repeats} "
           f"(median seconds; ratios: floor/time and naive/time, higher is better)")
     print_table(rows, [("model", "model", ""), ("path", "path", ""), ("bucket_mb", "MiB", "d"),

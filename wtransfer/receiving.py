@@ -38,6 +38,9 @@ from wtransfer.packing import (
 from wtransfer.target import WeightTarget
 from wtransfer.wire import digest
 
+ISSUE_EVERY = 8
+"""A zero-copy update issues its copies in groups of this many tensors (`load_whole`)."""
+
 
 class _Partial:
     """A tensor whose bytes arrive over several buckets, in any order (several senders may
@@ -78,6 +81,8 @@ class UpdateSession:
         self._pending: dict[str, TensorMeta] = {}
         self._announced: dict[str, TensorMeta] = {}
         self._partials: dict[str, _Partial] = {}
+        self._prechecked: Sequence[TensorMeta] | None = None
+        """A list the target passed while the update was opening (`precheck`)."""
         self.touched = False
         """True once any byte of the target changed: a failure after this leaves weights torn."""
         self.bytes_received = 0
@@ -106,12 +111,27 @@ class UpdateSession:
         self.touched = False
         return len(restored)
 
+    def precheck(self, metas: Sequence[TensorMeta]) -> None:
+        """Check `metas` against the target ahead of their announcement: a receiver calls this
+        when the update opens, with the list it got last, so an update that names the same
+        list (every step, for a trainer) starts moving bytes without checking it then. Only
+        the update writes the target while it is open, so the check still holds when the
+        list is announced. A list the target refuses is simply not remembered: `announce`
+        checks it again and names the problem."""
+        try:
+            self._target.check(metas)
+        except Exception:  # announce raises it again, naming the update
+            return
+        self._prechecked = metas
+
     def announce(self, metas: Sequence[TensorMeta]) -> None:
-        """Start a group of tensors; the target checks them all before anything is written."""
+        """Start a group of tensors; the target checks them all before anything is written
+        (unless it did when the update opened: `precheck`)."""
         clash = [m.name for m in metas if m.name in self._pending]
         if clash:
             raise MetadataError(f"tensors announced again before they arrived: {clash[:5]}")
-        self._target.check(metas)
+        if metas is not self._prechecked:
+            self._target.check(metas)
         self._metas = list(metas)
         self._pending.update({m.name: m for m in metas})
         self._announced.update({m.name: m for m in metas})
@@ -222,16 +242,23 @@ class UpdateSession:
 
     def load_whole(self, sources: Sequence[torch.Tensor]) -> None:
         """Load every announced tensor whole from its own flat uint8 source (a zero-copy
-        update: the sender's storage), in one batch of copies."""
+        update: the sender's storage). Every source is checked first; then the copies are
+        issued every few tensors while the rest are still being placed, so the device starts
+        copying at once instead of after the bookkeeping of the whole list."""
         if len(sources) != len(self._metas):
             raise MetadataError(f"{len(sources)} sources for {len(self._metas)} tensors")
-        batch = _Batch()
-        for index, (meta, src) in enumerate(zip(self._metas, sources, strict=True)):
+        for meta, src in zip(self._metas, sources, strict=True):
             if src.numel() != meta.nbytes:
                 raise MetadataError(f"source of {meta.name!r} holds {src.numel()} bytes, "
                                     f"not {meta.nbytes}")
             if meta.name not in self._pending:
                 raise MetadataError(f"tensor {meta.name!r} arrived twice in one update")
+        batch = _Batch()
+        for index, (meta, src) in enumerate(zip(self._metas, sources, strict=True)):
+            if len(batch.dsts) >= ISSUE_EVERY:
+                self.touched = True
+                copy_bytes(batch.dsts, batch.srcs)
+                batch.dsts, batch.srcs = [], []
             self._save(meta.name)
             if meta.nbytes == 0:
                 batch.loads.append((meta.name, torch.empty(
@@ -296,6 +323,11 @@ class TensorLists:
 
     def __init__(self) -> None:
         self._last: tuple[object, list[TensorMeta], str] | None = None
+
+    @property
+    def last(self) -> list[TensorMeta] | None:
+        """The metas of the last list (what the next update will most likely name)."""
+        return None if self._last is None else self._last[1]
 
     def resolve(self, tensors: object, tensors_digest: str | None) -> list[TensorMeta] | None:
         """The metas the update carries or names (the same list object while unchanged);

@@ -121,6 +121,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self.group: TrainerGroup | None = None
         self._last_plan: tuple[tuple[TensorMeta, ...], BucketPlan] | None = None
         self._listed: tuple[BucketPlan, list[Any], str] | None = None
+        self._owned: tuple[BucketPlan, list[int], tuple[Bucket, ...]] | None = None
         self.calls = CallQueue(client) if client is not None else None
         """This rank's control calls, issued without waiting for each reply."""
         self.update_calls: UpdateCalls | None = None
@@ -206,7 +207,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             try:
                 metas = self.source.metadata()
                 plan = self._plan(metas)
-                owners = plan.owners(self.senders)
+                owners, mine = self._owners(plan)
                 packer: BucketPacker | GatheringPacker = (
                     GatheringPacker(plan, self.source.parts(), owners, self.group.senders)
                     if self.source.sharded and self.group is not None
@@ -214,9 +215,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                 self._together(lambda: self._open(plan) if self.lead else None)
                 index = self.sender_index
                 self._together(lambda: self._move(Share(
-                    plan,
-                    tuple(b for b, o in zip(plan.buckets, owners, strict=True) if o == index),
-                    packer, index if index is not None else -1, self.senders)))
+                    plan, mine, packer, index if index is not None else -1, self.senders)))
             except BaseException as exc:
                 if self.lead:
                     self._abort_remote(exc)
@@ -238,6 +237,16 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             self._last_plan = (key, BucketPlan.build(metas, self.init_info.bucket_bytes,
                                                      direct_threshold=self.direct_threshold))
         return self._last_plan[1]
+
+    def _owners(self, plan: BucketPlan) -> tuple[list[int], tuple[Bucket, ...]]:
+        """Which sender moves each bucket of `plan`, and this rank's buckets (worked out again
+        only for a new plan)."""
+        if self._owned is None or self._owned[0] is not plan:
+            owners = plan.owners(self.senders)
+            mine = tuple(b for b, o in zip(plan.buckets, owners, strict=True)
+                         if o == self.sender_index)
+            self._owned = (plan, owners, mine)
+        return self._owned[1], self._owned[2]
 
     def tensor_list(self, plan: BucketPlan) -> tuple[list[Any], str]:
         """`plan`'s tensor list as sent on the wire and its `wtransfer.wire.digest` (worked out

@@ -1,6 +1,7 @@
 """The shipped conformance suite, run on the ipc backend (POSIX shared memory on CPU)."""
 
 import pytest
+import torch
 from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
@@ -48,4 +49,51 @@ def test_a_zero_copy_update_may_name_the_last_tensor_list_by_digest_and_nothing_
             assert wtransfer.fingerprint(held.state_dict()) == landed
         plan = BucketPlan.build(wtransfer.ModuleSource(source).metadata(), 1 << 20)
         assert sender.tensor_list(plan) == (listed, digest(listed))  # what a sender would name
+    engine.shutdown()
+
+
+def test_an_event_on_shared_memory_staging_is_refused_before_any_write():
+    """`event` orders reads of CUDA staging; on a shared-memory sender it is a malformed
+    update, named as such, and no weight changes."""
+    source, held = build("mixed", seed=1, device="cpu"), build("mixed", seed=2, device="cpu")
+    engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(held))
+    before = wtransfer.fingerprint(held.state_dict())
+    plan = BucketPlan.build(wtransfer.ModuleSource(source).metadata(), 1 << 20)
+    bucket = plan.buckets[0]
+    with wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=1 << 20),
+                                client=wtransfer.LocalClient(engine),
+                                source=wtransfer.ModuleSource(source)):
+        engine.start_weight_update()
+        with pytest.raises(MetadataError, match="'event' orders reads of CUDA staging"):
+            engine.update_weights({"tensors": metas_to_wire(plan.metas), "buffer": 0,
+                                   "nbytes": bucket.nbytes, "event": b"\0" * 64,
+                                   "slices": [s.to_wire() for s in bucket.slices]})
+        assert engine.state == "failed"
+    assert wtransfer.fingerprint(held.state_dict()) == before
+    assert engine.torn is False
+    engine.shutdown()
+
+
+def test_an_engine_tensor_resized_between_updates_is_refused_although_checked_at_start():
+    """The receiver checks its last tensor list against the engine when an update opens, so a
+    repeated list starts moving at once. An engine parameter resized since the last update
+    fails that early check; the update is then refused when the list is announced, naming
+    the tensor, before any weight changes."""
+    source, held = build("mixed", seed=1, device="cpu"), build("mixed", seed=2, device="cpu")
+    engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(held))
+    client = wtransfer.LocalClient(engine)
+    with wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=1 << 20), client=client,
+                                source=wtransfer.ModuleSource(source)) as sender:
+        sender.send_weights("v1")
+        sender.send_weights("v2")  # the same list: checked when the update opened
+        assert wtransfer.fingerprint(held.state_dict()) == wtransfer.fingerprint(
+            source.state_dict())
+        name, param = next(iter(held.named_parameters()))
+        param.data = torch.zeros(param.shape[0] + 1, *param.shape[1:], dtype=param.dtype)
+        before = wtransfer.fingerprint(held.state_dict())
+        with pytest.raises(MetadataError, match=rf"'{name}': sent .* engine holds"):
+            sender.send_weights("v3")
+    assert wtransfer.fingerprint(held.state_dict()) == before
+    assert engine.torn is False
+    assert client.weight_version == "v2"
     engine.shutdown()

@@ -39,6 +39,28 @@ def test_qwen3_1_7b_shaped_bf16_round_trip_between_two_processes_on_one_gpu():
 
 
 @pytest.mark.gpu
+def test_packed_buckets_are_read_only_after_the_trainer_packed_them():
+    """No host synchronization per bucket: the engine's stream waits on the trainer's IPC
+    event. The trainer's GPU is kept busy (a spin kernel) before it writes the new weights,
+    so a receiver that read its staging without waiting would copy stale bytes."""
+    trainer = build("mixed", seed=1, device="cuda:0")
+    with spawn_receiver("ipc", model="mixed", seed=2, device="cuda:0") as child:
+        client = RPCClient(child.address, timeout_s=60)
+        info = IPCTrainerInitInfo(bucket_bytes=256 << 10, num_buffers=2, zero_copy=False,
+                                  timeout_s=60)
+        with wtransfer.trainer_init(info, client=client,
+                                    source=wtransfer.ModuleSource(trainer)) as sender:
+            for step in range(3):
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the writes
+                with torch.no_grad():
+                    for p in trainer.parameters():
+                        p.add_(step + 1)
+                stats = sender.send_weights(weight_version=str(step))
+                assert stats.buckets > 2 * info.num_buffers  # every slot reused
+                assert client.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+
+
+@pytest.mark.gpu
 def test_same_process_receiver_uses_the_staging_buffers_directly():
     metas = mixed_metas(layers=4)
     trainer, engine_model = build_module(metas, 1, "cuda:0"), build_module(metas, 2, "cuda:0")

@@ -58,3 +58,54 @@ def open_buffer(record: Any, *, token: str, index: int, same_process: bool,
     tensor = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
     tensor.set_(storage, 0, (record[2],), (1,))
     return tensor
+
+
+_local_events: dict[bytes, torch.cuda.Event] = {}
+"""Exported events by handle, for receivers in the sender's own process (held strongly until
+`withdraw_event`: torch's events do not take weak references safely)."""
+
+
+def exported_event(device: torch.device) -> tuple[torch.cuda.Event, bytes]:
+    """A new interprocess event on `device` (the sender records it after each write a
+    receiver must wait for) and its IPC handle; registered for receivers in the sender's own
+    process until `withdraw_event`."""
+    with torch.cuda.device(device):  # the event is created on the current device
+        event = torch.cuda.Event(interprocess=True)
+        handle = bytes(event.ipc_handle())
+    _local_events[handle] = event
+    return event, handle
+
+
+def withdraw_event(handle: bytes) -> None:
+    """Forget an event `exported_event` registered (its sender is closing)."""
+    _local_events.pop(handle, None)
+
+
+class SenderEvents:
+    """The sender events a receiver waits on, each handle opened once (a sender records the
+    same events again every update)."""
+
+    _MAX_OPEN = 256
+
+    def __init__(self) -> None:
+        self._opened: dict[bytes, torch.cuda.Event] = {}
+
+    def wait(self, handle: object, device: torch.device) -> None:
+        """Make `device`'s current stream wait for the sender's last record of `handle`'s
+        event (no host round trip)."""
+        if not isinstance(handle, bytes):
+            raise MetadataError("event must be bytes (a CUDA IPC event handle)")
+        event = self._opened.get(handle) or _local_events.get(handle)
+        if event is None:
+            if len(self._opened) >= self._MAX_OPEN:  # a sender that never reuses its events
+                self._opened.clear()
+            try:
+                event = torch.cuda.Event.from_ipc_handle(device, handle)
+            except RuntimeError as exc:
+                raise MetadataError(f"cannot open the sender's CUDA IPC event: {exc}") from None
+            self._opened[handle] = event
+        torch.cuda.current_stream(device).wait_event(event)
+
+    def close(self) -> None:
+        """Drop every opened event."""
+        self._opened = {}

@@ -87,6 +87,9 @@ class IPCUpdateInfo(UpdateInfo):
     slices: list[Any] = field(default_factory=list)
     """``[[tensor_index, tensor_offset, offset, nbytes], ...]`` placed in this bucket."""
     checksum: int | None = None
+    event: bytes | None = None
+    """CUDA staging: the IPC handle of the sender's event recorded after it packed the buffer;
+    the receiver's stream waits on it before reading."""
     sender: int = 0
     """With several senders: whose staging buffers hold the bucket."""
     zero_copy: dict[str, Any] | None = None

@@ -12,7 +12,7 @@ from wtransfer.packing import Slice, TensorMeta
 from wtransfer.receiver import WeightTransferEngine
 from wtransfer.receiving import TensorLists, UpdateSession
 from wtransfer.target import WeightTarget
-from wtransfer_ipc.cuda import open_buffer
+from wtransfer_ipc.cuda import SenderEvents, open_buffer
 from wtransfer_ipc.info import IPCInitInfo, IPCUpdateInfo
 from wtransfer_ipc.shm import SharedBuffer, creator_alive, sweep
 from wtransfer_ipc.zero_copy import ZeroCopyImports
@@ -30,6 +30,7 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         self._shm: list[SharedBuffer] = []
         self._staging: list[list[torch.Tensor]] = []
         """Each sender's mapped staging buffers."""
+        self._events = SenderEvents()
         self._zero_copy = ZeroCopyImports()
         self._lists = TensorLists()
 
@@ -59,6 +60,13 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
                             size=info.bucket_bytes)
                 for i, rec in enumerate(staging["buffers"])]
 
+    def _start(self) -> None:
+        """Check the last tensor list against the target while the sender plans: a trainer's
+        next update names the same one."""
+        last = self._lists.last
+        if last is not None and self._session is not None:
+            self._session.precheck(last)
+
     def _receive(self, info: IPCUpdateInfo, session: UpdateSession) -> None:
         metas = self._listed(info)
         if metas is not None:
@@ -78,6 +86,11 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
             raise MetadataError(f"buffer index {info.buffer} out of range "
                                 f"[0, {len(buffers)})")
         staging = buffers[info.buffer]
+        if info.event is not None:
+            if not staging.is_cuda:
+                raise MetadataError("'event' orders reads of CUDA staging; this sender's "
+                                    "staging is shared memory")
+            self._events.wait(info.event, staging.device)
         session.consume(staging, info.nbytes, [Slice.from_wire(s) for s in info.slices],
                         info.checksum)
         if staging.is_cuda or self.device.type == "cuda":
@@ -103,6 +116,7 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
 
     def _shutdown(self) -> None:
         self._zero_copy.close()
+        self._events.close()
         self._staging = []
         for buf in self._shm:
             buf.close()

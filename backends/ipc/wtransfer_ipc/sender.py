@@ -16,7 +16,7 @@ from wtransfer.packing import Bucket, BucketPacker, BucketPlan
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import send_issued
 from wtransfer.source import WeightSource
-from wtransfer_ipc.cuda import export_buffer
+from wtransfer_ipc.cuda import export_buffer, exported_event, withdraw_event
 from wtransfer_ipc.info import STAGING_FIELDS, IPCTrainerInitInfo
 from wtransfer_ipc.shm import SharedBuffer
 from wtransfer_ipc.zero_copy import ZeroCopyExports, shareable
@@ -41,6 +41,10 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                               "use device='cpu' or 'cuda:N'")
         self._staging: list[torch.Tensor] = []
         self._shm: list[SharedBuffer] = []
+        self._packed: list[tuple[torch.cuda.Event, bytes]] = []
+        """CUDA staging: one interprocess event per slot (and its IPC handle), recorded once
+        the slot is packed (the receivers' streams wait on it; no host synchronization per
+        bucket)."""
         self._zero_copy: ZeroCopyExports | None = None
         """The source's exported storages, when zero-copy updates apply (CUDA, no checksums,
         one unsharded sender)."""
@@ -54,6 +58,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
             self._staging = [torch.empty(info.bucket_bytes, dtype=torch.uint8,
                                          device=self.device) for _ in range(info.num_buffers)]
             buffers: list[Any] = [export_buffer(b, token, i) for i, b in enumerate(self._staging)]
+            self._packed = [exported_event(self.device) for _ in self._staging]
             transport = "cuda"
         else:
             self._shm = SharedBuffer.create_set(info.num_buffers, info.bucket_bytes)
@@ -101,6 +106,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                 "buffer": slot, "nbytes": bucket.nbytes, "checksum": checksum,
                 "slices": [s.to_wire() for s in bucket.slices],
             }
+            if slot >= 0 and self._packed:
+                update["event"] = self._packed[slot][1]
             if share.count > 1:
                 update["sender"] = share.index
             elif bucket.index == 0:
@@ -108,7 +115,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
             return calls.update(update)
 
         send_issued(share, self._staging, issue, timeout_s=calls.timeout_s,
-                    checksum=self.init_info.checksum, before_issue=self._sync,
+                    checksum=self.init_info.checksum, before_issue=self._packed_into,
                     check=calls.check)
         self.finish_early()
         calls.settle()
@@ -131,13 +138,19 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         exports.confirm()
         self.receivers_hold = list_digest
 
-    def _sync(self, slot: int) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+    def _packed_into(self, slot: int) -> None:
+        """Mark staging `slot` packed: record its event after the packing copies."""
+        if slot >= 0 and self._packed:
+            self._packed[slot][0].record(torch.cuda.current_stream(self.device))
 
     def _close(self) -> None:
         had_cuda = bool(self._staging) and self.device.type == "cuda"
         self._staging = []
+        for _, handle in self._packed:
+            withdraw_event(handle)
+        self._packed = []
+        if self._zero_copy is not None:
+            self._zero_copy.close()
         self._zero_copy = None
         for buf in self._shm:
             buf.close()

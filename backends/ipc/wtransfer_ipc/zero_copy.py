@@ -27,7 +27,13 @@ import torch
 
 from wtransfer.errors import MetadataError
 from wtransfer.packing import TensorMeta
-from wtransfer_ipc.cuda import export_buffer, open_buffer
+from wtransfer_ipc.cuda import (
+    SenderEvents,
+    export_buffer,
+    exported_event,
+    open_buffer,
+    withdraw_event,
+)
 
 _FIELDS = {"storages", "used", "layout", "event", "token", "sender_pid"}
 
@@ -59,7 +65,8 @@ class ZeroCopyExports:
         self._exported: list[torch.Tensor | None] = []
         """Byte views of the exported storages (strong references: receivers map them)."""
         self._index: dict[int, int] = {}
-        self.event: torch.cuda.Event | None = None
+        self.event: tuple[torch.cuda.Event, bytes] | None = None
+        """The event recorded after the trainer's last write, and its IPC handle."""
         self._last: tuple[list[int], list[int], bytes, bytes] | None = None
         """The tensors' pointers at the last update, the storages it used, and its `used`
         and `layout` fields."""
@@ -77,11 +84,11 @@ class ZeroCopyExports:
         _, used, used_bytes, layout_bytes = self._last
         device = tensors[0].device if tensors else torch.device("cuda")
         if self.event is None:
-            self.event = torch.cuda.Event(interprocess=True)
-        self.event.record(torch.cuda.current_stream(device))
+            self.event = exported_event(device)
+        self.event[0].record(torch.cuda.current_stream(device))
         return {"storages": [[i, self._record(i)] for i in used if i not in self._sent],
                 "used": used_bytes, "layout": layout_bytes,
-                "event": bytes(self.event.ipc_handle()), "token": self.token,
+                "event": self.event[1], "token": self.token,
                 "sender_pid": os.getpid()}
 
     def _record(self, index: int) -> list[Any]:
@@ -97,6 +104,14 @@ class ZeroCopyExports:
     def forget(self) -> None:
         """The last update failed: send every storage's handle again next time (a receiver
         that failed may not have opened them)."""
+        self._sent.clear()
+
+    def close(self) -> None:
+        """Drop every exported storage and the event."""
+        if self.event is not None:
+            withdraw_event(self.event[1])
+        self.event = None
+        self._exported, self._index, self._last = [], {}, None
         self._sent.clear()
 
     def _place(self, tensors: list[torch.Tensor]) -> tuple[list[int], list[int]]:
@@ -135,8 +150,7 @@ class ZeroCopyImports:
         self._last: tuple[object, object, list[TensorMeta], list[torch.Tensor]] | None = None
         """The last update's `used` and `layout`, its tensor list and the source views they
         gave (reused while all stay the same: every step, for a trainer)."""
-        self._event: tuple[bytes, torch.cuda.Event] | None = None
-        """The sender's IPC event handle and the event it opened to."""
+        self._events = SenderEvents()
 
     def sources(self, update: dict[str, Any], metas: list[TensorMeta],
                 device: torch.device) -> list[torch.Tensor]:
@@ -148,7 +162,8 @@ class ZeroCopyImports:
         if not isinstance(token, str) or not isinstance(pid, int):
             raise MetadataError("zero_copy token must be a string and sender_pid an int")
         if token != self._token:  # a new sender: nothing opened before is its
-            self._opened, self._token, self._last, self._event = {}, token, None, None
+            self._opened, self._token, self._last = {}, token, None
+            self._events.close()
         new, used, layout = update["storages"], update["used"], update["layout"]
         if not isinstance(new, list) or len(new) > 1 << 20:
             raise MetadataError("zero_copy storages must be a list")
@@ -161,7 +176,7 @@ class ZeroCopyImports:
             self._last = (used, layout, metas, out)
         else:
             out = last[3]
-        self._wait(update["event"], pid, device)
+        self._events.wait(update["event"], device)
         return out
 
     def _open(self, new: list[Any], used: list[int], token: str, same_process: bool) -> None:
@@ -200,19 +215,8 @@ class ZeroCopyImports:
             out.append(storage[offset : offset + meta.nbytes])
         return out
 
-    def _wait(self, handle: object, pid: int, device: torch.device) -> None:
-        """The current stream waits for the sender's writes (its IPC event, opened once: the
-        sender records the same event every update)."""
-        if not isinstance(handle, bytes):
-            raise MetadataError("zero_copy event must be bytes")
-        if pid == os.getpid():
-            return
-        if self._event is None or self._event[0] != handle:
-            self._event = (handle, torch.cuda.Event.from_ipc_handle(device, handle))
-        torch.cuda.current_stream(device).wait_event(self._event[1])
-
     def close(self) -> None:
         """Drop every mapping."""
         self._opened = {}
         self._last = None
-        self._event = None
+        self._events.close()

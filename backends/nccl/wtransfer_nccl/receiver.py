@@ -78,6 +78,13 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
                                       device=staging_device) for _ in range(info.num_buffers)]
                          for _ in range(info.senders)]
 
+    def _start(self) -> None:
+        """Check the last tensor list against the target while the sender plans: a trainer's
+        next update names the same one."""
+        last = self._lists.last
+        if last is not None and self._session is not None:
+            self._session.precheck(last)
+
     def _receive(self, info: NCCLUpdateInfo, session: UpdateSession) -> None:
         shares = self._shares(info, session)  # a malformed update is named as such first
         if not self._groups:
