@@ -26,16 +26,19 @@ Op = TypeVar("Op")
 """A backend's handle on one posted operation (a CUDA event, UCX requests, ...)."""
 
 
-def units(buckets: Sequence[Bucket], batch: int) -> list[list[Bucket]]:
+def units(buckets: Sequence[Bucket], batch: int, first: int | None = None
+          ) -> list[list[Bucket]]:
     """`buckets` in posting units: each packed bucket alone, runs of up to `batch` consecutive
-    direct ones together. A pure function of the plan, so sender and receivers (which derive
-    the same plan) post the same units: NCCL needs every rank to group its calls alike."""
+    direct ones together, the very first unit of at most `first` (the bytes start moving once
+    both sides posted it: a small one is ready sooner, the rest is posted while it moves). A
+    pure function of the plan, so sender and receivers (which derive the same plan and get
+    the same numbers) post the same units: NCCL needs every rank to group its calls alike."""
     out: list[list[Bucket]] = []
     run: list[Bucket] = []
     for bucket in buckets:
         if bucket.direct and batch > 1:
             run.append(bucket)
-            if len(run) == batch:
+            if len(run) == (batch if out or first is None else min(batch, first)):
                 out.append(run)
                 run = []
             continue
@@ -49,6 +52,7 @@ def units(buckets: Sequence[Bucket], batch: int) -> list[list[Bucket]]:
 
 
 def send_windowed(share: Share, slots: int, *, max_inflight: int, batch: int = 1,
+                  first: int | None = None,
                   stage: Callable[[Bucket, int], torch.Tensor],
                   post: Callable[[list[Bucket], list[torch.Tensor]], Op],
                   wait: Callable[[Op], None]) -> None:
@@ -66,7 +70,7 @@ def send_windowed(share: Share, slots: int, *, max_inflight: int, batch: int = 1
         if slot >= 0:
             free.append(slot)
 
-    for unit in units(share.buckets, batch):
+    for unit in units(share.buckets, batch, first):
         direct = unit[0].direct
         while len(inflight) >= max_inflight or not (direct or free):
             retire_oldest()
@@ -82,7 +86,7 @@ def send_windowed(share: Share, slots: int, *, max_inflight: int, batch: int = 1
 
 
 def receive_windowed(buckets: Sequence[Bucket], slots: int, *, max_inflight: int,
-                     batch: int = 1,
+                     batch: int = 1, first: int | None = None,
                      destination: Callable[[Bucket], torch.Tensor],
                      staging: Callable[[Bucket, int], torch.Tensor],
                      post: Callable[[list[Bucket], list[torch.Tensor]], Op],
@@ -102,7 +106,7 @@ def receive_windowed(buckets: Sequence[Bucket], slots: int, *, max_inflight: int
     offers no storage of its own costs bounded memory, not a model's worth of temporaries."""
     free = deque(range(slots))
     posted: deque[tuple[list[Bucket], int, list[torch.Tensor], Op, int]] = deque()
-    upcoming = deque(units(buckets, batch))
+    upcoming = deque(units(buckets, batch, first))
     held = 0
     head_need: tuple[list[Bucket], int] | None = None
     while upcoming or posted:

@@ -47,6 +47,8 @@ def test_nccl_receiver_refuses_a_batch_out_of_range() -> None:
     assert NCCLInitInfo(**base, batch=32).batch == 32
     with pytest.raises(ConfigError, match=r"batch must be in 1\.\.1024, got 0"):
         NCCLInitInfo(**base, batch=0)
+    with pytest.raises(ConfigError, match=r"first_batch must be in 1\.\.batch \(32\), got 33"):
+        NCCLInitInfo(**base, batch=32, first_batch=33)
 
 
 def test_temporaries_in_flight_stay_within_the_budget_and_every_bucket_lands_in_order() -> None:
@@ -87,3 +89,12 @@ def test_one_unit_goes_even_when_it_alone_is_over_the_budget() -> None:
         landed=lambda b, slot, data: landed.append(b.index),
         temporary=lambda b: b.nbytes, budget=100)
     assert landed == [0, 1, 2, 3, 4]
+
+
+def test_the_first_unit_may_be_smaller_and_the_rest_keep_the_batch() -> None:
+    plan = _plan([4096] * 9 + [10], threshold=2048)
+    assert _shape(units(plan.buckets, 4, first=2)) == [
+        ["d", "d"], ["d", "d", "d", "d"], ["d", "d", "d"], ["p1"]]
+    packed_first = _plan([10] + [4096] * 5, threshold=2048)  # only the very first unit
+    assert _shape(units(packed_first.buckets, 4, first=2)) == [
+        ["p1"], ["d", "d", "d", "d"], ["d"]]

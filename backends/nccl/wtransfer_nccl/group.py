@@ -33,6 +33,10 @@ travels in the init info so every rank groups alike). Two H200s over NVLink, Qwe
 raw NCCL: one broadcast per tensor 49.5 ms, 8 per group 45.3, 32 per group 44.6, one broadcast
 of every byte 44.1 (2026-11-29)."""
 
+DIRECT_FIRST = 2
+"""Direct tensors in the first group call of an update: the receiver prepares (and the bytes
+start moving after) two destinations instead of 32; the next groups are posted while it moves."""
+
 
 def host_rendezvous(address: str, port: int, timeout_s: float) -> dist.TCPStore:
     """The rendezvous server, hosted by the first sender. Port 0 lets the OS pick a free one

@@ -67,12 +67,18 @@ class NCCLInitInfo(ReceiverInitInfo):
     batch: int = 1
     """Consecutive direct tensors the sender broadcasts in one NCCL group call; every rank
     must group alike, so the receiver takes the sender's number."""
+    first_batch: int | None = None
+    """At most this many in the first group call (None: `batch`), so the bytes start moving
+    before either side prepared a whole batch; the sender's number, like `batch`."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_endpoint(self.master_address, self.master_port, self.world_size, lowest_port=1)
         if not 1 <= self.batch <= 1024:
             raise ConfigError(f"batch must be in 1..1024, got {self.batch}")
+        if self.first_batch is not None and not 1 <= self.first_batch <= self.batch:
+            raise ConfigError(f"first_batch must be in 1..batch ({self.batch}), "
+                              f"got {self.first_batch}")
         if not 1 <= self.senders < self.world_size:
             raise ConfigError(f"senders must be in 1..world_size-1, got {self.senders}")
         if not self.senders <= self.rank_offset < self.world_size:

@@ -167,6 +167,7 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
 
         receive_windowed(
             buckets, len(staging_buffers), max_inflight=MAX_INFLIGHT, batch=init.batch,
+            first=init.first_batch,
             destination=destination,
             staging=lambda bucket, slot: staging_buffers[slot][
                 :trailer_length(bucket.nbytes, init.checksum)],

@@ -17,6 +17,7 @@ from wtransfer.source import WeightSource
 from wtransfer.window import send_windowed
 from wtransfer_nccl.group import (
     DIRECT_BATCH,
+    DIRECT_FIRST,
     MAX_INFLIGHT,
     Group,
     host_rendezvous,
@@ -71,7 +72,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                                   master_port=port, world_size=info.world_size,
                                   rank_offset=self.senders, transport=self.transport,
                                   senders=self.senders, session=self._session,
-                                  direct_threshold=self.direct_threshold, batch=DIRECT_BATCH)
+                                  direct_threshold=self.direct_threshold, batch=DIRECT_BATCH,
+                                  first_batch=DIRECT_FIRST)
 
     def _merge(self, fragments: list[dict[str, Any]]) -> dict[str, Any]:
         """Several senders: they share the lead's rendezvous and session (each forms its own
@@ -156,6 +158,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         staging = self._staging
         send_windowed(
             share, len(staging), max_inflight=MAX_INFLIGHT, batch=DIRECT_BATCH,
+            first=DIRECT_FIRST,
             stage=lambda bucket, slot: share.packer.pack_framed(bucket, staging[slot],
                                                                 info.checksum),
             post=lambda _unit, data: group.broadcast(data),
