@@ -95,7 +95,9 @@ class SenderEvents:
         event (no host round trip)."""
         if not isinstance(handle, bytes):
             raise MetadataError("event must be bytes (a CUDA IPC event handle)")
-        event = self._opened.get(handle) or _local_events.get(handle)
+        event = self._opened.get(handle)
+        if event is None:
+            event = _local_events.get(handle)  # a sender in this process
         if event is None:
             if len(self._opened) >= self._MAX_OPEN:  # a sender that never reuses its events
                 self._opened.clear()

@@ -35,6 +35,7 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         self._lists = TensorLists()
 
     def _init(self, info: IPCInitInfo) -> None:
+        self._events.close()  # a new sender records new events
         try:
             self._staging = [self._open(info, staging) for staging in info.stagings()]
         except BaseException:
