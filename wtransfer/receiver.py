@@ -30,7 +30,7 @@ import torch
 
 from wtransfer.errors import LifecycleError, PeerError
 from wtransfer.infos import ReceiverInitInfo, UpdateInfo
-from wtransfer.receiving import UpdateSession
+from wtransfer.receiving import TensorLists, UpdateSession
 from wtransfer.target import WeightTarget
 from wtransfer.wire import parse_record
 
@@ -143,6 +143,10 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         self.last_update_seconds = 0.0
         self._state = ReceiverState.NEW
         self._session: UpdateSession | None = None
+        self._lists = TensorLists()
+        """The last tensor list an update carried (a backend resolves each update's list
+        through it: `TensorLists.resolve`); checked against the target when the next update
+        opens, since a trainer's next update names the same one."""
         self._lock = threading.RLock()
         self._last_call = time.monotonic()
         self._started = 0.0
@@ -235,6 +239,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                           action="start a weight update")
             self._session = UpdateSession(self.target, self.device, rollback=(
                 self._rollback_store if self.rollback else None))
+            if self._lists.last is not None:
+                self._session.precheck(self._lists.last)
             self._start()
             self.failure = None
             self._state = ReceiverState.UPDATING

@@ -10,12 +10,13 @@ the sender's own process cannot open its own IPC handle, so it uses the buffer d
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any
 
 import torch
 
-from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.errors import ConfigError, MetadataError, TransferTimeout
 
 _local: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
@@ -111,3 +112,21 @@ class SenderEvents:
     def close(self) -> None:
         """Drop every opened event."""
         self._opened = {}
+
+
+_POLL_S = 0.00005
+
+
+def drain(device: torch.device, timeout_s: float) -> None:
+    """Return once everything queued on `device`'s current stream ran, or raise
+    `TransferTimeout` after `timeout_s`: its copies may wait on a trainer's event, and a
+    trainer that died before its writes ran must not hold the engine's call forever (a plain
+    stream synchronize has no deadline)."""
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    deadline = time.monotonic() + timeout_s
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise TransferTimeout(f"copies out of the trainer's memory did not complete within "
+                                  f"{timeout_s:g}s: is the trainer process alive?")
+        time.sleep(_POLL_S)

@@ -10,9 +10,9 @@ import torch
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.packing import Slice, TensorMeta
 from wtransfer.receiver import WeightTransferEngine
-from wtransfer.receiving import TensorLists, UpdateSession
+from wtransfer.receiving import UpdateSession
 from wtransfer.target import WeightTarget
-from wtransfer_ipc.cuda import SenderEvents, open_buffer
+from wtransfer_ipc.cuda import SenderEvents, drain, open_buffer
 from wtransfer_ipc.info import IPCInitInfo, IPCUpdateInfo
 from wtransfer_ipc.shm import SharedBuffer, creator_alive, sweep
 from wtransfer_ipc.zero_copy import ZeroCopyImports
@@ -32,7 +32,6 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         """Each sender's mapped staging buffers."""
         self._events = SenderEvents()
         self._zero_copy = ZeroCopyImports()
-        self._lists = TensorLists()
 
     def _init(self, info: IPCInitInfo) -> None:
         self._events.close()  # a new sender records new events
@@ -61,13 +60,6 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
                             size=info.bucket_bytes)
                 for i, rec in enumerate(staging["buffers"])]
 
-    def _start(self) -> None:
-        """Check the last tensor list against the target while the sender plans: a trainer's
-        next update names the same one."""
-        last = self._lists.last
-        if last is not None and self._session is not None:
-            self._session.precheck(last)
-
     def _receive(self, info: IPCUpdateInfo, session: UpdateSession) -> None:
         metas = self._listed(info)
         if metas is not None:
@@ -94,9 +86,8 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
             self._events.wait(info.event, staging.device)
         session.consume(staging, info.nbytes, [Slice.from_wire(s) for s in info.slices],
                         info.checksum)
-        if staging.is_cuda or self.device.type == "cuda":
-            torch.cuda.current_stream(staging.device if staging.is_cuda
-                                      else self.device).synchronize()
+        if staging.is_cuda or self.device.type == "cuda":  # done reading: the slot is free
+            drain(staging.device if staging.is_cuda else self.device, self._timeout_s())
 
     def _listed(self, info: IPCUpdateInfo) -> list[TensorMeta] | None:
         """The tensor list this update carries or names by digest (None: neither); only a
@@ -112,8 +103,12 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
             raise ConfigError("a zero-copy update shares CUDA memory: create the receiver "
                               "with device='cuda:N'")
         session.load_whole(self._zero_copy.sources(update, metas, self.device))
-        torch.cuda.current_stream(self.device).synchronize()  # done reading: the trainer may
-        # write its weights again once this call returns
+        drain(self.device, self._timeout_s())  # done reading: the trainer may write its
+        # weights again once this call returns
+
+    def _timeout_s(self) -> float:
+        assert self.init_info is not None  # an update runs only after init
+        return self.init_info.timeout_s
 
     def _shutdown(self) -> None:
         self._zero_copy.close()

@@ -6,8 +6,9 @@ exported storage so the memory stays valid while receivers map it. One `update_w
 carries the whole update: which storages are new, where each tensor lies in them, and a CUDA
 IPC event recorded after the trainer's last write. The receiver opens new storages once, makes
 its stream wait on the event (no host round trip), copies every tensor straight into its
-parameter (one multi-tensor launch), and synchronizes before answering, so `send_weights`
-returns only once the receivers finished reading and the optimizer may write again.
+parameter (issued a few tensors at a time while it places the rest), and waits for the copies
+(within the transfer's deadline) before answering, so `send_weights` returns only once the
+receivers finished reading and the optimizer may write again.
 
 Wire form (the ``zero_copy`` field of the update info): ``storages``, ``[index, handle
 record]`` for each storage the receivers do not hold yet; ``used``, the indices of every

@@ -17,7 +17,7 @@ from wtransfer.packing import (
     trailer_length,
 )
 from wtransfer.receiver import WeightTransferEngine
-from wtransfer.receiving import TensorLists, UpdateSession
+from wtransfer.receiving import UpdateSession
 from wtransfer.target import WeightTarget
 from wtransfer.window import receive_windowed
 from wtransfer_nccl.group import (
@@ -48,7 +48,6 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         """One group per sending trainer rank (index = sender)."""
         self._staging: list[list[torch.Tensor]] = []
         """`num_buffers` staging buffers per sender."""
-        self._lists = TensorLists()
         self._plan: tuple[list[TensorMeta], list[list[Bucket]]] | None = None
         """The metas the plan was made for, and each sender's buckets of it."""
 
@@ -77,13 +76,6 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         self._staging = [[torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                       device=staging_device) for _ in range(info.num_buffers)]
                          for _ in range(info.senders)]
-
-    def _start(self) -> None:
-        """Check the last tensor list against the target while the sender plans: a trainer's
-        next update names the same one."""
-        last = self._lists.last
-        if last is not None and self._session is not None:
-            self._session.precheck(last)
 
     def _receive(self, info: NCCLUpdateInfo, session: UpdateSession) -> None:
         shares = self._shares(info, session)  # a malformed update is named as such first
