@@ -36,9 +36,29 @@ def _exit_when_parent_goes() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def _keep_busy(device: str) -> None:
+    """Keep `device`'s default stream busy with back-to-back kernels (a few queued at any
+    time), as an engine generating tokens would: work the receiver queues there runs late."""
+    import torch
+
+    def spin() -> None:
+        queued: list[torch.cuda.Event] = []
+        with torch.cuda.device(device):
+            while True:
+                torch.cuda._sleep(20_000_000)  # ~10 ms on current GPUs
+                queued.append(torch.cuda.Event())
+                queued[-1].record()
+                if len(queued) > 3:
+                    queued.pop(0).synchronize()
+
+    threading.Thread(target=spin, name="wtransfer-gpu-busy", daemon=True).start()
+
+
 def run_receiver(args: argparse.Namespace) -> None:
     """Serve a receiver for model `args.model` until stdin closes."""
     module = build(args.model, args.seed, args.device, args.fill)
+    if args.gpu_busy:
+        _keep_busy(args.device)
     engine = create_receiver(args.backend, ModuleTarget(module), device=args.device,
                              rollback=args.rollback)
     server = ReceiverServer(engine, args.bind).start()
@@ -87,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--loop", action="store_true")
     parser.add_argument("--rollback", action="store_true",
                         help="receiver: restore the old weights when an update fails")
+    parser.add_argument("--gpu-busy", action="store_true",
+                        help="receiver on CUDA: keep the device's default stream busy, as "
+                             "an engine serving requests would (tests of GPU ordering)")
     parser.add_argument("--vary", action="store_true",
                         help="with --loop: refill the weights before every update after the "
                              "first (update k sends build(model, seed) randomized with "

@@ -43,7 +43,7 @@ class ChildProcess:
                  device: str = "cpu", fill: str = "random", address: str = "",
                  init_fields: dict[str, Any] | None = None,
                  loop: bool = False, vary: bool = False, rollback: bool = False,
-                 env: dict[str, str] | None = None,
+                 gpu_busy: bool = False, env: dict[str, str] | None = None,
                  start_timeout_s: float = 120.0) -> None:
         self.role = role
         cmd = [sys.executable, "-m", "wtransfer.peer", role, "--backend", backend,
@@ -58,9 +58,12 @@ class ChildProcess:
             cmd.append("--vary")
         if rollback:
             cmd.append("--rollback")
+        if gpu_busy:
+            cmd.append("--gpu-busy")
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})},  # a crash shows
+            # its Python stack on stderr
         )
         self.info: dict[str, Any] = self.read_line(start_timeout_s)
 

@@ -102,12 +102,14 @@ def send_issued(
     checksum: bool = False,
     before_issue: Callable[[int], None] | None = None,
     check: Callable[[], None] | None = None,
+    before_pack: Callable[[int], None] | None = None,
 ) -> None:
     """Pack each bucket of `share` into a free staging slot and `issue` its call, without
     waiting for the replies of earlier ones: up to `len(staging)` calls are in flight, and a
     slot is packed again only once the call that used it is answered (within `timeout_s`).
     For backends whose update calls are pipelined (`wtransfer.calls`): the receivers find the
-    next bucket's call waiting when they finish one. `before_issue(slot)` runs after packing;
+    next bucket's call waiting when they finish one. `before_pack(slot)` runs before packing
+    into a staging slot, `before_issue(slot)` after packing (direct buckets: slot -1);
     `check()` may raise a refusal already answered. The replies of the last calls are left
     for the caller to settle."""
     packer = share.packer
@@ -122,6 +124,8 @@ def send_issued(
             slot, next_slot = next_slot, (next_slot + 1) % len(staging)
             if slot in in_slot:
                 in_slot.pop(slot).result(timeout_s)
+            if before_pack is not None:
+                before_pack(slot)
             packer.pack(bucket, staging[slot])
             data = staging[slot][: bucket.nbytes]
         if before_issue is not None:

@@ -101,7 +101,7 @@ class TrainerRanks:
                 cmd.append("--fingerprint")
             self.procs.append(subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"}))
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}))
         self._lines: list[list[dict[str, Any]]] = [[] for _ in range(ranks)]
         self._readers = [threading.Thread(target=self._read, args=(r,), daemon=True)
                          for r in range(ranks)]

@@ -97,3 +97,32 @@ def test_an_engine_tensor_resized_between_updates_is_refused_although_checked_at
     assert engine.torn is False
     assert client.weight_version == "v2"
     engine.shutdown()
+
+
+def test_free_events_that_do_not_fit_the_receiver_are_refused_at_init():
+    """`free_events` (CUDA staging: the events a worker records after reading a slot) are
+    refused at init, naming the mismatch, when the staging is shared memory or the list has
+    no entry for this worker; the receiver then takes a proper sender."""
+    source, held = build("mixed", seed=1, device="cpu"), build("mixed", seed=2, device="cpu")
+    engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(held), worker_index=1)
+    base = {"bucket_bytes": 1 << 20, "num_buffers": 2, "sender_pid": 1, "token": "t",
+            "buffers": ["wt-none-0", "wt-none-1"]}
+    cases = [
+        ({**base, "transport": "shm", "free_events": [[b"a", b"b"], [b"c", b"d"]]},
+         "free_events order the staging reads of one sender's CUDA buffers; this init info "
+         "has shared memory"),
+        ({**base, "transport": "cuda", "free_events": [[b"a", b"b"]]},
+         r"free_events lists 1 worker\(s\); this receiver is worker 1"),
+        ({**base, "transport": "cuda", "free_events": [[b"a", b"b"], [b"c"]]},
+         r"free_events\[1\] must list 2 event handles"),
+    ]
+    for init, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            engine.init_transfer_engine(init)
+        assert engine.state == "new"
+    with wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=1 << 20),
+                                client=wtransfer.LocalClient(engine),
+                                source=wtransfer.ModuleSource(source)) as sender:
+        sender.send_weights()
+    assert wtransfer.fingerprint(held.state_dict()) == wtransfer.fingerprint(source.state_dict())
+    engine.shutdown()

@@ -61,6 +61,32 @@ def test_packed_buckets_are_read_only_after_the_trainer_packed_them():
 
 
 @pytest.mark.gpu
+def test_busy_engines_answer_before_reading_and_the_trainer_waits_for_their_reads():
+    """Each engine answers a packed bucket once its reads are queued: it records the
+    trainer's event for that slot instead of waiting on its host. Both engines' GPU streams
+    are kept busy (as by generation), so their reads run long after they answered; a trainer
+    that packed a later bucket into the slot without waiting on every engine's event would
+    overwrite bytes not yet read."""
+    trainer = build("mixed", seed=1, device="cuda:0")
+    with spawn_receiver("ipc", model="mixed", seed=2, device="cuda:0", gpu_busy=True) as a, \
+            spawn_receiver("ipc", model="mixed", seed=3, device="cuda:0", gpu_busy=True) as b:
+        client = wtransfer.FanoutClient([RPCClient(a.address, timeout_s=60),
+                                         RPCClient(b.address, timeout_s=60)])
+        info = IPCTrainerInitInfo(bucket_bytes=256 << 10, num_buffers=2, zero_copy=False,
+                                  timeout_s=60)
+        with wtransfer.trainer_init(info, client=client,
+                                    source=wtransfer.ModuleSource(trainer)) as sender:
+            for step in range(3):
+                with torch.no_grad():
+                    for p in trainer.parameters():
+                        p.add_(step + 1)
+                stats = sender.send_weights(weight_version=str(step))
+                assert stats.buckets > 2 * info.num_buffers  # every slot reused
+                assert client.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+        client.close()
+
+
+@pytest.mark.gpu
 def test_same_process_receiver_uses_the_staging_buffers_directly():
     metas = mixed_metas(layers=4)
     trainer, engine_model = build_module(metas, 1, "cuda:0"), build_module(metas, 2, "cuda:0")

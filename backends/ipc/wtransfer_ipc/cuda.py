@@ -83,8 +83,9 @@ def withdraw_event(handle: bytes) -> None:
 
 
 class SenderEvents:
-    """The sender events a receiver waits on, each handle opened once (a sender records the
-    same events again every update)."""
+    """The sender's events a receiver uses, each handle opened once (a sender's events are
+    recorded again every update): it waits on the trainer's records, and records the events
+    the trainer waits on."""
 
     _MAX_OPEN = 256
 
@@ -94,6 +95,14 @@ class SenderEvents:
     def wait(self, handle: object, device: torch.device) -> None:
         """Make `device`'s current stream wait for the sender's last record of `handle`'s
         event (no host round trip)."""
+        torch.cuda.current_stream(device).wait_event(self._open(handle, device))
+
+    def record(self, handle: object, device: torch.device) -> None:
+        """Record `handle`'s event on `device`'s current stream: the sender's stream, waiting
+        on it, runs on once everything queued here before it ran."""
+        self._open(handle, device).record(torch.cuda.current_stream(device))
+
+    def _open(self, handle: object, device: torch.device) -> torch.cuda.Event:
         if not isinstance(handle, bytes):
             raise MetadataError("event must be bytes (a CUDA IPC event handle)")
         event = self._opened.get(handle)
@@ -107,7 +116,7 @@ class SenderEvents:
             except RuntimeError as exc:
                 raise MetadataError(f"cannot open the sender's CUDA IPC event: {exc}") from None
             self._opened[handle] = event
-        torch.cuda.current_stream(device).wait_event(event)
+        return event
 
     def close(self) -> None:
         """Drop every opened event."""

@@ -54,6 +54,12 @@ class IPCInitInfo(ReceiverInitInfo):
                 raise ConfigError(f"buffers lists {len(staging['buffers'])} entries for "
                                   f"num_buffers={self.num_buffers}")
 
+    free_events: list[Any] | None = None
+    """CUDA staging of one sender: per engine worker, one IPC event handle per staging
+    buffer. The worker records a buffer's event once its reads are queued and answers without
+    waiting on its host; the trainer's stream waits on it before packing the buffer again.
+    Without it a worker waits for its reads before answering."""
+
     def stagings(self) -> list[dict[str, Any]]:
         """Each sender's staging description, checked field by field."""
         if self.senders is None:
@@ -71,6 +77,25 @@ class IPCInitInfo(ReceiverInitInfo):
                                   "sender_pid: int, token: str}")
             out.append(entry)
         return out
+
+    def free_events_of(self, worker_index: int) -> list[bytes] | None:
+        """Worker `worker_index`'s `free_events` (one handle per staging buffer), checked."""
+        if self.free_events is None:
+            return None
+        if self.transport != "cuda" or self.senders is not None:
+            raise ConfigError("free_events order the staging reads of one sender's CUDA "
+                              "buffers; this init info has "
+                              f"{'several senders' if self.senders else 'shared memory'}")
+        if not 0 <= worker_index < len(self.free_events):
+            raise ConfigError(f"free_events lists {len(self.free_events)} worker(s); this "
+                              f"receiver is worker {worker_index} of its engine (does the "
+                              "client report the engine's num_workers?)")
+        events = self.free_events[worker_index]
+        if not (isinstance(events, list) and len(events) == self.num_buffers
+                and all(isinstance(e, bytes) for e in events)):
+            raise ConfigError(f"free_events[{worker_index}] must list {self.num_buffers} "
+                              "event handles (bytes), one per staging buffer")
+        return events
 
 
 @dataclass(frozen=True, kw_only=True)

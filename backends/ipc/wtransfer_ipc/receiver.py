@@ -31,11 +31,18 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         self._staging: list[list[torch.Tensor]] = []
         """Each sender's mapped staging buffers."""
         self._events = SenderEvents()
+        self._free: list[bytes] | None = None
+        """The trainer's per-buffer events this worker records after reading (see
+        `IPCInitInfo.free_events`); None: it waits for its reads before answering."""
+        self._unfinished: torch.device | None = None
+        """The device whose stream holds reads not yet waited for (at finish)."""
         self._zero_copy = ZeroCopyImports()
 
     def _init(self, info: IPCInitInfo) -> None:
         self._events.close()  # a new sender records new events
+        self._unfinished = None
         try:
+            self._free = info.free_events_of(self.worker_index)
             self._staging = [self._open(info, staging) for staging in info.stagings()]
         except BaseException:
             self._shutdown()  # unmap what was mapped before the failure
@@ -84,10 +91,17 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
                 raise MetadataError("'event' orders reads of CUDA staging; this sender's "
                                     "staging is shared memory")
             self._events.wait(info.event, staging.device)
-        session.consume(staging, info.nbytes, [Slice.from_wire(s) for s in info.slices],
-                        info.checksum)
-        if staging.is_cuda or self.device.type == "cuda":  # done reading: the slot is free
-            drain(staging.device if staging.is_cuda else self.device, self._timeout_s())
+        slices = [Slice.from_wire(s) for s in info.slices]
+        if self._free is not None:  # the trainer's stream waits for these reads
+            self._unfinished = staging.device
+            try:
+                session.consume(staging, info.nbytes, slices, info.checksum)
+            finally:  # even reads queued before a failure must finish before a rewrite
+                self._events.record(self._free[info.buffer], staging.device)
+        else:
+            session.consume(staging, info.nbytes, slices, info.checksum)
+            if staging.is_cuda or self.device.type == "cuda":  # done reading: slot is free
+                drain(staging.device if staging.is_cuda else self.device, self._timeout_s())
 
     def _listed(self, info: IPCUpdateInfo) -> list[TensorMeta] | None:
         """The tensor list this update carries or names by digest (None: neither); only a
@@ -106,6 +120,16 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         drain(self.device, self._timeout_s())  # done reading: the trainer may write its
         # weights again once this call returns
 
+    def _finish(self) -> None:
+        """Wait (within the deadline) for the reads the buckets queued: the weights are in
+        when finish answers."""
+        if self._unfinished is not None:
+            drain(self._unfinished, self._timeout_s())
+            self._unfinished = None
+
+    def _abort(self) -> None:
+        self._unfinished = None
+
     def _timeout_s(self) -> float:
         assert self.init_info is not None  # an update runs only after init
         return self.init_info.timeout_s
@@ -113,6 +137,7 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
     def _shutdown(self) -> None:
         self._zero_copy.close()
         self._events.close()
+        self._free = None
         self._staging = []
         for buf in self._shm:
             buf.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -45,6 +46,11 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         """CUDA staging: one interprocess event per slot (and its IPC handle), recorded once
         the slot is packed (the receivers' streams wait on it; no host synchronization per
         bucket)."""
+        self._freed: list[list[tuple[torch.cuda.Event, bytes]]] = []
+        """CUDA staging of one sender: per receiving worker, one interprocess event per slot
+        that the worker records after reading it; packing into a slot waits on them (on the
+        GPU, not the host)."""
+        self._freed_lock = threading.Lock()
         self._zero_copy: ZeroCopyExports | None = None
         """The source's exported storages, when zero-copy updates apply (CUDA, no checksums,
         one unsharded sender)."""
@@ -67,6 +73,22 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
             transport = "shm"
         return receiver_init_dict(info, transport=transport, buffers=buffers,
                                   sender_pid=os.getpid(), token=token)
+
+    def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
+        """CUDA staging of one sender: each engine gets one event per slot for each of its
+        workers to record once it read the slot (`IPCInitInfo.free_events`)."""
+        if not (self._packed and self.senders == 1 and self.client is not None):
+            super()._init_receivers(receiver_init)
+            return
+        self.client.init_each_engine(
+            lambda _first, workers: {**receiver_init, "free_events": self._free_events(workers)})
+
+    def _free_events(self, workers: int) -> list[list[bytes]]:
+        """New slot events for an engine of `workers` workers (engines init concurrently)."""
+        made = [[exported_event(self.device) for _ in self._staging] for _ in range(workers)]
+        with self._freed_lock:
+            self._freed.extend(made)
+        return [[handle for _, handle in worker] for worker in made]
 
     def _after_init(self) -> None:
         for buf in self._shm:  # every receiver has mapped them: drop the names, keep the memory
@@ -116,7 +138,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
         send_issued(share, self._staging, issue, timeout_s=calls.timeout_s,
                     checksum=self.init_info.checksum, before_issue=self._packed_into,
-                    check=calls.check)
+                    check=calls.check, before_pack=self._wait_read)
         self.finish_early()
         calls.settle()
 
@@ -138,6 +160,14 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         exports.confirm()
         self.receivers_hold = list_digest
 
+    def _wait_read(self, slot: int) -> None:
+        """Order packing into staging `slot` after every worker's reads of its last bucket
+        (the workers answered once those reads were queued, not done)."""
+        stream = torch.cuda.current_stream(self.device) if self._freed else None
+        for worker in self._freed:
+            assert stream is not None
+            stream.wait_event(worker[slot][0])
+
     def _packed_into(self, slot: int) -> None:
         """Mark staging `slot` packed: record its event after the packing copies."""
         if slot >= 0 and self._packed:
@@ -146,9 +176,10 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
     def _close(self) -> None:
         had_cuda = bool(self._staging) and self.device.type == "cuda"
         self._staging = []
-        for _, handle in self._packed:
+        for _, handle in self._packed + [e for worker in self._freed for e in worker]:
             withdraw_event(handle)
         self._packed = []
+        self._freed = []
         if self._zero_copy is not None:
             self._zero_copy.close()
         self._zero_copy = None

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from wtransfer.errors import ConfigError, PeerError, TransferTimeout
 from wtransfer_nccl.libnccl import load_nccl
 
-_POLL_S = 0.0005
 MAX_INFLIGHT = 16
 """Units (`wtransfer.window.units`) posted ahead per side: staging slots bound the packed
 ones; direct ones (into the parameter itself) need none, and keeping several in flight hides
@@ -74,6 +73,10 @@ def sender_store(store: dist.Store, sender: int, senders: int) -> dist.Store:
 class Pending(ABC):
     """An operation in flight."""
 
+    poll_s: float = 0.0005
+    """How often `wait` looks again: the latency between completion and the host noticing
+    (CUDA lowers it: at the last broadcast of an update it adds straight to the transfer)."""
+
     @abstractmethod
     def done(self) -> bool:
         """True once finished (raises `PeerError` if it failed)."""
@@ -87,7 +90,7 @@ class Pending(ABC):
             if time.monotonic() > deadline:
                 raise TransferTimeout(f"broadcast did not complete within {timeout_s:g}s: a "
                                       "peer is gone or stalled")
-            time.sleep(_POLL_S)
+            time.sleep(self.poll_s)
 
 
 class Group(ABC):
@@ -183,6 +186,8 @@ class GlooGroup(Group):
 
 
 class _NCCLPending(Pending):
+    poll_s = 0.00005  # an event query costs a few microseconds
+
     def __init__(self, group: NCCLGroup, event: torch.cuda.Event,
                  tensors: Sequence[torch.Tensor]) -> None:
         self._group = group
