@@ -192,8 +192,10 @@ def rollback_rows(backend: str, name: str, model: torch.nn.Module, buckets_mb: l
 
 def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
                 devices: list[str], repeats: int, rollback: bool = False,
-                direct_mb: float | None = None, num_buffers: int = 2) -> list[dict[str, Any]]:
-    """Every path of `backend` for model `name`, each against its floor from the same run."""
+                direct_mb: float | None = None, num_buffers: int = 2,
+                reads: bool = False) -> list[dict[str, Any]]:
+    """Every path of `backend` for model `name`, each against its floor from the same run
+    (ucx's one-sided reads only with `reads`)."""
     metas = model_metas(name)
     total = sum(m.nbytes for m in metas)
     model = build(name, seed=1, device=device, fill="constant")
@@ -212,8 +214,11 @@ def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
     paths: list[tuple[str, int, Any]] = []
     if backend == "ipc" and device.startswith("cuda"):
         paths.append(("zero-copy", 0, trainer_info(backend, len(devices))))
+    if backend == "ucx" and reads:  # each worker reads every tensor out of the trainer
+        paths.append(("one-sided reads", 0, trainer_info(backend, len(devices), rma=True)))
     for mb in buckets_mb:
-        extra: dict[str, Any] = {"zero_copy": False} if backend == "ipc" else {}
+        extra: dict[str, Any] = {"zero_copy": False} if backend == "ipc" else \
+            {"rma": False} if backend == "ucx" else {}
         if direct_mb is not None and backend != "ipc":
             extra["direct_threshold"] = int(direct_mb * (1 << 20))
         # nccl and ucx may move tensors on their own (direct) besides packed buckets
@@ -319,6 +324,9 @@ def main() -> None:
                         help="nccl/ucx: tensors of at least this many MiB move on their own, "
                              "straight into the parameter (0: pack everything); default: the "
                              "backend's choice")
+    parser.add_argument("--ucx-reads", action="store_true",
+                        help="ucx: also measure one-sided reads out of the trainer's memory "
+                             "(rma=True)")
     parser.add_argument("--rollback", action="store_true",
                         help="also measure the packed path into a receiver with rollback on")
     parser.add_argument("--trainer-ranks", type=int, default=0,
@@ -347,7 +355,8 @@ def main() -> None:
     for name in args.models.split(","):
         rows += bench_model(args.backend, name, [int(x) for x in args.bucket_mb.split(",")],
                             args.device, (args.receiver_devices or args.device).split(","),
-                            args.repeats, args.rollback, args.direct_mb, args.num_buffers)
+                            args.repeats, args.rollback, args.direct_mb, args.num_buffers,
+                            args.ucx_reads)
     print(f"\nbackend={args.backend} device={args.device} repeats={args.repeats} "
           f"(median seconds; ratios: floor/time and naive/time, higher is better)")
     print_table(rows, [("model", "model", ""), ("path", "path", ""), ("bucket_mb", "MiB", "d"),

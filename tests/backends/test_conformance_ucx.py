@@ -12,3 +12,65 @@ class TestUCXConformance(BackendConformance):
     workers = 2
     timeout_s = 10.0  # a UCX init (worker, listener, endpoints) once took over 5 s on the
     # 2-core VM while the whole suite ran beside it (20 in a row take 10 s alone)
+
+
+class TestUCXRemoteReadsConformance(BackendConformance):
+    """The same suite with every update moved by one-sided reads out of the trainer's memory
+    (`rma=True`; UCX emulates them over TCP here)."""
+
+    backend = "ucx"
+    workers = 2
+    timeout_s = 10.0
+
+    def init_fields(self, workers: int) -> dict[str, object]:
+        return {"rma": True}
+
+
+def test_one_sided_reads_follow_a_replaced_tensor_and_refuse_bad_reads_before_any_write():
+    """With one-sided reads the trainer registers each tensor once; a parameter whose storage
+    is replaced is registered again (the old memory no longer readable) and lands. A read
+    naming a key the worker was never sent, or reaching past its registration, is refused
+    with the tensor's name before any weight changes."""
+    from array import array
+
+    from wtransfer_ucx import UCXTrainerInitInfo
+
+    import wtransfer
+    from wtransfer.errors import RemoteMetadataError
+    from wtransfer.packing import metas_to_wire
+    from wtransfer.processes import spawn_receiver
+    from wtransfer.rpc import RPCClient
+    from wtransfer.shapes import build
+
+    model = build("mixed", seed=1, device="cpu")
+    with spawn_receiver("ucx", model="mixed", seed=2) as child:
+        client = RPCClient(child.address, timeout_s=30)
+        info = UCXTrainerInitInfo(rma=True, timeout_s=10)
+        with wtransfer.trainer_init(info, client=client,
+                                    source=wtransfer.ModuleSource(model)) as sender:
+            sender.send_weights("v1")
+            param = next(iter(model.parameters()))
+            param.data = param.data.clone() + 1  # a new storage for one tensor
+            sender.send_weights("v2")
+            assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+            landed = client.fingerprint()
+            metas = wtransfer.ModuleSource(model).metadata()
+            pairs = array("q")
+            for tensor in wtransfer.ModuleSource(model).held():
+                pairs.extend((tensor.data_ptr(), 10_000))  # a key never sent
+            unknown = {"keys": [], "reads": pairs.tobytes(), "drop": []}
+            first = metas[0]
+            past = array("q", pairs)
+            past[1] = 7
+            outside = {"keys": [[7, past[0], first.nbytes - 1, b"\0" * 8]],
+                       "reads": past.tobytes(), "drop": []}
+            cases = [(unknown, f"tensor '{first.name}' names rma key 10000, which this "
+                               "worker was never sent"),
+                     (outside, f"tensor '{first.name}' .* lies outside its rma registration")]
+            for rma, message in cases:
+                client.start_weight_update()
+                with pytest.raises(RemoteMetadataError, match=message):
+                    client.update_weights({"tensors": metas_to_wire(metas), "update": 99,
+                                           "rma": rma})
+                assert client.fingerprint() == landed
+        client.close()

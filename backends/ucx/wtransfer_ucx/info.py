@@ -21,6 +21,14 @@ class UCXTrainerInitInfo(TrainerInitInfo):
     device: str | None = None
     """Staging device; default the source's (CUDA buffers move device to device when UCX was
     built with CUDA support)."""
+    rma: bool = False
+    """Let each engine worker read every tensor straight out of the trainer's memory into its
+    parameter (UCX remote memory access through UCXX's handles; see
+    `wtransfer_ucx.remote_reads`): one control call per update and no staging on either
+    side. Applies with one unsharded sender, no checksums and contiguous tensors (otherwise
+    tagged buckets move the update). Opt-in: on host memory over TCP it beat tagged buckets
+    (0.90 against 0.83 of one raw send, Qwen3-0.6B), but its first run on an H200 was far
+    slower than tagged buckets (UCX did not read through cuda_ipc); see docs/benchmarks.md."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -49,3 +57,6 @@ class UCXUpdateInfo(UpdateInfo):
 
     tensors: list[Any] | None = None
     update: int = 0
+    rma: dict[str, Any] | None = None
+    """The whole update as one-sided reads out of the trainer's memory (see
+    `wtransfer_ucx.remote_reads`); None: tagged buckets follow."""

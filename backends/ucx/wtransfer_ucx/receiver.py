@@ -13,6 +13,7 @@ from wtransfer.receiving import UpdateSession
 from wtransfer.target import WeightTarget
 from wtransfer.window import receive_windowed
 from wtransfer_ucx.info import UCXInitInfo, UCXUpdateInfo
+from wtransfer_ucx.remote_reads import ImportedKeys
 from wtransfer_ucx.transport import (
     MAX_INFLIGHT,
     UCXWorker,
@@ -33,6 +34,9 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
     def __init__(self, target: WeightTarget, **options: Any) -> None:
         super().__init__(target, **options)
         self._ucx: UCXWorker | None = None
+        self._ep: Any = None
+        """The endpoint to this sender (one-sided reads go through it)."""
+        self._keys = ImportedKeys()
         self._staging: list[torch.Tensor] = []
 
     def _worker(self) -> UCXWorker:
@@ -44,16 +48,26 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
     def _init(self, info: UCXInitInfo) -> None:
         if self._ucx is None:  # one context and worker for the receiver's life
             self._ucx = acquire_worker()
-        self._ucx.connect(info.trainer_address, info.trainer_port)
+        self._ep = self._ucx.connect(info.trainer_address, info.trainer_port)
         self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]
 
     def _receive(self, info: UCXUpdateInfo, session: UpdateSession) -> None:
         init = self.init_info
         assert init is not None
+        ucx = self._worker()
+        if info.rma is not None:
+            if self._ep is None:
+                raise LifecycleError("ucx: the endpoint to the trainer was closed after a "
+                                     "failed update; create a new sender (trainer_init)")
+            self._keys.read_into(
+                session, session.announce_plan(info.tensors, init.bucket_bytes,
+                                               direct_threshold=1),
+                info.rma, self._ep, self.device, budget=init.num_buffers * init.bucket_bytes,
+                timeout_s=init.timeout_s, check=ucx.check_peers)
+            return
         plan = session.announce_plan(info.tensors, init.bucket_bytes,
                                      direct_threshold=init.direct_threshold or 0)
-        ucx = self._worker()
         staging = self._staging
 
         def landed(bucket: Bucket, slot: int, data: torch.Tensor) -> None:
@@ -81,8 +95,14 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
     def _abort(self) -> None:
         if self._ucx is not None:
             self._ucx.worker.cancel_inflight_requests()
+            if self._keys.in_flight:  # reads may still land: cut the endpoint (the sender
+                self._keys.close()  # is unusable after a failure anyway)
+                self._ucx.disconnect()
+                self._ep = None
 
     def _shutdown(self) -> None:
+        self._keys.close()  # before the endpoint they were unpacked for
+        self._ep = None
         if self._ucx is not None:
             self._ucx.disconnect()
         self._staging = []

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from wtransfer.errors import LifecycleError
 from wtransfer.infos import receiver_init_dict
-from wtransfer.packing import CHECKSUM_BYTES, Bucket
+from wtransfer.packing import CHECKSUM_BYTES, Bucket, BucketPacker
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.source import WeightSource
 from wtransfer.window import send_windowed
 from wtransfer_ucx.info import UCXTrainerInitInfo
+from wtransfer_ucx.remote_reads import ExportedTensors, readable
 from wtransfer_ucx.transport import (
     MAX_INFLIGHT,
     UCXWorker,
@@ -41,11 +43,16 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         self._ucx: UCXWorker | None = None
         self._endpoints: list[Any] = []
         self._staging: list[torch.Tensor] = []
+        self._exports: ExportedTensors | None = None
+        """The source's tensors registered for the workers' one-sided reads, when those
+        apply (`UCXTrainerInitInfo.rma`)."""
 
     def _connect(self) -> dict[str, Any]:
         info = self.init_info
         self._ucx = acquire_worker()
         port = self._ucx.listen(info.listen_port)
+        if info.rma and not info.checksum and not self.source.sharded:
+            self._exports = ExportedTensors(self._ucx.context)
         self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]
         return receiver_init_dict(info, trainer_address=info.listen_address,
@@ -75,14 +82,52 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         calls = self.update_calls
         assert calls is not None
         self._updates += 1
-        calls.update({"tensors": self.tensor_list(share.plan)[0], "update": self._updates})
-        self.finish_early()
+        tensors, share = self._readable(share)
+        update = {"tensors": self.tensor_list(share.plan)[0], "update": self._updates}
         try:
+            if tensors is not None:
+                self._send_reads(update, tensors)
+                return
+            calls.update(update)
+            self.finish_early()
             self._send_buckets(share, calls.check)
             calls.settle()
-        except BaseException as exc:
+        except BaseException as exc:  # messages or reads may still be in flight
             self._broken = f"{type(exc).__name__}: {exc}"
             raise
+
+    def _readable(self, share: Share) -> tuple[list[torch.Tensor] | None, Share]:
+        """The source's tensors when the workers may read them in place (one sender, all
+        contiguous; else None), and the share to send otherwise (a new packer when the walk
+        used up the source's iterator)."""
+        if self._exports is None or share.count != 1 or \
+                not isinstance(share.packer, BucketPacker):
+            return None, share
+        held = self.source.held()
+        tensors = held if held is not None else share.packer.walk()
+        if readable(tensors):
+            if held is not None:
+                share.packer.release()
+            return tensors, share
+        if held is None:
+            share = replace(share, packer=BucketPacker(share.plan, self.source.tensors()))
+        return None, share
+
+    def _send_reads(self, update: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        """The whole update in one call: every worker reads each tensor out of this
+        process's memory and answers once its reads completed."""
+        calls, exports = self.update_calls, self._exports
+        assert calls is not None and exports is not None
+        for device in {t.device for t in tensors if t.is_cuda}:  # the trainer's last writes
+            torch.cuda.current_stream(device).synchronize()  # land before any read
+        calls.update({**update, "rma": exports.update(tensors)})
+        self.finish_early()
+        try:
+            calls.settle()
+        except BaseException:
+            exports.forget()
+            raise
+        exports.confirm()
 
     def _send_buckets(self, share: Share, receivers_failed: Callable[[], None]) -> None:
         info = self.init_info
@@ -107,6 +152,9 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             wait=lambda requests: ucx.wait(requests, info.timeout_s, receivers_failed))
 
     def _close(self) -> None:
+        if self._exports is not None:
+            self._exports.close()
+            self._exports = None
         ucx, self._ucx = self._ucx, None
         self._endpoints = []
         if ucx is not None:

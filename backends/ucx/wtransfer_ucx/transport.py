@@ -39,7 +39,8 @@ class UCXWorker:
         import ucxx._lib.libucxx as ucx_api
 
         self.api = ucx_api
-        self.context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
+        self.context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,
+                                                         ucx_api.Feature.RMA))
         self.worker = ucx_api.UCXWorker(self.context)
         self.worker.start_progress_thread(polling_mode=True)
         self.progressing = True
@@ -134,13 +135,17 @@ class UCXWorker:
                 return
             if check is not None:
                 check()
-            if self.closed_endpoints:
-                raise PeerError("a UCX peer closed its endpoint mid-transfer")
+            self.check_peers()
             if time.monotonic() > deadline:
                 self.worker.cancel_inflight_requests()
                 raise TransferTimeout(f"UCX transfer did not complete within {timeout_s:g}s: "
                                       "a peer is gone or stalled")
             time.sleep(_POLL_S)
+
+    def check_peers(self) -> None:
+        """`PeerError` if a peer closed its endpoint (it left or died)."""
+        if self.closed_endpoints:
+            raise PeerError("a UCX peer closed its endpoint mid-transfer")
 
     def disconnect(self) -> None:
         """Close every endpoint, keeping the context and worker for the next peers (a UCX

@@ -1,0 +1,186 @@
+"""Updates by one-sided reads: each engine worker reads every tensor straight out of the
+trainer's memory into its parameter (UCX remote memory access, see `rma`).
+
+The trainer registers each source tensor once, again only when its address or size changes,
+and the update call carries what the workers need: ``keys``, ``[key, address, nbytes, packed
+remote key]`` for each registration the workers do not hold yet; ``reads``, each tensor's
+address and key as packed signed 64-bit integers (key -1 for an empty tensor); ``drop``, keys
+the trainer unregistered. A worker checks every read lies inside its key's registration before
+it writes anything, reads every tensor (a few at a time when they land in temporaries), and
+answers once the reads completed, so `send_weights` returns only when the trainer may write
+its tensors again. One call per update, no staging on either side.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from wtransfer.errors import MetadataError
+from wtransfer.packing import BucketPlan
+from wtransfer.receiving import UpdateSession
+from wtransfer_ucx.rma import Reads, Region, RemoteKey
+
+_FIELDS = {"keys", "reads", "drop"}
+
+
+def readable(tensors: list[torch.Tensor]) -> bool:
+    """Whether a peer can read every tensor where it lies (contiguous memory)."""
+    return all(t.is_contiguous() for t in tensors)
+
+
+class ExportedTensors:
+    """The trainer's registered tensors (see the module docstring)."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+        self._regions: dict[tuple[int, int], tuple[int, Region]] = {}
+        self._next_key = 0
+        self._held: set[int] = set()
+        """Keys the workers hold (confirmed by a successful update)."""
+        self._sent: set[int] = set()
+        self._dropped: list[int] = []
+
+    def update(self, tensors: list[torch.Tensor]) -> dict[str, Any]:
+        """The ``rma`` field of one update of `tensors` (in the tensor list's order)."""
+        reads = array("q")
+        keys: list[list[Any]] = []
+        used: dict[tuple[int, int], tuple[int, Region]] = {}
+        for tensor in tensors:
+            span = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+            if not span[1]:
+                reads.extend((0, -1))
+                continue
+            entry = used.get(span) or self._regions.get(span)
+            if entry is None:
+                entry = (self._next_key, Region(self._context, *span, cuda=tensor.is_cuda))
+                self._next_key += 1
+            used[span] = entry
+            reads.extend((span[0], entry[0]))
+        for span, (key, region) in used.items():
+            if key not in self._held:
+                keys.append([key, span[0], span[1], region.rkey])
+        for span, (key, region) in self._regions.items():
+            if span not in used:  # the tensor moved: nobody may read this memory any more
+                region.close()
+                self._dropped.append(key)
+        self._regions = used
+        self._sent = {key for key, _ in used.values()}
+        return {"keys": keys, "reads": reads.tobytes(), "drop": list(self._dropped)}
+
+    def confirm(self) -> None:
+        """The update landed: the workers hold every key it sent and dropped the old ones."""
+        self._held = set(self._sent)
+        self._dropped = []
+
+    def forget(self) -> None:
+        """The update failed: send every key again next time."""
+        self._held = set()
+
+    def close(self) -> None:
+        """Unregister everything."""
+        for _, region in self._regions.values():
+            region.close()
+        self._regions = {}
+        self._held = set()
+
+
+class ImportedKeys:
+    """A worker's view of the trainer's registrations, unpacked for its endpoint."""
+
+    def __init__(self) -> None:
+        self._keys: dict[int, tuple[int, int, RemoteKey]] = {}
+        self.in_flight = False
+        """True from the first read of an update until every one completed: after a
+        failure in between, reads may still land, and only closing the endpoint stops them."""
+
+    def read_into(self, session: UpdateSession, plan: BucketPlan, update: object, ep: Any,
+                  device: torch.device, *, budget: int, timeout_s: float,
+                  check: Callable[[], None] | None = None) -> None:
+        """Check `update` (an update's ``rma`` field) against `plan`, then read every tensor
+        into the engine (temporaries up to `budget` bytes at a time)."""
+        sources = self._sources(plan, update, ep, timeout_s)
+        if device.type == "cuda":  # the engine's own work on its weights (rollback copies)
+            torch.cuda.current_stream(device).synchronize()  # ends before UCX writes them
+        batch: list[tuple[Any, torch.Tensor]] = []
+        reads, temporary = Reads(ep), 0
+        self.in_flight = True
+        for bucket in plan.buckets:
+            if not bucket.direct:  # only empty tensors are left out of direct buckets
+                session.consume(torch.empty(0, dtype=torch.uint8), 0, bucket.slices)
+                continue
+            extra = session.direct_temporary_bytes(bucket, device)
+            if batch and temporary + extra > budget:
+                self._complete(session, reads, batch, timeout_s, check)
+                batch, reads, temporary = [], Reads(ep), 0
+            destination = session.direct_destination(bucket, device)
+            temporary += extra
+            address, key = sources[bucket.slices[0].tensor]
+            reads.get(destination.data_ptr(), bucket.nbytes, address, key,
+                      into_cuda=destination.is_cuda)
+            batch.append((bucket, destination))
+        self._complete(session, reads, batch, timeout_s, check)
+        self.in_flight = False
+
+    @staticmethod
+    def _complete(session: UpdateSession, reads: Reads, batch: list[tuple[Any, torch.Tensor]],
+                  timeout_s: float, check: Callable[[], None] | None) -> None:
+        reads.finish(timeout_s, check)
+        for bucket, destination in batch:
+            session.complete_direct(bucket, destination)
+
+    def _sources(self, plan: BucketPlan, update: object, ep: Any,
+                 timeout_s: float) -> dict[int, tuple[int, RemoteKey]]:
+        """Each non-empty tensor's remote address and key, every field checked first."""
+        if not (isinstance(update, dict) and set(update) == _FIELDS
+                and isinstance(update["keys"], list) and isinstance(update["drop"], list)
+                and isinstance(update["reads"], bytes) and len(update["reads"]) % 16 == 0):
+            raise MetadataError("rma must be {keys: list, reads: bytes (pairs of 64-bit "
+                                "integers), drop: list}")
+        pairs = array("q", update["reads"])
+        if len(pairs) != 2 * len(plan.metas):
+            raise MetadataError(f"rma reads describe {len(pairs) // 2} tensors; the update "
+                                f"lists {len(plan.metas)}")
+        for key in update["drop"]:
+            entry = self._keys.pop(key, None) if isinstance(key, int) else None
+            if entry is not None:
+                entry[2].close()
+        new: dict[int, tuple[int, int, bytes]] = {}
+        for entry in update["keys"]:
+            if not (isinstance(entry, list) and len(entry) == 4
+                    and all(isinstance(v, int) for v in entry[:3])
+                    and isinstance(entry[3], bytes)):
+                raise MetadataError("each rma key must be [key, address, nbytes, packed "
+                                    "remote key]")
+            new[entry[0]] = (entry[1], entry[2], entry[3])
+        wanted: dict[int, tuple[int, int]] = {}
+        for index, meta in enumerate(plan.metas):
+            address, key = pairs[2 * index], pairs[2 * index + 1]
+            if not meta.nbytes:
+                continue
+            span = new.get(key) or self._keys.get(key)
+            if span is None:
+                raise MetadataError(f"tensor '{meta.name}' names rma key {key}, which this "
+                                    "worker was never sent")
+            if not span[0] <= address <= address + meta.nbytes <= span[0] + span[1]:
+                raise MetadataError(f"tensor '{meta.name}' ({meta.nbytes} bytes at "
+                                    f"{address:#x}) lies outside its rma registration")
+            wanted[index] = (address, key)
+        if new and not self._keys:  # the endpoint's first keys: finish connecting first
+            Reads(ep).finish(timeout_s)  # (a flush completes once the connection is up)
+        for key, (address, nbytes, packed) in new.items():  # all checked: unpack
+            old = self._keys.pop(key, None)
+            if old is not None:
+                old[2].close()
+            self._keys[key] = (address, nbytes, RemoteKey(ep, packed))
+        return {i: (address, self._keys[key][2]) for i, (address, key) in wanted.items()}
+
+    def close(self) -> None:
+        """Release every key (before the endpoint closes)."""
+        for _, _, key in self._keys.values():
+            key.close()
+        self._keys = {}
+        self.in_flight = False
