@@ -19,7 +19,7 @@ import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -92,6 +92,17 @@ class Share:
     def lead(self) -> bool:
         """Whether this sender drives the control plane."""
         return self.index == 0
+
+
+class SentOnce(Protocol):
+    """What a backend gave its receivers to keep across updates (IPC handles, remote keys):
+    kept once an update lands, sent again in full after one fails."""
+
+    def confirm(self) -> None:
+        """The update landed: the receivers hold everything it carried."""
+
+    def forget(self) -> None:
+        """The update failed: send everything again next time."""
 
 
 class TrainerTransferEngine(ABC, Generic[TInitT]):
@@ -283,6 +294,37 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         finish waits for every rank's verdict instead."""
         if self.lead and self.senders == 1 and self.update_calls is not None:
             self.update_calls.finish()
+
+    def in_place(self, share: Share, usable: Callable[[list[torch.Tensor]], bool]
+                 ) -> tuple[list[torch.Tensor] | None, Share]:
+        """For a backend whose receivers read the source's tensors where they lie: those
+        tensors (in the plan's order) when this is the only sender and `usable(tensors)`,
+        else None; and the share to send otherwise (with a new packer when looking used up
+        the source's iterator)."""
+        if share.count != 1 or not isinstance(share.packer, BucketPacker):
+            return None, share
+        held = self.source.held()
+        tensors = held if held is not None else share.packer.walk()
+        if usable(tensors):
+            if held is not None:
+                share.packer.release()
+            return tensors, share
+        if held is None:
+            share = replace(share, packer=BucketPacker(share.plan, self.source.tensors()))
+        return None, share
+
+    def settle_in_place(self, sent: SentOnce) -> None:
+        """After the one update call of an in-place update: issue finish behind it, wait for
+        the replies, and keep or drop what the call gave the receivers."""
+        calls = self.update_calls
+        assert calls is not None
+        self.finish_early()  # start, update and finish travel together: one round trip
+        try:
+            calls.settle()
+        except BaseException:
+            sent.forget()
+            raise
+        sent.confirm()
 
     def _close_update(self) -> None:
         """The lead finishes the update (unless `finish_early` did) and waits for every reply."""

@@ -74,3 +74,44 @@ def test_one_sided_reads_follow_a_replaced_tensor_and_refuse_bad_reads_before_an
                                            "rma": rma})
                 assert client.fingerprint() == landed
         client.close()
+
+
+def test_one_sided_reads_take_a_yielding_source_and_fall_back_for_a_strided_tensor():
+    """A source that only yields its tensors (no `held` list) is walked once: contiguous, it
+    moves by one-sided reads; with one strided tensor (a transposed view) the same update
+    moves by tagged buckets from a fresh walk. Both land bit-exact, twice in a row."""
+    from wtransfer_ucx import UCXTrainerInitInfo
+
+    import wtransfer
+    from wtransfer.processes import spawn_receiver
+    from wtransfer.rpc import RPCClient
+    from wtransfer.shapes import build, randomize
+    from wtransfer.source import WeightSource
+
+    class Yielding(WeightSource):
+        def __init__(self, state: dict) -> None:
+            self.state = state
+
+        def metadata(self):
+            return wtransfer.ModuleSource(model).metadata()
+
+        def tensors(self):
+            yield from self.state.items()
+
+    model = build("mixed", seed=1, device="cpu")
+    names = [m.name for m in wtransfer.ModuleSource(model).metadata()]
+    state = dict(zip(names, wtransfer.ModuleSource(model).held(), strict=True))
+    square = next(n for n, t in state.items() if t.dim() == 2 and t.shape[0] == t.shape[1])
+    with spawn_receiver("ucx", model="mixed", seed=2) as child:
+        client = RPCClient(child.address, timeout_s=30)
+        for strided in (False, True):
+            if strided:  # same values, transposed memory
+                state[square].data = state[square].data.t().contiguous().t()
+                assert not state[square].is_contiguous()
+            with wtransfer.trainer_init(UCXTrainerInitInfo(rma=True, timeout_s=10),
+                                        client=client, source=Yielding(state)) as sender:
+                for step in range(2):
+                    randomize(model, 10 * strided + step)  # in place: strides kept
+                    sender.send_weights()
+                    assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+        client.close()

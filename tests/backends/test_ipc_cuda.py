@@ -38,6 +38,25 @@ def test_qwen3_1_7b_shaped_bf16_round_trip_between_two_processes_on_one_gpu():
               f"{stats.seconds * 1e3:.1f} ms = {stats.gbps:.1f} GB/s (checksummed)")
 
 
+def send_changed_weights_through_two_slots(trainer, client, *, trainer_busy: bool) -> None:
+    """Three updates of changed weights, each more buckets than two staging slots hold (every
+    slot reused); each lands bit-exact. With `trainer_busy` the trainer's GPU spins before it
+    writes the new weights."""
+    info = IPCTrainerInitInfo(bucket_bytes=256 << 10, num_buffers=2, zero_copy=False,
+                              timeout_s=60)
+    with wtransfer.trainer_init(info, client=client,
+                                source=wtransfer.ModuleSource(trainer)) as sender:
+        for step in range(3):
+            if trainer_busy:
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the writes
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(step + 1)
+            stats = sender.send_weights(weight_version=str(step))
+            assert stats.buckets > 2 * info.num_buffers
+            assert client.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+
+
 @pytest.mark.gpu
 def test_packed_buckets_are_read_only_after_the_trainer_packed_them():
     """No host synchronization per bucket: the engine's stream waits on the trainer's IPC
@@ -45,19 +64,8 @@ def test_packed_buckets_are_read_only_after_the_trainer_packed_them():
     so a receiver that read its staging without waiting would copy stale bytes."""
     trainer = build("mixed", seed=1, device="cuda:0")
     with spawn_receiver("ipc", model="mixed", seed=2, device="cuda:0") as child:
-        client = RPCClient(child.address, timeout_s=60)
-        info = IPCTrainerInitInfo(bucket_bytes=256 << 10, num_buffers=2, zero_copy=False,
-                                  timeout_s=60)
-        with wtransfer.trainer_init(info, client=client,
-                                    source=wtransfer.ModuleSource(trainer)) as sender:
-            for step in range(3):
-                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the writes
-                with torch.no_grad():
-                    for p in trainer.parameters():
-                        p.add_(step + 1)
-                stats = sender.send_weights(weight_version=str(step))
-                assert stats.buckets > 2 * info.num_buffers  # every slot reused
-                assert client.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+        send_changed_weights_through_two_slots(
+            trainer, RPCClient(child.address, timeout_s=60), trainer_busy=True)
 
 
 @pytest.mark.gpu
@@ -72,17 +80,7 @@ def test_busy_engines_answer_before_reading_and_the_trainer_waits_for_their_read
             spawn_receiver("ipc", model="mixed", seed=3, device="cuda:0", gpu_busy=True) as b:
         client = wtransfer.FanoutClient([RPCClient(a.address, timeout_s=60),
                                          RPCClient(b.address, timeout_s=60)])
-        info = IPCTrainerInitInfo(bucket_bytes=256 << 10, num_buffers=2, zero_copy=False,
-                                  timeout_s=60)
-        with wtransfer.trainer_init(info, client=client,
-                                    source=wtransfer.ModuleSource(trainer)) as sender:
-            for step in range(3):
-                with torch.no_grad():
-                    for p in trainer.parameters():
-                        p.add_(step + 1)
-                stats = sender.send_weights(weight_version=str(step))
-                assert stats.buckets > 2 * info.num_buffers  # every slot reused
-                assert client.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+        send_changed_weights_through_two_slots(trainer, client, trainer_busy=False)
         client.close()
 
 

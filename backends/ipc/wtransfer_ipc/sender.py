@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,7 +12,7 @@ import torch
 from wtransfer.calls import PendingCall
 from wtransfer.errors import ConfigError
 from wtransfer.infos import receiver_init_dict
-from wtransfer.packing import Bucket, BucketPacker, BucketPlan
+from wtransfer.packing import Bucket, BucketPlan
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import send_issued
 from wtransfer.source import WeightSource
@@ -110,17 +109,11 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         manifest, _ = self.tensor_list(share.plan)
         calls = self.update_calls
         assert calls is not None
-        if self._zero_copy is not None and share.count == 1 and \
-                isinstance(share.packer, BucketPacker):
-            held = self.source.held()
-            tensors = held if held is not None else share.packer.walk()
-            if shareable(tensors):
-                if held is not None:
-                    share.packer.release()
+        if self._zero_copy is not None:
+            tensors, share = self.in_place(share, shareable)
+            if tensors is not None:
                 self._send_zero_copy(share.plan, tensors, self._zero_copy)
                 return
-            if held is None:  # the walk used up the source's iterator
-                share = replace(share, packer=BucketPacker(share.plan, self.source.tensors()))
 
         def issue(bucket: Bucket, slot: int, data: torch.Tensor,
                   checksum: int | None) -> PendingCall:
@@ -151,13 +144,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         listed, list_digest = self.listed_tensors(plan)
         self.receivers_hold = None
         calls.update({**listed, "zero_copy": exports.update(tensors)})
-        self.finish_early()  # start, update and finish travel together: one round trip
-        try:
-            calls.settle()
-        except BaseException:
-            exports.forget()
-            raise
-        exports.confirm()
+        self.settle_in_place(exports)
         self.receivers_hold = list_digest
 
     def _wait_read(self, slot: int) -> None:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
 
 from wtransfer.errors import LifecycleError
 from wtransfer.infos import receiver_init_dict
-from wtransfer.packing import CHECKSUM_BYTES, Bucket, BucketPacker
+from wtransfer.packing import CHECKSUM_BYTES, Bucket
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.source import WeightSource
 from wtransfer.window import send_windowed
@@ -82,7 +81,9 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         calls = self.update_calls
         assert calls is not None
         self._updates += 1
-        tensors, share = self._readable(share)
+        tensors: list[torch.Tensor] | None = None
+        if self._exports is not None:
+            tensors, share = self.in_place(share, readable)
         update = {"tensors": self.tensor_list(share.plan)[0], "update": self._updates}
         try:
             if tensors is not None:
@@ -96,23 +97,6 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             self._broken = f"{type(exc).__name__}: {exc}"
             raise
 
-    def _readable(self, share: Share) -> tuple[list[torch.Tensor] | None, Share]:
-        """The source's tensors when the workers may read them in place (one sender, all
-        contiguous; else None), and the share to send otherwise (a new packer when the walk
-        used up the source's iterator)."""
-        if self._exports is None or share.count != 1 or \
-                not isinstance(share.packer, BucketPacker):
-            return None, share
-        held = self.source.held()
-        tensors = held if held is not None else share.packer.walk()
-        if readable(tensors):
-            if held is not None:
-                share.packer.release()
-            return tensors, share
-        if held is None:
-            share = replace(share, packer=BucketPacker(share.plan, self.source.tensors()))
-        return None, share
-
     def _send_reads(self, update: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         """The whole update in one call: every worker reads each tensor out of this
         process's memory and answers once its reads completed."""
@@ -121,13 +105,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         for device in {t.device for t in tensors if t.is_cuda}:  # the trainer's last writes
             torch.cuda.current_stream(device).synchronize()  # land before any read
         calls.update({**update, "rma": exports.update(tensors)})
-        self.finish_early()
-        try:
-            calls.settle()
-        except BaseException:
-            exports.forget()
-            raise
-        exports.confirm()
+        self.settle_in_place(exports)
 
     def _send_buckets(self, share: Share, receivers_failed: Callable[[], None]) -> None:
         info = self.init_info
