@@ -133,9 +133,15 @@ def drain(device: torch.device, timeout_s: float) -> None:
     stream synchronize has no deadline)."""
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(device))
+    await_event(done, timeout_s, "copies out of the trainer's memory",
+                "is the trainer process alive?")
+
+
+def await_event(event: torch.cuda.Event, timeout_s: float, what: str, hint: str) -> None:
+    """Poll `event` (its last record, possibly another process's) until it completed, or
+    raise `TransferTimeout` naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while not done.query():
+    while not event.query():
         if time.monotonic() > deadline:
-            raise TransferTimeout(f"copies out of the trainer's memory did not complete within "
-                                  f"{timeout_s:g}s: is the trainer process alive?")
+            raise TransferTimeout(f"{what} did not complete within {timeout_s:g}s: {hint}")
         time.sleep(_POLL_S)

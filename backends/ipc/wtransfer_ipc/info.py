@@ -43,6 +43,11 @@ class IPCInitInfo(ReceiverInitInfo):
     senders: list[Any] | None = None
     """With several trainer ranks sending: every sender's ``{transport, buffers, sender_pid,
     token}``, in sender order (the fields above repeat sender 0's)."""
+    free_events: list[Any] | None = None
+    """CUDA staging of one sender: per engine worker, one IPC event handle per staging
+    buffer. The worker records a buffer's event once its reads are queued and answers without
+    waiting on its host; the trainer waits for it (polled, with the deadline) before packing
+    the buffer again. Without it a worker waits for its reads before answering."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -53,12 +58,6 @@ class IPCInitInfo(ReceiverInitInfo):
             if len(staging["buffers"]) != self.num_buffers:
                 raise ConfigError(f"buffers lists {len(staging['buffers'])} entries for "
                                   f"num_buffers={self.num_buffers}")
-
-    free_events: list[Any] | None = None
-    """CUDA staging of one sender: per engine worker, one IPC event handle per staging
-    buffer. The worker records a buffer's event once its reads are queued and answers without
-    waiting on its host; the trainer's stream waits on it before packing the buffer again.
-    Without it a worker waits for its reads before answering."""
 
     def stagings(self) -> list[dict[str, Any]]:
         """Each sender's staging description, checked field by field."""

@@ -16,7 +16,7 @@ from wtransfer.packing import Bucket, BucketPlan
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.sending import send_issued
 from wtransfer.source import WeightSource
-from wtransfer_ipc.cuda import export_buffer, exported_event, withdraw_event
+from wtransfer_ipc.cuda import await_event, export_buffer, exported_event, withdraw_event
 from wtransfer_ipc.info import STAGING_FIELDS, IPCTrainerInitInfo
 from wtransfer_ipc.shm import SharedBuffer
 from wtransfer_ipc.zero_copy import ZeroCopyExports, shareable
@@ -148,12 +148,13 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         self.receivers_hold = list_digest
 
     def _wait_read(self, slot: int) -> None:
-        """Order packing into staging `slot` after every worker's reads of its last bucket
-        (the workers answered once those reads were queued, not done)."""
-        stream = torch.cuda.current_stream(self.device) if self._freed else None
+        """Pack into staging `slot` only once every worker's reads of its last bucket ran (the
+        workers answered once those reads were queued, not done). Polled on the host with
+        the transfer's deadline rather than waited for on the trainer's stream: an engine
+        that died with its reads queued must not stall the trainer's GPU work forever."""
         for worker in self._freed:
-            assert stream is not None
-            stream.wait_event(worker[slot][0])
+            await_event(worker[slot][0], self.init_info.timeout_s,
+                        "an engine's reads of a staging buffer", "is the engine alive?")
 
     def _packed_into(self, slot: int) -> None:
         """Mark staging `slot` packed: record its event after the packing copies."""
