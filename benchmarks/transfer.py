@@ -217,8 +217,7 @@ def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
     if backend == "ucx" and reads:  # each worker reads every tensor out of the trainer
         paths.append(("one-sided reads", 0, trainer_info(backend, len(devices), rma=True)))
     for mb in buckets_mb:
-        extra: dict[str, Any] = {"zero_copy": False} if backend == "ipc" else \
-            {"rma": False} if backend == "ucx" else {}
+        extra: dict[str, Any] = {"zero_copy": False} if backend == "ipc" else {}
         if direct_mb is not None and backend != "ipc":
             extra["direct_threshold"] = int(direct_mb * (1 << 20))
         # nccl and ucx may move tensors on their own (direct) besides packed buckets

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 from wtransfer import wire
@@ -38,7 +39,9 @@ def _exit_when_parent_goes() -> None:
 
 def _keep_busy(device: str) -> None:
     """Keep `device`'s default stream busy with back-to-back kernels (a few queued at any
-    time), as an engine generating tokens would: work the receiver queues there runs late."""
+    time), as an engine generating tokens would: work the receiver queues there runs late.
+    Stops when the stream stays blocked for a minute (work queued behind an event that never
+    completes), rather than waiting on it forever."""
     import torch
 
     def spin() -> None:
@@ -49,7 +52,11 @@ def _keep_busy(device: str) -> None:
                 queued.append(torch.cuda.Event())
                 queued[-1].record()
                 if len(queued) > 3:
-                    queued.pop(0).synchronize()
+                    oldest, deadline = queued.pop(0), time.monotonic() + 60
+                    while not oldest.query():
+                        if time.monotonic() > deadline:
+                            return
+                        time.sleep(0.001)
 
     threading.Thread(target=spin, name="wtransfer-gpu-busy", daemon=True).start()
 

@@ -60,10 +60,9 @@ class ChildProcess:
             cmd.append("--rollback")
         if gpu_busy:
             cmd.append("--gpu-busy")
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(  # with faulthandler on, a crash prints its stack
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})},  # a crash shows
-            # its Python stack on stderr
+            env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})},
         )
         self.info: dict[str, Any] = self.read_line(start_timeout_s)
 

@@ -136,16 +136,6 @@ class UpdateSession:
         self._pending.update({m.name: m for m in metas})
         self._announced.update({m.name: m for m in metas})
 
-    def announce_plan(self, tensors: object, bucket_bytes: int, *, align: int = DEFAULT_ALIGN,
-                      direct_threshold: int = 0) -> BucketPlan:
-        """For backends where both sides derive the layout: parse the wire tensor list,
-        announce it, and return the plan the sender built from the same list."""
-        if tensors is None:
-            raise MetadataError("the update info must carry 'tensors'")
-        metas = metas_from_wire(tensors)
-        self.announce(metas)
-        return BucketPlan.build(metas, bucket_bytes, align, direct_threshold=direct_threshold)
-
     def consume(
         self,
         staging: torch.Tensor,
@@ -323,6 +313,18 @@ class TensorLists:
 
     def __init__(self) -> None:
         self._last: tuple[object, list[TensorMeta], str] | None = None
+        self._plan: tuple[list[TensorMeta], tuple[int, int, int], BucketPlan] | None = None
+
+    def plan(self, metas: list[TensorMeta], bucket_bytes: int, *, align: int = DEFAULT_ALIGN,
+             direct_threshold: int = 0) -> BucketPlan:
+        """The plan the sender built from `metas` (a list `resolve` returned), for backends
+        where both sides derive the layout; built again only for a new list or new
+        parameters (a trainer sends the same list every step)."""
+        params = (bucket_bytes, align, direct_threshold)
+        if self._plan is None or self._plan[0] is not metas or self._plan[1] != params:
+            self._plan = (metas, params, BucketPlan.build(metas, bucket_bytes, align,
+                                                          direct_threshold=direct_threshold))
+        return self._plan[2]
 
     @property
     def last(self) -> list[TensorMeta] | None:

@@ -12,7 +12,6 @@ from wtransfer.packing import (
     CHECKSUM_BYTES,
     Bucket,
     BucketPlan,
-    TensorMeta,
     read_checksum_trailer,
     trailer_length,
 )
@@ -48,8 +47,8 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         """One group per sending trainer rank (index = sender)."""
         self._staging: list[list[torch.Tensor]] = []
         """`num_buffers` staging buffers per sender."""
-        self._plan: tuple[list[TensorMeta], list[list[Bucket]]] | None = None
-        """The metas the plan was made for, and each sender's buckets of it."""
+        self._plan: tuple[BucketPlan, list[list[Bucket]]] | None = None
+        """The last plan and each sender's buckets of it."""
 
     def _init(self, info: NCCLInitInfo) -> None:
         if info.transport == "nccl" and self.device.type != "cuda":
@@ -117,12 +116,12 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         if metas is None:
             raise MetadataError("the update info must carry 'tensors' or 'tensors_digest'")
         session.announce(metas)
-        if self._plan is None or self._plan[0] is not metas:
-            plan = BucketPlan.build(metas, init.bucket_bytes, init.align,
-                                    direct_threshold=init.direct_threshold or 0)
+        plan = self._lists.plan(metas, init.bucket_bytes, align=init.align,
+                                direct_threshold=init.direct_threshold or 0)
+        if self._plan is None or self._plan[0] is not plan:
             owners = plan.owners(init.senders)
-            self._plan = (metas, [[b for b, o in zip(plan.buckets, owners, strict=True)
-                                   if o == sender] for sender in range(init.senders)])
+            self._plan = (plan, [[b for b, o in zip(plan.buckets, owners, strict=True)
+                                  if o == sender] for sender in range(init.senders)])
         return self._plan[1]
 
     def _receive_share(self, group: Group, buckets: list[Bucket],

@@ -6,8 +6,14 @@ from typing import Any
 
 import torch
 
-from wtransfer.errors import LifecycleError
-from wtransfer.packing import CHECKSUM_BYTES, Bucket, read_checksum_trailer, trailer_length
+from wtransfer.errors import LifecycleError, MetadataError
+from wtransfer.packing import (
+    CHECKSUM_BYTES,
+    Bucket,
+    BucketPlan,
+    read_checksum_trailer,
+    trailer_length,
+)
 from wtransfer.receiver import WeightTransferEngine
 from wtransfer.receiving import UpdateSession
 from wtransfer.target import WeightTarget
@@ -61,13 +67,11 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
                 raise LifecycleError("ucx: the endpoint to the trainer was closed after a "
                                      "failed update; create a new sender (trainer_init)")
             self._keys.read_into(
-                session, session.announce_plan(info.tensors, init.bucket_bytes,
-                                               direct_threshold=1),
-                info.rma, self._ep, self.device, budget=init.num_buffers * init.bucket_bytes,
+                session, self._announce(info, session, direct_threshold=1), info.rma,
+                self._ep, self.device, budget=init.num_buffers * init.bucket_bytes,
                 timeout_s=init.timeout_s, check=ucx.check_peers)
             return
-        plan = session.announce_plan(info.tensors, init.bucket_bytes,
-                                     direct_threshold=init.direct_threshold or 0)
+        plan = self._announce(info, session, direct_threshold=init.direct_threshold or 0)
         staging = self._staging
 
         def landed(bucket: Bucket, slot: int, data: torch.Tensor) -> None:
@@ -91,6 +95,18 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
             landed=landed,
             temporary=lambda bucket: session.direct_temporary_bytes(bucket, self.device),
             budget=init.num_buffers * init.bucket_bytes)
+
+    def _announce(self, info: UCXUpdateInfo, session: UpdateSession, *,
+                  direct_threshold: int) -> BucketPlan:
+        """Announce the update's tensors; the plan the sender built from them (parsed and
+        planned again only for a new list: a trainer sends the same one every step)."""
+        assert self.init_info is not None
+        metas = self._lists.resolve(info.tensors, None)
+        if metas is None:
+            raise MetadataError("the update info must carry 'tensors'")
+        session.announce(metas)
+        return self._lists.plan(metas, self.init_info.bucket_bytes,
+                                direct_threshold=direct_threshold)
 
     def _abort(self) -> None:
         if self._ucx is not None:

@@ -41,7 +41,6 @@ class ExportedTensors:
         self._next_key = 0
         self._held: set[int] = set()
         """Keys the workers hold (confirmed by a successful update)."""
-        self._sent: set[int] = set()
         self._dropped: list[int] = []
 
     def update(self, tensors: list[torch.Tensor]) -> dict[str, Any]:
@@ -68,12 +67,11 @@ class ExportedTensors:
                 region.close()
                 self._dropped.append(key)
         self._regions = used
-        self._sent = {key for key, _ in used.values()}
         return {"keys": keys, "reads": reads.tobytes(), "drop": list(self._dropped)}
 
     def confirm(self) -> None:
-        """The update landed: the workers hold every key it sent and dropped the old ones."""
-        self._held = set(self._sent)
+        """The update landed: the workers hold every key it used and dropped the old ones."""
+        self._held = {key for key, _ in self._regions.values()}
         self._dropped = []
 
     def forget(self) -> None:
