@@ -115,3 +115,39 @@ def test_one_sided_reads_take_a_yielding_source_and_fall_back_for_a_strided_tens
                     sender.send_weights()
                     assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
         client.close()
+
+
+def test_one_sided_reads_into_a_target_without_storage_of_its_own_land_bit_exact():
+    """Reads into temporaries (a loader target, as vLLM's) are bounded by the staging budget
+    (two 4 KiB buffers here, far less than the model): a batch is loaded once it landed and
+    the next one starts. Bit-exact twice in a row."""
+    from wtransfer_ucx import UCXTrainerInitInfo
+
+    import wtransfer
+    from wtransfer.shapes import build, randomize
+    from wtransfer.testing.targets import LoaderTarget
+
+    source, held = build("mixed", seed=1, device="cpu"), build("mixed", seed=2, device="cpu")
+    engine = wtransfer.create_receiver("ucx", LoaderTarget(held))
+    info = UCXTrainerInitInfo(rma=True, timeout_s=10, bucket_bytes=4096, num_buffers=2)
+    try:
+        with wtransfer.trainer_init(info, client=wtransfer.LocalClient(engine),
+                                    source=wtransfer.ModuleSource(source)) as sender:
+            for step in range(2):
+                randomize(source, seed=7 + step)
+                sender.send_weights()
+                assert wtransfer.fingerprint(held.state_dict()) == \
+                    wtransfer.fingerprint(source.state_dict())
+    finally:
+        engine.shutdown()
+
+
+def test_ucx_contexts_enable_cuda_ipc_reads_unless_the_environment_decides(monkeypatch):
+    """Without the option UCX serves reads of GPU memory by software emulation over TCP on a
+    machine without NVLinks; a user's own `UCX_CUDA_IPC_ENABLE_GET_ZCOPY` wins."""
+    from wtransfer_ucx.transport import context_options
+
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    assert context_options() == {"CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "n")
+    assert context_options() == {}

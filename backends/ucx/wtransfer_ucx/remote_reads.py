@@ -103,7 +103,7 @@ class ImportedKeys:
         sources = self._sources(plan, update, ep, timeout_s)
         if device.type == "cuda":  # the engine's own work on its weights (rollback copies)
             torch.cuda.current_stream(device).synchronize()  # ends before UCX writes them
-        batch: list[tuple[Any, torch.Tensor]] = []
+        landing: list[tuple[Any, torch.Tensor]] = []  # reads into temporaries
         reads, temporary = Reads(ep), 0
         self.in_flight = True
         for bucket in plan.buckets:
@@ -111,23 +111,29 @@ class ImportedKeys:
                 session.consume(torch.empty(0, dtype=torch.uint8), 0, bucket.slices)
                 continue
             extra = session.direct_temporary_bytes(bucket, device)
-            if batch and temporary + extra > budget:
-                self._complete(session, reads, batch, timeout_s, check)
-                batch, reads, temporary = [], Reads(ep), 0
+            if temporary + extra > budget and temporary:
+                self._complete(session, reads, landing, timeout_s, check)
+                landing, reads, temporary = [], Reads(ep), 0
             destination = session.direct_destination(bucket, device)
             temporary += extra
             address, key = sources[bucket.slices[0].tensor]
             reads.get(destination.data_ptr(), bucket.nbytes, address, key,
                       into_cuda=destination.is_cuda)
-            batch.append((bucket, destination))
-        self._complete(session, reads, batch, timeout_s, check)
+            if extra:
+                landing.append((bucket, destination))
+            else:  # into the parameter itself: nothing left to do with the bytes, so the
+                session.complete_direct(bucket, destination)  # books close while they fly
+        self._complete(session, reads, landing, timeout_s, check)
         self.in_flight = False
 
     @staticmethod
-    def _complete(session: UpdateSession, reads: Reads, batch: list[tuple[Any, torch.Tensor]],
+    def _complete(session: UpdateSession, reads: Reads, landing: list[tuple[Any, torch.Tensor]],
                   timeout_s: float, check: Callable[[], None] | None) -> None:
+        """Wait for `reads`, then load what landed in temporaries (when a read fails the
+        update fails whole: rolled back, or the engine marked torn, so the books closed early
+        for reads into parameters never count)."""
         reads.finish(timeout_s, check)
-        for bucket, destination in batch:
+        for bucket, destination in landing:
             session.complete_direct(bucket, destination)
 
     def _sources(self, plan: BucketPlan, update: object, ep: Any,
