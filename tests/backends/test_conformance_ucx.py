@@ -123,23 +123,10 @@ def test_one_sided_reads_into_a_target_without_storage_of_its_own_land_bit_exact
     the next one starts. Bit-exact twice in a row."""
     from wtransfer_ucx import UCXTrainerInitInfo
 
-    import wtransfer
-    from wtransfer.shapes import build, randomize
-    from wtransfer.testing.targets import LoaderTarget
+    from wtransfer.testing.targets import assert_lands_in_loader_target
 
-    source, held = build("mixed", seed=1, device="cpu"), build("mixed", seed=2, device="cpu")
-    engine = wtransfer.create_receiver("ucx", LoaderTarget(held))
-    info = UCXTrainerInitInfo(rma=True, timeout_s=10, bucket_bytes=4096, num_buffers=2)
-    try:
-        with wtransfer.trainer_init(info, client=wtransfer.LocalClient(engine),
-                                    source=wtransfer.ModuleSource(source)) as sender:
-            for step in range(2):
-                randomize(source, seed=7 + step)
-                sender.send_weights()
-                assert wtransfer.fingerprint(held.state_dict()) == \
-                    wtransfer.fingerprint(source.state_dict())
-    finally:
-        engine.shutdown()
+    assert_lands_in_loader_target("ucx", UCXTrainerInitInfo(rma=True, timeout_s=10,
+                                                            bucket_bytes=4096, num_buffers=2))
 
 
 def test_ucx_contexts_enable_cuda_ipc_reads_unless_the_environment_decides(monkeypatch):
