@@ -178,11 +178,11 @@ class BucketPlan:
     align: int
     buckets: tuple[Bucket, ...]
     direct_threshold: int = 0
+    total_bytes: int = field(init=False, repr=False, compare=False)
+    """Bytes of tensor contents (padding excluded)."""
 
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of tensor contents (padding excluded)."""
-        return sum(m.nbytes for m in self.metas)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total_bytes", sum(m.nbytes for m in self.metas))
 
     def owners(self, senders: int) -> list[int]:
         """Which of `senders` trainer ranks sends each bucket: contiguous runs of buckets

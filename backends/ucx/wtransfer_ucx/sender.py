@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from wtransfer.errors import LifecycleError
 from wtransfer.infos import receiver_init_dict
-from wtransfer.packing import CHECKSUM_BYTES, Bucket
+from wtransfer.packing import CHECKSUM_BYTES, Bucket, TensorMeta
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.source import WeightSource
 from wtransfer.window import send_windowed
@@ -87,7 +87,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         update = {"tensors": self.tensor_list(share.plan)[0], "update": self._updates}
         try:
             if tensors is not None:
-                self._send_reads(update, tensors)
+                self._send_reads(update, tensors, share.plan.metas)
                 return
             calls.update(update)
             self.finish_early()
@@ -97,14 +97,15 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             self._broken = f"{type(exc).__name__}: {exc}"
             raise
 
-    def _send_reads(self, update: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+    def _send_reads(self, update: dict[str, Any], tensors: list[torch.Tensor],
+                    metas: Sequence[TensorMeta]) -> None:
         """The whole update in one call: every worker reads each tensor out of this
         process's memory and answers once its reads completed."""
         calls, exports = self.update_calls, self._exports
         assert calls is not None and exports is not None
         for device in {t.device for t in tensors if t.is_cuda}:  # the trainer's last writes
             torch.cuda.current_stream(device).synchronize()  # land before any read
-        calls.update({**update, "rma": exports.update(tensors)})
+        calls.update({**update, "rma": exports.update(tensors, metas)})
         self.settle_in_place(exports)
 
     def _send_buckets(self, share: Share, receivers_failed: Callable[[], None]) -> None:
