@@ -12,7 +12,9 @@ and an update still open is failed first (its sender is gone: a new one is initi
 Public methods are template methods: parse dicts into the backend's dataclasses, check the
 state, then call the backend's ``_init / _start / _receive / _finish / _shutdown`` hooks.
 An update whose sender makes no call for `timeout_s` is failed by a watchdog thread, so an
-engine never waits forever on a trainer that died; reading `state` never changes it.
+engine never waits forever on a trainer that died; a backend that can tell its sender is gone
+(`sender_check_s`, `_sender_gone`) fails it as soon as it knows. Reading `state` never
+changes it.
 """
 
 from __future__ import annotations
@@ -119,6 +121,9 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     backend_name: ClassVar[str]
     init_info_cls: ClassVar[type]
     update_info_cls: ClassVar[type]
+    sender_check_s: ClassVar[float | None] = None
+    """How often the watchdog asks `_sender_gone` while an open update waits for the sender's
+    next call; None for a backend that cannot tell (the update then waits `timeout_s`)."""
 
     def __init__(self, target: WeightTarget, *, device: str | torch.device = "cpu",
                  worker_index: int = 0, rollback: bool = False) -> None:
@@ -195,16 +200,28 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         self._state = ReceiverState.FAILED
 
     def _expire_if_abandoned(self) -> None:
-        """The watchdog's action: fail an update whose sender has been silent for timeout_s."""
+        """The watchdog's action: fail an update whose sender is gone or has been silent for
+        timeout_s."""
         with self._lock:
             if self._state is not ReceiverState.UPDATING or self.init_info is None:
                 return
+            gone = self._sender_gone()
             idle = time.monotonic() - self._last_call
-            if idle >= self.init_info.timeout_s:
+            if gone is not None:
+                self._fail(f"update abandoned after {idle:.1f}s without a call: {gone}")
+            elif idle >= self.init_info.timeout_s:
                 self._fail(f"update abandoned: no call from the sender for {idle:.1f}s "
                            f"(timeout_s={self.init_info.timeout_s})")
             else:
-                self._watchdog.arm(self._last_call + self.init_info.timeout_s)
+                self._watchdog.arm(self._next_check())
+
+    def _next_check(self) -> float:
+        """When the watchdog should look at the open update next."""
+        assert self.init_info is not None
+        deadline = self._last_call + self.init_info.timeout_s
+        if self.sender_check_s is None:
+            return deadline
+        return min(deadline, time.monotonic() + self.sender_check_s)
 
     def _call(self) -> _CallGuard:
         return _CallGuard(self)
@@ -312,6 +329,11 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     def _abort(self) -> None:
         """Drop per-update state after a failure; optional."""
 
+    def _sender_gone(self) -> str | None:
+        """Why the sender is known to be gone (its connection closed), else None; asked every
+        `sender_check_s` while an open update waits for its next call. Optional."""
+        return None
+
     @abstractmethod
     def _shutdown(self) -> None:
         """Release what `_init` acquired."""
@@ -336,5 +358,5 @@ class _CallGuard:
         engine = self.engine
         engine._last_call = time.monotonic()
         if engine._state is ReceiverState.UPDATING and engine.init_info is not None:
-            engine._watchdog.arm(engine._last_call + engine.init_info.timeout_s)
+            engine._watchdog.arm(engine._next_check())
         engine._lock.release()

@@ -36,6 +36,7 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
     backend_name = "ucx"
     init_info_cls = UCXInitInfo
     update_info_cls = UCXUpdateInfo
+    sender_check_s = 0.2
 
     def __init__(self, target: WeightTarget, **options: Any) -> None:
         super().__init__(target, **options)
@@ -115,6 +116,11 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
                 self._keys.close()  # is unusable after a failure anyway)
                 self._ucx.disconnect()
                 self._ep = None
+
+    def _sender_gone(self) -> str | None:
+        if self._ucx is not None and self._ucx.closed_endpoints:
+            return "the trainer's UCX endpoint closed (the trainer exited or died)"
+        return None
 
     def _shutdown(self) -> None:
         self._keys.close()  # before the endpoint they were unpacked for
