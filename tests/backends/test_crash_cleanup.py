@@ -150,15 +150,16 @@ def test_a_frozen_http_server_fails_the_trainer_within_its_deadline(frozen_serve
 
 
 def test_a_segment_whose_creator_is_gone_is_swept_when_a_sender_starts():
-    from wtransfer_ipc.shm import SharedBuffer, _start_time
+    from wtransfer_ipc.liveness import start_time
+    from wtransfer_ipc.shm import SharedBuffer
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    start = _start_time(dead.pid)
+    start = start_time(dead.pid)
     dead.wait()
     leaked = os.path.join(SHM_DIR, f"wtransfer_{dead.pid}_{start or 1}_{'ab' * 8}_0")
     with open(leaked, "wb") as f:
         f.write(b"\0" * 4096)
-    mine = f"wtransfer_{os.getpid()}_{_start_time(os.getpid())}_{'cd' * 8}_0"
+    mine = f"wtransfer_{os.getpid()}_{start_time(os.getpid())}_{'cd' * 8}_0"
     alive = SharedBuffer(mine, 4096, create=True)  # a live creator's segment stays
     try:
         made = SharedBuffer.create_set(1, 4096)

@@ -347,3 +347,27 @@ class BackendConformance:
             sender.send_weights(weight_version="after-crash")
         assert status.fingerprint() == fingerprint(model.state_dict())
         assert status.status()["state"] == "ready"
+
+    def test_a_dead_trainer_fails_its_update_without_waiting_out_the_timeout(
+            self, procs: ExitStack) -> None:
+        """A backend whose receiver can tell its sender is gone (`sender_check_s`) fails a
+        killed trainer's open update as soon as it knows, not after `timeout_s` (120 s here;
+        the wait below allows half of it), naming why; a new trainer's update then lands."""
+        if get_backend(self.backend).receiver_class().sender_check_s is None:
+            pytest.skip(f"{self.backend} receivers cannot tell their sender is gone; an "
+                        "update waits out timeout_s (test_trainer_killed_mid_transfer_...)")
+        (child,) = self.receivers(procs)
+        status = RPCClient(child.address, timeout_s=30)
+        trainer = procs.enter_context(spawn_trainer(
+            self.backend, child.address, model=self.model, seed=7, device=self.device,
+            loop=True, init_fields={"bucket_bytes": self.bucket_bytes, "timeout_s": 120.0,
+                                    **self.init_fields(1)}))
+        wait_for(lambda: status.status()["state"] == "updating", 60, "an update in flight")
+        trainer.kill()
+        wait_for(lambda: status.status()["state"] == "failed", 60,
+                 "the receiver to notice its trainer died")
+        assert "no call from the sender" not in status.status()["failure"]
+        model = self.trainer_model(seed=8)
+        with self.sender(model, status) as sender:
+            sender.send_weights(weight_version="after-crash")
+        assert status.fingerprint() == fingerprint(model.state_dict())

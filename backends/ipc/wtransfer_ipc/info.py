@@ -49,6 +49,11 @@ class IPCInitInfo(ReceiverInitInfo):
     waiting on its host; the trainer waits for it (polled, with the deadline) before packing
     the buffer again. Without it a worker waits for its reads before answering."""
 
+    sender_start: int | None = None
+    """When the (lead) sender's process started, in clock ticks since boot (``/proc``): with
+    `sender_pid` it names that process, so an engine that sees it can fail an open update as
+    soon as the process is gone instead of after `timeout_s`."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         for staging in self.stagings():

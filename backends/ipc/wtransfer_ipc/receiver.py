@@ -14,6 +14,7 @@ from wtransfer.receiving import UpdateSession
 from wtransfer.target import WeightTarget
 from wtransfer_ipc.cuda import SenderEvents, drain, open_buffer
 from wtransfer_ipc.info import IPCInitInfo, IPCUpdateInfo
+from wtransfer_ipc.liveness import ProcessWatch
 from wtransfer_ipc.shm import SharedBuffer, creator_alive, sweep
 from wtransfer_ipc.zero_copy import ZeroCopyImports
 
@@ -24,6 +25,7 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
     backend_name = "ipc"
     init_info_cls = IPCInitInfo
     update_info_cls = IPCUpdateInfo
+    sender_check_s = 0.2
 
     def __init__(self, target: WeightTarget, **options: Any) -> None:
         super().__init__(target, **options)
@@ -37,16 +39,24 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         self._unfinished: torch.device | None = None
         """The device whose stream holds reads not yet waited for (at finish)."""
         self._zero_copy = ZeroCopyImports()
+        self._trainer: ProcessWatch | None = None
 
     def _init(self, info: IPCInitInfo) -> None:
         self._events.close()  # a new sender records new events
         self._unfinished = None
+        self._trainer = ProcessWatch(info.sender_pid, info.sender_start)
         try:
             self._free = info.free_events_of(self.worker_index)
             self._staging = [self._open(info, staging) for staging in info.stagings()]
         except BaseException:
             self._shutdown()  # unmap what was mapped before the failure
             raise
+
+    def _sender_gone(self) -> str | None:
+        trainer = self._trainer
+        if trainer is not None and trainer.gone():
+            return f"the trainer process (pid {trainer.pid}) exited or died"
+        return None
 
     def _open(self, info: IPCInitInfo, staging: dict[str, Any]) -> list[torch.Tensor]:
         """Map one sender's staging buffers."""

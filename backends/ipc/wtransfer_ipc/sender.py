@@ -18,6 +18,7 @@ from wtransfer.sending import send_issued
 from wtransfer.source import WeightSource
 from wtransfer_ipc.cuda import await_event, export_buffer, exported_event, withdraw_event
 from wtransfer_ipc.info import STAGING_FIELDS, IPCTrainerInitInfo
+from wtransfer_ipc.liveness import own_start_time
 from wtransfer_ipc.shm import SharedBuffer
 from wtransfer_ipc.zero_copy import ZeroCopyExports, shareable
 
@@ -71,7 +72,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
             buffers = [b.name for b in self._shm]
             transport = "shm"
         return receiver_init_dict(info, transport=transport, buffers=buffers,
-                                  sender_pid=os.getpid(), token=token)
+                                  sender_pid=os.getpid(), sender_start=own_start_time(),
+                                  token=token)
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         """CUDA staging of one sender: each engine gets one event per slot for each of its

@@ -24,23 +24,11 @@ import secrets
 import torch
 
 from wtransfer.errors import ConfigError, MetadataError
+from wtransfer_ipc.liveness import start_time
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^wtransfer_(?P<pid>[0-9]{1,10})_(?P<start>[0-9]{1,20})"
                    r"_[0-9a-f]{16}_[0-9]{1,2}$")
-
-
-def _start_time(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot), or None when there is none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    try:  # the command name may hold spaces and parentheses: fields follow the last ')'
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])
-    except (ValueError, IndexError):
-        return None
 
 
 def creator_alive(name: str) -> bool:
@@ -48,7 +36,7 @@ def creator_alive(name: str) -> bool:
     match = _NAME.match(name)
     if match is None:
         return False
-    return _start_time(int(match["pid"])) == int(match["start"])
+    return start_time(int(match["pid"])) == int(match["start"])
 
 
 def sweep() -> list[str]:
@@ -111,7 +99,7 @@ class SharedBuffer:
         sweeping what dead creators left)."""
         sweep()
         pid = os.getpid()
-        prefix = f"wtransfer_{pid}_{_start_time(pid) or 0}_{secrets.token_hex(8)}"
+        prefix = f"wtransfer_{pid}_{start_time(pid) or 0}_{secrets.token_hex(8)}"
         made: list[SharedBuffer] = []
         try:
             for i in range(count):
