@@ -202,13 +202,10 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     def _expire_if_abandoned(self) -> None:
         """The watchdog's action: fail an update whose sender is gone or has been silent for
         timeout_s."""
-        session = self._session  # asked outside the lock: a backend's probe may take a while
-        gone = self._sender_gone() if session is not None else None
         with self._lock:
             if self._state is not ReceiverState.UPDATING or self.init_info is None:
                 return
-            if self._session is not session:  # another update opened meanwhile: ask again
-                gone = None
+            gone = self._sender_gone()
             idle = time.monotonic() - self._last_call
             if gone is not None:
                 self._fail(f"update abandoned after {idle:.1f}s without a call: {gone}")
@@ -335,7 +332,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     def _sender_gone(self) -> str | None:
         """Why the sender is known to be gone (its connection closed), else None; asked every
         `sender_check_s` while an open update waits for its next call, from the watchdog's
-        thread without the engine's lock (it must not block long). Optional."""
+        thread under the engine's lock (so it must answer at once). Optional."""
         return None
 
     @abstractmethod

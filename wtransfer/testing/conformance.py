@@ -327,26 +327,38 @@ class BackendConformance:
         assert outcome["at"] - killed < self.timeout_s * 4 + 30
         sender.shutdown()
 
-    def test_trainer_killed_mid_transfer_leaves_receiver_usable(self, procs: ExitStack) -> None:
-        """A trainer SIGKILLed mid-update: the receiver fails it, then takes a new trainer."""
+    def _kill_a_trainer_mid_update(self, procs: ExitStack, *, trainer_timeout_s: float,
+                                   within_s: float, waiting_for: str) -> RPCClient:
+        """Start a receiver and a looping trainer child (its `timeout_s` given), SIGKILL the
+        trainer while an update is open and wait up to `within_s` for the receiver to fail it;
+        returns a client of the receiver."""
         (child,) = self.receivers(procs)
         status = RPCClient(child.address, timeout_s=self.timeout_s)
         trainer = procs.enter_context(spawn_trainer(
             self.backend, child.address, model=self.model, seed=7, device=self.device,
             loop=True, init_fields={"bucket_bytes": self.bucket_bytes,
-                                    "timeout_s": self.timeout_s, **self.init_fields(1)}))
+                                    "timeout_s": trainer_timeout_s, **self.init_fields(1)}))
         assert trainer.info["event"] == "sending"
         wait_for(lambda: status.status()["state"] == "updating", 60, "an update in flight")
         trainer.kill()
-        wait_for(lambda: status.status()["state"] == "failed", self.timeout_s * 4 + 30,
-                 "the receiver to give up on its dead trainer")
-        report = status.status()
-        assert report["failure"]
+        wait_for(lambda: status.status()["state"] == "failed", within_s, waiting_for)
+        return status
+
+    def _a_new_trainer_lands(self, status: RPCClient) -> None:
+        """After a failed update: a new trainer's update lands bit-exact."""
         model = self.trainer_model(seed=8)
         with self.sender(model, status) as sender:
             sender.send_weights(weight_version="after-crash")
         assert status.fingerprint() == fingerprint(model.state_dict())
         assert status.status()["state"] == "ready"
+
+    def test_trainer_killed_mid_transfer_leaves_receiver_usable(self, procs: ExitStack) -> None:
+        """A trainer SIGKILLed mid-update: the receiver fails it, then takes a new trainer."""
+        status = self._kill_a_trainer_mid_update(
+            procs, trainer_timeout_s=self.timeout_s, within_s=self.timeout_s * 4 + 30,
+            waiting_for="the receiver to give up on its dead trainer")
+        assert status.status()["failure"]
+        self._a_new_trainer_lands(status)
 
     def test_a_dead_trainer_fails_its_update_without_waiting_out_the_timeout(
             self, procs: ExitStack) -> None:
@@ -356,18 +368,8 @@ class BackendConformance:
         if get_backend(self.backend).receiver_class().sender_check_s is None:
             pytest.skip(f"{self.backend} receivers cannot tell their sender is gone; an "
                         "update waits out timeout_s (test_trainer_killed_mid_transfer_...)")
-        (child,) = self.receivers(procs)
-        status = RPCClient(child.address, timeout_s=30)
-        trainer = procs.enter_context(spawn_trainer(
-            self.backend, child.address, model=self.model, seed=7, device=self.device,
-            loop=True, init_fields={"bucket_bytes": self.bucket_bytes, "timeout_s": 120.0,
-                                    **self.init_fields(1)}))
-        wait_for(lambda: status.status()["state"] == "updating", 60, "an update in flight")
-        trainer.kill()
-        wait_for(lambda: status.status()["state"] == "failed", 60,
-                 "the receiver to notice its trainer died")
+        status = self._kill_a_trainer_mid_update(
+            procs, trainer_timeout_s=120.0, within_s=60,
+            waiting_for="the receiver to notice its trainer died")
         assert "no call from the sender" not in status.status()["failure"]
-        model = self.trainer_model(seed=8)
-        with self.sender(model, status) as sender:
-            sender.send_weights(weight_version="after-crash")
-        assert status.fingerprint() == fingerprint(model.state_dict())
+        self._a_new_trainer_lands(status)

@@ -26,9 +26,10 @@ class UCXTrainerInitInfo(TrainerInitInfo):
     parameter (UCX remote memory access through UCXX's handles; see
     `wtransfer_ucx.remote_reads`): one control call per update and no staging on either
     side. Applies with one unsharded sender, no checksums and contiguous tensors (otherwise
-    tagged buckets move the update). Opt-in: on host memory over TCP it beat tagged buckets
-    (0.90 against 0.83 of one raw send, Qwen3-0.6B), but its first run on an H200 was far
-    slower than tagged buckets (UCX did not read through cuda_ipc); see docs/benchmarks.md."""
+    tagged buckets move the update). Faster than tagged buckets where measured (host memory
+    over TCP: 0.90 against 0.83 of one raw send, Qwen3-0.6B; one H200, Qwen3-8B: 16.5 against
+    31.4 ms); opt-in until measured with trainer and engines on different GPUs and hosts (see
+    docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
