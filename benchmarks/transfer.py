@@ -136,15 +136,16 @@ def broadcast_baselines(name: str, model: torch.nn.Module, repeats: int, device:
     return floor, naive
 
 
-def ucx_floor(total: int, repeats: int, device: str) -> float:
-    """Median seconds of one raw UCXX send of `total` bytes, acknowledged by the peer."""
+def ucx_floor(total: int, repeats: int, device: str, peer_device: str) -> float:
+    """Median seconds of one raw UCXX send of `total` bytes from `device` to a peer process
+    holding its buffer on `peer_device`, acknowledged by the peer."""
     from wtransfer_ucx.transport import UCXWorker, tag
 
     ucx = UCXWorker()
     port = ucx.listen(0)
     peer = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ucx_peer.py")),
                              "--port", str(port), "--nbytes", str(total),
-                             "--repeats", str(repeats), "--device", device])
+                             "--repeats", str(repeats), "--device", peer_device])
     try:
         (ep,) = ucx.wait_for_endpoints(1, 120)
         flat = torch.ones(total, dtype=torch.uint8, device=device)
@@ -204,7 +205,7 @@ def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
     floors = copy_floors(model, device) if backend == "ipc" else {}
     fixed: dict[str, float] = {}
     if backend == "ucx":
-        fixed["floor (1 raw UCX send)"] = ucx_floor(total, repeats, device)
+        fixed["floor (1 raw UCX send)"] = ucx_floor(total, repeats, device, devices[0])
     elif backend == "nccl":
         fixed["floor (1 broadcast)"], naive_s = broadcast_baselines(name, model, repeats,
                                                                     device, devices)

@@ -7,12 +7,16 @@ import pytest
 from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
-from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.errors import ConfigError
 from wtransfer.processes import spawn_receiver
 from wtransfer.rpc import RPCClient
-from wtransfer.shapes import build, randomize
+from wtransfer.shapes import build
 from wtransfer.testing.conformance import BackendConformance
 from wtransfer.testing.targets import assert_lands_in_loader_target
+from wtransfer.testing.tensor_lists import (
+    assert_an_unknown_list_is_refused,
+    assert_the_list_travels_once,
+)
 
 
 class TestNCCLConformanceGloo(BackendConformance):
@@ -43,58 +47,21 @@ def test_a_taken_master_port_fails_at_once_naming_the_fix_and_leaves_the_engine_
             client.close()
 
 
-class _RecordingClient(RPCClient):
-    """Remembers which fields each update call carried."""
-
-    def __init__(self, address: str, **kwargs) -> None:
-        super().__init__(address, **kwargs)
-        self.sent: list[list[str]] = []
-
-    def submit(self, method, **args):
-        if method == "update_weights":
-            self.sent.append(sorted(args["update_info"]))
-        return super().submit(method, **args)
-
-
 def test_every_tensor_direct_in_group_units_lands_bit_exact_over_gloo():
     """The CUDA default's path (every non-empty tensor straight into its parameter, posted in
     units of up to 32), exercised on CPU: the mixed model's 0-d and empty tensors travel in a
     packed bucket between the runs of direct ones. After the first update the unchanged tensor
     list travels as its digest."""
-    model = build("mixed", seed=1, device="cpu")
-    with spawn_receiver("nccl", model="mixed", seed=2) as receiver:
-        client = _RecordingClient(receiver.address, timeout_s=60)
-        info = NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=60,
-                                   direct_threshold=1)
-        with wtransfer.trainer_init(info, client=client,
-                                    source=wtransfer.ModuleSource(model)) as sender:
-            for step in range(3):
-                randomize(model, seed=100 + step)
-                stats = sender.send_weights()
-                assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
-        assert stats.buckets > stats.tensors // 2  # nearly every tensor was a bucket of its own
-        assert client.sent == [["tensors"], ["tensors_digest"], ["tensors_digest"]]
-        client.close()
+    info = NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=60,
+                               direct_threshold=1)
+    sent, stats = assert_the_list_travels_once("nccl", info)
+    assert stats.buckets > stats.tensors // 2  # nearly every tensor was a bucket of its own
+    assert sent == [["tensors"], ["tensors_digest"], ["tensors_digest"]]
 
 
 def test_an_update_naming_an_unknown_tensor_list_is_refused_before_any_weight_changes():
-    model = build("mixed", seed=1, device="cpu")
-    with spawn_receiver("nccl", model="mixed", seed=2) as receiver:
-        client = RPCClient(receiver.address, timeout_s=60)
-        info = NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=30)
-        with wtransfer.trainer_init(info, client=client, source=wtransfer.ModuleSource(model)):
-            before = client.fingerprint()
-            client.start_weight_update()  # no update yet under this init: no list to name
-            with pytest.raises(MetadataError, match=r"tensors_digest '0+' does not name the "
-                                                    r"tensor list.*must send 'tensors'"):
-                client.update_weights({"tensors_digest": "0" * 32})
-            assert client.status()["state"] == "failed"
-            assert client.fingerprint() == before
-            client.start_weight_update()
-            with pytest.raises(MetadataError, match="'tensors' or 'tensors_digest', not both"):
-                client.update_weights({"tensors": [], "tensors_digest": "0" * 32})
-            assert client.fingerprint() == before
-        client.close()
+    assert_an_unknown_list_is_refused("nccl", NCCLTrainerInitInfo(
+        master_address="127.0.0.1", world_size=2, timeout_s=30))
 
 
 def test_direct_tensors_into_a_target_without_storage_of_its_own_land_bit_exact():

@@ -138,3 +138,23 @@ def test_ucx_contexts_enable_cuda_ipc_reads_unless_the_environment_decides(monke
     assert context_options() == {"CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
     monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "n")
     assert context_options() == {}
+
+
+@pytest.mark.parametrize("rma", [False, True], ids=["tagged", "reads"])
+def test_an_unchanged_tensor_list_travels_as_its_digest(rma):
+    """Only the first update of a sender carries the tensor list; later ones name it by
+    digest (about 40 KB less to encode, send and parse per update of a 400-tensor model)."""
+    from wtransfer_ucx import UCXTrainerInitInfo
+
+    from wtransfer.testing.tensor_lists import assert_the_list_travels_once
+
+    sent, _ = assert_the_list_travels_once("ucx", UCXTrainerInitInfo(rma=rma, timeout_s=10))
+    assert all(("rma" in fields) == rma for fields in sent)
+
+
+def test_an_update_naming_an_unknown_tensor_list_is_refused_before_any_weight_changes():
+    from wtransfer_ucx import UCXTrainerInitInfo
+
+    from wtransfer.testing.tensor_lists import assert_an_unknown_list_is_refused
+
+    assert_an_unknown_list_is_refused("ucx", UCXTrainerInitInfo(timeout_s=10))

@@ -57,6 +57,9 @@ class UCXUpdateInfo(UpdateInfo):
     """The update's tensor list (both sides derive the plan) and its sequence number."""
 
     tensors: list[Any] | None = None
+    tensors_digest: str | None = None
+    """Instead of `tensors`: `wtransfer.wire.digest` of the list this worker got last (a
+    trainer sends the same list every step; the list itself is about 40 KB for 400 tensors)."""
     update: int = 0
     rma: dict[str, Any] | None = None
     """The whole update as one-sided reads out of the trainer's memory (see

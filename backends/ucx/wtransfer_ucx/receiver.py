@@ -102,9 +102,9 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
         """Announce the update's tensors; the plan the sender built from them (parsed and
         planned again only for a new list: a trainer sends the same one every step)."""
         assert self.init_info is not None
-        metas = self._lists.resolve(info.tensors, None)
+        metas = self._lists.resolve(info.tensors, info.tensors_digest)
         if metas is None:
-            raise MetadataError("the update info must carry 'tensors'")
+            raise MetadataError("the update info must carry 'tensors' or 'tensors_digest'")
         session.announce(metas)
         return self._lists.plan(metas, self.init_info.bucket_bytes,
                                 direct_threshold=direct_threshold)
