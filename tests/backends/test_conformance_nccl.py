@@ -1,6 +1,8 @@
 """The shipped conformance suite on the nccl backend over gloo (CPU, real processes)."""
 
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -70,3 +72,51 @@ def test_direct_tensors_into_a_target_without_storage_of_its_own_land_bit_exact(
     info = NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=30,
                                direct_threshold=1, bucket_bytes=4096, num_buffers=2)
     assert_lands_in_loader_target("nccl", info)
+
+
+_OPENS_AN_UPDATE_AND_STAYS = """
+import sys, time
+import wtransfer
+from wtransfer.rpc import RPCClient
+from wtransfer.shapes import build
+from wtransfer_nccl import NCCLTrainerInitInfo
+client = RPCClient(sys.argv[1], timeout_s=60)
+info = NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=120)
+sender = wtransfer.trainer_init(info, client=client,
+                                source=wtransfer.ModuleSource(build("mixed", 1, "cpu")))
+client.start_weight_update()
+print("open", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_trainer_that_dies_between_calls_fails_its_open_update_through_the_lifeline():
+    """The trainer opens an update and is killed before its update call (over gloo a kill
+    during a broadcast fails it at once anyway; NCCL never notices). The engine fails the
+    update well before the trainer's `timeout_s` (120 s; this waits at most 60), naming the
+    lifeline, and a new trainer's update then lands."""
+    with spawn_receiver("nccl", model="mixed", seed=2) as receiver:
+        trainer = subprocess.Popen([sys.executable, "-c", _OPENS_AN_UPDATE_AND_STAYS,
+                                    receiver.address], stdout=subprocess.PIPE, text=True)
+        client = RPCClient(receiver.address, timeout_s=30)
+        try:
+            assert trainer.stdout is not None and trainer.stdout.readline().strip() == "open"
+            assert client.status()["state"] == "updating"
+            trainer.kill()
+            trainer.wait(timeout=30)
+            deadline = time.monotonic() + 60
+            while client.status()["state"] == "updating" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            status = client.status()
+            assert status["state"] == "failed"
+            assert "lifeline connection was reset" in status["failure"]
+            model = build("mixed", seed=3, device="cpu")
+            info = NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=30)
+            with wtransfer.trainer_init(info, client=client,
+                                        source=wtransfer.ModuleSource(model)) as sender:
+                sender.send_weights()
+            assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+        finally:
+            trainer.kill()
+            trainer.wait(timeout=30)
+            client.close()

@@ -70,10 +70,17 @@ class NCCLInitInfo(ReceiverInitInfo):
     first_batch: int | None = None
     """At most this many in the first group call (None: `batch`), so the bytes start moving
     before either side prepared a whole batch; the sender's number, like `batch`."""
+    lifeline_port: int | None = None
+    """Port of the lead trainer's `wtransfer.lifeline.LifelineListener` at `master_address`:
+    each worker connects once, and fails an open update within moments of that trainer's
+    death instead of after `timeout_s` (NCCL itself waits forever for a dead rank). None: an
+    older trainer that offers none."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_endpoint(self.master_address, self.master_port, self.world_size, lowest_port=1)
+        if self.lifeline_port is not None and not 1 <= self.lifeline_port <= 65535:
+            raise ConfigError(f"lifeline_port must be in 1..65535, got {self.lifeline_port}")
         if not 1 <= self.batch <= 1024:
             raise ConfigError(f"batch must be in 1..1024, got {self.batch}")
         if self.first_batch is not None and not 1 <= self.first_batch <= self.batch:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
 
 from wtransfer.errors import ConfigError, LifecycleError, MetadataError, PeerError
+from wtransfer.lifeline import Lifeline
 from wtransfer.packing import (
     CHECKSUM_BYTES,
     Bucket,
@@ -28,6 +30,11 @@ from wtransfer_nccl.group import (
 )
 from wtransfer_nccl.info import NCCLInitInfo, NCCLUpdateInfo
 
+_LIFELINE_CHECK_S = 0.2
+"""How often an open update looks at its lifeline (between calls, and while a broadcast is
+awaited: NCCL never notices a dead rank on its own)."""
+_LIFELINE_CONNECT_S = 5.0
+
 
 class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
     """One worker: rank `rank_offset` (+ its index, for an engine with several workers).
@@ -40,6 +47,7 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
     backend_name = "nccl"
     init_info_cls = NCCLInitInfo
     update_info_cls = NCCLUpdateInfo
+    sender_check_s = _LIFELINE_CHECK_S
 
     def __init__(self, target: WeightTarget, **options: Any) -> None:
         super().__init__(target, **options)
@@ -49,6 +57,8 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         """`num_buffers` staging buffers per sender."""
         self._plan: tuple[BucketPlan, list[list[Bucket]]] | None = None
         """The last plan and each sender's buckets of it."""
+        self._lifeline: Lifeline | None = None
+        """The connection that tells this worker the lead trainer died (`wtransfer.lifeline`)."""
 
     def _init(self, info: NCCLInitInfo) -> None:
         if info.transport == "nccl" and self.device.type != "cuda":
@@ -75,6 +85,15 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         self._staging = [[torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                       device=staging_device) for _ in range(info.num_buffers)]
                          for _ in range(info.senders)]
+        if info.lifeline_port is not None:
+            self._lifeline = Lifeline(info.master_address, info.lifeline_port,
+                                      min(info.timeout_s, _LIFELINE_CONNECT_S))
+
+    def _sender_gone(self) -> str | None:
+        lifeline = self._lifeline
+        if lifeline is not None and lifeline.gone():
+            return "the trainer's lifeline connection was reset (the trainer exited or died)"
+        return None
 
     def _receive(self, info: NCCLUpdateInfo, session: UpdateSession) -> None:
         shares = self._shares(info, session)  # a malformed update is named as such first
@@ -136,9 +155,17 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         init = self.init_info
         assert init is not None
 
-        def stopped() -> None:
+        next_look = time.monotonic() + _LIFELINE_CHECK_S
+
+        def stopped() -> None:  # asked every few microseconds while a broadcast is awaited
+            nonlocal next_look
             if stop is not None and stop.is_set():
                 raise PeerError("another sender's share failed")
+            if time.monotonic() >= next_look:
+                next_look = time.monotonic() + _LIFELINE_CHECK_S
+                gone = self._sender_gone()
+                if gone is not None:
+                    raise PeerError(f"a broadcast cannot complete: {gone}")
 
         device = staging_buffers[0].device  # num_buffers >= 1 (checked in the init info)
 
@@ -180,3 +207,6 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         for group in groups:
             group.close()
         self._staging = []
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None

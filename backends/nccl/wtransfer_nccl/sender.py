@@ -11,6 +11,7 @@ import torch
 
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.infos import receiver_init_dict
+from wtransfer.lifeline import LifelineListener
 from wtransfer.packing import CHECKSUM_BYTES
 from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
 from wtransfer.source import WeightSource
@@ -50,6 +51,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         self._group: Group | None = None
         self._server: Any = None
         """The rendezvous server (`dist.TCPStore`) the first sender hosts."""
+        self._lifeline: LifelineListener | None = None
+        """What the workers connect to so they see this process die (the lead's)."""
         self._broken: str | None = None
         self._staging: list[torch.Tensor] = []
 
@@ -68,7 +71,9 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         if self.lead:  # host before any peer is told where: a port taken fails here, clearly
             self._server = host_rendezvous(info.master_address, port, info.timeout_s)
             port = int(self._server.port)
+            self._lifeline = LifelineListener()
         return receiver_init_dict(info, master_address=info.master_address,
+                                  lifeline_port=self._lifeline.port if self._lifeline else None,
                                   master_port=port, world_size=info.world_size,
                                   rank_offset=self.senders, transport=self.transport,
                                   senders=self.senders, session=self._session,
@@ -169,6 +174,9 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         if group is not None:
             group.abort() if self._broken else group.close()
         self._server = None
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None
         self._staging = []
 
 

@@ -26,10 +26,12 @@ class UCXTrainerInitInfo(TrainerInitInfo):
     parameter (UCX remote memory access through UCXX's handles; see
     `wtransfer_ucx.remote_reads`): one control call per update and no staging on either
     side. Applies with one unsharded sender, no checksums and contiguous tensors (otherwise
-    tagged buckets move the update). Faster than tagged buckets where measured (host memory
-    over TCP: 0.90 against 0.83 of one raw send, Qwen3-0.6B; one H200, Qwen3-8B: 16.5 against
-    31.4 ms); opt-in until measured with trainer and engines on different GPUs and hosts (see
-    docs/benchmarks.md)."""
+    tagged buckets move the update). As fast as tagged buckets or faster where measured
+    (host memory over TCP: 0.90 against 0.83 of one raw send, Qwen3-0.6B; Qwen3-8B on one H200:
+    11.0 against 30.9 ms, 0.75 of one raw send; across two H200s with NVLink: 0.91, as tagged).
+    Opt-in: every worker must reach the trainer's memory through a transport that reads it
+    (cuda_ipc on one host, RDMA with GPUDirect across hosts; UCX emulates the rest about 100x
+    slower), and it has not been measured across hosts (see docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

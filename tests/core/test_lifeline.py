@@ -1,0 +1,53 @@
+"""A trainer's lifeline (`wtransfer.lifeline`): engines learn within moments that the trainer
+process died, and never while it lives."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from wtransfer.lifeline import Lifeline, LifelineListener
+
+_TRAINER = ("from wtransfer.lifeline import LifelineListener; import sys; "
+            "listener = LifelineListener(); print(listener.port, flush=True); sys.stdin.read()")
+
+
+def test_every_engine_sees_a_killed_trainer_at_once_and_a_live_one_never():
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout is not None
+        port = int(trainer.stdout.readline())
+        lines = [Lifeline("127.0.0.1", port, 5.0) for _ in range(40)]
+        assert all(line.active for line in lines)
+        time.sleep(0.3)  # a quiet trainer is not a dead one
+        assert not any(line.gone() for line in lines)
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while not all(line.gone() for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(line.gone() for line in lines)
+    finally:
+        trainer.kill()
+        trainer.wait(timeout=30)
+    for line in lines:
+        line.close()
+        assert not line.gone()  # closed: nothing left to tell
+
+
+def test_a_closed_listener_resets_its_lifelines_and_an_unreachable_one_is_inert():
+    """A trainer that shuts down closes its listener: the lifelines see it. A lifeline that
+    cannot connect says why and never reports the trainer gone (only the deadline applies)."""
+    listener = LifelineListener()
+    line = Lifeline("localhost", listener.port, 5.0)
+    assert line.active and not line.gone()
+    listener.close()
+    deadline = time.monotonic() + 10
+    while not line.gone() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert line.gone()
+    inert = Lifeline("127.0.0.1", listener.port, 1.0)  # nobody listens there any more
+    assert not inert.active and not inert.gone()
+    assert inert.error is not None and f"127.0.0.1:{listener.port}" in inert.error

@@ -1,0 +1,78 @@
+"""A TCP connection from each engine worker to its trainer that carries nothing and tells the
+engine, within moments, that the trainer process is gone.
+
+The trainer listens on a port of its own and never accepts: each engine's connection completes
+in the trainer's kernel and waits in the accept queue. When the trainer process exits or is
+killed, its kernel closes the listening socket and resets every queued connection, so the
+engine's next look at its end (a non-blocking read) sees the reset. A trainer host that
+vanishes without a word sends no reset; then the transfer's deadline still applies.
+
+For backends whose data plane cannot tell a dead peer from a slow one (an NCCL broadcast waits
+forever for a rank that died).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+_BACKLOG = 1024
+"""Connections the trainer's kernel holds for it; the system's ``somaxconn`` caps it."""
+
+
+class LifelineListener:
+    """Trainer side: the port engines connect their lifelines to (see the module docstring)."""
+
+    def __init__(self) -> None:
+        family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
+        self._socket = socket.create_server(("", 0), family=family, backlog=_BACKLOG,
+                                            dualstack_ipv6=family == socket.AF_INET6)
+        self.port: int = self._socket.getsockname()[1]
+        """The port to send the engines."""
+
+    def close(self) -> None:
+        """Stop listening: every engine's lifeline to it sees a reset."""
+        self._socket.close()
+
+
+class Lifeline:
+    """Engine side: one connection to a trainer's `LifelineListener`; `gone` never blocks.
+
+    A lifeline that could not connect (a firewall, an address this host cannot reach) is
+    inert: it never reports the trainer gone, and the transfer's deadline alone applies."""
+
+    def __init__(self, address: str, port: int, timeout_s: float) -> None:
+        self._socket: socket.socket | None = None
+        self.error: str | None = None
+        """Why the lifeline is inert (None: connected)."""
+        try:
+            sock = socket.create_connection((address, port), timeout=timeout_s)
+        except OSError as exc:
+            self.error = f"could not connect to {address}:{port}: {exc}"
+            return
+        sock.setblocking(False)
+        self._socket = sock
+
+    @property
+    def active(self) -> bool:
+        """Whether this lifeline can tell (it connected)."""
+        return self._socket is not None
+
+    def gone(self) -> bool:
+        """True once the trainer's end was reset or closed (never for an inert lifeline)."""
+        sock = self._socket
+        if sock is None:
+            return False
+        try:
+            return sock.recv(1) == b""  # the trainer never writes: bytes are not expected
+        except BlockingIOError:
+            return False
+        except OSError:  # reset: the trainer's kernel closed its listening socket
+            return True
+
+    def close(self) -> None:
+        """Drop the connection."""
+        sock, self._socket = self._socket, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
