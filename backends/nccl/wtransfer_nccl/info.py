@@ -73,8 +73,9 @@ class NCCLInitInfo(ReceiverInitInfo):
     lifeline_port: int | None = None
     """Port of the lead trainer's `wtransfer.lifeline.LifelineListener` at `master_address`:
     each worker connects once, and fails an open update within moments of that trainer's
-    death instead of after `timeout_s` (NCCL itself waits forever for a dead rank). None: an
-    older trainer that offers none."""
+    death instead of after `timeout_s` (NCCL itself waits forever for a dead rank). A worker
+    that cannot connect within 5 s (a firewall) goes on without it. None: a trainer that
+    offers none."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

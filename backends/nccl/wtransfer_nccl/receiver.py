@@ -34,6 +34,7 @@ _LIFELINE_CHECK_S = 0.2
 """How often an open update looks at its lifeline (between calls, and while a broadcast is
 awaited: NCCL never notices a dead rank on its own)."""
 _LIFELINE_CONNECT_S = 5.0
+"""How long a worker's init tries to connect its lifeline before it goes on without one."""
 
 
 class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 from collections.abc import Callable
@@ -71,7 +72,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         if self.lead:  # host before any peer is told where: a port taken fails here, clearly
             self._server = host_rendezvous(info.master_address, port, info.timeout_s)
             port = int(self._server.port)
-            self._lifeline = LifelineListener()
+            with contextlib.suppress(OSError):  # no lifeline: a dead trainer is noticed
+                self._lifeline = LifelineListener()  # after timeout_s, as before
         return receiver_init_dict(info, master_address=info.master_address,
                                   lifeline_port=self._lifeline.port if self._lifeline else None,
                                   master_port=port, world_size=info.world_size,
