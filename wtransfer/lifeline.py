@@ -21,18 +21,32 @@ _BACKLOG = 1024
 
 
 class LifelineListener:
-    """Trainer side: the port engines connect their lifelines to (see the module docstring)."""
+    """Trainer side: the port engines connect their lifelines to (see the module docstring),
+    on `address` (the trainer's address the engines reach it at) when this host has it, else
+    on every interface (an address behind a NAT or a name this host does not hold)."""
 
-    def __init__(self) -> None:
-        family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
-        self._socket = socket.create_server(("", 0), family=family, backlog=_BACKLOG,
-                                            dualstack_ipv6=family == socket.AF_INET6)
+    def __init__(self, address: str = "") -> None:
+        listening = _listen_on(address) if address else None
+        if listening is None:
+            family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
+            listening = socket.create_server(("", 0), family=family, backlog=_BACKLOG,
+                                             dualstack_ipv6=family == socket.AF_INET6)
+        self._socket = listening
         self.port: int = self._socket.getsockname()[1]
         """The port to send the engines."""
 
     def close(self) -> None:
         """Stop listening: every engine's lifeline to it sees a reset."""
         self._socket.close()
+
+
+def _listen_on(address: str) -> socket.socket | None:
+    """A listening socket on `address` (any free port), or None when this host cannot."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        return socket.create_server((address, 0), family=family, backlog=_BACKLOG)
+    except OSError:
+        return None
 
 
 class Lifeline:

@@ -40,8 +40,8 @@ def test_every_engine_sees_a_killed_trainer_at_once_and_a_live_one_never():
 def test_a_closed_listener_resets_its_lifelines_and_an_unreachable_one_is_inert():
     """A trainer that shuts down closes its listener: the lifelines see it. A lifeline that
     cannot connect says why and never reports the trainer gone (only the deadline applies)."""
-    listener = LifelineListener()
-    line = Lifeline("localhost", listener.port, 5.0)
+    listener = LifelineListener("127.0.0.1")
+    line = Lifeline("127.0.0.1", listener.port, 5.0)
     assert line.active and not line.gone()
     listener.close()
     deadline = time.monotonic() + 10
@@ -51,3 +51,15 @@ def test_a_closed_listener_resets_its_lifelines_and_an_unreachable_one_is_inert(
     inert = Lifeline("127.0.0.1", listener.port, 1.0)  # nobody listens there any more
     assert not inert.active and not inert.gone()
     assert inert.error is not None and f"127.0.0.1:{listener.port}" in inert.error
+
+
+def test_a_trainer_address_this_host_does_not_hold_listens_on_every_interface():
+    """Behind a NAT the trainer's address is not its own: the listener then takes every
+    interface, so engines still reach it (here through loopback)."""
+    listener = LifelineListener("192.0.2.7")  # TEST-NET-1: never a local address
+    try:
+        line = Lifeline("127.0.0.1", listener.port, 5.0)
+        assert line.active and not line.gone()
+        line.close()
+    finally:
+        listener.close()

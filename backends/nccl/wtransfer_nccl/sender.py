@@ -73,7 +73,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
             self._server = host_rendezvous(info.master_address, port, info.timeout_s)
             port = int(self._server.port)
             with contextlib.suppress(OSError):  # no lifeline: a dead trainer is noticed
-                self._lifeline = LifelineListener()  # after timeout_s, as before
+                self._lifeline = LifelineListener(info.master_address)  # after timeout_s
         return receiver_init_dict(info, master_address=info.master_address,
                                   lifeline_port=self._lifeline.port if self._lifeline else None,
                                   master_port=port, world_size=info.world_size,
