@@ -14,7 +14,9 @@ forever for a rank that died).
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
+import time
 
 _BACKLOG = 1024
 """Connections the trainer's kernel holds for it; the system's ``somaxconn`` caps it."""
@@ -83,6 +85,20 @@ class Lifeline:
             return False
         except OSError:  # reset: the trainer's kernel closed its listening socket
             return True
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to `timeout_s` for the trainer's end to reset or close; whether it did
+        (False at once for an inert lifeline)."""
+        sock = self._socket
+        if sock is None:
+            return False
+        deadline = time.monotonic() + timeout_s
+        while not self.gone():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            select.select([sock], [], [], left)  # readable: a reset, a close or a byte
+        return True
 
     def close(self) -> None:
         """Drop the connection."""

@@ -140,7 +140,9 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         without a client)."""
         self.receivers_hold: str | None = None
         """Digest of the tensor list the receivers got in this sender's last successful
-        update (a backend that names an unchanged list by digest sets it)."""
+        update that offered one (`listed_tensors`)."""
+        self._offered: str | None = None
+        """Digest of the list the update in progress offered (held once it succeeds)."""
         self.connected = False
         self.closed = False
 
@@ -209,6 +211,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             raise LifecycleError(f"{self.backend_name} sender is "
                                  f"{'shut down' if self.closed else 'not connected'}")
         start = time.perf_counter()
+        self._offered = None
         calls = self.update_calls = (UpdateCalls(self.calls, self.init_info.timeout_s,
                                                  weight_version)
                                      if self.calls is not None else None)
@@ -232,6 +235,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                     self._abort_remote(exc)
                 raise
             self._together(lambda: self._close_update() if self.lead and calls else None)
+            if self._offered is not None:  # the receivers hold the list it gave them
+                self.receivers_hold = self._offered
         finally:
             if calls is not None:
                 calls.drop()
@@ -267,14 +272,14 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             self._listed = (plan, wire_list, digest(wire_list))
         return self._listed[1], self._listed[2]
 
-    def listed_tensors(self, plan: BucketPlan) -> tuple[dict[str, Any], str]:
-        """The update fields that give the receivers `plan`'s tensor list (the list, or its
-        digest once they hold it: `receivers_hold`), and that digest."""
+    def listed_tensors(self, plan: BucketPlan) -> dict[str, Any]:
+        """The update fields that give the receivers `plan`'s tensor list: the list, or its
+        digest once they hold it (`receivers_hold`, set when an update that offered it
+        succeeds; a failed one sends the list in full next time)."""
         wire_list, list_digest = self.tensor_list(plan)
-        fields: dict[str, Any] = ({"tensors_digest": list_digest}
-                                  if self.receivers_hold == list_digest
-                                  else {"tensors": wire_list})
-        return fields, list_digest
+        held, self.receivers_hold = self.receivers_hold, None
+        self._offered = list_digest
+        return {"tensors_digest": list_digest} if held == list_digest else {"tensors": wire_list}
 
     def _open(self, plan: BucketPlan) -> None:
         """The lead confirms its start (issued first thing in `send_weights`) unless the

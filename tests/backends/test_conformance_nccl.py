@@ -13,7 +13,7 @@ from wtransfer.errors import ConfigError
 from wtransfer.processes import spawn_receiver
 from wtransfer.rpc import RPCClient
 from wtransfer.shapes import build
-from wtransfer.testing.conformance import BackendConformance
+from wtransfer.testing.conformance import BackendConformance, wait_for
 from wtransfer.testing.targets import assert_lands_in_loader_target
 from wtransfer.testing.tensor_lists import (
     assert_an_unknown_list_is_refused,
@@ -75,7 +75,7 @@ def test_direct_tensors_into_a_target_without_storage_of_its_own_land_bit_exact(
 
 
 _OPENS_AN_UPDATE_AND_STAYS = """
-import sys, time
+import sys
 import wtransfer
 from wtransfer.rpc import RPCClient
 from wtransfer.shapes import build
@@ -86,7 +86,7 @@ sender = wtransfer.trainer_init(info, client=client,
                                 source=wtransfer.ModuleSource(build("mixed", 1, "cpu")))
 client.start_weight_update()
 print("open", flush=True)
-time.sleep(600)
+sys.stdin.read()  # until the test kills it
 """
 
 
@@ -97,16 +97,16 @@ def test_a_trainer_that_dies_between_calls_fails_its_open_update_through_the_lif
     lifeline, and a new trainer's update then lands."""
     with spawn_receiver("nccl", model="mixed", seed=2) as receiver:
         trainer = subprocess.Popen([sys.executable, "-c", _OPENS_AN_UPDATE_AND_STAYS,
-                                    receiver.address], stdout=subprocess.PIPE, text=True)
+                                    receiver.address], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
         client = RPCClient(receiver.address, timeout_s=30)
         try:
             assert trainer.stdout is not None and trainer.stdout.readline().strip() == "open"
             assert client.status()["state"] == "updating"
             trainer.kill()
             trainer.wait(timeout=30)
-            deadline = time.monotonic() + 60
-            while client.status()["state"] == "updating" and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(lambda: client.status()["state"] != "updating", 60,
+                     "the engine to fail the dead trainer's update")
             status = client.status()
             assert status["state"] == "failed"
             assert "lifeline connection was reset" in status["failure"]

@@ -143,11 +143,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         the receivers hold it (a failed update sends it in full next time)."""
         calls = self.update_calls
         assert calls is not None
-        listed, list_digest = self.listed_tensors(plan)
-        self.receivers_hold = None
-        calls.update({**listed, "zero_copy": exports.update(tensors)})
+        calls.update({**self.listed_tensors(plan), "zero_copy": exports.update(tensors)})
         self.settle_in_place(exports)
-        self.receivers_hold = list_digest
 
     def _wait_read(self, slot: int) -> None:
         """Pack into staging `slot` only once every worker's reads of its last bucket ran (the

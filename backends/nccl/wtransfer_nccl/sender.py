@@ -143,7 +143,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                                  f"({self._broken}); create a new one with trainer_init")
         group = self._group
         calls = self.update_calls
-        listed, list_digest = self.listed_tensors(share.plan)
+        listed = self.listed_tensors(share.plan)
         if share.lead and calls is not None:
             calls.update(listed)
             self.finish_early()
@@ -151,7 +151,6 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
             self._broadcast_all(share, group, calls.check if calls is not None else _no_news)
             if calls is not None:
                 calls.settle()
-                self.receivers_hold = list_digest
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
             group.abort()

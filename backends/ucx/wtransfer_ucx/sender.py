@@ -84,9 +84,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         tensors: list[torch.Tensor] | None = None
         if self._exports is not None:
             tensors, share = self.in_place(share, readable)
-        listed, list_digest = self.listed_tensors(share.plan)
-        self.receivers_hold = None  # known again once this update landed
-        update = {**listed, "update": self._updates}
+        update = {**self.listed_tensors(share.plan), "update": self._updates}
         try:
             if tensors is not None:
                 self._send_reads(update, tensors, share.plan.metas)
@@ -98,7 +96,6 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         except BaseException as exc:  # messages or reads may still be in flight
             self._broken = f"{type(exc).__name__}: {exc}"
             raise
-        self.receivers_hold = list_digest
 
     def _send_reads(self, update: dict[str, Any], tensors: list[torch.Tensor],
                     metas: Sequence[TensorMeta]) -> None:
