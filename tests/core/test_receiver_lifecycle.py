@@ -51,7 +51,9 @@ def test_sender_side_failure_aborts_the_receiver_update_at_once(pair):
 
 def test_an_abandoned_update_fails_after_the_timeout(pair):
     trainer, engine, client = pair
-    sender = ipc_sender(trainer, client, bucket_bytes=4096, timeout_s=0.2)
+    # 1 s: short enough to see the watchdog act, long enough that each call of the send
+    # after it is answered in time on a loaded 2-core machine (0.2 s once was not)
+    sender = ipc_sender(trainer, client, bucket_bytes=4096, timeout_s=1.0)
     engine.start_weight_update()
     with pytest.raises(LifecycleError, match="update is open"):
         engine.start_weight_update()
