@@ -114,10 +114,13 @@ class UpdateCalls:
     waiting and settled in order. A call's failure usually makes the engine refuse the calls
     after it (wrong state), so the first failure in order is the one reported."""
 
-    def __init__(self, queue: CallQueue, timeout_s: float, weight_version: str | None) -> None:
+    def __init__(self, queue: CallQueue, timeout_s: float, weight_version: str | None,
+                 sender_id: str | None = None) -> None:
         self.queue = queue
         self.timeout_s = timeout_s
         self.weight_version = weight_version
+        self.sender_id = sender_id
+        """Stamped on every update call: receivers refuse the calls of a replaced sender."""
         self._calls: list[PendingCall] = []
         self._settled = 0
         self.finishing = False
@@ -136,8 +139,13 @@ class UpdateCalls:
         self.submit("start_weight_update")
 
     def update(self, update_info: dict[str, Any]) -> PendingCall:
-        """Issue one update call."""
-        return self.submit("update_weights", update_info=update_info)
+        """Issue one update call (stamped with the sender's identity)."""
+        return self.submit("update_weights", update_info=self._stamped(update_info))
+
+    def _stamped(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        if self.sender_id is None:
+            return update_info
+        return {**update_info, "sender_id": self.sender_id}
 
     def abort(self, reason: str, grace_s: float = 5.0) -> None:
         """Tell the engine the update failed on this side, so it fails it now instead of at
@@ -147,7 +155,7 @@ class UpdateCalls:
         answered = all(call.done() for call in self._calls)
         self.drop()  # what came before is answered or moot: the update failed
         call = self.queue.submit("update_weights", after=self._calls[0] if self._calls
-                                 else None, update_info={"abort": reason})
+                                 else None, update_info=self._stamped({"abort": reason}))
         self._calls.append(call)
         if answered:
             self._calls[-1].result(grace_s)

@@ -21,6 +21,7 @@ from wtransfer.errors import (
     TransferTimeout,
     remote_error,
 )
+from wtransfer.infos import check_version
 from wtransfer.receiver import WeightTransferEngine
 from wtransfer.sender import InitFor, WeightSyncClient
 
@@ -72,7 +73,10 @@ class LocalClient(SingleEngineClient):
         self.engine.update_weights(update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """Finish the update and record `weight_version`."""
+        """Finish the update and record `weight_version` (a bad label is refused before the
+        update closes, as every engine does)."""
+        if weight_version is not None:
+            check_version(weight_version)
         self.engine.finish_weight_update()
         if weight_version is not None:
             self.weight_version = weight_version

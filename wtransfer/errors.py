@@ -6,6 +6,8 @@ the whole family; each subclass names one kind of failure and its message says w
 
 from __future__ import annotations
 
+import re
+
 
 class WTransferError(Exception):
     """Base class of every error wtransfer raises on purpose."""
@@ -17,6 +19,11 @@ class ConfigError(WTransferError, ValueError):
 
 class LifecycleError(WTransferError):
     """A call arrived in a state where it is not allowed (e.g. update before start)."""
+
+
+class SenderReplacedError(LifecycleError):
+    """A receiver refused a sender because a newer `trainer_init` replaced it on the same
+    receivers (a re-run notebook cell, a restarted trainer): create a new sender."""
 
 
 class MetadataError(WTransferError):
@@ -53,6 +60,11 @@ class RemoteLifecycleError(PeerError, LifecycleError):
     """The peer refused a call in its current state (a `PeerError` and a `LifecycleError`)."""
 
 
+class RemoteSenderReplacedError(PeerError, SenderReplacedError):
+    """The peer refused this sender: a newer one replaced it (a `PeerError` and a
+    `SenderReplacedError`)."""
+
+
 class RemoteMetadataError(PeerError, MetadataError):
     """The peer refused metadata (a `PeerError` and a `MetadataError`)."""
 
@@ -73,6 +85,7 @@ class RemoteEngineDeadError(PeerError, EngineDeadError):
 _REMOTE: dict[str, type[PeerError]] = {
     "ConfigError": RemoteConfigError, "BadRequest": RemoteConfigError,
     "LifecycleError": RemoteLifecycleError, "MetadataError": RemoteMetadataError,
+    "SenderReplacedError": RemoteSenderReplacedError,
     "IntegrityError": RemoteIntegrityError, "TransferTimeout": RemoteTransferTimeout,
     "EngineDeadError": RemoteEngineDeadError,
 }
@@ -84,7 +97,16 @@ def error_reply(exc: BaseException) -> dict[str, object]:
     Every control plane (RPC, HTTP, the data-parallel sockets) answers failures this way;
     `from_reply` turns one back into an exception.
     """
-    return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+    return {"ok": False, "type": error_kind(exc), "message": str(exc)}
+
+
+def error_kind(exc: BaseException) -> str:
+    """The type name a reply gives `exc`: a relayed peer failure keeps the type its origin
+    raised (a `RemoteLifecycleError` from a data-parallel rank travels on as
+    "LifecycleError"), so every hop rebuilds the same kind."""
+    if isinstance(exc, PeerError) and exc.remote_type:
+        return exc.remote_type
+    return type(exc).__name__
 
 
 def from_reply(reply: object, where: str) -> PeerError:
@@ -95,6 +117,17 @@ def from_reply(reply: object, where: str) -> PeerError:
     kind = str(fields.get("type", "Exception"))
     message = str(fields.get("message", reply if not fields else ""))
     return remote_error(f"{where}: {kind}: {message}", kind)
+
+
+_RELAYED = re.compile(r"\b(" + "|".join(sorted(_REMOTE, key=len, reverse=True)) + r"): ")
+
+
+def relayed_kind(message: str) -> str | None:
+    """The wtransfer error type a foreign peer relayed only as text (vLLM passes a worker's
+    failure on as ``"... '<Kind>: <message>'"``): the first ``<Kind>: `` in `message` that
+    names one, else None."""
+    found = _RELAYED.search(message)
+    return found.group(1) if found else None
 
 
 def remote_error(message: str, kind: str) -> PeerError:
@@ -115,10 +148,14 @@ __all__ = [
     "RemoteIntegrityError",
     "RemoteLifecycleError",
     "RemoteMetadataError",
+    "RemoteSenderReplacedError",
     "RemoteTransferTimeout",
+    "SenderReplacedError",
     "TransferTimeout",
     "WTransferError",
+    "error_kind",
     "error_reply",
     "from_reply",
+    "relayed_kind",
     "remote_error",
 ]

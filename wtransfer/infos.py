@@ -8,6 +8,8 @@ wire become these dataclasses through `wtransfer.wire.parse_record`.
 from __future__ import annotations
 
 import math
+import re
+import secrets
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -16,6 +18,32 @@ from wtransfer.packing import DEFAULT_ALIGN
 from wtransfer.wire import record_to_wire
 
 MAX_BUCKET_BYTES = 1 << 40
+_SENDER_ID = re.compile(r"[0-9a-f]{8,64}")
+
+
+MAX_VERSION_CHARS = 256
+
+
+def check_version(version: object) -> str:
+    """`version` if it is a usable weight-version label: a non-empty string of at most
+    `MAX_VERSION_CHARS` printable characters (labels appear in outputs and /metrics)."""
+    if not isinstance(version, str) or not version:
+        raise ConfigError("weight version must be a non-empty string")
+    if len(version) > MAX_VERSION_CHARS or not version.isprintable():
+        raise ConfigError(f"weight version must be at most {MAX_VERSION_CHARS} printable "
+                          f"characters (no newlines or control characters), got {version!r:.80}")
+    return version
+
+
+def new_sender_id() -> str:
+    """A fresh sender identity: 128 random bits as hex (what `trainer_init` gives each sender)."""
+    return secrets.token_hex(16)
+
+
+def check_sender_id(value: str | None) -> None:
+    """`ConfigError` unless `value` is None or a sender identity (8-64 lowercase hex digits)."""
+    if value is not None and not _SENDER_ID.fullmatch(value):
+        raise ConfigError(f"sender_id must be 8-64 lowercase hex digits, got {value!r:.80}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +100,16 @@ class TrainerInitInfo(WireParams):
 class ReceiverInitInfo(WireParams):
     """Base of every backend's receiver-side init info (what the sender tells receivers)."""
 
+    sender_id: str | None = None
+    """The identity of the sender this init comes from (`trainer_init` draws a fresh one per
+    sender). Every update call of that sender carries it; once a newer init replaced this
+    sender, its calls are refused before any byte is read. None: a hand-driven init, whose
+    update calls are not checked."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_sender_id(self.sender_id)
+
 
 @dataclass(frozen=True, kw_only=True)
 class UpdateInfo:
@@ -79,6 +117,12 @@ class UpdateInfo:
 
     abort: str | None = None
     """Set by a sender that failed mid-update: the receiver fails the update with this reason."""
+    sender_id: str | None = None
+    """The sending sender's identity (`ReceiverInitInfo.sender_id`): a call from a sender that
+    a newer init replaced is refused before any byte is read or written."""
+
+    def __post_init__(self) -> None:
+        check_sender_id(self.sender_id)
 
 
 @dataclass(frozen=True, slots=True)

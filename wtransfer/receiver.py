@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from wtransfer.errors import LifecycleError, PeerError
+from wtransfer.errors import LifecycleError, PeerError, SenderReplacedError
 from wtransfer.infos import ReceiverInitInfo, UpdateInfo
 from wtransfer.receiving import TensorLists, UpdateSession
 from wtransfer.target import WeightTarget
@@ -152,6 +152,11 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         """The last tensor list an update carried (a backend resolves each update's list
         through it: `TensorLists.resolve`); checked against the target when the next update
         opens, since a trainer's next update names the same one."""
+        self._joined = False
+        """Whether an update call has landed in the open update (one a replaced sender's
+        start opened has none)."""
+        self._before_start: tuple[ReceiverState, str | None] = (ReceiverState.READY, None)
+        """State and failure before the open update's start (restored if it is withdrawn)."""
         self._lock = threading.RLock()
         self._last_call = time.monotonic()
         self._started = 0.0
@@ -259,6 +264,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             if self._lists.last is not None:
                 self._session.precheck(self._lists.last)
             self._start()
+            self._before_start = (self._state, self.failure)
+            self._joined = False
             self.failure = None
             self._state = ReceiverState.UPDATING
             self._started = time.monotonic()
@@ -266,17 +273,37 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     def update_weights(self, update_info: UpdateT | Mapping[str, Any]) -> None:
         """Receive one part of the update (a backend may be called any number of times)."""
         with self._call():
+            self._refuse_replaced(update_info)
             self._require(ReceiverState.UPDATING, action="update weights")
             assert self._session is not None
             try:
                 info: UpdateT = parse_record(self.update_info_cls, update_info,
                                              where=f"{self.backend_name} update info")
+                self._joined = True
                 if info.abort is not None:
                     raise PeerError(f"sender aborted the update: {info.abort}")
                 self._receive(info, self._session)
             except BaseException as exc:
                 self._fail(f"{type(exc).__name__}: {exc}")
                 raise
+
+    def _refuse_replaced(self, update_info: Any) -> None:
+        """`LifecycleError` for an update call of a sender that a newer init replaced, before
+        anything else happens: its bytes would be read from staging that now belongs to
+        another sender. An open update that only its own start opened (no call landed in it)
+        is withdrawn with it; any other open update is left alone."""
+        if self.init_info is None or self._state is ReceiverState.CLOSED:
+            return
+        sender = (update_info.get("sender_id") if isinstance(update_info, Mapping)
+                  else getattr(update_info, "sender_id", None))
+        if not isinstance(sender, str) or sender == self.init_info.sender_id:
+            return
+        if self._state is ReceiverState.UPDATING and not self._joined:
+            self._session = None  # nothing of it arrived: no backend or target state to undo
+            self._state, self.failure = self._before_start
+        raise SenderReplacedError(f"{self.backend_name}: this sender was replaced by a newer "
+                             "trainer_init (the receiver now serves another sender); create a "
+                             "new sender with trainer_init")
 
     def finish_weight_update(self) -> None:
         """Check the update is complete, run backend and target post-processing, close it."""

@@ -25,9 +25,9 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 import torch
 
 from wtransfer.calls import CallQueue, UpdateCalls
-from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
+from wtransfer.errors import ConfigError, LifecycleError, SenderReplacedError, TransferTimeout
 from wtransfer.gathering import GatheringPacker
-from wtransfer.infos import TrainerInitInfo, TransferStats
+from wtransfer.infos import TrainerInitInfo, TransferStats, check_version, new_sender_id
 from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta, metas_to_wire
 from wtransfer.source import WeightSource
 from wtransfer.trainer_group import TrainerGroup
@@ -143,6 +143,13 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         update that offered one (`listed_tensors`)."""
         self._offered: str | None = None
         """Digest of the list the update in progress offered (held once it succeeds)."""
+        self.sender_id = new_sender_id()
+        """This sender's identity: every receiver init info and update call carries it, so
+        receivers refuse this sender's calls once a newer `trainer_init` replaced it (with
+        several trainer ranks, the lead's, agreed at connect)."""
+        self.replaced: str | None = None
+        """Why the receivers refused this sender as replaced by a newer one (every later
+        `send_weights` raises `SenderReplacedError` at once)."""
         self.connected = False
         self.closed = False
 
@@ -196,10 +203,13 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             self.group = TrainerGroup(self.process_group, has_client=self.client is not None,
                                       timeout_s=self.init_info.timeout_s,
                                       senders=self.init_info.senders)
-        fragment = self._together(lambda: self._connect() if self.client else None)
+        fragment = self._together(lambda: {**self._connect(), "sender_id": self.sender_id}
+                                  if self.client else None)
         gathered = [fragment] if self.group is None else self.group.all_gather_records(fragment)
         fragments: list[dict[str, Any]] = [f for f in gathered if f is not None]
         merged = self._merge(fragments)
+        self.sender_id = str(fragments[0]["sender_id"])  # the lead's: the receivers' sender
+        merged = {**merged, "sender_id": self.sender_id}
         self._together(lambda: self._init_receivers(merged) if self.client else None)
         self._together(lambda: self._after_init() if self.client else None)
         self.connected = True
@@ -210,10 +220,22 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         if self.closed or not self.connected:
             raise LifecycleError(f"{self.backend_name} sender is "
                                  f"{'shut down' if self.closed else 'not connected'}")
+        if self.replaced is not None:
+            raise SenderReplacedError(self.replaced)
+        if weight_version is not None:
+            check_version(weight_version)  # before any byte moves, not at finish
+        try:
+            return self._send_update(weight_version)
+        except SenderReplacedError as exc:
+            self.replaced = str(exc)  # for good: the receivers serve a newer sender now
+            raise
+
+    def _send_update(self, weight_version: str | None) -> TransferStats:
+        """One update: start, every rank's share, finish (see `send_weights`)."""
         start = time.perf_counter()
         self._offered = None
         calls = self.update_calls = (UpdateCalls(self.calls, self.init_info.timeout_s,
-                                                 weight_version)
+                                                 weight_version, self.sender_id)
                                      if self.calls is not None else None)
         try:
             if self.lead and calls is not None:

@@ -58,7 +58,8 @@ def test_every_tensor_direct_in_group_units_lands_bit_exact_over_gloo():
                                direct_threshold=1)
     sent, stats = assert_the_list_travels_once("nccl", info)
     assert stats.buckets > stats.tensors // 2  # nearly every tensor was a bucket of its own
-    assert sent == [["tensors"], ["tensors_digest"], ["tensors_digest"]]
+    assert sent == [["sender_id", "tensors"], ["sender_id", "tensors_digest"],
+                    ["sender_id", "tensors_digest"]]
 
 
 def test_an_update_naming_an_unknown_tensor_list_is_refused_before_any_weight_changes():

@@ -75,3 +75,30 @@ def test_a_closed_client_says_so(served):
     client.close()
     with pytest.raises(LifecycleError, match="was closed; create a new one"):
         client.status()
+
+
+def test_a_bad_version_label_is_refused_before_any_byte_moves_on_every_path(served):
+    """The sender refuses a label no engine would take before it opens an update, and a
+    receiver served over RPC refuses it before the update closes (the weights stay as they
+    were, the update stays open for a good label)."""
+    from wtransfer.errors import ConfigError
+    from wtransfer_ipc import IPCTrainerInitInfo
+
+    server, client = served
+    model = torch.nn.Linear(4, 4)
+    before = client.fingerprint()
+    with wtransfer.trainer_init(IPCTrainerInitInfo(), client=client,
+                                source=wtransfer.ModuleSource(model)) as sender:
+        for label in ("a\nb", "", "x" * 300):
+            with pytest.raises(ConfigError, match="weight version"):
+                sender.send_weights(weight_version=label)
+            assert client.status()["state"] == "ready"
+        assert client.fingerprint() == before
+        client.start_weight_update()
+        with pytest.raises(PeerError, match="printable"):
+            client.finish_weight_update(weight_version="tab\there")
+        assert client.status()["state"] == "updating"
+        client.finish_weight_update(weight_version="good")
+        assert client.status()["weight_version"] == "good"
+        sender.send_weights(weight_version="sent")
+        assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())

@@ -324,3 +324,50 @@ def test_data_parallel_server_pauses_and_updates_every_rank_over_http():
         spans = results[i]["choices"][0]["weight_versions"]
         assert [s["version"] for s in spans] == ["default", "dp-1"], log
         assert spans[1]["end"] == 300
+
+
+def test_a_replaced_sender_changes_nothing_over_http_on_every_data_parallel_rank():
+    """Two trainer_inits against one `wtransfer serve --data-parallel-size 2` (a re-run
+    notebook cell): the first sender's send_weights raises SenderReplacedError at once, every
+    rank keeps its weights (generate answers the same tokens under the same version), and the
+    second sender's update lands on both ranks. A bad version label is refused before any byte
+    moves: nothing opens on the server."""
+    from wtransfer.errors import ConfigError, SenderReplacedError
+
+    server = Server("--dev-mode", "--batch-invariant", "--data-parallel-size", "2")
+    try:
+        client = wtransfer.HTTPClient(server.url)
+        before_print = client.fingerprint()
+        before = client.generate([3, 1, 4], max_tokens=8, temperature=0)["choices"][0]
+        info = wtransfer_ipc().IPCTrainerInitInfo(bucket_bytes=1 << 16)
+        old = wtransfer.inference.load_model("tiny", seed=21)
+        new = wtransfer.inference.load_model("tiny", seed=22)
+        stale = wtransfer.trainer_init(info, client=client, source=wtransfer.ModuleSource(old))
+        current = wtransfer.trainer_init(info, client=client,
+                                         source=wtransfer.ModuleSource(new))
+        client.pause(mode="wait")  # data-parallel ranks receive only under the global pause
+        with pytest.raises(SenderReplacedError, match="replaced by a newer trainer_init"):
+            stale.send_weights(weight_version="stale")
+        assert client.fingerprint() == before_print
+        client.resume()
+        again = client.generate([3, 1, 4], max_tokens=8, temperature=0)["choices"][0]
+        assert again["token_ids"] == before["token_ids"] and len(set(again["token_ids"])) > 1
+        assert again["weight_versions"] == before["weight_versions"]
+        with pytest.raises(ConfigError, match="printable"):
+            current.send_weights(weight_version="a\nb")
+        weight_info = server.http.get("/weight_info").json()
+        assert (weight_info["update_state"], weight_info["weight_version"]) == ("ready",
+                                                                                "default")
+        client.pause(mode="wait")
+        current.send_weights(weight_version="current")
+        assert client.fingerprint() == wtransfer.fingerprint(new.state_dict())
+        client.resume()
+        after = client.generate([3, 1, 4], max_tokens=8, temperature=0)["choices"][0]
+        assert after["weight_versions"] == [{"version": "current", "start": 0, "end": 8}]
+        with pytest.raises(SenderReplacedError):
+            stale.send_weights()
+        assert client.fingerprint() == wtransfer.fingerprint(new.state_dict())
+        stale.shutdown()
+        current.shutdown()
+    finally:
+        server.stop()

@@ -30,20 +30,6 @@ def check_pause_mode(mode: object) -> PauseMode:
     return mode  # type: ignore[return-value]
 
 
-MAX_VERSION_CHARS = 256
-
-
-def check_version(version: object) -> str:
-    """`version` if it is a usable weight-version label: a non-empty string of at most
-    `MAX_VERSION_CHARS` printable characters (labels appear in outputs and /metrics)."""
-    if not isinstance(version, str) or not version:
-        raise ConfigError("weight version must be a non-empty string")
-    if len(version) > MAX_VERSION_CHARS or not version.isprintable():
-        raise ConfigError(f"weight version must be at most {MAX_VERSION_CHARS} printable "
-                          f"characters (no newlines or control characters), got {version!r:.80}")
-    return version
-
-
 class EngineCommands(Protocol):
     """Every command an engine replica serves (see the module docstring)."""
 

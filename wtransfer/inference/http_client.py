@@ -13,13 +13,14 @@ from typing import Any
 
 from wtransfer import wire
 from wtransfer.clients import SingleEngineClient, check_workers
-from wtransfer.errors import ConfigError, PeerError, TransferTimeout, from_reply
+from wtransfer.errors import ConfigError, PeerError, TransferTimeout, from_reply, relayed_kind
 from wtransfer.inference.commands import PauseMode, check_pause_mode
 
 
 def _error_fields(response: Any) -> dict[str, str]:
     """``{"type", "message"}`` of an error reply: ours (``{"error", "message"}``), or another
-    server's (``{"error": text}``, FastAPI's ``{"detail": ...}``, plain text)."""
+    server's (``{"error": text}``, FastAPI's ``{"detail": ...}``, plain text; typed by the
+    wtransfer error its text relays, if any)."""
     try:
         body = response.json()
     except ValueError:
@@ -27,8 +28,10 @@ def _error_fields(response: Any) -> dict[str, str]:
     if isinstance(body, dict) and "message" in body and isinstance(body.get("error"), str):
         return {"type": body["error"], "message": str(body["message"])}
     if isinstance(body, dict) and ("error" in body or "detail" in body):
-        return {"type": "HTTPError", "message": str(body.get("error", body.get("detail")))}
-    return {"type": "HTTPError", "message": str(body)[:500]}
+        message = str(body.get("error", body.get("detail")))
+    else:
+        message = str(body)[:500]
+    return {"type": relayed_kind(message) or "HTTPError", "message": message}
 
 
 def _httpx() -> Any:

@@ -14,13 +14,14 @@ from typing import Any
 
 from wtransfer.errors import ConfigError, LifecycleError
 from wtransfer.inference.block_manager import BlockManager
-from wtransfer.inference.commands import Emit, PauseMode, check_pause_mode, check_version
+from wtransfer.inference.commands import Emit, PauseMode, check_pause_mode
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.model import load_model
 from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.runner import ModelRunner
 from wtransfer.inference.scheduler import PauseState, Scheduler
 from wtransfer.inference.sequence import Sequence
+from wtransfer.infos import check_version
 from wtransfer.receiver import ReceiverState, WeightTransferEngine
 from wtransfer.registry import create_receiver
 from wtransfer.target import ModuleTarget

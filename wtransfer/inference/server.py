@@ -33,6 +33,7 @@ from wtransfer.errors import (
     PeerError,
     TransferTimeout,
     WTransferError,
+    error_kind,
 )
 from wtransfer.inference.async_engine import AsyncEngine
 from wtransfer.inference.commands import check_pause_mode
@@ -132,7 +133,7 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
 
     @app.exception_handler(WTransferError)
     async def wtransfer_error(request: Request, exc: WTransferError) -> JSONResponse:
-        return _error(_status(exc), type(exc).__name__, str(exc))
+        return _error(_status(exc), error_kind(exc), str(exc))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -264,6 +264,38 @@ class BackendConformance:
         assert other.status()["state"] == "updating"
         other.close()
 
+    def test_a_replaced_sender_is_refused_before_any_byte_and_the_new_one_lands(
+            self, procs: ExitStack) -> None:
+        """Two `trainer_init`s on one client (a re-run notebook cell, a restarted trainer):
+        the older sender's `send_weights` raises `LifecycleError` saying it was replaced, at
+        once and with no weight changed; the receiver is left as it was, and the newer
+        sender's updates land bit-exactly, before and after the stale one tried again."""
+        old, new = self.trainer_model(seed=21), self.trainer_model(seed=22)
+        client = self.client(self.receivers(procs))
+        assert isinstance(client, RPCClient)
+        before = client.fingerprint()
+        stale = self.sender(old, client)
+        current = self.sender(new, client)
+        try:
+            for attempt in range(2):
+                started = time.monotonic()
+                with pytest.raises(errors.LifecycleError, match="replaced by a newer "
+                                                                "trainer_init"):
+                    stale.send_weights(weight_version=f"stale-{attempt}")
+                assert time.monotonic() - started < self.timeout_s, \
+                    "the replaced sender waited out its deadline instead of being refused"
+                status = client.status()
+                assert status["state"] == "ready" and status["failure"] is None, status
+                assert client.fingerprint() == (before if attempt == 0
+                                                else fingerprint(new.state_dict()))
+                randomize(new, seed=30 + attempt)
+                current.send_weights(weight_version=f"current-{attempt}")
+                assert client.fingerprint() == fingerprint(new.state_dict())
+                assert client.status()["weight_version"] == f"current-{attempt}"
+        finally:
+            stale.shutdown()
+            current.shutdown()
+
     def test_lifecycle_misuse_raises_lifecycle_error(self) -> None:
         """Calls out of order raise LifecycleError with the fix."""
         target = ModuleTarget(self.trainer_model())

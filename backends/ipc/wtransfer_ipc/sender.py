@@ -104,8 +104,10 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
     def _announce(self, plan: BucketPlan) -> None:
         """Several senders: the tensor list travels alone, before any sender's bucket."""
-        assert self.client is not None
-        self.client.update_weights({"tensors": self.tensor_list(plan)[0]})
+        calls = self.update_calls
+        assert calls is not None
+        calls.update({"tensors": self.tensor_list(plan)[0]})
+        calls.settle()
 
     def _send(self, share: Share) -> None:
         manifest, _ = self.tensor_list(share.plan)

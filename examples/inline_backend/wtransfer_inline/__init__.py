@@ -80,8 +80,9 @@ class InlineSender(TrainerTransferEngine[InlineTrainerInitInfo]):
             }
             if bucket.index == 0:
                 update["tensors"] = metas_to_wire(share.plan.metas)
-            assert self.client is not None
-            self.client.update_weights(update)
+            calls = self.update_calls
+            assert calls is not None
+            calls.update(update).result(calls.timeout_s)
 
         send_pipelined(share, self._staging, transmit, checksum=self.init_info.checksum)
 

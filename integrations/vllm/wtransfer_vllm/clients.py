@@ -24,6 +24,8 @@ from wtransfer.errors import (
     PeerError,
     TransferTimeout,
     WTransferError,
+    relayed_kind,
+    remote_error,
 )
 from wtransfer.inference.http_client import HTTPClient
 from wtransfer_vllm.envelope import wrap
@@ -78,9 +80,9 @@ class AsyncLLMClient(SingleEngineClient):
                                   f"{self.timeout_s:g}s") from None
         except WTransferError:
             raise
-        except Exception as exc:
-            raise PeerError(f"vLLM {what} failed: {type(exc).__name__}: {exc}",
-                            remote_type=type(exc).__name__) from exc
+        except Exception as exc:  # a worker's wtransfer error arrives as text: keep its kind
+            raise remote_error(f"vLLM {what} failed: {type(exc).__name__}: {exc}",
+                               relayed_kind(str(exc)) or type(exc).__name__) from exc
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Initialize every worker's wtransfer engine."""

@@ -9,11 +9,14 @@ verified, and a failed update puts the model back together (see `VLLMTarget.abor
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+from wtransfer.errors import WTransferError, error_kind
 from wtransfer.receiver import WeightTransferEngine as Receiver
 from wtransfer.registry import create_receiver
 from wtransfer_vllm.envelope import unwrap
@@ -28,6 +31,19 @@ def worker_index(parallel_config: Any) -> int:
         local = torch.distributed.get_rank() % parallel_config.world_size
     replica = getattr(parallel_config, "data_parallel_index", 0) or 0
     return int(replica * parallel_config.world_size + local)
+
+
+@contextlib.contextmanager
+def relaying() -> Iterator[None]:
+    """vLLM passes a worker's failure on to the trainer as its text only: a wtransfer error
+    leaves the worker with its kind in front (``"SenderReplacedError: ..."``), so the clients
+    raise the same kind (`wtransfer.errors.relayed_kind`)."""
+    try:
+        yield
+    except WTransferError as exc:
+        if str(exc).startswith(f"{error_kind(exc)}: "):
+            raise
+        raise type(exc)(f"{error_kind(exc)}: {exc}") from exc
 
 
 class WTransferEngine(WeightTransferEngine[Any, Any]):
@@ -56,11 +72,13 @@ class WTransferEngine(WeightTransferEngine[Any, Any]):
 
     def init_transfer_engine(self, init_info: Any) -> None:
         """Join the trainer's transfer (open staging, form groups)."""
-        self.receiver.init_transfer_engine(init_info)
+        with relaying():
+            self.receiver.init_transfer_engine(init_info)
 
     def start_weight_update(self) -> None:
         """Open an update; vLLM's layerwise reload starts with the first accepted tensors."""
-        self.receiver.start_weight_update()
+        with relaying():
+            self.receiver.start_weight_update()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive one part of the update. Our receivers finish their own device work before
@@ -69,11 +87,13 @@ class WTransferEngine(WeightTransferEngine[Any, Any]):
 
     def receive_weights(self, update_info: Any) -> None:
         """Hand the update to the receiver."""
-        self.receiver.update_weights(update_info)
+        with relaying():
+            self.receiver.update_weights(update_info)
 
     def finish_weight_update(self) -> None:
         """Check every tensor arrived, then let vLLM finish processing the layers."""
-        self.receiver.finish_weight_update()
+        with relaying():
+            self.receiver.finish_weight_update()
 
     def shutdown(self) -> None:
         """Release staging buffers and groups."""

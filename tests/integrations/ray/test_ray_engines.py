@@ -138,6 +138,33 @@ def test_an_actor_killed_mid_update_fails_the_trainer_and_the_other_keeps_its_we
     group.close()
 
 
+def test_a_replaced_sender_is_refused_by_two_engine_actors_and_the_new_one_lands(cluster):
+    """Two trainer_inits on the same two actors (a restarted trainer over nccl): the first
+    sender is refused as replaced, no actor's weights change, the second sender's lands."""
+    from wtransfer.errors import SenderReplacedError
+
+    group, clients = engines("nccl")
+    client = FanoutClient(clients)
+    before = [c.fingerprint() for c in clients]
+    old, new = trainer_model(seed=17), trainer_model(seed=18)
+    stale = wtransfer.trainer_init(trainer_init_info("nccl", client, timeout_s=TIMEOUT_S),
+                                   client=client, source=ModuleSource(old))
+    current = wtransfer.trainer_init(trainer_init_info("nccl", client, timeout_s=TIMEOUT_S),
+                                     client=client, source=ModuleSource(new))
+    started = time.monotonic()
+    with pytest.raises(SenderReplacedError, match="replaced by a newer trainer_init"):
+        stale.send_weights(weight_version="stale")
+    assert time.monotonic() - started < TIMEOUT_S / 2
+    assert [c.fingerprint() for c in clients] == before
+    current.send_weights(weight_version="current")
+    want = wtransfer.fingerprint(new.state_dict())
+    assert [c.fingerprint() for c in clients] == [want, want]
+    assert [c.weight_version() for c in clients] == ["current", "current"]
+    stale.shutdown()
+    current.shutdown()
+    group.close()
+
+
 def test_an_engine_that_cannot_start_and_an_unknown_call_get_clear_errors(cluster):
     with pytest.raises(ConfigError, match=r"engine actor 0 failed to start.*unknown.*'bogus'"):
         start_engines(1, {"model": MODEL, "weight_transfer_backend": "bogus"}, timeout_s=120)

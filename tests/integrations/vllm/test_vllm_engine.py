@@ -131,3 +131,32 @@ def test_vllm_serve_takes_updates_and_refuses_a_mismatched_one(server, checkpoin
     assert client.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
     assert server.greedy() == reference
     assert len(PROMPTS) == len(reference)
+
+
+def test_a_replaced_sender_is_refused_and_vllm_keeps_its_weights(engine, checkpoints):
+    """Two trainer_inits on one vLLM engine: the first sender's update is refused as replaced
+    before any byte is read (vLLM serves the same tokens from the same weights), and the
+    second sender's update lands bit-exactly."""
+    from vllm_helpers import init_info
+
+    from wtransfer.errors import SenderReplacedError
+
+    _, base, trainer = checkpoints
+    client = engine.client
+    send(engine.backend, client, base, "base")
+    before_print, before_tokens = client.fingerprint(), engine.greedy()
+    info = init_info(engine.backend, bucket_bytes=64 << 10)
+    stale = wtransfer.trainer_init(info, client=client, source=wtransfer.ModuleSource(trainer))
+    current = wtransfer.trainer_init(info, client=client,
+                                     source=wtransfer.ModuleSource(trainer))
+    try:
+        with pytest.raises(SenderReplacedError, match="replaced by a newer trainer_init"):
+            stale.send_weights(weight_version="stale")
+        assert client.fingerprint() == before_print
+        assert engine.greedy() == before_tokens
+        current.send_weights(weight_version="current")
+        assert client.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+        assert engine.call(engine.llm.get_weight_version) == "current"
+    finally:
+        stale.shutdown()
+        current.shutdown()
