@@ -81,8 +81,9 @@ def test_a_bad_version_label_is_refused_before_any_byte_moves_on_every_path(serv
     """The sender refuses a label no engine would take before it opens an update, and a
     receiver served over RPC refuses it before the update closes (the weights stay as they
     were, the update stays open for a good label)."""
-    from wtransfer.errors import ConfigError
     from wtransfer_ipc import IPCTrainerInitInfo
+
+    from wtransfer.errors import ConfigError
 
     server, client = served
     model = torch.nn.Linear(4, 4)
