@@ -85,7 +85,7 @@ def test_a_bad_version_label_is_refused_before_any_byte_moves_on_every_path(serv
 
     from wtransfer.errors import ConfigError
 
-    server, client = served
+    _server, client = served
     model = torch.nn.Linear(4, 4)
     before = client.fingerprint()
     with wtransfer.trainer_init(IPCTrainerInitInfo(), client=client,
