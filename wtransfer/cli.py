@@ -1,4 +1,4 @@
-"""The command line: ``wtransfer backends | demo | transfer-demo | serve``."""
+"""The wtransfer command: list backends, run the demos, serve an inference engine over HTTP."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
     """Print every backend with its availability."""
     rows = list_backends()
     if not rows:
-        print("no backends installed (pip install wtransfer-ipc, wtransfer-nccl, wtransfer-ucx)")
+        print("no backends installed (from the clone: pip install -e backends/ipc -e "
+              "backends/nccl)")
         return 1
     width = max(len("backend"), *(len(n) for n in rows))
     print(f"{'backend':<{width}}  {'available':<9}  {'distribution':<18}  summary / reason")
@@ -51,21 +52,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
     except ImportError:
-        raise ConfigError("wtransfer serve needs the serve extra: "
-                          "pip install 'wtransfer[serve]'") from None
+        raise ConfigError("wtransfer serve needs the serve extra: from the clone, "
+                          "pip install -e '.[serve]'") from None
 
     from wtransfer.inference import AsyncEngine, EngineConfig
     from wtransfer.inference.server import build_app
 
+    api_key = args.api_key or os.environ.get("WTRANSFER_API_KEY")
     engine = AsyncEngine(EngineConfig(model=args.model, device=args.device,
                                       weight_transfer_backend=args.weight_transfer_backend,
                                       data_parallel_size=args.data_parallel_size,
                                       dp_sync_interval=args.dp_sync_interval,
                                       batch_invariant=args.batch_invariant, seed=args.seed,
+                                      max_num_batched_tokens=args.max_num_batched_tokens,
+                                      num_kv_blocks=args.num_kv_blocks,
+                                      max_num_seqs=args.max_num_seqs,
                                       update_rollback={"auto": None, "on": True,
                                                        "off": False}[args.update_rollback]))
-    app = build_app(engine, dev_mode=args.dev_mode,
-                    api_key=args.api_key or os.environ.get("WTRANSFER_API_KEY"))
+    app = build_app(engine, dev_mode=args.dev_mode, api_key=api_key)
+    print(serve_banner(args, engine.call("weight_info"), api_key is not None), flush=True)
 
     class GracefulServer(uvicorn.Server):
         """On SIGTERM/SIGINT, abort live requests first so every client gets an answer
@@ -80,61 +85,109 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_banner(args: argparse.Namespace, weight_info: dict[str, object],
+                 api_key: bool) -> str:
+    """What `wtransfer serve` prints at start-up: where it listens and what it serves."""
+    rollback = {"auto": "auto, when the model fits in half the available host memory",
+                "on": "on", "off": "off"}[args.update_rollback]
+    return "\n".join([
+        f"wtransfer serve: http://{args.host}:{args.port}",
+        f"  model {args.model} on {args.device}, data_parallel_size {args.data_parallel_size}, "
+        f"weight transfer backend {args.weight_transfer_backend}",
+        "  dev mode: " + ("on (pause/resume and weight-update routes; never expose to "
+                          "untrusted clients)" if args.dev_mode else
+                          "off (generate, /health and /metrics only; --dev-mode adds the RL "
+                          "routes)"),
+        f"  update rollback: {'on' if weight_info.get('rollback') else 'off'} ({rollback})",
+        f"  api key: {'required' if api_key else 'none'}",
+    ])
+
+
+def _positive(text: str) -> int:
+    """An argparse type: an int of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("wtransfer")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `wtransfer` command."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="wtransfer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"wtransfer {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("backends", help="list installed backends and whether they can run here") \
-        .set_defaults(func=cmd_backends)
-    rl = sub.add_parser("demo", help="async RL: a trainer improves a policy while a server "
-                                     "keeps generating, weights flowing mid-flight")
-    rl.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
-    rl.add_argument("--backend", default="ipc", help="ipc (default) or nccl")
+    sub.add_parser("backends", help="list installed backends and whether they can run here",
+                   formatter_class=fmt).set_defaults(func=cmd_backends)
+    rl = sub.add_parser("demo", formatter_class=fmt,
+                        help="async RL: a trainer improves a policy while a server keeps "
+                             "generating, weights flowing mid-flight")
+    rl.add_argument("--steps", type=_positive, default=40, help="training steps")
+    rl.add_argument("--backend", default="ipc", choices=["ipc", "nccl", "ucx"],
+                    help="how the weights move (nccl: gloo on CPU; ucx: needs UCXX)")
     rl.add_argument("--local", action="store_true", help="in-process engine instead of a server")
-    rl.add_argument("--lr", type=float, default=1e-2, help="learning rate (default 0.01)")
+    rl.add_argument("--lr", type=float, default=1e-2, help="learning rate")
     rl.add_argument("--seed", type=int, default=0, help="seed of the policy, task and sampling")
     rl.add_argument("--run-dir", default=None,
-                    help="where rl.png and metrics.json go (default runs/rl-<timestamp>)")
-    rl.add_argument("--data-parallel-size", type=int, default=1,
+                    help="where rl.png and metrics.json go (None: runs/rl-<timestamp>)")
+    rl.add_argument("--data-parallel-size", type=_positive, default=1,
                     help="serve the policy from N lockstep engine ranks")
-    rl.add_argument("--trainer-ranks", type=int, default=1,
+    rl.add_argument("--trainer-ranks", type=_positive, default=1,
                     help="train the policy with N FSDP2 ranks (gloo) that send together")
     rl.add_argument("--engine", choices=["wtransfer", "vllm"], default="wtransfer",
-                    help="serve the policy with our engine (default) or an in-process vLLM "
-                         "(needs vllm and wtransfer-vllm: `make test-vllm` builds .venv-vllm)")
+                    help="serve the policy with our engine or an in-process vLLM (needs vllm "
+                         "and wtransfer-vllm: make test-vllm builds .venv-vllm)")
     rl.add_argument("--ray", action="store_true",
-                    help="serve the policy from engine actors on Ray (needs wtransfer[ray])")
+                    help="serve the policy from engine actors on Ray (needs the ray extra)")
     rl.add_argument("--ray-address", default=None,
-                    help="with --ray: the cluster to join (default: start a local one)")
-    rl.add_argument("--engines", type=int, default=2,
-                    help="with --ray: how many engine actors (default 2)")
+                    help="with --ray: the cluster to join (None: start a local one)")
+    rl.add_argument("--engines", type=_positive, default=2,
+                    help="with --ray: how many engine actors")
     rl.set_defaults(func=cmd_demo)
-    demo = sub.add_parser("transfer-demo", help="push a model's weights into another process "
-                                                "and prove they landed")
-    demo.add_argument("--backend", default="ipc")
+    demo = sub.add_parser("transfer-demo", formatter_class=fmt,
+                          help="push a model's weights into another process and prove they "
+                               "landed")
+    demo.add_argument("--backend", default="ipc", help="a backend from `wtransfer backends`")
     demo.add_argument("--model", default="demo", help="demo, mixed, qwen3-0.6b, ...")
-    demo.add_argument("--rounds", type=int, default=5)
-    demo.add_argument("--bucket-mb", type=int, default=32)
-    demo.add_argument("--checksum", action="store_true")
+    demo.add_argument("--rounds", type=_positive, default=5, help="updates to send")
+    demo.add_argument("--bucket-mb", type=_positive, default=32, help="bucket size in MiB")
+    demo.add_argument("--checksum", action="store_true", help="checksum every bucket")
     demo.set_defaults(func=cmd_transfer_demo)
-    serve = sub.add_parser("serve", help="serve an inference engine over HTTP")
+    serve = sub.add_parser("serve", formatter_class=fmt,
+                           help="serve an inference engine over HTTP")
     serve.add_argument("--model", default="tiny", help="tiny, small, qwen3-0.6b or a "
                                                        "checkpoint directory")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--device", default="cpu")
-    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    serve.add_argument("--seed", type=int, default=0, help="seed of a named model's weights")
     serve.add_argument("--dev-mode", action="store_true",
                        help="enable pause/resume and weight-update endpoints")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
                                                        "(or set WTRANSFER_API_KEY)")
-    serve.add_argument("--weight-transfer-backend", default="ipc")
+    serve.add_argument("--weight-transfer-backend", default="ipc",
+                       help="the backend weight updates arrive through")
     serve.add_argument("--data-parallel-size", type=int, default=1,
                        help="engine-core processes stepping in lockstep behind this server")
     serve.add_argument("--dp-sync-interval", type=int, default=32,
                        help="steps between the ranks' state syncs (pause agreement, wave end)")
     serve.add_argument("--batch-invariant", action="store_true",
                        help="a sequence's tokens never depend on its batch-mates")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                       help="token budget of one step (prompt + max_tokens must fit it + 1)")
+    serve.add_argument("--num-kv-blocks", type=int, default=1024,
+                       help="KV-cache blocks of 16 tokens")
+    serve.add_argument("--max-num-seqs", type=int, default=64,
+                       help="sequences computed in one step")
     serve.add_argument("--update-rollback", choices=["auto", "on", "off"], default="auto",
                        help="restore the old weights when an update fails (auto: when the "
                             "model fits in half the available host memory)")

@@ -83,7 +83,7 @@ class RemoteEngineDeadError(PeerError, EngineDeadError):
 
 
 _REMOTE: dict[str, type[PeerError]] = {
-    "ConfigError": RemoteConfigError, "BadRequest": RemoteConfigError,
+    "ConfigError": RemoteConfigError,
     "LifecycleError": RemoteLifecycleError, "MetadataError": RemoteMetadataError,
     "SenderReplacedError": RemoteSenderReplacedError,
     "IntegrityError": RemoteIntegrityError, "TransferTimeout": RemoteTransferTimeout,

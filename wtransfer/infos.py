@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from wtransfer.errors import ConfigError
 from wtransfer.packing import DEFAULT_ALIGN
-from wtransfer.wire import record_to_wire
+from wtransfer.wire import check_record_types, record_to_wire
 
 MAX_BUCKET_BYTES = 1 << 40
 _SENDER_ID = re.compile(r"[0-9a-f]{8,64}")
@@ -63,6 +63,7 @@ class WireParams:
     backend can (nccl, ucx); 0 packs everything; None lets the backend choose."""
 
     def __post_init__(self) -> None:
+        check_record_types(self)
         if not DEFAULT_ALIGN <= self.bucket_bytes <= MAX_BUCKET_BYTES:
             raise ConfigError(f"bucket_bytes must be between {DEFAULT_ALIGN} and "
                               f"{MAX_BUCKET_BYTES}, got {self.bucket_bytes}")
@@ -100,6 +101,9 @@ class TrainerInitInfo(WireParams):
 class ReceiverInitInfo(WireParams):
     """Base of every backend's receiver-side init info (what the sender tells receivers)."""
 
+    backend: str | None = None
+    """The backend the sender speaks (`trainer_init` names it): an engine of another backend
+    refuses the init by saying so, rather than by the fields it does not know."""
     sender_id: str | None = None
     """The identity of the sender this init comes from (`trainer_init` draws a fresh one per
     sender). Every update call of that sender carries it; once a newer init replaced this
@@ -144,6 +148,11 @@ class TransferStats:
     def as_dict(self) -> dict[str, Any]:
         """Plain form, including `gbps`."""
         return {**asdict(self), "gbps": self.gbps}
+
+    def __repr__(self) -> str:
+        return (f"TransferStats(bytes={self.bytes}, tensors={self.tensors}, "
+                f"buckets={self.buckets}, seconds={self.seconds:.6f}, "
+                f"gbps={self.gbps:.3f}, gathered_peak_bytes={self.gathered_peak_bytes})")
 
 
 def receiver_init_dict(trainer: TrainerInitInfo, **extra: Any) -> dict[str, Any]:

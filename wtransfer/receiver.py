@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from wtransfer.errors import LifecycleError, PeerError, SenderReplacedError
+from wtransfer.errors import ConfigError, LifecycleError, PeerError, SenderReplacedError
 from wtransfer.infos import ReceiverInitInfo, UpdateInfo
 from wtransfer.receiving import TensorLists, UpdateSession
 from wtransfer.target import WeightTarget
@@ -242,6 +242,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         with self._call():
             self._require(ReceiverState.NEW, ReceiverState.READY, ReceiverState.FAILED,
                           ReceiverState.UPDATING, action="init the transfer engine")
+            self._refuse_other_backend(init_info)
             info: InitT = parse_record(self.init_info_cls, init_info,
                                        where=f"{self.backend_name} init info")
             if self._state is ReceiverState.UPDATING:
@@ -253,6 +254,17 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             self.init_info = info
             if self._state is ReceiverState.NEW:
                 self._state = ReceiverState.READY
+
+    def _refuse_other_backend(self, init_info: Any) -> None:
+        """`ConfigError` for an init info a sender of another backend made (named by its
+        `backend` field), saying which side to change."""
+        sent = (init_info.get("backend") if isinstance(init_info, Mapping)
+                else getattr(init_info, "backend", None))
+        if isinstance(sent, str) and sent != self.backend_name:
+            raise ConfigError(f"this engine receives through {self.backend_name!r}, but the "
+                              f"trainer sent a {sent!r} init info: use the {self.backend_name} "
+                              f"trainer init info, or start the engine with the {sent!r} "
+                              "backend (weight_transfer_backend)")
 
     def start_weight_update(self) -> None:
         """Open an update; weights change only between this and `finish_weight_update`."""

@@ -122,6 +122,17 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
 
     def __init__(self, init_info: TInitT, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
+        if not isinstance(source, WeightSource):
+            hint = ("wrap it: source=wtransfer.ModuleSource(model)"
+                    if isinstance(source, torch.nn.Module) else
+                    "give a WeightSource such as wtransfer.ModuleSource(model)")
+            raise ConfigError(f"source must be a WeightSource, got {type(source).__name__}: "
+                              f"{hint}")
+        if isinstance(init_info, TrainerInitInfo) and not isinstance(init_info,
+                                                                     self.init_info_cls):
+            raise ConfigError(f"the {self.backend_name} sender got a "
+                              f"{type(init_info).__name__}; use "
+                              f"{self.init_info_cls.__name__}")
         self.init_info: TInitT = parse_record(self.init_info_cls, init_info,
                                               where=f"{self.backend_name} trainer init info")
         self.client = client
@@ -209,7 +220,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         fragments: list[dict[str, Any]] = [f for f in gathered if f is not None]
         merged = self._merge(fragments)
         self.sender_id = str(fragments[0]["sender_id"])  # the lead's: the receivers' sender
-        merged = {**merged, "sender_id": self.sender_id}
+        merged = {**merged, "sender_id": self.sender_id, "backend": self.backend_name}
         self._together(lambda: self._init_receivers(merged) if self.client else None)
         self._together(lambda: self._after_init() if self.client else None)
         self.connected = True

@@ -160,6 +160,16 @@ def _record_fields(cls: Hashable) -> tuple[dict[str, dataclasses.Field[Any]], di
     return fields, typing.get_type_hints(cls)
 
 
+def check_record_types(record: Any, error: type[Exception] = ConfigError) -> None:
+    """Raise `error` naming the record class and field when a field of dataclass instance
+    `record` does not match its annotation (a record built in Python, not parsed from the
+    wire: ``bucket_bytes="64MB"`` is refused by name, not by a comparison deep inside)."""
+    fields, hints = _record_fields(cast(Hashable, type(record)))
+    for name in fields:
+        _coerce(getattr(record, name), hints[name],
+                f"{type(record).__name__}: field '{name}'", error)
+
+
 def record_to_wire(record: Any) -> dict[str, Any]:
     """The plain-dict form of a dataclass record, ready for `encode`."""
     return {

@@ -1,7 +1,14 @@
 """The command line: backends table and the two-process transfer demo."""
 
+import asyncio
 import subprocess
 import sys
+
+import pytest
+
+from wtransfer.cli import build_parser
+from wtransfer.errors import ConfigError
+from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams
 
 
 def run(*args, timeout=300):
@@ -28,3 +35,41 @@ def test_serve_explains_a_bad_data_parallel_size_without_a_traceback():
     out = run("serve", "--data-parallel-size", "0", timeout=120)
     assert out.returncode == 2 and "data_parallel_size must be >= 1" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_version_help_and_demo_argument_errors_are_one_clear_line():
+    """--version answers; every serve flag has help with its default; the help text carries
+    no reStructuredText markup; a bad demo argument is a usage error, not a traceback."""
+    version = run("--version")
+    assert version.returncode == 0 and version.stdout.startswith("wtransfer 0.")
+    top = run("--help").stdout
+    assert "``" not in top
+    serve = run("serve", "--help").stdout
+    for flag in ("--model", "--port", "--device", "--weight-transfer-backend",
+                 "--max-num-batched-tokens", "--update-rollback", "--data-parallel-size"):
+        assert flag in serve, flag
+    assert serve.count("(default:") >= 15
+    assert "ucx" in run("demo", "--help").stdout
+    for args, message in ((("--steps", "0"), "--steps: must be at least 1"),
+                          (("--backend", "foo"), "invalid choice: 'foo'")):
+        out = run("demo", *args, timeout=60)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_serve_takes_the_step_budget_and_names_the_real_ceiling():
+    """--max-num-batched-tokens reaches the engine: its admission error names the ceiling of
+    this prompt under the flag's value."""
+    args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "64"])
+
+    async def admit():
+        engine = AsyncEngine(EngineConfig(model="tiny",
+                                          max_num_batched_tokens=args.max_num_batched_tokens))
+        try:
+            async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=100_000_000)):
+                pass
+        finally:
+            engine.shutdown()
+
+    with pytest.raises(ConfigError, match="at most 62 fit, bounded by max_num_batched_tokens"):
+        asyncio.run(admit())

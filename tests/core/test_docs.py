@@ -29,3 +29,53 @@ def test_every_doc_page_with_code_is_covered():
     names = {p.name for p in PAGES}
     assert {"async-rl.md", "backends.md", "http.md", "inference.md",
             "writing-a-backend.md", "vllm.md", "ray.md", "sharded-trainers.md"} <= names
+
+
+ROOT = DOCS.parent
+INSTALL_PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+OWN_PROJECTS = {"wtransfer": ".", "wtransfer-ipc": "backends/ipc",
+                "wtransfer-nccl": "backends/nccl", "wtransfer-ucx": "backends/ucx",
+                "wtransfer-vllm": "integrations/vllm"}
+
+
+def install_lines():
+    """Every `pip install ...` the README and docs show, as (page, argument list)."""
+    import shlex
+
+    found = []
+    for page in INSTALL_PAGES:
+        for line in re.findall(r"pip install ([^`\n#]+)", page.read_text()):
+            found.append((page.name, shlex.split(line.strip())))
+    return found
+
+
+def test_every_install_line_of_the_docs_works_from_a_clone():
+    """The install lines name this repository's projects by path, never by a name no index
+    has, and every project they install gets its own wtransfer dependencies from the same
+    line (`pip install -e integrations/vllm` alone fails in a fresh venv: it asks the index
+    for wtransfer). Then pip resolves each line here without any index."""
+    import tomllib
+
+    lines = install_lines()
+    assert len(lines) >= 6
+    for page, args in lines:
+        paths = [a.split("[")[0] for a in args if not a.startswith("-") and
+                 (a.startswith(".") or "/" in a)]
+        names = [a.split("[")[0].split("=")[0] for a in args if not a.startswith("-")
+                 and a not in paths and a.split("[")[0] not in paths]
+        assert not set(names) & set(OWN_PROJECTS), f"{page}: {args} names a project of this " \
+                                                   "repository that no index has"
+        for path in paths:
+            project = tomllib.loads((ROOT / path / "pyproject.toml").read_text())["project"]
+            for dep in project.get("dependencies", []):
+                dep_name = re.split(r"[<>=\[ ;]", dep)[0]
+                if dep_name in OWN_PROJECTS:
+                    assert OWN_PROJECTS[dep_name] in paths, \
+                        f"{page}: `pip install {' '.join(args)}` installs {path}, which " \
+                        f"needs {dep_name}: add -e {OWN_PROJECTS[dep_name]} to the line"
+        if any(a.startswith("torch") for a in args) or not paths:
+            continue  # torch and plain packages come from the index
+        out = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",
+                              "--no-build-isolation", "-q", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, f"{page}: pip install {' '.join(args)}\n{out.stderr[-2000:]}"

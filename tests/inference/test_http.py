@@ -168,12 +168,13 @@ def test_dev_endpoints_and_their_errors(dev):
     assert h.post("/update_weight_version", json={"new_version": "v8"}).status_code == 200
     assert h.get("/weight_info").json() == {
         "weight_version": "v8", "num_workers": 1, "update_state": "none", "torn": False,
-        "failure": None, "rollback": False}
+        "failure": None, "rollback": True}  # auto: on before the first init, as after it
     assert h.post("/update_weight_version", json={}).status_code == 400
     assert len(h.get("/weight_fingerprint").json()["fingerprint"]) > 10
     assert h.post("/resume").status_code == 200
     metrics = h.get("/metrics").text
     assert "wtransfer_paused 0" in metrics and 'version="v8"' in metrics
+    assert "# HELP wtransfer_last_transfer_bytes bytes the engine's receiver took in" in metrics
 
 
 def test_auth_is_required_on_every_route(dev):
@@ -236,9 +237,13 @@ def test_dev_routes_are_404_without_dev_mode_and_sigterm_aborts_live_requests():
     server = Server()
     result = {}
     try:
-        assert server.http.post("/pause").status_code == 404
-        assert server.http.get("/weight_info").status_code == 404
+        for method, path in (("POST", "/pause"), ("GET", "/weight_info")):
+            refused = server.http.request(method, path)
+            assert refused.status_code == 404
+            assert "start the server with --dev-mode" in refused.json()["message"]
         assert server.http.get("/health").status_code == 200
+        slash = server.http.get("/health/")
+        assert slash.status_code == 404 and "did you mean /health?" in slash.json()["message"]
 
         def long_request():
             result["out"] = server.http.post("/inference/v1/generate", json={
@@ -252,6 +257,9 @@ def test_dev_routes_are_404_without_dev_mode_and_sigterm_aborts_live_requests():
         log = server.stop()
     thread.join(30)
     assert result["out"]["choices"][0]["finish_reason"] == "abort", log
+    assert f"wtransfer serve: http://127.0.0.1:{server.port}" in log  # says what it serves
+    assert "model tiny on cpu" in log and "dev mode: off" in log, log
+    assert "update rollback: on (auto" in log, log
     assert server.proc.returncode in (0, -signal.SIGTERM)
 
 

@@ -98,10 +98,17 @@ def test_pause_states_gate_scheduling():
     assert {s.request_id for s in sched.schedule()} == {"run", "new"}
 
 
-def test_requests_that_could_never_run_are_refused():
+def test_requests_that_could_never_run_are_refused_naming_the_real_ceiling():
+    """The first refusal already says how many tokens this prompt can have, and why."""
     sched, _ = make(num_blocks=2, block_size=4, budget=100)
-    with pytest.raises(ConfigError, match="exceeds the KV cache"):
+    with pytest.raises(ConfigError, match=r"max_tokens=5 is too many for this 6-token prompt: "
+                                          r"at most 2 fit, bounded by the KV cache"):
         sched.add(Sequence("x", [1] * 6, SamplingParams(max_tokens=5)))
+    sched.add(Sequence("x", [1] * 6, SamplingParams(max_tokens=2)))  # the ceiling itself fits
     sched2, _ = make(budget=8)
-    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+    with pytest.raises(ConfigError, match=r"at most 3 fit, bounded by max_num_batched_tokens"):
         sched2.add(Sequence("y", [1] * 6, SamplingParams(max_tokens=5)))
+    with pytest.raises(ConfigError, match=r"max_tokens=100000000 .* at most 3 fit"):
+        sched2.add(Sequence("z", [1] * 6, SamplingParams(max_tokens=100_000_000)))
+    with pytest.raises(ConfigError, match="the prompt alone fills it"):
+        sched2.add(Sequence("w", [1] * 9, SamplingParams(max_tokens=1)))

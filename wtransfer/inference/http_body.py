@@ -9,20 +9,16 @@ from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 from wtransfer import wire
-from wtransfer.errors import WTransferError
+from wtransfer.errors import ConfigError, WTransferError
 
 MSGPACK = "application/msgpack"
-
-
-class BadRequest(WTransferError):
-    """A request the server cannot use (answered with 400)."""
 
 
 class Unauthorized(WTransferError):
     """A request without the right API key (answered with 401)."""
 
 
-class BodyTooLarge(BadRequest):
+class BodyTooLarge(ConfigError):
     """A request body over the server's limit (answered with 413)."""
 
 
@@ -32,14 +28,14 @@ def _depth(value: Any, limit: int) -> None:
         item, depth = stack.pop()
         if isinstance(item, (dict, list)):
             if depth > limit:
-                raise BadRequest(f"body nests deeper than {limit} levels")
+                raise ConfigError(f"body nests deeper than {limit} levels")
             children = item.values() if isinstance(item, dict) else item
             stack.extend((child, depth + 1) for child in children)
 
 
 async def read_body(chunks: AsyncIterator[bytes], content_type: str, limit: int) -> Any:
     """The decoded body (an empty body is ``{}``); `BodyTooLarge` past `limit` bytes (checked
-    while streaming: chunked bodies carry no Content-Length), `BadRequest` when malformed or
+    while streaming: chunked bodies carry no Content-Length), `ConfigError` when malformed or
     nested deeper than the wire codec allows."""
     parts, size = [], 0
     async for chunk in chunks:
@@ -55,9 +51,9 @@ async def read_body(chunks: AsyncIterator[bytes], content_type: str, limit: int)
     try:
         body = json.loads(raw)
     except RecursionError:
-        raise BadRequest(f"body nests deeper than {wire.MAX_DEPTH} levels") from None
+        raise ConfigError(f"body nests deeper than {wire.MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}") from None
+        raise ConfigError(f"body is not valid JSON: {exc}") from None
     _depth(body, wire.MAX_DEPTH)
     return body
 
@@ -66,10 +62,10 @@ def check_fields(body: Any, allowed: Collection[str]) -> dict[str, Any]:
     """`body` as a dict with no field outside `allowed` (an unknown field is a 400 that lists
     the known ones, so a typo never passes silently)."""
     if not isinstance(body, dict):
-        raise BadRequest("body must be a JSON object")
+        raise ConfigError("body must be a JSON object")
     unknown = sorted(set(body) - set(allowed))
     if unknown:
-        raise BadRequest(f"unknown field(s) {unknown}; known fields are {sorted(allowed)}")
+        raise ConfigError(f"unknown field(s) {unknown}; known fields are {sorted(allowed)}")
     return body
 
 
@@ -79,9 +75,9 @@ def field(body: dict[str, Any], name: str, kind: type | tuple[type, ...],
     there is none)."""
     if name not in body or body[name] is None:
         if default is ...:
-            raise BadRequest(f"missing field {name!r}")
+            raise ConfigError(f"missing field {name!r}")
         return default
     value = body[name]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise BadRequest(f"field {name!r} must be {getattr(kind, '__name__', kind)}")
+        raise ConfigError(f"field {name!r} must be {getattr(kind, '__name__', kind)}")
     return value

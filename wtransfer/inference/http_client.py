@@ -38,7 +38,8 @@ def _httpx() -> Any:
     try:
         import httpx
     except ImportError:
-        raise ConfigError("HTTPClient needs httpx: pip install 'wtransfer[serve]'") from None
+        raise ConfigError("HTTPClient needs httpx: from the clone, "
+                          "pip install -e '.[serve]'") from None
     return httpx
 
 

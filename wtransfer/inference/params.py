@@ -9,7 +9,9 @@ from wtransfer.errors import ConfigError
 
 MIN_TEMPERATURE = 1e-5
 """Smallest non-zero temperature: below it, logits / temperature overflows float32."""
-MAX_TOKENS = 1 << 20
+MAX_TOKENS = (1 << 31) - 1
+"""A sanity bound only: an engine refuses what its model length, KV cache and step budget
+cannot hold, naming the real ceiling for the prompt (`Scheduler.add`)."""
 MAX_STOP_TOKENS = 1024
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 """What a torch generator accepts as a seed."""

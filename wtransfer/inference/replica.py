@@ -63,6 +63,9 @@ class Replica:
                                    max_model_len=self.model.config.max_position_embeddings)
         self.runner = ModelRunner(self.model, config)
         self.weight_version = "default"
+        self.rollback = self._rollback_enabled()
+        """Whether updates keep host copies to restore on failure (decided once, at start:
+        `EngineConfig.update_rollback`, or auto)."""
         self.receiver: WeightTransferEngine[Any, Any] | None = None
         self.steps = 0
         self.tokens_generated = 0
@@ -202,7 +205,7 @@ class Replica:
             self.receiver = create_receiver(self.config.weight_transfer_backend, self.target,
                                             device=self.config.device,
                                             worker_index=self.worker_index,
-                                            rollback=self._rollback_enabled())
+                                            rollback=self.rollback)
         self.receiver.init_transfer_engine(init_info)
 
     def _rollback_enabled(self) -> bool:
@@ -256,7 +259,7 @@ class Replica:
                 "update_state": receiver.state.value if receiver else "none",
                 "torn": bool(receiver and receiver.torn),
                 "failure": receiver.failure if receiver else None,
-                "rollback": bool(receiver and receiver.rollback),
+                "rollback": self.rollback,
                 "update_bytes": receiver.update_bytes if receiver else 0}
 
     def stats(self) -> dict[str, Any]:

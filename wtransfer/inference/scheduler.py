@@ -41,16 +41,22 @@ class Scheduler:
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request; refuse one that could never run."""
-        longest = len(seq.prompt) + seq.params.max_tokens
-        if len(seq.prompt) + seq.params.max_tokens - 1 > self.budget:
-            raise ConfigError(f"prompt ({len(seq.prompt)}) + max_tokens "
-                              f"({seq.params.max_tokens}) exceeds max_num_batched_tokens "
-                              f"({self.budget}): a re-prefill could not fit one step")
+        """Queue a new request; refuse one that could never run, saying how many tokens this
+        prompt can have (the tightest of the model length, the KV cache and one step's token
+        budget, which a re-prefill of prompt + tokens so far must fit)."""
         capacity = self.blocks.num_blocks * self.blocks.block_size
-        if longest > min(capacity, self.max_model_len):
-            raise ConfigError(f"prompt + max_tokens = {longest} exceeds the KV cache "
-                              f"({capacity} tokens) or the model length ({self.max_model_len})")
+        limits = {"the model length": self.max_model_len,
+                  "the KV cache (num_kv_blocks x block_size)": capacity,
+                  "max_num_batched_tokens + 1 (a re-prefill must fit one step)":
+                      self.budget + 1}
+        tightest = min(limits, key=lambda k: limits[k])
+        ceiling = limits[tightest] - len(seq.prompt)
+        if seq.params.max_tokens > ceiling:
+            room = (f"at most {ceiling} fit" if ceiling > 0
+                    else "the prompt alone fills it")
+            raise ConfigError(f"max_tokens={seq.params.max_tokens} is too many for this "
+                              f"{len(seq.prompt)}-token prompt: {room}, bounded by {tightest} "
+                              f"= {limits[tightest]} tokens")
         self.waiting.append(seq)
 
     def has_work(self) -> bool:

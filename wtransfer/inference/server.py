@@ -38,7 +38,6 @@ from wtransfer.errors import (
 from wtransfer.inference.async_engine import AsyncEngine
 from wtransfer.inference.commands import check_pause_mode
 from wtransfer.inference.http_body import (
-    BadRequest,
     BodyTooLarge,
     Unauthorized,
     check_fields,
@@ -51,7 +50,7 @@ from wtransfer.wire import parse_record
 log = logging.getLogger("wtransfer.server")
 
 _STATUS: dict[type[WTransferError], int] = {
-    BodyTooLarge: 413, BadRequest: 400, Unauthorized: 401, ConfigError: 400,
+    BodyTooLarge: 413, Unauthorized: 401, ConfigError: 400,
     MetadataError: 400, LifecycleError: 409, EngineDeadError: 503, PeerError: 502,
     TransferTimeout: 504}
 """HTTP status of each error family, most specific first."""
@@ -59,6 +58,38 @@ _HTTP_NAMES = {401: "Unauthorized", 404: "NotFound", 405: "MethodNotAllowed"}
 HEALTH_TIMEOUT_S = 2.0
 """How long /health waits for the engine thread before answering from what it knows."""
 _GENERATE_FIELDS = ("token_ids", "sampling_params", "request_id", "stream")
+DEV_ROUTES = ("/pause", "/resume", "/is_paused", "/abort_requests",
+              "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+              "/finish_weight_update", "/update_weight_version", "/weight_info",
+              "/weight_fingerprint")
+"""The routes `--dev-mode` adds (pause/resume and the weight-sync calls)."""
+
+
+METRICS_HELP = {
+    "requests_total": "generate requests received",
+    "generated_tokens_total": "output tokens generated",
+    "running_requests": "requests being computed",
+    "waiting_requests": "requests queued",
+    "paused": "1 while a pause is in effect",
+    "weights_torn": "1 while a failed update left some weights new and some old",
+    "last_transfer_bytes": "bytes the engine's receiver took in during its last update: the "
+                           "packed buckets, alignment padding included (a sender's "
+                           "TransferStats.bytes counts the tensors' own bytes)",
+    "last_transfer_seconds": "the last update's time from start to finish at the engine",
+    "prefix_cache_hit_blocks_total": "KV blocks reused from the prefix cache",
+    "preemptions_total": "sequences preempted for lack of KV blocks",
+}
+"""What each /metrics line counts (its HELP line)."""
+
+
+def _no_route(method: str, path: str, dev_mode: bool) -> str:
+    """What a 404 says: the route, and how to reach what was probably meant."""
+    message = f"no route {method} {path}"
+    if path.rstrip("/") != path and path.rstrip("/"):
+        message += f" (did you mean {path.rstrip('/')}?)"
+    elif path in DEV_ROUTES and not dev_mode:
+        message += ": it is a development route; start the server with --dev-mode to enable it"
+    return message
 
 
 def _error(status: int, kind: str, message: str) -> JSONResponse:
@@ -121,7 +152,7 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
         yield
         engine.shutdown()  # live requests end with finish_reason="abort", none dropped
 
-    app = FastAPI(title="wtransfer", lifespan=lifespan)
+    app = FastAPI(title="wtransfer", lifespan=lifespan, redirect_slashes=False)
     counters = {"requests": 0}
 
     async def body_of(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
@@ -138,7 +169,8 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = _HTTP_NAMES.get(exc.status_code, "HTTPError")
-        message = (f"no route {request.method} {request.url.path}" if exc.status_code == 404
+        message = (_no_route(request.method, request.url.path, dev_mode)
+                   if exc.status_code == 404
                    else f"{request.method} is not allowed on {request.url.path}"
                    if exc.status_code == 405 else str(exc.detail))
         return _error(exc.status_code, kind, message)
@@ -152,7 +184,7 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         where = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}"
                           for e in exc.errors()[:5])
-        return _error(400, "BadRequest", where)
+        return _error(400, "ConfigError", where)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -170,19 +202,22 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         s = await engine.stats()
-        lines = [
-            f"wtransfer_requests_total {counters['requests']}",
-            f"wtransfer_generated_tokens_total {s['tokens_generated']}",
-            f"wtransfer_running_requests {s['running']}",
-            f"wtransfer_waiting_requests {s['waiting']}",
-            f"wtransfer_paused {int(s['paused'])}",
-            f"wtransfer_weights_torn {int(s['torn'])}",
-            f'wtransfer_weight_version_info{{version="{_label(s["weight_version"])}"}} 1',
-            f"wtransfer_last_transfer_bytes {s['last_update_bytes']}",
-            f"wtransfer_last_transfer_seconds {s['last_update_seconds']}",
-            f"wtransfer_prefix_cache_hit_blocks_total {s['prefix_cache_hits']}",
-            f"wtransfer_preemptions_total {s['preemptions']}",
-        ]
+        values = {
+            "requests_total": counters["requests"],
+            "generated_tokens_total": s["tokens_generated"],
+            "running_requests": s["running"], "waiting_requests": s["waiting"],
+            "paused": int(s["paused"]), "weights_torn": int(s["torn"]),
+            "last_transfer_bytes": s["last_update_bytes"],
+            "last_transfer_seconds": s["last_update_seconds"],
+            "prefix_cache_hit_blocks_total": s["prefix_cache_hits"],
+            "preemptions_total": s["preemptions"],
+        }
+        lines = []
+        for name, value in values.items():
+            lines += [f"# HELP wtransfer_{name} {METRICS_HELP[name]}",
+                      f"wtransfer_{name} {value}"]
+        lines += ["# HELP wtransfer_weight_version_info the weight version served now",
+                  f'wtransfer_weight_version_info{{version="{_label(s["weight_version"])}"}} 1']
         return PlainTextResponse("\n".join(lines) + "\n")
 
     @app.post("/inference/v1/generate")
@@ -191,7 +226,7 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
         token_ids = field(body, "token_ids", list)
         if not token_ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                     for t in token_ids):
-            raise BadRequest("token_ids must be a non-empty list of non-negative ints")
+            raise ConfigError("token_ids must be a non-empty list of non-negative ints")
         params = parse_record(SamplingParams, field(body, "sampling_params", dict, {}),
                               where="sampling_params")
         rid = field(body, "request_id", str, None)
@@ -257,7 +292,7 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, body_of: BodyOf) -> None:
     @app.post("/pause")
     async def pause(mode: str = "abort", clear_cache: str = "true") -> dict[str, Any]:
         if clear_cache.lower() not in ("true", "false", "1", "0"):
-            raise BadRequest("clear_cache must be true or false")
+            raise ConfigError("clear_cache must be true or false")
         await engine.pause_generation(mode=check_pause_mode(mode),
                                       clear_cache=clear_cache.lower() in ("true", "1"))
         return {"status": "paused", "mode": mode}
@@ -275,7 +310,7 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, body_of: BodyOf) -> None:
     async def abort_requests(request: Request) -> dict[str, int]:
         ids = await arg(request, "request_ids", list, None)
         if ids is not None and not all(isinstance(i, str) for i in ids):
-            raise BadRequest("request_ids must be a list of strings")
+            raise ConfigError("request_ids must be a list of strings")
         return {"aborted": await engine.abort_requests(ids)}
 
     @app.post("/init_weight_transfer_engine")

@@ -11,8 +11,8 @@
         sender.send_weights(weight_version="step-1")
     engines.close()
 
-Needs the `ray` extra (``pip install 'wtransfer[ray]'``). Every record crossing an actor call
-is msgpack bytes (`wtransfer.wire`), never a pickled object of ours.
+Needs the `ray` extra (from the clone: ``pip install -e '.[ray]'``). Every record crossing an
+actor call is msgpack bytes (`wtransfer.wire`), never a pickled object of ours.
 """
 
 from wtransfer.ray.actor import ACTOR_CALLS, EngineActor

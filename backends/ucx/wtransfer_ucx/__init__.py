@@ -14,7 +14,8 @@ BACKEND = wtransfer.Backend(
     sender="wtransfer_ucx.sender:UCXSender",
     summary="UCX tagged messages via UCXX (shm, TCP, NVLink, IB)",
     requires=("ucxx",),
-    install_hint="pip install 'wtransfer-ucx[cu12]' (UCXX: ucxx-cu12, or ucxx-cu13 for CUDA 13)",
+    install_hint="pip install ucxx-cu12 (or ucxx-cu13 for CUDA 13); from the clone: "
+                 "pip install -e . -e 'backends/ucx[cu12]'",
 )
 
 __all__ = ["BACKEND", "UCXInitInfo", "UCXTrainerInitInfo", "UCXUpdateInfo"]

@@ -29,7 +29,7 @@ from wtransfer.demos.rl.trainers import LocalTrainer, ShardedTrainer
 from wtransfer.errors import ConfigError
 from wtransfer.fingerprint import fingerprint
 from wtransfer.inference import MODEL_CONFIGS
-from wtransfer.registry import get_backend
+from wtransfer.registry import get_backend, list_backends
 
 MODEL = "tiny"
 VLLM_MODEL = "tiny32"
@@ -79,6 +79,19 @@ def _print_row(r: StepRecord) -> None:
     print(f"{r.step:>5} {r.reward:>7.3f} {r.transfer_ms:>12.2f} {r.gbps:>7.3f} "
           f"{r.paused_ms:>10.2f} {r.inflight:>9} {r.straddled:>10} {r.train_ms:>9.1f}",
           flush=True)
+
+
+def _check_options(*, backend: str, **counts: int) -> None:
+    """`ConfigError` saying what to change for a count below 1 or a backend that cannot run
+    here, before anything starts."""
+    for name, value in counts.items():
+        if value < 1:
+            raise ConfigError(f"{name.replace('_', '-')} must be at least 1, got {value}")
+    info = list_backends().get(backend)
+    if info is None:
+        raise ConfigError(f"unknown backend {backend!r}; known: {sorted(list_backends())}")
+    if not info.available:
+        raise ConfigError(f"backend {backend!r} cannot run here: {info.reason}")
 
 
 def _policy_server(engine: str, local: bool, model: str, backend: str,
@@ -140,27 +153,30 @@ def _validate(server: Any, trainer: dict[str, torch.Tensor],
     return not problems, problems
 
 
-def _plot(records: list[StepRecord], path: Path) -> None:
+def _plot(records: list[StepRecord], path: Path, title: str) -> None:
+    """Reward and update times per step, under `title` (backend and outcome); the legends sit
+    below the axes so they never hide a point."""
     try:
         import matplotlib
     except ImportError:
-        print("  (no plot: pip install 'wtransfer[demo]' for matplotlib)")
+        print("  (no plot: pip install -e '.[demo]' for matplotlib)")
         return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.2))
+    fig.suptitle(title)
     steps = [r.step for r in records]
     ax1.plot(steps, [r.reward for r in records], marker="o", color="tab:green")
     ax1.set(xlabel="step", ylabel="mean reward", title="reward per step", ylim=(0, 1.05))
     ax1.axhline(0.5, color="grey", linestyle=":", label="random policy")
-    ax1.legend(loc="lower right")
+    ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
     ax2.bar(steps, [r.transfer_ms for r in records], color="tab:blue", label="transfer")
     ax2.plot(steps, [r.paused_ms for r in records], color="tab:orange", marker=".",
              label="paused (pause+transfer+resume)")
     ax2.set(xlabel="step", ylabel="ms", title="weight update time per step")
-    ax2.legend(loc="upper right")
+    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -177,6 +193,8 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
     the policy is trained by that many FSDP2 ranks (this process and helper processes); with
     `ray_engines` > 0 it is served by that many engine actors on Ray (`ray_address`, or a
     local cluster)."""
+    _check_options(steps=steps, backend=backend, data_parallel_size=data_parallel_size,
+                   trainer_ranks=trainer_ranks, prompts_per_step=prompts_per_step, group=group)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     started = time.perf_counter()
@@ -248,11 +266,11 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
         trainer.close()
     finally:
         server.close()
-    return _report(records, ok, problems, out_dir, time.perf_counter() - started)
+    return _report(records, ok, problems, out_dir, time.perf_counter() - started, backend)
 
 
 def _report(records: list[StepRecord], ok: bool, problems: list[str], out_dir: Path,
-            wall_s: float) -> int:
+            wall_s: float, backend: str) -> int:
     head = statistics.fmean(r.reward for r in records[:5])
     tail = statistics.fmean(r.reward for r in records[-5:])
     summary = {
@@ -265,7 +283,9 @@ def _report(records: list[StepRecord], ok: bool, problems: list[str], out_dir: P
     }
     (out_dir / "metrics.json").write_text(json.dumps(
         {"summary": summary, "steps": [asdict(r) for r in records]}, indent=2))
-    _plot(records, out_dir / "rl.png")
+    _plot(records, out_dir / "rl.png",
+          f"wtransfer demo: backend={backend}, reward {head:.2f} -> {tail:.2f}, validation "
+          f"{'PASSED' if ok else 'FAILED'}")
     print()
     print("  summary")
     print(f"  {'reward, first 5 steps':<34} {head:.3f}")
