@@ -30,7 +30,7 @@ from wtransfer.inference import (
     SamplingParams,
     load_model,
 )
-from wtransfer.processes import free_port
+from wtransfer.launch.processes import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import median_seconds, print_table, write_json

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams
-from wtransfer.inference.commands import check_pause_mode
+from wtransfer.records import check_pause_mode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_json

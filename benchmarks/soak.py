@@ -22,7 +22,7 @@ from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
 from wtransfer.inference import load_model
-from wtransfer.processes import free_port
+from wtransfer.launch.processes import free_port
 
 
 def rss_mb(pid: int) -> float:
@@ -51,7 +51,7 @@ def main() -> None:
                                "--model", args.model, "--dev-mode"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    client = wtransfer.HTTPClient(url, timeout=60)
+    client = wtransfer.HTTPClient(url, timeout_s=60)
     deadline = time.monotonic() + 120
     while True:
         try:

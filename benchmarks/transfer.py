@@ -34,11 +34,11 @@ from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
 from wtransfer.clients import FanoutClient
+from wtransfer.launch.processes import spawn_receiver
 from wtransfer.packing import Bucket, BucketPlan, Slice, byte_view
-from wtransfer.processes import spawn_receiver
 from wtransfer.rpc import RPCClient
-from wtransfer.sender import Share
 from wtransfer.shapes import build, model_metas
+from wtransfer.trainer.engine import Share
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import median_seconds, paired, print_table, write_json
@@ -268,7 +268,7 @@ def bench_sharded(backend: str, name: str, buckets_mb: list[int], ranks: int, se
     `senders`: median seconds of an update (the lead's own measure, start to finish)."""
     from statistics import median
 
-    from wtransfer.trainer_ranks import TrainerRanks
+    from wtransfer.launch.trainer_ranks import TrainerRanks
 
     metas = model_metas(name)
     total = sum(m.nbytes for m in metas)

@@ -4,23 +4,22 @@ The public surface: the backend registry (`Backend`, `register_backend`, `get_ba
 `list_backends`, `create_receiver`, `trainer_init`), the lifecycle ABCs
 (`WeightTransferEngine`, `TrainerTransferEngine`, `TransferStats`), sources and targets
 (`ModuleSource`, `ModuleTarget`, `fingerprint`), clients (`LocalClient`, `FanoutClient`,
-`rpc.RPCClient`, and `HTTPClient`, which lives with the inference server and is imported on
-first use) and the modules `errors`, `rpc` and `wire`.
+`HTTPClient`, `rpc.RPCClient`) and the modules `errors`, `rpc` and `wire`.
 """
 
-from typing import Any
-
 from wtransfer import errors, rpc, wire
-from wtransfer.clients import FanoutClient, LocalClient
+from wtransfer.clients import FanoutClient, HTTPClient, LocalClient
 from wtransfer.fingerprint import fingerprint
-from wtransfer.infos import (
+from wtransfer.protocol import WeightSyncClient
+from wtransfer.receiver.engine import ReceiverState, WeightTransferEngine
+from wtransfer.receiver.target import ModuleTarget, WeightTarget
+from wtransfer.records import (
     ReceiverInitInfo,
     TrainerInitInfo,
     TransferStats,
     UpdateInfo,
     WireParams,
 )
-from wtransfer.receiver import ReceiverState, WeightTransferEngine
 from wtransfer.registry import (
     Backend,
     BackendInfo,
@@ -30,9 +29,8 @@ from wtransfer.registry import (
     register_backend,
     trainer_init,
 )
-from wtransfer.sender import TrainerTransferEngine, WeightSyncClient
-from wtransfer.source import ModuleSource, WeightSource
-from wtransfer.target import ModuleTarget, WeightTarget
+from wtransfer.trainer.engine import TrainerTransferEngine
+from wtransfer.trainer.source import ModuleSource, WeightSource
 
 __version__ = "0.1.0"
 
@@ -66,12 +64,3 @@ __all__ = [
     "wire",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """`wtransfer.HTTPClient` speaks the inference server's routes, so it lives in
-    `wtransfer.inference.http_client`; import it only when asked for."""
-    if name == "HTTPClient":
-        from wtransfer.inference.http_client import HTTPClient
-
-        return HTTPClient
-    raise AttributeError(f"module 'wtransfer' has no attribute {name!r}")

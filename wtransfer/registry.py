@@ -21,11 +21,12 @@ from wtransfer.errors import ConfigError
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from wtransfer.infos import TrainerInitInfo
-    from wtransfer.receiver import WeightTransferEngine
-    from wtransfer.sender import TrainerTransferEngine, WeightSyncClient
-    from wtransfer.source import WeightSource
-    from wtransfer.target import WeightTarget
+    from wtransfer.protocol import WeightSyncClient
+    from wtransfer.receiver.engine import WeightTransferEngine
+    from wtransfer.receiver.target import WeightTarget
+    from wtransfer.records import TrainerInitInfo
+    from wtransfer.trainer.engine import TrainerTransferEngine
+    from wtransfer.trainer.source import WeightSource
 
 ENTRY_POINT_GROUP = "wtransfer.backends"
 
@@ -192,7 +193,7 @@ def trainer_init(
 
     With a sharded source (FSDP2 / DTensor), `client=None` on some ranks, or `process_group`,
     every trainer rank of the group calls this (and `send_weights`) together; the ranks with a
-    client send (see `wtransfer.sender`)."""
+    client send (see `wtransfer.trainer.engine`)."""
     name = getattr(type(init_info), "backend", "")
     if not name:
         raise ConfigError(f"{type(init_info).__name__} names no backend; pass a backend's "

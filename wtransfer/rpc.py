@@ -36,8 +36,8 @@ from wtransfer.errors import (
     error_reply,
     from_reply,
 )
-from wtransfer.receiver import WeightTransferEngine
-from wtransfer.sender import WeightSyncClient
+from wtransfer.protocol import WeightSyncClient
+from wtransfer.receiver.engine import WeightTransferEngine
 
 SERVED = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
           "finish_weight_update", "fingerprint", "num_workers")
@@ -236,7 +236,7 @@ class ReceiverServer:
 
 
 class RPCCall:
-    """One request of an `RPCClient` in flight (a `wtransfer.calls.PendingCall`)."""
+    """One request of an `RPCClient` in flight (a `wtransfer.trainer.calls.PendingCall`)."""
 
     def __init__(self, client: RPCClient, call_id: int, method: str, deadline: float,
                  timeout_s: float) -> None:

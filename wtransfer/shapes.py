@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from wtransfer.errors import ConfigError
-from wtransfer.gathering import is_dtensor
 from wtransfer.packing import DTYPES, TensorMeta
+from wtransfer.trainer.gather import is_dtensor
 
 
 def qwen3_metas(

@@ -10,7 +10,7 @@ from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
 from wtransfer.errors import ConfigError
-from wtransfer.processes import spawn_receiver
+from wtransfer.launch.processes import spawn_receiver
 from wtransfer.rpc import RPCClient
 from wtransfer.shapes import build
 from wtransfer.testing.conformance import BackendConformance, wait_for

@@ -17,7 +17,7 @@ from wtransfer_ipc.shm import SHM_DIR, creator_alive
 import wtransfer
 from wtransfer.errors import TransferTimeout
 from wtransfer.fingerprint import fingerprint
-from wtransfer.processes import free_port, spawn_receiver, spawn_trainer
+from wtransfer.launch.processes import free_port, spawn_receiver, spawn_trainer
 from wtransfer.shapes import build
 from wtransfer.testing.conformance import wait_for
 
@@ -116,7 +116,7 @@ def frozen_server():
                              "--dev-mode", "--model", "tiny"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    client = wtransfer.HTTPClient(url, timeout=3.0)
+    client = wtransfer.HTTPClient(url, timeout_s=3.0)
 
     def up():
         try:
@@ -150,7 +150,7 @@ def test_a_frozen_http_server_fails_the_trainer_within_its_deadline(frozen_serve
 
 
 def test_a_segment_whose_creator_is_gone_is_swept_when_a_sender_starts():
-    from wtransfer_ipc.liveness import start_time
+    from wtransfer_ipc.sender_process import start_time
     from wtransfer_ipc.shm import SharedBuffer
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -7,7 +7,7 @@ import torch
 from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
-from wtransfer.processes import spawn_receiver
+from wtransfer.launch.processes import spawn_receiver
 from wtransfer.rpc import RPCClient
 from wtransfer.shapes import build, build_module, mixed_metas
 from wtransfer.testing.conformance import BackendConformance

@@ -8,7 +8,7 @@ from wtransfer_nccl.libnccl import load_nccl
 
 import wtransfer
 from wtransfer.errors import PeerError
-from wtransfer.processes import spawn_receiver
+from wtransfer.launch.processes import spawn_receiver
 from wtransfer.rpc import RPCClient
 from wtransfer.shapes import build
 

@@ -7,10 +7,10 @@ import signal
 import pytest
 
 import wtransfer
-from wtransfer.processes import spawn_receiver
+from wtransfer.launch.processes import spawn_receiver
+from wtransfer.launch.trainer_ranks import TrainerRanks
 from wtransfer.rpc import RPCClient
 from wtransfer.testing.conformance import wait_for
-from wtransfer.trainer_ranks import TrainerRanks
 
 BUCKET = 64 << 10
 """Smaller than the largest tensors (the 512 KiB embedding, split over 8 buckets)."""

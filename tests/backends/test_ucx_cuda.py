@@ -3,7 +3,7 @@
 import pytest
 
 import wtransfer
-from wtransfer.processes import spawn_receiver
+from wtransfer.launch.processes import spawn_receiver
 from wtransfer.rpc import RPCClient
 from wtransfer.shapes import build
 from wtransfer.testing.conformance import BackendConformance

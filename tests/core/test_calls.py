@@ -11,9 +11,10 @@ from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
 from wtransfer import wire
-from wtransfer.calls import CallQueue, UpdateCalls
 from wtransfer.errors import LifecycleError, TransferTimeout
+from wtransfer.protocol import CallQueue
 from wtransfer.rpc import ReceiverServer, RPCClient
+from wtransfer.trainer.calls import UpdateCalls
 
 
 class _HeldFingerprint(wtransfer.LocalClient):

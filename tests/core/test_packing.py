@@ -16,10 +16,10 @@ from wtransfer.packing import (
     bucket_checksum,
     byte_view,
 )
-from wtransfer.receiving import UpdateSession
+from wtransfer.receiver.session import UpdateSession
+from wtransfer.receiver.target import ModuleTarget
 from wtransfer.shapes import build_module
-from wtransfer.source import ModuleSource
-from wtransfer.target import ModuleTarget
+from wtransfer.trainer.source import ModuleSource
 
 
 def random_tensor(dtype_name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -23,8 +23,8 @@ def test_importing_the_core_and_the_cli_pulls_no_server_demo_or_test_code():
     assert out.stdout.strip() == "[]"
 
 
-def test_http_client_stays_importable_from_the_top_level():
-    from wtransfer.inference.http_client import HTTPClient
+def test_http_client_is_importable_from_the_top_level():
+    from wtransfer.clients import HTTPClient
 
     assert wtransfer.HTTPClient is HTTPClient
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):

@@ -7,7 +7,7 @@ import torch
 
 from wtransfer.errors import ConfigError
 from wtransfer.packing import BucketPlan, TensorMeta
-from wtransfer.window import receive_windowed, units
+from wtransfer.transport.window import receive_windowed, units
 
 
 def _plan(sizes: list[int], threshold: int) -> BucketPlan:

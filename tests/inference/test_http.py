@@ -11,7 +11,7 @@ import pytest
 import wtransfer
 import wtransfer.inference
 from wtransfer.errors import PeerError
-from wtransfer.processes import free_port
+from wtransfer.launch.processes import free_port
 from wtransfer.testing.conformance import wait_for
 
 KEY = "s3cret"

@@ -12,7 +12,7 @@ import asyncio
 from engine_helpers import collect
 
 from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams, WeightVersionSpan
-from wtransfer.processes import spawn_trainer
+from wtransfer.launch.processes import spawn_trainer
 
 MAX = 32
 

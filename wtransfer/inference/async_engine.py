@@ -14,11 +14,12 @@ import torch
 
 from wtransfer.clients import SingleEngineClient
 from wtransfer.errors import ConfigError, TransferTimeout
-from wtransfer.inference.commands import CoreClient, PauseMode
+from wtransfer.inference.commands import CoreClient
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.engine_core import EngineCore
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.params import SamplingParams
+from wtransfer.records import PauseMode
 from wtransfer.registry import get_backend
 from wtransfer.rpc import ReceiverServer
 

@@ -11,23 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Protocol
 
 from wtransfer.errors import ConfigError
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.params import SamplingParams
-
-PauseMode = Literal["abort", "wait", "keep"]
-"""abort: end live requests; wait: let running ones finish; keep: freeze them for resume."""
-PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
-
-
-def check_pause_mode(mode: object) -> PauseMode:
-    """`mode` if it is a pause mode, else `ConfigError` listing the modes."""
-    if mode not in PAUSE_MODES:
-        raise ConfigError(f"unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
-    return mode  # type: ignore[return-value]
+from wtransfer.records import PauseMode
 
 
 class EngineCommands(Protocol):

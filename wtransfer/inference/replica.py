@@ -14,17 +14,17 @@ from typing import Any
 
 from wtransfer.errors import ConfigError, LifecycleError
 from wtransfer.inference.block_manager import BlockManager
-from wtransfer.inference.commands import Emit, PauseMode, check_pause_mode
+from wtransfer.inference.commands import Emit
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.model import load_model
 from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.runner import ModelRunner
 from wtransfer.inference.scheduler import PauseState, Scheduler
 from wtransfer.inference.sequence import Sequence
-from wtransfer.infos import check_version
-from wtransfer.receiver import ReceiverState, WeightTransferEngine
+from wtransfer.receiver.engine import ReceiverState, WeightTransferEngine
+from wtransfer.receiver.target import ModuleTarget
+from wtransfer.records import PauseMode, check_pause_mode, check_version
 from wtransfer.registry import create_receiver
-from wtransfer.target import ModuleTarget
 from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.engine")

@@ -36,7 +36,6 @@ from wtransfer.errors import (
     error_kind,
 )
 from wtransfer.inference.async_engine import AsyncEngine
-from wtransfer.inference.commands import check_pause_mode
 from wtransfer.inference.http_body import (
     BodyTooLarge,
     Unauthorized,
@@ -45,6 +44,7 @@ from wtransfer.inference.http_body import (
     read_body,
 )
 from wtransfer.inference.params import SamplingParams
+from wtransfer.records import check_pause_mode
 from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.server")

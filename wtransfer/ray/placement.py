@@ -8,10 +8,10 @@ from typing import Any, Literal
 
 from wtransfer import wire
 from wtransfer.errors import ConfigError, TransferTimeout
+from wtransfer.protocol import WeightSyncClient
 from wtransfer.ray.actor import EngineActor
 from wtransfer.ray.client import ActorClient
 from wtransfer.registry import get_backend
-from wtransfer.sender import WeightSyncClient
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 

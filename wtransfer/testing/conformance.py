@@ -5,7 +5,7 @@
     class TestMyBackend(BackendConformance):
         backend = "mine"
 
-Every case runs receivers in real child processes (`wtransfer.peer`) and the trainer
+Every case runs receivers in real child processes (`wtransfer.launch.peer`) and the trainer
 in the test process, over the real control plane (`wtransfer.rpc`). Override `init_fields` when
 the backend's trainer init info needs more than the wire parameters (e.g. a rendezvous port).
 """
@@ -23,14 +23,15 @@ import pytest
 from wtransfer import errors
 from wtransfer.clients import FanoutClient
 from wtransfer.fingerprint import fingerprint
-from wtransfer.infos import TrainerInitInfo
-from wtransfer.processes import ChildProcess, free_port, spawn_receiver, spawn_trainer
+from wtransfer.launch.processes import ChildProcess, free_port, spawn_receiver, spawn_trainer
+from wtransfer.protocol import WeightSyncClient
+from wtransfer.receiver.target import ModuleTarget
+from wtransfer.records import TrainerInitInfo
 from wtransfer.registry import create_receiver, get_backend, trainer_init
 from wtransfer.rpc import RPCClient
-from wtransfer.sender import TrainerTransferEngine, WeightSyncClient
 from wtransfer.shapes import build_module, model_metas, randomize
-from wtransfer.source import ModuleSource
-from wtransfer.target import ModuleTarget
+from wtransfer.trainer.engine import TrainerTransferEngine
+from wtransfer.trainer.source import ModuleSource
 
 MiB = 1 << 20
 T = TypeVar("T")

@@ -9,8 +9,8 @@ import pytest
 
 import wtransfer
 from wtransfer.errors import MetadataError
-from wtransfer.infos import TransferStats
-from wtransfer.processes import spawn_receiver
+from wtransfer.launch.processes import spawn_receiver
+from wtransfer.records import TransferStats
 from wtransfer.rpc import RPCCall, RPCClient
 from wtransfer.shapes import build, randomize
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from wtransfer.errors import ConfigError
-from wtransfer.infos import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
+from wtransfer.records import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 
 TRANSPORTS = ("shm", "cuda")
 STAGING_FIELDS = ("transport", "buffers", "sender_pid", "token")

@@ -9,12 +9,12 @@ import torch
 
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.packing import Slice, TensorMeta
-from wtransfer.receiver import WeightTransferEngine
-from wtransfer.receiving import UpdateSession
-from wtransfer.target import WeightTarget
+from wtransfer.receiver.engine import WeightTransferEngine
+from wtransfer.receiver.session import UpdateSession
+from wtransfer.receiver.target import WeightTarget
 from wtransfer_ipc.cuda import SenderEvents, drain, open_buffer
 from wtransfer_ipc.info import IPCInitInfo, IPCUpdateInfo
-from wtransfer_ipc.liveness import ProcessWatch
+from wtransfer_ipc.sender_process import ProcessWatch
 from wtransfer_ipc.shm import SharedBuffer, creator_alive, sweep
 from wtransfer_ipc.zero_copy import ZeroCopyImports
 

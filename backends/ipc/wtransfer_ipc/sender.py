@@ -9,16 +9,16 @@ from typing import Any
 
 import torch
 
-from wtransfer.calls import PendingCall
 from wtransfer.errors import ConfigError
-from wtransfer.infos import receiver_init_dict
 from wtransfer.packing import Bucket, BucketPlan
-from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
-from wtransfer.sending import send_issued
-from wtransfer.source import WeightSource
+from wtransfer.protocol import PendingCall, WeightSyncClient
+from wtransfer.records import receiver_init_dict
+from wtransfer.trainer.engine import Share, TrainerTransferEngine
+from wtransfer.trainer.source import WeightSource
+from wtransfer.transport.sending import send_issued
 from wtransfer_ipc.cuda import await_event, export_buffer, exported_event, withdraw_event
 from wtransfer_ipc.info import STAGING_FIELDS, IPCTrainerInitInfo
-from wtransfer_ipc.liveness import own_start_time
+from wtransfer_ipc.sender_process import own_start_time
 from wtransfer_ipc.shm import SharedBuffer
 from wtransfer_ipc.zero_copy import ZeroCopyExports, shareable
 

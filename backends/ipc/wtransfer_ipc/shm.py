@@ -24,7 +24,7 @@ import secrets
 import torch
 
 from wtransfer.errors import ConfigError, MetadataError
-from wtransfer_ipc.liveness import start_time
+from wtransfer_ipc.sender_process import start_time
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^wtransfer_(?P<pid>[0-9]{1,10})_(?P<start>[0-9]{1,20})"

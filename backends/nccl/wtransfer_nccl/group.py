@@ -23,7 +23,7 @@ from wtransfer.errors import ConfigError, PeerError, TransferTimeout
 from wtransfer_nccl.libnccl import load_nccl
 
 MAX_INFLIGHT = 16
-"""Units (`wtransfer.window.units`) posted ahead per side: staging slots bound the packed
+"""Units (`wtransfer.transport.window.units`) posted ahead per side: staging slots bound the packed
 ones; direct ones (into the parameter itself) need none, and keeping several in flight hides
 each call's latency."""
 DIRECT_BATCH = 32

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from wtransfer.errors import ConfigError
-from wtransfer.infos import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 from wtransfer.packing import DEFAULT_ALIGN
+from wtransfer.records import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 
 TRANSPORTS = ("nccl", "gloo")
 
@@ -71,11 +71,11 @@ class NCCLInitInfo(ReceiverInitInfo):
     """At most this many in the first group call (None: `batch`), so the bytes start moving
     before either side prepared a whole batch; the sender's number, like `batch`."""
     lifeline_port: int | None = None
-    """Port of the lead trainer's `wtransfer.lifeline.LifelineListener` at `master_address`:
-    each worker connects once, and fails an open update within moments of that trainer's
-    death instead of after `timeout_s` (NCCL itself waits forever for a dead rank). A worker
-    that cannot connect within 5 s (a firewall) goes on without it. None: a trainer that
-    offers none."""
+    """Port of the lead trainer's `wtransfer.transport.tcp_lifeline.LifelineListener` at
+    `master_address`: each worker connects once, and fails an open update within moments of
+    that trainer's death instead of after `timeout_s` (NCCL itself waits forever for a dead
+    rank). A worker that cannot connect within 5 s (a firewall) goes on without it. None: a
+    trainer that offers none."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

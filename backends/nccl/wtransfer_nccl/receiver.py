@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from wtransfer.errors import ConfigError, LifecycleError, MetadataError, PeerError
-from wtransfer.lifeline import Lifeline
 from wtransfer.packing import (
     CHECKSUM_BYTES,
     Bucket,
@@ -17,10 +16,11 @@ from wtransfer.packing import (
     read_checksum_trailer,
     trailer_length,
 )
-from wtransfer.receiver import WeightTransferEngine
-from wtransfer.receiving import UpdateSession
-from wtransfer.target import WeightTarget
-from wtransfer.window import receive_windowed
+from wtransfer.receiver.engine import WeightTransferEngine
+from wtransfer.receiver.session import UpdateSession
+from wtransfer.receiver.target import WeightTarget
+from wtransfer.transport.tcp_lifeline import Lifeline
+from wtransfer.transport.window import receive_windowed
 from wtransfer_nccl.group import (
     MAX_INFLIGHT,
     Group,
@@ -59,7 +59,8 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         self._plan: tuple[BucketPlan, list[list[Bucket]]] | None = None
         """The last plan and each sender's buckets of it."""
         self._lifeline: Lifeline | None = None
-        """The connection that tells this worker the lead trainer died (`wtransfer.lifeline`)."""
+        """The connection that tells this worker the lead trainer died
+        (`wtransfer.transport.tcp_lifeline`)."""
 
     def _init(self, info: NCCLInitInfo) -> None:
         if info.transport == "nccl" and self.device.type != "cuda":

@@ -11,12 +11,13 @@ from typing import Any
 import torch
 
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
-from wtransfer.infos import receiver_init_dict
-from wtransfer.lifeline import LifelineListener
 from wtransfer.packing import CHECKSUM_BYTES
-from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
-from wtransfer.source import WeightSource
-from wtransfer.window import send_windowed
+from wtransfer.protocol import WeightSyncClient
+from wtransfer.records import receiver_init_dict
+from wtransfer.trainer.engine import Share, TrainerTransferEngine
+from wtransfer.trainer.source import WeightSource
+from wtransfer.transport.tcp_lifeline import LifelineListener
+from wtransfer.transport.window import send_windowed
 from wtransfer_nccl.group import (
     DIRECT_BATCH,
     DIRECT_FIRST,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from wtransfer.errors import ConfigError
-from wtransfer.infos import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
+from wtransfer.records import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,10 +14,10 @@ from wtransfer.packing import (
     read_checksum_trailer,
     trailer_length,
 )
-from wtransfer.receiver import WeightTransferEngine
-from wtransfer.receiving import UpdateSession
-from wtransfer.target import WeightTarget
-from wtransfer.window import receive_windowed
+from wtransfer.receiver.engine import WeightTransferEngine
+from wtransfer.receiver.session import UpdateSession
+from wtransfer.receiver.target import WeightTarget
+from wtransfer.transport.window import receive_windowed
 from wtransfer_ucx.info import UCXInitInfo, UCXUpdateInfo
 from wtransfer_ucx.remote_reads import ImportedKeys
 from wtransfer_ucx.transport import (

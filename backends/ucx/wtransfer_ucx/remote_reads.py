@@ -21,7 +21,7 @@ import torch
 
 from wtransfer.errors import MetadataError
 from wtransfer.packing import BucketPlan, TensorMeta
-from wtransfer.receiving import UpdateSession
+from wtransfer.receiver.session import UpdateSession
 from wtransfer_ucx.rma import Reads, Region, RemoteKey
 
 _FIELDS = {"keys", "reads", "drop"}

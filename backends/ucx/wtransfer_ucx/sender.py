@@ -9,11 +9,12 @@ from typing import Any
 import torch
 
 from wtransfer.errors import LifecycleError
-from wtransfer.infos import receiver_init_dict
 from wtransfer.packing import CHECKSUM_BYTES, Bucket, TensorMeta
-from wtransfer.sender import Share, TrainerTransferEngine, WeightSyncClient
-from wtransfer.source import WeightSource
-from wtransfer.window import send_windowed
+from wtransfer.protocol import WeightSyncClient
+from wtransfer.records import receiver_init_dict
+from wtransfer.trainer.engine import Share, TrainerTransferEngine
+from wtransfer.trainer.source import WeightSource
+from wtransfer.transport.window import send_windowed
 from wtransfer_ucx.info import UCXTrainerInitInfo
 from wtransfer_ucx.remote_reads import ExportedTensors, readable
 from wtransfer_ucx.transport import (

@@ -13,12 +13,12 @@ from typing import Any, ClassVar
 import torch
 
 import wtransfer
-from wtransfer.infos import ReceiverInitInfo, TrainerInitInfo, UpdateInfo, receiver_init_dict
 from wtransfer.packing import Bucket, Slice, metas_from_wire, metas_to_wire
-from wtransfer.receiver import WeightTransferEngine
-from wtransfer.receiving import UpdateSession
-from wtransfer.sender import Share, TrainerTransferEngine
-from wtransfer.sending import send_pipelined
+from wtransfer.receiver.engine import WeightTransferEngine
+from wtransfer.receiver.session import UpdateSession
+from wtransfer.records import ReceiverInitInfo, TrainerInitInfo, UpdateInfo, receiver_init_dict
+from wtransfer.trainer.engine import Share, TrainerTransferEngine
+from wtransfer.transport.sending import send_pipelined
 
 
 @dataclass(frozen=True, kw_only=True)

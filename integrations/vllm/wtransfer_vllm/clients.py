@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
-from wtransfer.clients import SingleEngineClient, check_workers
+from wtransfer.clients import HTTPClient, SingleEngineClient, check_workers
 from wtransfer.errors import (
     ConfigError,
     IntegrityError,
@@ -27,7 +27,6 @@ from wtransfer.errors import (
     relayed_kind,
     remote_error,
 )
-from wtransfer.inference.http_client import HTTPClient
 from wtransfer_vllm.envelope import wrap
 from wtransfer_vllm.names import FINGERPRINT_METHOD, STATE_METHOD, WORKER_EXTENSION
 

@@ -17,7 +17,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from wtransfer.errors import WTransferError, error_kind
-from wtransfer.receiver import WeightTransferEngine as Receiver
+from wtransfer.receiver.engine import WeightTransferEngine as Receiver
 from wtransfer.registry import create_receiver
 from wtransfer_vllm.envelope import unwrap
 from wtransfer_vllm.target import VLLMTarget

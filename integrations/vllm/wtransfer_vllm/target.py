@@ -23,7 +23,7 @@ from safetensors import safe_open
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.fingerprint import tensor_digest
 from wtransfer.packing import DTYPES, TensorMeta
-from wtransfer.target import WeightTarget
+from wtransfer.receiver.target import WeightTarget
 
 log = logging.getLogger("wtransfer.vllm")
 

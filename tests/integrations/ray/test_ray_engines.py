@@ -14,7 +14,7 @@ from wtransfer.errors import ConfigError, PeerError, TransferTimeout  # noqa: E4
 from wtransfer.inference import load_model  # noqa: E402
 from wtransfer.ray import ActorClient, start_engines, trainer_init_info  # noqa: E402
 from wtransfer.shapes import randomize  # noqa: E402
-from wtransfer.source import ModuleSource  # noqa: E402
+from wtransfer.trainer.source import ModuleSource  # noqa: E402
 
 MODEL = "tiny"
 TIMEOUT_S = 60.0

@@ -14,7 +14,7 @@ import torch
 import wtransfer_vllm
 
 import wtransfer
-from wtransfer.processes import free_port
+from wtransfer.launch.processes import free_port
 from wtransfer.testing.conformance import wait_for
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -135,7 +135,7 @@ class VLLMServer:
                 return False
 
         wait_for(healthy, 300, "vllm serve to start", interval_s=0.5)
-        self.client = wtransfer_vllm.ServerClient(self.url, timeout=120)
+        self.client = wtransfer_vllm.ServerClient(self.url, timeout_s=120)
 
     def greedy(self, prompts=PROMPTS, max_tokens=12):
         """Greedy tokens of each prompt through /inference/v1/generate."""

@@ -15,7 +15,7 @@ import torch
 
 from wtransfer.clients import FanoutClient
 from wtransfer.demos.rl.servers import FreshEngineReference, Stream
-from wtransfer.sender import WeightSyncClient
+from wtransfer.protocol import WeightSyncClient
 
 CALL_TIMEOUT_S = 600.0
 

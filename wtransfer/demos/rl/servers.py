@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import torch
 
+from wtransfer.clients import HTTPClient
 from wtransfer.errors import TransferTimeout
 from wtransfer.inference import (
     AsyncEngine,
@@ -31,9 +32,8 @@ from wtransfer.inference import (
     SamplingParams,
 )
 from wtransfer.inference.engine_core import EngineCore
-from wtransfer.inference.http_client import HTTPClient
-from wtransfer.processes import free_port
-from wtransfer.sender import WeightSyncClient
+from wtransfer.launch.processes import free_port
+from wtransfer.protocol import WeightSyncClient
 
 CALL_TIMEOUT_S = 600.0
 """Deadline of pause, resume and status calls into the in-process engine."""

@@ -21,13 +21,13 @@ import torch
 
 from wtransfer import wire
 from wtransfer.demos.rl.grpo import Rollout, grpo_step
-from wtransfer.gathering import is_dtensor
 from wtransfer.inference import load_model
-from wtransfer.infos import TransferStats
-from wtransfer.processes import local_store
+from wtransfer.launch.processes import local_store
+from wtransfer.protocol import WeightSyncClient
+from wtransfer.records import TransferStats
 from wtransfer.registry import get_backend, trainer_init
-from wtransfer.sender import WeightSyncClient
-from wtransfer.source import ModuleSource
+from wtransfer.trainer.gather import is_dtensor
+from wtransfer.trainer.source import ModuleSource
 
 TIMEOUT_S = 300.0
 
@@ -112,7 +112,7 @@ class ShardedTrainer(LocalTrainer):
         return shard_policy(load_model(model, seed=0), self.ranks)
 
     def _command(self, record: dict[str, Any]) -> None:
-        from wtransfer.trainer_group import broadcast_record
+        from wtransfer.trainer.group import broadcast_record
 
         broadcast_record(record)
 
@@ -164,7 +164,7 @@ def helper_main(argv: list[str] | None = None) -> None:
     """A helper trainer rank: follow rank 0's commands until "stop"."""
     import torch.distributed as dist
 
-    from wtransfer.trainer_group import broadcast_record
+    from wtransfer.trainer.group import broadcast_record
 
     parser = argparse.ArgumentParser(prog="python -m wtransfer.demos.rl.trainers")
     for flag in ("--rank", "--ranks", "--port"):

@@ -39,11 +39,12 @@ from wtransfer.errors import (
     RemoteEngineDeadError,
     from_reply,
 )
-from wtransfer.inference.commands import Emit, check_command, check_pause_mode
+from wtransfer.inference.commands import Emit, check_command
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.dp.collective import host_store
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.params import SamplingParams
+from wtransfer.records import check_pause_mode
 from wtransfer.wire import parse_record, record_to_wire
 
 log = logging.getLogger("wtransfer.dp")

@@ -46,12 +46,13 @@ import zmq
 
 from wtransfer import wire
 from wtransfer.errors import ConfigError, LifecycleError, PeerError, error_reply
-from wtransfer.inference.commands import COMMANDS, PauseMode
+from wtransfer.inference.commands import COMMANDS
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.dp.collective import RankGroup
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.replica import Replica
 from wtransfer.inference.scheduler import PauseState
+from wtransfer.records import PauseMode
 from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.dp")

@@ -1,4 +1,4 @@
-"""Run receivers and trainers as real child processes (see `wtransfer.peer`), and find free
+"""Run receivers and trainers as real child processes (see `wtransfer.launch.peer`), and find free
 ports; used by the demos, the benchmarks and the conformance suite."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class ChildProcess:
                  gpu_busy: bool = False, env: dict[str, str] | None = None,
                  start_timeout_s: float = 120.0) -> None:
         self.role = role
-        cmd = [sys.executable, "-m", "wtransfer.peer", role, "--backend", backend,
+        cmd = [sys.executable, "-m", "wtransfer.launch.peer", role, "--backend", backend,
                "--model", model, "--seed", str(seed), "--device", device, "--fill", fill]
         if address:
             cmd += ["--address", address]

@@ -1,14 +1,14 @@
-"""A trainer's lifeline (`wtransfer.lifeline`): engines learn within moments that the trainer
-process died, and never while it lives."""
+"""A trainer's lifeline (`wtransfer.transport.tcp_lifeline`): engines learn within moments
+that the trainer process died, and never while it lives."""
 
 import os
 import signal
 import subprocess
 import sys
 
-from wtransfer.lifeline import Lifeline, LifelineListener
+from wtransfer.transport.tcp_lifeline import Lifeline, LifelineListener
 
-_TRAINER = ("from wtransfer.lifeline import LifelineListener; import sys; "
+_TRAINER = ("from wtransfer.transport.tcp_lifeline import LifelineListener; import sys; "
             "listener = LifelineListener(); print(listener.port, flush=True); sys.stdin.read()")
 
 

@@ -1,112 +1,18 @@
-"""Control calls issued in order without waiting for each reply (pipelining).
+"""One update's control calls: start, update call(s), finish, issued back to back.
 
-A sender's update is a short sequence of calls on its client: start, one or more update calls,
-finish. Waiting for each reply before sending the next costs a round trip per call; the engine
-runs them in order anyway. `CallQueue` issues them back to back: a client that can pipeline
-(`PipelinedClient`: `rpc.RPCClient`, `FanoutClient`) puts every request on the wire at once and
-matches replies by id; any other client gets one worker thread that makes its calls in
-submission order. `UpdateCalls` is one update's calls on a queue, settled in order, so the
-first failure (the cause) is the one reported, not the refusals that follow it.
+A sender's update is a short sequence of calls on its client. Waiting for each reply before
+sending the next costs a round trip per call; the engine runs them in order anyway, so they
+go through a `wtransfer.protocol.CallQueue` without waiting, each to run only if the one
+before it succeeded, and are settled in order: the first failure (the cause) is the one
+reported, not the refusals that follow it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any
 
-from wtransfer.errors import LifecycleError, TransferTimeout
-
-
-@runtime_checkable
-class PendingCall(Protocol):
-    """One control call on its way: `result` waits for its reply."""
-
-    def done(self) -> bool:
-        """Whether the reply (or a failure) is in; never blocks."""
-
-    def result(self, timeout_s: float) -> Any:
-        """The call's result; raises its failure, or `TransferTimeout` past `timeout_s`."""
-
-    def cancel(self) -> None:
-        """Stop waiting for the reply (a late one is dropped)."""
-
-
-@runtime_checkable
-class PipelinedClient(Protocol):
-    """A client that puts a call on the wire without waiting for the previous one's reply;
-    calls made through one client run on the engine in the order they were submitted."""
-
-    def submit(self, method: str, *, after: Any = None, **args: Any) -> PendingCall:
-        """Send ``method(**args)``; returns at once. With `after` (an earlier call of this
-        client) the engine side runs it only if that call succeeded."""
-
-
-class FutureCall:
-    """A `PendingCall` made by a worker thread (clients that cannot pipeline)."""
-
-    def __init__(self, future: Future[Any], method: str) -> None:
-        self.future = future
-        self.method = method
-
-    def done(self) -> bool:
-        """Whether the call returned or raised."""
-        return self.future.done()
-
-    def result(self, timeout_s: float) -> Any:
-        """The call's result; `TransferTimeout` past `timeout_s`."""
-        try:
-            return self.future.result(timeout=timeout_s)
-        except TimeoutError as exc:
-            if self.future.done():  # the call itself timed out: its own error says more
-                raise
-            raise TransferTimeout(f"{self.method}: no answer within {timeout_s:g}s") from exc
-
-    def cancel(self) -> None:
-        """Drop the call if it has not started."""
-        self.future.cancel()
-
-
-class CallQueue:
-    """Calls on `client` in submission order, none waiting for the one before (see the
-    module docstring)."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-        self._pipelined = isinstance(client, PipelinedClient)  # a protocol check: not per call
-        self._pool: ThreadPoolExecutor | None = None
-        self._last: Future[Any] | None = None
-
-    def submit(self, method: str, *, after: PendingCall | None = None,
-               **args: Any) -> PendingCall:
-        """Issue ``client.method(**args)`` after every call submitted before it; with `after`
-        (an earlier call of this queue) only if that one succeeded, else it fails with a
-        `LifecycleError` saying it was skipped."""
-        if self._pipelined:
-            return cast(PipelinedClient, self.client).submit(method, after=after, **args)
-        if after is not None and not isinstance(after, FutureCall):
-            raise TypeError(f"'after' must be a call of this queue, got {after!r}")
-        call = getattr(self.client, method)
-
-        def run() -> Any:
-            if after is not None and (after.future.cancelled()
-                                      or after.future.exception() is not None):
-                raise LifecycleError(f"{method} skipped: it was to run after {after.method}, "
-                                     "which failed")
-            return call(**args)
-
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-calls")
-        self._last = self._pool.submit(run)
-        return FutureCall(self._last, method)
-
-    def close(self) -> None:
-        """Stop the worker thread: at once when it is idle, else once its call (which has a
-        deadline of its own) returns; queued calls are dropped."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            idle = self._last is None or self._last.done()
-            pool.shutdown(wait=idle, cancel_futures=True)
+from wtransfer.protocol import CallQueue, PendingCall
 
 
 class UpdateCalls:

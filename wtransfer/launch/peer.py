@@ -1,7 +1,7 @@
 """Child-process entry points: a receiver served over RPC, or a trainer that sends.
 
-    python -m wtransfer.peer receiver --backend ipc --model mixed --seed 2
-    python -m wtransfer.peer trainer --backend ipc --address tcp://... --loop
+    python -m wtransfer.launch.peer receiver --backend ipc --model mixed --seed 2
+    python -m wtransfer.launch.peer trainer --backend ipc --address tcp://... --loop
 
 The first stdout line is a JSON object (the receiver's address, or "sending"); the process
 exits when its stdin closes, so a dead parent never leaves it behind.
@@ -18,11 +18,11 @@ import time
 from typing import Any
 
 from wtransfer import wire
+from wtransfer.receiver.target import ModuleTarget
 from wtransfer.registry import create_receiver, get_backend, trainer_init
 from wtransfer.rpc import ReceiverServer, RPCClient
 from wtransfer.shapes import build, randomize
-from wtransfer.source import ModuleSource
-from wtransfer.target import ModuleTarget
+from wtransfer.trainer.source import ModuleSource
 
 
 def _announce(payload: dict[str, Any]) -> None:
@@ -101,7 +101,7 @@ def run_trainer(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line and run the chosen role."""
-    parser = argparse.ArgumentParser(prog="python -m wtransfer.peer")
+    parser = argparse.ArgumentParser(prog="python -m wtransfer.launch.peer")
     parser.add_argument("role", choices=["receiver", "trainer"])
     parser.add_argument("--backend", default="ipc")
     parser.add_argument("--model", default="mixed")

@@ -11,7 +11,7 @@ import math
 import re
 import secrets
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 from wtransfer.errors import ConfigError
 from wtransfer.packing import DEFAULT_ALIGN
@@ -19,6 +19,18 @@ from wtransfer.wire import check_record_types, record_to_wire
 
 MAX_BUCKET_BYTES = 1 << 40
 _SENDER_ID = re.compile(r"[0-9a-f]{8,64}")
+
+
+PauseMode = Literal["abort", "wait", "keep"]
+"""abort: end live requests; wait: let running ones finish; keep: freeze them for resume."""
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+
+
+def check_pause_mode(mode: object) -> PauseMode:
+    """`mode` if it is a pause mode, else `ConfigError` listing the modes."""
+    if mode not in PAUSE_MODES:
+        raise ConfigError(f"unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
+    return mode  # type: ignore[return-value]
 
 
 MAX_VERSION_CHARS = 256

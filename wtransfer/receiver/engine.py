@@ -11,10 +11,10 @@ State machine (one receiver per model worker)::
 and an update still open is failed first (its sender is gone: a new one is initializing).
 Public methods are template methods: parse dicts into the backend's dataclasses, check the
 state, then call the backend's ``_init / _start / _receive / _finish / _shutdown`` hooks.
-An update whose sender makes no call for `timeout_s` is failed by a watchdog thread, so an
-engine never waits forever on a trainer that died; a backend that can tell its sender is gone
-(`sender_check_s`, `_sender_gone`) fails it as soon as it knows. Reading `state` never
-changes it.
+An update whose sender makes no call for `timeout_s` is failed by a deadline timer (a thread
+of its own), so an engine never waits forever on a trainer that died; a backend that can
+tell its sender is gone (`sender_check_s`, `_sender_gone`) fails it as soon as it knows.
+Reading `state` never changes it.
 """
 
 from __future__ import annotations
@@ -25,18 +25,19 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
 from wtransfer.errors import ConfigError, LifecycleError, PeerError, SenderReplacedError
-from wtransfer.infos import ReceiverInitInfo, UpdateInfo
-from wtransfer.receiving import TensorLists, UpdateSession
-from wtransfer.target import WeightTarget
+from wtransfer.receiver.deadline import DeadlineTimer
+from wtransfer.receiver.session import TensorLists, UpdateSession
+from wtransfer.receiver.target import WeightTarget
+from wtransfer.records import ReceiverInitInfo, UpdateInfo
 from wtransfer.wire import parse_record
 
-log = logging.getLogger("wtransfer.receiver")
+log = logging.getLogger("wtransfer.receiver.engine")
 InitT = TypeVar("InitT", bound=ReceiverInitInfo)
 UpdateT = TypeVar("UpdateT", bound=UpdateInfo)
 
@@ -60,61 +61,6 @@ _HINTS = {
 }
 
 
-class Watchdog:
-    """Calls `expire()` once `deadline` (monotonic seconds) passes, unless disarmed first.
-
-    One daemon thread per watchdog, started on the first `arm`; `close` stops it.
-    """
-
-    def __init__(self, expire: Callable[[], None], name: str) -> None:
-        self._expire = expire
-        self._name = name
-        self._deadline: float | None = None
-        self._sleeping_until: float | None = None
-        """The deadline the thread sleeps towards (None: until notified). Only an earlier
-        deadline wakes it: every engine call arms and disarms, and waking a thread for
-        nothing costs the caller a GIL hand-off."""
-        self._closed = False
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def arm(self, deadline: float) -> None:
-        """Fire at `deadline` unless re-armed or disarmed before."""
-        with self._cond:
-            self._deadline = deadline
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-            if self._sleeping_until is None or deadline < self._sleeping_until:
-                self._cond.notify()
-
-    def disarm(self) -> None:
-        """Do not fire (the thread finds no deadline when it next wakes)."""
-        with self._cond:
-            self._deadline = None
-
-    def close(self) -> None:
-        """Stop the thread (it never fires afterwards)."""
-        with self._cond:
-            self._closed = True
-            self._deadline = None
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and (self._deadline is None
-                                            or time.monotonic() < self._deadline):
-                    self._sleeping_until = self._deadline
-                    wait = None if self._deadline is None else self._deadline - time.monotonic()
-                    self._cond.wait(wait)
-                self._sleeping_until = None
-                if self._closed:
-                    return
-                self._deadline = None
-            self._expire()
-
-
 class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     """Receiver ABC (see the module docstring for the state machine)."""
 
@@ -122,7 +68,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     init_info_cls: ClassVar[type]
     update_info_cls: ClassVar[type]
     sender_check_s: ClassVar[float | None] = None
-    """How often the watchdog asks `_sender_gone` while an open update waits for the sender's
+    """How often the deadline timer asks `_sender_gone` while an open update waits for the sender's
     next call; None for a backend that cannot tell (the update then waits `timeout_s`)."""
 
     def __init__(self, target: WeightTarget, *, device: str | torch.device = "cpu",
@@ -160,8 +106,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         self._lock = threading.RLock()
         self._last_call = time.monotonic()
         self._started = 0.0
-        self._watchdog = Watchdog(self._expire_if_abandoned, f"wtransfer-{self.backend_name}-"
-                                                             "watchdog")
+        self._deadline = DeadlineTimer(self._expire_if_abandoned,
+                                       f"wtransfer-{self.backend_name}-deadline")
 
     # -- state ---------------------------------------------------------------------------
 
@@ -184,7 +130,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
 
     def _fail(self, reason: str) -> None:
         """Fail the open update: stop the backend writing, roll back if enabled, record why."""
-        self._watchdog.disarm()
+        self._deadline.disarm()
         with contextlib.suppress(Exception):  # teardown must not mask the original failure
             self._abort()
         session, self._session = self._session, None
@@ -205,7 +151,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         self._state = ReceiverState.FAILED
 
     def _expire_if_abandoned(self) -> None:
-        """The watchdog's action: fail an update whose sender is gone or has been silent for
+        """The deadline timer's action: fail an update whose sender is gone or has been silent for
         timeout_s."""
         with self._lock:
             if self._state is not ReceiverState.UPDATING or self.init_info is None:
@@ -218,10 +164,10 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 self._fail(f"update abandoned: no call from the sender for {idle:.1f}s "
                            f"(timeout_s={self.init_info.timeout_s})")
             else:
-                self._watchdog.arm(self._next_check())
+                self._deadline.arm(self._next_check())
 
     def _next_check(self) -> float:
-        """When the watchdog should look at the open update next."""
+        """When the deadline timer should look at the open update next."""
         assert self.init_info is not None
         deadline = self._last_call + self.init_info.timeout_s
         if self.sender_check_s is None:
@@ -238,7 +184,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
 
         Only a new sender calls this, so an update still open (its sender died or gave up)
         is failed first, rolled back where enabled: a restarted trainer need not wait for
-        the watchdog."""
+        the deadline timer."""
         with self._call():
             self._require(ReceiverState.NEW, ReceiverState.READY, ReceiverState.FAILED,
                           ReceiverState.UPDATING, action="init the transfer engine")
@@ -338,7 +284,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
 
     def shutdown(self) -> None:
         """Release every resource (staging buffers, groups); idempotent."""
-        self._watchdog.close()
+        self._deadline.close()
         with self._lock:
             if self._state is ReceiverState.CLOSED:
                 return
@@ -370,7 +316,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
 
     def _sender_gone(self) -> str | None:
         """Why the sender is known to be gone (its connection closed), else None; asked every
-        `sender_check_s` while an open update waits for its next call, from the watchdog's
+        `sender_check_s` while an open update waits for its next call, from the deadline timer's
         thread under the engine's lock (so it must answer at once). Optional."""
         return None
 
@@ -385,18 +331,18 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
 
 class _CallGuard:
     """Holds the engine's lock during a public call; while an update stays open afterwards,
-    arms the watchdog for the sender's next call."""
+    arms the deadline timer for the sender's next call."""
 
     def __init__(self, engine: WeightTransferEngine[Any, Any]) -> None:
         self.engine = engine
 
     def __enter__(self) -> None:
         self.engine._lock.acquire()
-        self.engine._watchdog.disarm()
+        self.engine._deadline.disarm()
 
     def __exit__(self, *exc: object) -> None:
         engine = self.engine
         engine._last_call = time.monotonic()
         if engine._state is ReceiverState.UPDATING and engine.init_info is not None:
-            engine._watchdog.arm(engine._next_check())
+            engine._deadline.arm(engine._next_check())
         engine._lock.release()

@@ -35,7 +35,7 @@ from wtransfer.packing import (
     metas_from_wire,
     tensor_from_bytes,
 )
-from wtransfer.target import WeightTarget
+from wtransfer.receiver.target import WeightTarget
 from wtransfer.wire import digest
 
 ISSUE_EVERY = 8

@@ -20,7 +20,7 @@ import torch
 from wtransfer.packing import Bucket
 
 if TYPE_CHECKING:
-    from wtransfer.sender import Share
+    from wtransfer.trainer.engine import Share
 
 Op = TypeVar("Op")
 """A backend's handle on one posted operation (a CUDA event, UCX requests, ...)."""

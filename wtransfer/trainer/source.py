@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from wtransfer.errors import ConfigError
-from wtransfer.gathering import is_dtensor
 from wtransfer.packing import TensorMeta, signature
+from wtransfer.trainer.gather import is_dtensor
 
 
 class WeightSource(ABC):
@@ -68,7 +68,7 @@ class ModuleSource(WeightSource):
     `names` restricts the update to a subset; `name_map` renames on the way out (trainer name ->
     engine name). DTensor parameters (FSDP2) are announced with their global shape; every
     trainer rank then sends together and the full tensors are gathered bucket by bucket
-    (`wtransfer.gathering`), never the whole model on one rank.
+    (`wtransfer.trainer.gather`), never the whole model on one rank.
     """
 
     def __init__(

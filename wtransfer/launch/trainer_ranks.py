@@ -1,6 +1,6 @@
 """Sharded trainers as real processes: N ranks of an FSDP2 model sending together.
 
-    python -m wtransfer.trainer_ranks --rank R --ranks N --port P --backend ipc \\
+    python -m wtransfer.launch.trainer_ranks --rank R --ranks N --port P --backend ipc \\
         --address tcp://... [--address ...] --senders K --model mixed --seed 1
 
 Each rank joins a gloo process group, shards the model with FSDP2 (`fully_shard`, CPU device
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> None:
 
     import wtransfer
     from wtransfer.clients import FanoutClient
-    from wtransfer.processes import local_store
+    from wtransfer.launch.processes import local_store
     from wtransfer.rpc import RPCClient
     from wtransfer.shapes import build, randomize
 
@@ -83,13 +83,13 @@ class TrainerRanks:
                  model: str = "mixed", seed: int = 1, updates: int = 1,
                  init_fields: dict[str, Any] | None = None, fingerprint: bool = False,
                  timeout_s: float = 60.0) -> None:
-        from wtransfer.processes import local_store
+        from wtransfer.launch.processes import local_store
 
         self._store = local_store(ranks, timeout_s)  # lives as long as the ranks
         port = int(self._store.port)
         self.procs = []
         for rank in range(ranks):
-            cmd = [sys.executable, "-m", "wtransfer.trainer_ranks", "--rank", str(rank),
+            cmd = [sys.executable, "-m", "wtransfer.launch.trainer_ranks", "--rank", str(rank),
                    "--ranks", str(ranks), "--port", str(port), "--backend", backend,
                    "--senders", str(senders), "--model", model, "--seed", str(seed),
                    "--updates", str(updates), "--timeout", str(timeout_s)]
@@ -168,7 +168,7 @@ class TrainerRanks:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of one rank."""
-    parser = argparse.ArgumentParser(prog="python -m wtransfer.trainer_ranks")
+    parser = argparse.ArgumentParser(prog="python -m wtransfer.launch.trainer_ranks")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--ranks", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)

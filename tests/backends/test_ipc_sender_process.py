@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from wtransfer_ipc.liveness import ProcessWatch, start_time
+from wtransfer_ipc.sender_process import ProcessWatch, start_time
 
 
 def test_a_watched_process_is_gone_once_it_exits_and_a_mismatched_one_never_is():

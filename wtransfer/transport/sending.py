@@ -15,8 +15,8 @@ import torch
 from wtransfer.packing import Bucket, bucket_checksum
 
 if TYPE_CHECKING:
-    from wtransfer.calls import PendingCall
-    from wtransfer.sender import Share
+    from wtransfer.protocol import PendingCall
+    from wtransfer.trainer.engine import Share
 
 Transmit = Callable[[Bucket, int, torch.Tensor, "int | None"], None]
 """Moves one bucket to the receivers: ``transmit(bucket, slot, data, checksum)`` where `data` is
@@ -107,7 +107,7 @@ def send_issued(
     """Pack each bucket of `share` into a free staging slot and `issue` its call, without
     waiting for the replies of earlier ones: up to `len(staging)` calls are in flight, and a
     slot is packed again only once the call that used it is answered (within `timeout_s`).
-    For backends whose update calls are pipelined (`wtransfer.calls`): the receivers find the
+    For backends whose update calls are pipelined (`wtransfer.trainer.calls`): the receivers find the
     next bucket's call waiting when they finish one. `before_pack(slot)` runs before packing
     into a staging slot, `before_issue(slot)` after packing (direct buckets: slot -1);
     `check()` may raise a refusal already answered. The replies of the last calls are left

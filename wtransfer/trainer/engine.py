@@ -20,60 +20,23 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
-from wtransfer.calls import CallQueue, UpdateCalls
 from wtransfer.errors import ConfigError, LifecycleError, SenderReplacedError, TransferTimeout
-from wtransfer.gathering import GatheringPacker
-from wtransfer.infos import TrainerInitInfo, TransferStats, check_version, new_sender_id
 from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta, metas_to_wire
-from wtransfer.source import WeightSource
-from wtransfer.trainer_group import TrainerGroup
+from wtransfer.protocol import CallQueue, WeightSyncClient
+from wtransfer.records import TrainerInitInfo, TransferStats, check_version, new_sender_id
+from wtransfer.trainer.calls import UpdateCalls
+from wtransfer.trainer.gather import GatheringPacker
+from wtransfer.trainer.group import TrainerGroup
+from wtransfer.trainer.source import WeightSource
 from wtransfer.wire import digest, parse_record
 
 TInitT = TypeVar("TInitT", bound=TrainerInitInfo)
 S = TypeVar("S", bound="TrainerTransferEngine[Any]")
 T = TypeVar("T")
-
-InitFor = Callable[[int, int], dict[str, Any]]
-"""``info_for(first_worker, num_workers)``: the init info of one engine instance, given the
-index of its first receiving worker among all workers and how many it has."""
-
-
-@runtime_checkable
-class WeightSyncClient(Protocol):
-    """What a sender calls on whatever holds the receiving engine(s).
-
-    One client reaches one engine instance (`LocalClient`, `rpc.RPCClient`, `HTTPClient`) or
-    several (`FanoutClient`); an engine instance has one or more receiving workers (its
-    data-parallel ranks).
-    """
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Initialize every receiver behind this client with the same init info."""
-
-    def init_each_engine(self, info_for: InitFor) -> None:
-        """Initialize each engine instance with its own init info, ``info_for(first_worker,
-        num_workers)`` (collective backends give each engine its ranks this way)."""
-
-    def start_weight_update(self) -> None:
-        """Open an update."""
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Deliver one part of the update; returns once the receiver consumed it."""
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """Close the update and label the weights with `weight_version`."""
-
-    def fingerprint(self) -> dict[str, str]:
-        """Per-tensor digest of what the engine holds now."""
-
-    def num_workers(self) -> int:
-        """How many receiving workers this client drives in all (senders size NCCL groups and
-        UCX endpoint counts by it)."""
-
 
 @dataclass(frozen=True)
 class Share:

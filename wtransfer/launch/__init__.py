@@ -1,0 +1,1 @@
+"""Child processes for tests, benchmarks and demos: receivers, trainers, trainer ranks."""

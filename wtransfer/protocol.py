@@ -1,0 +1,145 @@
+"""The control plane's protocol: what a sender calls on whatever holds the engines.
+
+`WeightSyncClient` is the verbs (init, start, update, finish, fingerprint, num_workers) every
+client implements (`LocalClient`, `FanoutClient`, `HTTPClient`, `rpc.RPCClient`, the vLLM and
+Ray clients). A call may be issued without waiting for its reply (`PendingCall`): a client
+that can put several on the wire at once is a `PipelinedClient`; `CallQueue` issues calls in
+order on any client (pipelined where it can, through one ordered worker thread otherwise), so
+the engine runs them in the order they were submitted without a round trip per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol, cast, runtime_checkable
+
+from wtransfer.errors import LifecycleError, TransferTimeout
+
+InitFor = Callable[[int, int], dict[str, Any]]
+"""``info_for(first_worker, num_workers)``: the init info of one engine instance, given the
+index of its first receiving worker among all workers and how many it has."""
+
+
+@runtime_checkable
+class WeightSyncClient(Protocol):
+    """What a sender calls on whatever holds the receiving engine(s).
+
+    One client reaches one engine instance (`LocalClient`, `rpc.RPCClient`, `HTTPClient`) or
+    several (`FanoutClient`); an engine instance has one or more receiving workers (its
+    data-parallel ranks).
+    """
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Initialize every receiver behind this client with the same init info."""
+
+    def init_each_engine(self, info_for: InitFor) -> None:
+        """Initialize each engine instance with its own init info, ``info_for(first_worker,
+        num_workers)`` (collective backends give each engine its ranks this way)."""
+
+    def start_weight_update(self) -> None:
+        """Open an update."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Deliver one part of the update; returns once the receiver consumed it."""
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Close the update and label the weights with `weight_version`."""
+
+    def fingerprint(self) -> dict[str, str]:
+        """Per-tensor digest of what the engine holds now."""
+
+    def num_workers(self) -> int:
+        """How many receiving workers this client drives in all (senders size NCCL groups and
+        UCX endpoint counts by it)."""
+
+
+@runtime_checkable
+class PendingCall(Protocol):
+    """One control call on its way: `result` waits for its reply."""
+
+    def done(self) -> bool:
+        """Whether the reply (or a failure) is in; never blocks."""
+
+    def result(self, timeout_s: float) -> Any:
+        """The call's result; raises its failure, or `TransferTimeout` past `timeout_s`."""
+
+    def cancel(self) -> None:
+        """Stop waiting for the reply (a late one is dropped)."""
+
+
+@runtime_checkable
+class PipelinedClient(Protocol):
+    """A client that puts a call on the wire without waiting for the previous one's reply;
+    calls made through one client run on the engine in the order they were submitted."""
+
+    def submit(self, method: str, *, after: Any = None, **args: Any) -> PendingCall:
+        """Send ``method(**args)``; returns at once. With `after` (an earlier call of this
+        client) the engine side runs it only if that call succeeded."""
+
+
+class FutureCall:
+    """A `PendingCall` made by a worker thread (clients that cannot pipeline)."""
+
+    def __init__(self, future: Future[Any], method: str) -> None:
+        self.future = future
+        self.method = method
+
+    def done(self) -> bool:
+        """Whether the call returned or raised."""
+        return self.future.done()
+
+    def result(self, timeout_s: float) -> Any:
+        """The call's result; `TransferTimeout` past `timeout_s`."""
+        try:
+            return self.future.result(timeout=timeout_s)
+        except TimeoutError as exc:
+            if self.future.done():  # the call itself timed out: its own error says more
+                raise
+            raise TransferTimeout(f"{self.method}: no answer within {timeout_s:g}s") from exc
+
+    def cancel(self) -> None:
+        """Drop the call if it has not started."""
+        self.future.cancel()
+
+
+class CallQueue:
+    """Calls on `client` in submission order, none waiting for the one before (see the
+    module docstring)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._pipelined = isinstance(client, PipelinedClient)  # a protocol check: not per call
+        self._pool: ThreadPoolExecutor | None = None
+        self._last: Future[Any] | None = None
+
+    def submit(self, method: str, *, after: PendingCall | None = None,
+               **args: Any) -> PendingCall:
+        """Issue ``client.method(**args)`` after every call submitted before it; with `after`
+        (an earlier call of this queue) only if that one succeeded, else it fails with a
+        `LifecycleError` saying it was skipped."""
+        if self._pipelined:
+            return cast(PipelinedClient, self.client).submit(method, after=after, **args)
+        if after is not None and not isinstance(after, FutureCall):
+            raise TypeError(f"'after' must be a call of this queue, got {after!r}")
+        call = getattr(self.client, method)
+
+        def run() -> Any:
+            if after is not None and (after.future.cancelled()
+                                      or after.future.exception() is not None):
+                raise LifecycleError(f"{method} skipped: it was to run after {after.method}, "
+                                     "which failed")
+            return call(**args)
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-calls")
+        self._last = self._pool.submit(run)
+        return FutureCall(self._last, method)
+
+    def close(self) -> None:
+        """Stop the worker thread: at once when it is idle, else once its call (which has a
+        deadline of its own) returns; queued calls are dropped."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            idle = self._last is None or self._last.done()
+            pool.shutdown(wait=idle, cancel_futures=True)

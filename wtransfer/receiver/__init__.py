@@ -1,0 +1,1 @@
+"""The engine side: the receiver base, one update's session, targets, the deadline timer."""

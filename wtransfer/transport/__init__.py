@@ -1,0 +1,1 @@
+"""The data plane every backend shares: the send and receive loops, liveness over TCP."""
