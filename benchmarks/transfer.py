@@ -22,6 +22,7 @@ import contextlib
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,33 +36,43 @@ from wtransfer_nccl import NCCLTrainerInitInfo
 import wtransfer
 from wtransfer.clients import FanoutClient
 from wtransfer.launch.processes import spawn_receiver
-from wtransfer.packing import Bucket, BucketPlan, Slice, byte_view
+from wtransfer.packing import Bucket, BucketPacker, BucketPlan, Slice, byte_view
 from wtransfer.rpc import RPCClient
 from wtransfer.shapes import build, model_metas
-from wtransfer.trainer.engine import Share
+from wtransfer.trainer.engine import Outgoing, Share
+from wtransfer.transport.window import CallChannel
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import median_seconds, paired, print_table, write_json
 
 
 class PerTensorIPCSender(IPCSender):
-    """The naive baseline: every tensor is its own message (no packing, no pipelining)."""
+    """The naive baseline: every tensor is its own message through one staging slot (no
+    packing, no pipelining), the host waiting for every copy."""
 
-    def _send(self, share: Share) -> None:
+    def _outgoing(self, share: Share) -> Outgoing:
         plan = share.plan
-        assert self.client is not None
         single = BucketPlan(plan.metas, plan.bucket_bytes, plan.align, tuple(
             Bucket(i, m.nbytes, (Slice(i, 0, 0, m.nbytes),)) for i, m in enumerate(plan.metas)))
-        manifest = [m.to_wire() for m in plan.metas]
-        for bucket, (_, tensor) in zip(single.buckets, self.source.tensors(), strict=True):
-            self._staging[0][: bucket.nbytes].copy_(byte_view(tensor))
+        share = replace(share, plan=single, buckets=single.buckets,
+                        packer=BucketPacker(single, self.source.tensors()))
+
+        def stage(bucket: Bucket, slot: int) -> torch.Tensor:
+            share.packer.pack(bucket, self._staging[slot])
             if self.device.type == "cuda":  # naive: the host waits for every copy
                 torch.cuda.current_stream(self.device).synchronize()
-            update: dict[str, Any] = {"buffer": 0, "nbytes": bucket.nbytes,
+            return self._staging[slot][: bucket.nbytes]
+
+        def describe(bucket: Bucket, slot: int, _data: torch.Tensor,
+                     checksum: int | None) -> dict[str, Any]:
+            update: dict[str, Any] = {"buffer": slot, "nbytes": bucket.nbytes,
+                                      "checksum": checksum,
                                       "slices": [bucket.slices[0].to_wire()]}
             if bucket.index == 0:
-                update["tensors"] = manifest
-            self.client.update_weights(update)
+                update["tensors"] = share.manifest.wire
+            return update
+
+        return Outgoing(share, channel=CallChannel(slots=1, stage=stage, describe=describe))
 
 
 def copy_floors(model: torch.nn.Module, device: str) -> dict[str, Callable[[], None]]:

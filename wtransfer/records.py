@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal, get_args
 
 from wtransfer.errors import ConfigError
+from wtransfer.manifest import PlanParams
 from wtransfer.packing import DEFAULT_ALIGN
 from wtransfer.wire import check_record_types, record_to_wire
 
@@ -70,9 +71,6 @@ class WireParams:
     """Checksum every bucket on the sender and verify it on each receiver."""
     timeout_s: float = 60.0
     """Deadline of every blocking wait of the transfer, in seconds."""
-    direct_threshold: int | None = None
-    """Tensors of at least this many bytes skip staging and move on their own, where the
-    backend can (nccl, ucx); 0 packs everything; None lets the backend choose."""
 
     def __post_init__(self) -> None:
         check_record_types(self)
@@ -81,8 +79,6 @@ class WireParams:
                               f"{MAX_BUCKET_BYTES}, got {self.bucket_bytes}")
         if not 1 <= self.num_buffers <= 16:
             raise ConfigError(f"num_buffers must be between 1 and 16, got {self.num_buffers}")
-        if self.direct_threshold is not None and self.direct_threshold < 0:
-            raise ConfigError(f"direct_threshold must be >= 0, got {self.direct_threshold}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ConfigError(f"timeout_s must be a positive number of seconds, "
                               f"got {self.timeout_s}")
@@ -100,6 +96,15 @@ class TrainerInitInfo(WireParams):
     senders: int | None = None
     """Trainer ranks that send at once (each with its own client; the others pass
     client=None); default: however many ranks have a client. Checked, never sent."""
+    direct_threshold: int | None = None
+    """Tensors of at least this many bytes skip staging and move on their own, where the
+    backend can (nccl, ucx); 0 packs everything; None lets the backend choose. The receivers
+    get the resolved value in their init info's `plan`."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.direct_threshold is not None and self.direct_threshold < 0:
+            raise ConfigError(f"direct_threshold must be >= 0, got {self.direct_threshold}")
 
     def __init_subclass__(cls, *, abstract: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -122,9 +127,21 @@ class ReceiverInitInfo(WireParams):
     sender, its calls are refused before any byte is read. None: a hand-driven init, whose
     update calls are not checked."""
 
+    plan: PlanParams | None = None
+    """How both sides lay the tensor list out in buckets (`trainer_init` sends it; None: the
+    default plan of `bucket_bytes`)."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check_sender_id(self.sender_id)
+        if self.plan is not None and self.plan.bucket_bytes != self.bucket_bytes:
+            raise ConfigError(f"plan.bucket_bytes ({self.plan.bucket_bytes}) must equal "
+                              f"bucket_bytes ({self.bucket_bytes})")
+
+    @property
+    def plan_params(self) -> PlanParams:
+        """The plan parameters: `plan`, or the default plan of `bucket_bytes`."""
+        return self.plan if self.plan is not None else PlanParams(bucket_bytes=self.bucket_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,5 +187,5 @@ class TransferStats:
 def receiver_init_dict(trainer: TrainerInitInfo, **extra: Any) -> dict[str, Any]:
     """The wire parameters of a trainer init info, plus backend fields, as plain data."""
     params = {k: v for k, v in record_to_wire(trainer).items()
-              if k in WireParams.__dataclass_fields__ and k != "direct_threshold"}
+              if k in WireParams.__dataclass_fields__}
     return {**params, **extra}

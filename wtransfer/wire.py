@@ -178,6 +178,8 @@ def record_to_wire(record: Any) -> dict[str, Any]:
 
 
 def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return record_to_wire(value)
     if isinstance(value, tuple):
         return [_to_plain(v) for v in value]
     if isinstance(value, list):
@@ -241,6 +243,8 @@ def _coerce(value: Any, tp: Any, where: str, error: type[Exception]) -> Any:
         item_tp = args[0] if args else Any
         items = [_coerce(v, item_tp, f"{where}[{i}]", error) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a record inside a record
+        return parse_record(tp, value, where=where, error=error)
     if origin is dict:
         if not isinstance(value, dict):
             raise error(f"{where} must be a mapping, got {type(value).__name__}")

@@ -7,7 +7,7 @@ import torch
 
 from wtransfer.errors import ConfigError
 from wtransfer.packing import BucketPlan, TensorMeta
-from wtransfer.transport.window import receive_windowed, units
+from wtransfer.transport.window import receive_buckets, units
 
 
 def _plan(sizes: list[int], threshold: int) -> BucketPlan:
@@ -67,7 +67,7 @@ def test_temporaries_in_flight_stay_within_the_budget_and_every_bucket_lands_in_
         for n in sizes:
             inflight.remove(n)
 
-    receive_windowed(
+    receive_buckets(
         plan.buckets, 2, max_inflight=16, batch=8,
         destination=lambda b: torch.empty(b.nbytes, dtype=torch.uint8),
         staging=lambda b, slot: torch.empty(1024, dtype=torch.uint8)[: b.nbytes],
@@ -81,7 +81,7 @@ def test_temporaries_in_flight_stay_within_the_budget_and_every_bucket_lands_in_
 def test_one_unit_goes_even_when_it_alone_is_over_the_budget() -> None:
     plan = _plan([4096] * 5, threshold=2048)
     landed: list[int] = []
-    receive_windowed(
+    receive_buckets(
         plan.buckets, 1, max_inflight=16, batch=5,
         destination=lambda b: torch.empty(b.nbytes, dtype=torch.uint8),
         staging=lambda b, slot: torch.empty(0, dtype=torch.uint8),

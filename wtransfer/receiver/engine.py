@@ -30,9 +30,16 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from wtransfer.errors import ConfigError, LifecycleError, PeerError, SenderReplacedError
+from wtransfer.errors import (
+    ConfigError,
+    LifecycleError,
+    MetadataError,
+    PeerError,
+    SenderReplacedError,
+)
+from wtransfer.manifest import Manifest, Manifests
 from wtransfer.receiver.deadline import DeadlineTimer
-from wtransfer.receiver.session import TensorLists, UpdateSession
+from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import ReceiverInitInfo, UpdateInfo
 from wtransfer.wire import parse_record
@@ -94,9 +101,9 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         self.last_update_seconds = 0.0
         self._state = ReceiverState.NEW
         self._session: UpdateSession | None = None
-        self._lists = TensorLists()
+        self.manifests = Manifests()
         """The last tensor list an update carried (a backend resolves each update's list
-        through it: `TensorLists.resolve`); checked against the target when the next update
+        through it: `Manifests.resolve`); checked against the target when the next update
         opens, since a trainer's next update names the same one."""
         self._joined = False
         """Whether an update call has landed in the open update (one a replaced sender's
@@ -212,6 +219,16 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                               f"trainer init info, or start the engine with the {sent!r} "
                               "backend (weight_transfer_backend)")
 
+    def announce_listed(self, tensors: object, tensors_digest: str | None,
+                        session: UpdateSession) -> Manifest:
+        """For a backend's `_receive`: the tensor list an update carries (or names by its
+        digest), announced to `session` (checked against the target before any byte lands)."""
+        manifest = self.manifests.resolve(tensors, tensors_digest)
+        if manifest is None:
+            raise MetadataError("the update info must carry 'tensors' or 'tensors_digest'")
+        session.announce(manifest.metas)
+        return manifest
+
     def start_weight_update(self) -> None:
         """Open an update; weights change only between this and `finish_weight_update`."""
         with self._call():
@@ -219,8 +236,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                           action="start a weight update")
             self._session = UpdateSession(self.target, self.device, rollback=(
                 self._rollback_store if self.rollback else None))
-            if self._lists.last is not None:
-                self._session.precheck(self._lists.last)
+            if self.manifests.last is not None:
+                self._session.precheck(self.manifests.last.metas)
             self._start()
             self._before_start = (self._state, self.failure)
             self._joined = False

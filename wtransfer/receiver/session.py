@@ -24,19 +24,15 @@ import torch
 
 from wtransfer.errors import IntegrityError, MetadataError
 from wtransfer.packing import (
-    DEFAULT_ALIGN,
     DTYPES,
     Bucket,
-    BucketPlan,
     Slice,
     TensorMeta,
     bucket_checksum,
     copy_bytes,
-    metas_from_wire,
     tensor_from_bytes,
 )
 from wtransfer.receiver.target import WeightTarget
-from wtransfer.wire import digest
 
 ISSUE_EVERY = 8
 """A zero-copy update issues its copies in groups of this many tensors (`load_whole`)."""
@@ -301,48 +297,3 @@ class UpdateSession:
             names = sorted(self._pending)
             raise IntegrityError(f"update incomplete: {len(names)} announced tensor(s) never "
                                  f"arrived whole, e.g. {names[:3]}")
-
-
-class TensorLists:
-    """The last tensor list a receiver got, so an update may name it by digest instead.
-
-    A trainer sends the same list every step. An update carries either the list (`tensors`,
-    parsed again only when it differs from the last one; comparing raw lists is cheap) or
-    `tensors_digest`, the `wtransfer.wire.digest` of the last one; anything else is refused
-    before any weight changes."""
-
-    def __init__(self) -> None:
-        self._last: tuple[object, list[TensorMeta], str] | None = None
-        self._plan: tuple[list[TensorMeta], tuple[int, int, int], BucketPlan] | None = None
-
-    def plan(self, metas: list[TensorMeta], bucket_bytes: int, *, align: int = DEFAULT_ALIGN,
-             direct_threshold: int = 0) -> BucketPlan:
-        """The plan the sender built from `metas` (a list `resolve` returned), for backends
-        where both sides derive the layout; built again only for a new list or new
-        parameters (a trainer sends the same list every step)."""
-        params = (bucket_bytes, align, direct_threshold)
-        if self._plan is None or self._plan[0] is not metas or self._plan[1] != params:
-            self._plan = (metas, params, BucketPlan.build(metas, bucket_bytes, align,
-                                                          direct_threshold=direct_threshold))
-        return self._plan[2]
-
-    @property
-    def last(self) -> list[TensorMeta] | None:
-        """The metas of the last list (what the next update will most likely name)."""
-        return None if self._last is None else self._last[1]
-
-    def resolve(self, tensors: object, tensors_digest: str | None) -> list[TensorMeta] | None:
-        """The metas the update carries or names (the same list object while unchanged);
-        None when it does neither."""
-        if tensors is not None and tensors_digest is not None:
-            raise MetadataError("an update carries 'tensors' or 'tensors_digest', not both")
-        if tensors is not None:
-            if self._last is None or self._last[0] != tensors:
-                self._last = (tensors, metas_from_wire(tensors), digest(tensors))
-            return self._last[1]
-        if tensors_digest is None:
-            return None
-        if self._last is None or self._last[2] != tensors_digest:
-            raise MetadataError(f"tensors_digest {tensors_digest!r} does not name the tensor "
-                                "list this receiver got last; the sender must send 'tensors'")
-        return self._last[1]

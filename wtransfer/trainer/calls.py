@@ -29,8 +29,6 @@ class UpdateCalls:
         """Stamped on every update call: receivers refuse the calls of a replaced sender."""
         self._calls: list[PendingCall] = []
         self._settled = 0
-        self.finishing = False
-        """Whether finish has been issued."""
 
     def submit(self, method: str, **args: Any) -> PendingCall:
         """Issue a call that the engine runs only if the call before it succeeded (an update
@@ -68,12 +66,9 @@ class UpdateCalls:
         self._settled = len(self._calls)
 
     def finish(self) -> None:
-        """Issue finish (once). Issued right behind the update call(s), it waits at the
-        engine, which runs it as soon as they succeed: finishing costs no round trip of its
-        own."""
-        if not self.finishing:
-            self.finishing = True
-            self.submit("finish_weight_update", weight_version=self.weight_version)
+        """Issue finish. Issued right behind the update call(s), it waits at the engine,
+        which runs it as soon as they succeed: finishing costs no round trip of its own."""
+        self.submit("finish_weight_update", weight_version=self.weight_version)
 
     def check(self) -> None:
         """Raise the first failure among the replies already in (never blocks): a refused

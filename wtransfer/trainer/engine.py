@@ -1,16 +1,32 @@
-"""The trainer side of the lifecycle: the `WeightSyncClient` protocol and the sender ABC.
+"""The sender base, `TrainerTransferEngine`: the base owns the sequence of an update.
 
 A sender is built in two steps: a plain constructor that declares every field (so teardown
 works from any point), then `connect()`, the one step that does I/O: allocate staging, form
 groups, and send each receiver its init info through the client. `TrainerTransferEngine.
 trainer_init` (and `wtransfer.trainer_init`) does both and cleans up if `connect` fails.
 
+An update, as the base runs it (`send_weights`)::
+
+    lead: start ─┐ plan the source's tensor list (one `Manifest` per list, reused)
+                 ├ several senders: settle start, the lead announces the list (`_announce`)
+    each sender: ├ backend `_outgoing(share)` -> `Outgoing`: an opening call, a channel, or both
+                 ├ the opening update call (lead)             ─┐ a lone sender issues finish
+                 ├ the buckets through the one send loop       ├ right behind its last
+                 │ (`wtransfer.transport.window.send_buckets`) ─┘ update call
+                 └ settle every call in order; keep or forget what the receivers hold
+    lead: finish (several senders: after every rank's verdict) and settle
+
+A backend supplies only primitives: `_connect` / `_close`, and per update an `Outgoing` (its
+opening update info, a `SendChannel` or `CallChannel` over its data plane, and what the
+receivers keep). It never issues start or finish, settles calls, or orders them.
+
 Sharded trainers. When the source is sharded (FSDP2 / DTensor), a rank passes `client=None`,
 or `process_group=` is given, every trainer rank runs `trainer_init` and `send_weights`
-together (`TrainerGroup`). Ranks with a client send; the bucket plan is split across them
-(`BucketPlan.owners`); the first sender drives start, the tensor list and finish. Every rank
-walks every bucket so that sharded tensors are gathered bucket by bucket (`GatheringPacker`),
-and after each step all ranks agree on the outcome, so they fail together.
+together (`Ranks` over a `TrainerGroup`). Ranks with a client send; the bucket plan is split
+across them (`BucketPlan.owners`); the first sender drives start, the tensor list and finish.
+Every rank walks every bucket so that sharded tensors are gathered bucket by bucket
+(`GatheringPacker`), and after each step all ranks agree on the outcome, so they fail
+together.
 """
 
 from __future__ import annotations
@@ -25,24 +41,27 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import torch
 
 from wtransfer.errors import ConfigError, LifecycleError, SenderReplacedError, TransferTimeout
-from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta, metas_to_wire
-from wtransfer.protocol import CallQueue, WeightSyncClient
+from wtransfer.manifest import Manifest, PlanParams
+from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta, bucket_checksum
+from wtransfer.protocol import CallQueue, PendingCall, WeightSyncClient
 from wtransfer.records import TrainerInitInfo, TransferStats, check_version, new_sender_id
 from wtransfer.trainer.calls import UpdateCalls
 from wtransfer.trainer.gather import GatheringPacker
-from wtransfer.trainer.group import TrainerGroup
+from wtransfer.trainer.group import Ranks, TrainerGroup
 from wtransfer.trainer.source import WeightSource
-from wtransfer.wire import digest, parse_record
+from wtransfer.transport.window import CallChannel, SendChannel, send_buckets
+from wtransfer.wire import parse_record, record_to_wire
 
 TInitT = TypeVar("TInitT", bound=TrainerInitInfo)
 S = TypeVar("S", bound="TrainerTransferEngine[Any]")
-T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class Share:
-    """What one sender moves of an update: its buckets of `plan`, in order, and the packer
+    """What one sender moves of an update: its buckets of the plan, in order, and the packer
     that fills them (which also takes part in the other senders' gathers)."""
 
+    manifest: Manifest
     plan: BucketPlan
     buckets: tuple[Bucket, ...]
     packer: BucketPacker | GatheringPacker
@@ -68,20 +87,43 @@ class SentOnce(Protocol):
         """The update failed: send everything again next time."""
 
 
+@dataclass(frozen=True)
+class Outgoing:
+    """How one sender's part of an update travels (a backend's `_outgoing`)."""
+
+    share: Share
+    """What to move (a backend that read the source in place may hand a fresh packer)."""
+    opening: dict[str, Any] | None = None
+    """The update call the lead issues before any bucket moves: the tensor list where the
+    buckets travel over the backend's own data plane, or the whole update where the receivers
+    read the source in place; None when each bucket's call carries its own part."""
+    channel: SendChannel[Any] | CallChannel | None = None
+    """How the buckets move (None: the opening call carries the whole update)."""
+    kept: SentOnce | None = None
+    """What the receivers keep once this update lands."""
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A tensor list as this sender sends it: its manifest, plan, and this rank's buckets."""
+
+    manifest: Manifest
+    plan: BucketPlan
+    owners: list[int]
+    mine: tuple[Bucket, ...]
+
+
 class TrainerTransferEngine(ABC, Generic[TInitT]):
     """Sender ABC: construct, `connect()`, then `send_weights` any number of times.
 
     Subclasses declare their fields in `__init__` (calling this one first) and implement
-    `_connect` (allocate, return the receiver init info), `_send` and `_close`; backends that
-    support several senders also `_merge` the senders' init infos (and may `_announce`).
+    `_connect` (allocate, return the receiver init info), `_outgoing` (how an update's
+    buckets travel) and `_close`; backends that support several senders also `_merge` the
+    senders' init infos (and may `_announce` the tensor list).
     """
 
     backend_name: ClassVar[str]
     init_info_cls: ClassVar[type]
-    pipelined: ClassVar[bool] = False
-    """Whether `_send` issues its update calls through `self.update_calls`: they then follow
-    the start without waiting for it. A backend that calls `self.client` itself (the
-    simplest third-party kind) leaves this False and gets the start confirmed first."""
 
     def __init__(self, init_info: TInitT, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
@@ -103,15 +145,11 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self.process_group = process_group
         self.collective = process_group is not None or client is None or source.sharded
         """Whether every trainer rank sends together (see the module docstring)."""
-        self.group: TrainerGroup | None = None
-        self._last_plan: tuple[tuple[TensorMeta, ...], BucketPlan] | None = None
-        self._listed: tuple[BucketPlan, list[Any], str] | None = None
-        self._owned: tuple[BucketPlan, list[int], tuple[Bucket, ...]] | None = None
+        self.ranks = Ranks(None)
+        """This rank among the trainer ranks sending together (alone until `connect`)."""
+        self._layout_cache: _Layout | None = None
         self.calls = CallQueue(client) if client is not None else None
         """This rank's control calls, issued without waiting for each reply."""
-        self.update_calls: UpdateCalls | None = None
-        """The calls of the update in progress (None outside `send_weights`, and on a rank
-        without a client)."""
         self.receivers_hold: str | None = None
         """Digest of the tensor list the receivers got in this sender's last successful
         update that offered one (`listed_tensors`)."""
@@ -140,33 +178,24 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         return sender
 
     @property
-    def sender_index(self) -> int | None:
-        """This rank's index among the senders (None: it only helps gather)."""
-        return self.group.sender_index if self.group is not None else 0
+    def lead(self) -> bool:
+        """Whether this rank drives the control plane (start, tensor list, finish)."""
+        return self.ranks.lead
 
     @property
     def senders(self) -> int:
         """How many trainer ranks send."""
-        return len(self.group.senders) if self.group is not None else 1
+        return self.ranks.senders
 
     @property
-    def lead(self) -> bool:
-        """Whether this rank drives the control plane (start, tensor list, finish)."""
-        return self.sender_index == 0
+    def plan_params(self) -> PlanParams:
+        """How this sender lays tensor lists out in buckets (the receivers get the same)."""
+        return PlanParams(bucket_bytes=self.init_info.bucket_bytes,
+                          direct_threshold=self.direct_threshold)
 
-    def _together(self, step: Callable[[], T]) -> T | None:
-        """Run `step` here, then agree with the other trainer ranks: every rank raises the
-        first failure of any rank."""
-        result, error = None, None
-        try:
-            result = step()
-        except BaseException as exc:
-            error = exc
-        if self.group is not None:
-            self.group.verdict(error)
-        elif error is not None:
-            raise error
-        return result
+    def _on_senders(self, step: Callable[[], Any]) -> Any:
+        """Run `step` on every rank with a client, then agree with every rank."""
+        return self.ranks.together(step if self.client is not None else lambda: None)
 
     def connect(self) -> None:
         """Allocate staging, form groups, and initialize every receiver behind the client."""
@@ -174,18 +203,19 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             raise LifecycleError(f"{self.backend_name} sender is "
                                  f"{'shut down' if self.closed else 'already connected'}")
         if self.collective:
-            self.group = TrainerGroup(self.process_group, has_client=self.client is not None,
-                                      timeout_s=self.init_info.timeout_s,
-                                      senders=self.init_info.senders)
-        fragment = self._together(lambda: {**self._connect(), "sender_id": self.sender_id}
-                                  if self.client else None)
-        gathered = [fragment] if self.group is None else self.group.all_gather_records(fragment)
-        fragments: list[dict[str, Any]] = [f for f in gathered if f is not None]
+            self.ranks = Ranks(TrainerGroup(self.process_group,
+                                            has_client=self.client is not None,
+                                            timeout_s=self.init_info.timeout_s,
+                                            senders=self.init_info.senders))
+        fragment = self._on_senders(lambda: {**self._connect(), "sender_id": self.sender_id})
+        fragments: list[dict[str, Any]] = [f for f in self.ranks.gather(fragment)
+                                           if f is not None]
         merged = self._merge(fragments)
         self.sender_id = str(fragments[0]["sender_id"])  # the lead's: the receivers' sender
-        merged = {**merged, "sender_id": self.sender_id, "backend": self.backend_name}
-        self._together(lambda: self._init_receivers(merged) if self.client else None)
-        self._together(lambda: self._after_init() if self.client else None)
+        merged = {**merged, "sender_id": self.sender_id, "backend": self.backend_name,
+                  "plan": record_to_wire(self.plan_params)}
+        self._on_senders(lambda: self._init_receivers(merged))
+        self._on_senders(self._after_init)
         self.connected = True
 
     def send_weights(self, weight_version: str | None = None) -> TransferStats:
@@ -205,96 +235,148 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             raise
 
     def _send_update(self, weight_version: str | None) -> TransferStats:
-        """One update: start, every rank's share, finish (see `send_weights`)."""
+        """One update, in the order of the module docstring."""
         start = time.perf_counter()
         self._offered = None
-        calls = self.update_calls = (UpdateCalls(self.calls, self.init_info.timeout_s,
-                                                 weight_version, self.sender_id)
-                                     if self.calls is not None else None)
+        calls = (UpdateCalls(self.calls, self.init_info.timeout_s, weight_version,
+                             self.sender_id) if self.calls is not None else None)
         try:
             if self.lead and calls is not None:
                 calls.start()  # the engine opens the update while this rank plans it
             try:
-                metas = self.source.metadata()
-                plan = self._plan(metas)
-                owners, mine = self._owners(plan)
+                layout = self._layout(self.source.metadata())
                 packer: BucketPacker | GatheringPacker = (
-                    GatheringPacker(plan, self.source.parts(), owners, self.group.senders)
-                    if self.source.sharded and self.group is not None
-                    else BucketPacker(plan, self.source.tensors()))
-                self._together(lambda: self._open(plan) if self.lead else None)
-                index = self.sender_index
-                self._together(lambda: self._move(Share(
-                    plan, mine, packer, index if index is not None else -1, self.senders)))
+                    GatheringPacker(layout.plan, self.source.parts(), layout.owners,
+                                    self.ranks.group.senders)
+                    if self.source.sharded and self.ranks.group is not None
+                    else BucketPacker(layout.plan, self.source.tensors()))
+                index = self.ranks.sender_index
+                share = Share(layout.manifest, layout.plan, layout.mine, packer,
+                              index if index is not None else -1, self.senders)
+                self.ranks.together(lambda: self._open(share.manifest, calls))
+                self.ranks.together(lambda: self._move(share, calls))
             except BaseException as exc:
-                if self.lead:
-                    self._abort_remote(exc)
+                if self.lead and calls is not None:
+                    self._abort_remote(exc, calls)
                 raise
-            self._together(lambda: self._close_update() if self.lead and calls else None)
+            self.ranks.together(lambda: self._close_update(calls))
             if self._offered is not None:  # the receivers hold the list it gave them
                 self.receivers_hold = self._offered
         finally:
             if calls is not None:
                 calls.drop()
-            self.update_calls = None
         seconds = time.perf_counter() - start
         peak = packer.peak_bytes if isinstance(packer, GatheringPacker) else 0
-        return TransferStats(plan.total_bytes, len(metas), len(plan.buckets), seconds, peak)
+        return TransferStats(layout.plan.total_bytes, len(layout.manifest),
+                             len(layout.plan.buckets), seconds, peak)
 
-    def _plan(self, metas: list[TensorMeta]) -> BucketPlan:
-        """The bucket plan of `metas` (the last one again when nothing changed: a trainer
-        sends the same tensor list every step)."""
-        key = tuple(metas)
-        if self._last_plan is None or self._last_plan[0] != key:
-            self._last_plan = (key, BucketPlan.build(metas, self.init_info.bucket_bytes,
-                                                     direct_threshold=self.direct_threshold))
-        return self._last_plan[1]
+    def _layout(self, metas: list[TensorMeta]) -> _Layout:
+        """The manifest, plan and this rank's buckets of `metas` (the last ones again while
+        the list is unchanged: a trainer sends the same list every step)."""
+        last = self._layout_cache
+        if last is None or last.manifest.metas != metas:
+            manifest, params, index = Manifest(metas), self.plan_params, self.ranks.sender_index
+            owners = manifest.owners(params, self.senders)
+            mine = manifest.shares(params, self.senders)[index] if index is not None else ()
+            last = self._layout_cache = _Layout(manifest, manifest.plan(params), owners, mine)
+        return last
 
-    def _owners(self, plan: BucketPlan) -> tuple[list[int], tuple[Bucket, ...]]:
-        """Which sender moves each bucket of `plan`, and this rank's buckets (worked out again
-        only for a new plan)."""
-        if self._owned is None or self._owned[0] is not plan:
-            owners = plan.owners(self.senders)
-            mine = tuple(b for b, o in zip(plan.buckets, owners, strict=True)
-                         if o == self.sender_index)
-            self._owned = (plan, owners, mine)
-        return self._owned[1], self._owned[2]
-
-    def tensor_list(self, plan: BucketPlan) -> tuple[list[Any], str]:
-        """`plan`'s tensor list as sent on the wire and its `wtransfer.wire.digest` (worked out
-        again only for a new plan: the plan is reused while the source stays the same)."""
-        if self._listed is None or self._listed[0] is not plan:
-            wire_list = metas_to_wire(plan.metas)
-            self._listed = (plan, wire_list, digest(wire_list))
-        return self._listed[1], self._listed[2]
-
-    def listed_tensors(self, plan: BucketPlan) -> dict[str, Any]:
-        """The update fields that give the receivers `plan`'s tensor list: the list, or its
-        digest once they hold it (`receivers_hold`, set when an update that offered it
+    def listed_tensors(self, manifest: Manifest) -> dict[str, Any]:
+        """The update fields that give the receivers `manifest`'s tensor list: the list, or
+        its digest once they hold it (`receivers_hold`, set when an update that offered it
         succeeds; a failed one sends the list in full next time)."""
-        wire_list, list_digest = self.tensor_list(plan)
         held, self.receivers_hold = self.receivers_hold, None
-        self._offered = list_digest
-        return {"tensors_digest": list_digest} if held == list_digest else {"tensors": wire_list}
+        self._offered = manifest.digest
+        return ({"tensors_digest": manifest.digest} if held == manifest.digest
+                else {"tensors": manifest.wire})
 
-    def _open(self, plan: BucketPlan) -> None:
-        """The lead confirms its start (issued first thing in `send_weights`) unless the
-        backend pipelines its update calls behind it, and with several senders announces the
-        tensor list, before any sender moves a bucket."""
-        calls = self.update_calls
-        assert calls is not None
-        if self.senders > 1 or not self.pipelined:
+    def _open(self, manifest: Manifest, calls: UpdateCalls | None) -> None:
+        """With several senders, before any sender moves a bucket: the lead confirms its
+        start and the receivers get the tensor list (`_announce`), so no sender's bucket call
+        reaches an engine that has not opened the update."""
+        if self.senders == 1 or calls is None or not self.lead:
+            return
+        calls.settle()
+        announcement = self._announce(manifest)
+        if announcement is not None:
+            calls.update(announcement)
             calls.settle()
-        if self.senders > 1:
-            self._announce(plan)
 
-    def finish_early(self) -> None:
-        """For a backend's `_send`, once every update call of this rank is issued: the lead
-        of a lone sender issues finish right behind them (the engine runs it only if they
-        succeed, so as soon as the data is in, saving a round trip). With several senders
-        finish waits for every rank's verdict instead."""
-        if self.lead and self.senders == 1 and self.update_calls is not None:
-            self.update_calls.finish()
+    def _move(self, share: Share, calls: UpdateCalls | None) -> None:
+        """This rank's part: a sender moves its share; every rank takes part in the gathers of
+        the buckets it does not send, even after its own part failed (so no rank waits on
+        it). A failure is reported as the receivers' own error when one comes (`UpdateCalls.
+        cause`)."""
+        try:
+            if calls is not None:  # a rank with a client sends
+                self._deliver(self._outgoing(share), calls)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):  # the send's own failure is the one to report
+                share.packer.finish()
+            self._failed(exc)
+            cause = calls.cause(exc) if calls is not None else exc
+            if cause is not exc:  # the receivers' refusal, not the broken channel it caused
+                raise cause from exc
+            raise
+        share.packer.finish()
+
+    def _deliver(self, out: Outgoing, calls: UpdateCalls) -> None:
+        """Issue `out`'s update calls and move its buckets; a lone sender's finish follows its
+        last update call (the engine runs it only once they succeeded: no round trip of its
+        own). Then settle every call in order and keep or forget what the receivers hold."""
+        share = out.share
+        if out.opening is not None and share.lead:
+            calls.update(out.opening)
+        if isinstance(out.channel, CallChannel):  # each bucket's call, then finish
+            send_buckets(share.buckets, share.packer, self._through_calls(out.channel, calls),
+                         check=calls.check, all_posted=lambda: self._finish_early(calls))
+        else:
+            self._finish_early(calls)  # every update call of this rank is issued
+            if out.channel is not None:
+                send_buckets(share.buckets, share.packer, out.channel, check=calls.check)
+        try:
+            calls.settle()
+        except BaseException:
+            if out.kept is not None:
+                out.kept.forget()
+            raise
+        if out.kept is not None:
+            out.kept.confirm()
+
+    def _through_calls(self, channel: CallChannel, calls: UpdateCalls
+                       ) -> SendChannel[PendingCall]:
+        """`channel` as the send loop sees it: posting a bucket issues its update call, and
+        the slot is free once that call is answered (within the transfer's deadline)."""
+        checksum = self.init_info.checksum
+        timeout_s = self.init_info.timeout_s
+
+        def post(unit: list[Bucket], slot: int, data: list[torch.Tensor]) -> PendingCall:
+            digest = bucket_checksum(data[0]) if checksum else None
+            return calls.update(channel.describe(unit[0], slot, data[0], digest))
+
+        return SendChannel(slots=channel.slots, stage=channel.stage, post=post,
+                           wait=lambda call, _check: call.result(timeout_s))
+
+    def _finish_early(self, calls: UpdateCalls) -> None:
+        """Once every update call of a lone sender is issued, its finish goes right behind
+        them; with several senders finish waits for every rank's verdict instead."""
+        if self.lead and self.senders == 1:
+            calls.finish()
+
+    def _close_update(self, calls: UpdateCalls | None) -> None:
+        """The lead waits for every reply; with several senders it issues finish first, now
+        that every rank's part succeeded (a lone sender issued it behind its update calls)."""
+        if self.lead and calls is not None:
+            if self.senders > 1:
+                calls.finish()
+            calls.settle()
+
+    def _abort_remote(self, exc: BaseException, calls: UpdateCalls) -> None:
+        """Tell receivers the update failed here, so they fail it now instead of at timeout."""
+        if isinstance(exc, TransferTimeout):
+            return  # a receiver that does not answer would not answer this either
+        with contextlib.suppress(Exception):  # a failed receiver's own deadline covers it
+            calls.abort(f"{type(exc).__name__}: {exc}"[:1000])
 
     def in_place(self, share: Share, usable: Callable[[list[torch.Tensor]], bool]
                  ) -> tuple[list[torch.Tensor] | None, Share]:
@@ -314,52 +396,6 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             share = replace(share, packer=BucketPacker(share.plan, self.source.tensors()))
         return None, share
 
-    def settle_in_place(self, sent: SentOnce) -> None:
-        """After the one update call of an in-place update: issue finish behind it, wait for
-        the replies, and keep or drop what the call gave the receivers."""
-        calls = self.update_calls
-        assert calls is not None
-        self.finish_early()  # start, update and finish travel together: one round trip
-        try:
-            calls.settle()
-        except BaseException:
-            sent.forget()
-            raise
-        sent.confirm()
-
-    def _close_update(self) -> None:
-        """The lead finishes the update (unless `finish_early` did) and waits for every reply."""
-        calls = self.update_calls
-        assert calls is not None
-        calls.finish()
-        calls.settle()
-
-    def _move(self, share: Share) -> None:
-        """This rank's part: a sender moves its share; every rank takes part in the gathers of
-        the buckets it does not send, even after its own part failed (so no rank waits on
-        it). A failure is reported as the receivers' own error when one comes (`UpdateCalls.
-        cause`)."""
-        try:
-            if self.client is not None:
-                self._send(share)
-        except BaseException as exc:
-            with contextlib.suppress(Exception):  # the send's own failure is the one to report
-                share.packer.finish()
-            calls = self.update_calls
-            cause = calls.cause(exc) if calls is not None else exc
-            if cause is not exc:  # the receivers' refusal, not the broken channel it caused
-                raise cause from exc
-            raise
-        share.packer.finish()
-
-    def _abort_remote(self, exc: BaseException) -> None:
-        """Tell receivers the update failed here, so they fail it now instead of at timeout."""
-        calls = self.update_calls
-        if isinstance(exc, TransferTimeout) or calls is None:
-            return  # a receiver that does not answer would not answer this either
-        with contextlib.suppress(Exception):  # a failed receiver's own deadline covers it
-            calls.abort(f"{type(exc).__name__}: {exc}"[:1000])
-
     def shutdown(self) -> None:
         """Free staging buffers and connections; idempotent."""
         if not self.closed:
@@ -367,8 +403,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             self._close()
             if self.calls is not None:
                 self.calls.close()
-            if self.group is not None:
-                self.group.close()
+            self.ranks.close()
 
     def __enter__(self: S) -> S:
         return self
@@ -397,6 +432,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             return torch.device(override)
         return self.source.device or torch.device("cpu")
 
+    # -- backend hooks -------------------------------------------------------------------
+
     @abstractmethod
     def _connect(self) -> dict[str, Any]:
         """Allocate staging (and listen, where the backend does); return the receiver init
@@ -419,17 +456,19 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                               "supported by this backend; give one trainer rank a client")
         return fragments[0]
 
-    def _announce(self, plan: BucketPlan) -> None:
-        """With several senders: tell the receivers the update's tensor list before any
-        sender moves a bucket (backends whose update info carries the list need nothing)."""
+    def _announce(self, manifest: Manifest) -> dict[str, Any] | None:
+        """With several senders: the update info that gives the receivers the tensor list
+        before any sender moves a bucket (None for backends whose opening call carries it)."""
+        return None
 
     @abstractmethod
-    def _send(self, share: Share) -> None:
-        """Move the buckets of `share`, issuing the update call(s) through
-        `self.update_calls` (they follow the lead's start without waiting for it), and settle
-        them before returning. Call `share.packer.finish()` once your own buckets are packed
-        and before waiting on the receivers (with a sharded source the other senders' buckets
-        need this rank's rows), and `finish_early()` once your update calls are issued."""
+    def _outgoing(self, share: Share) -> Outgoing:
+        """How this sender's part of an update travels (see `Outgoing`); called once per
+        update on every sender, after the lead's start was issued."""
+
+    def _failed(self, exc: BaseException) -> None:
+        """This sender's part of an update failed (`exc`): drop what cannot be reused (a
+        torn-down group, messages in flight); optional."""
 
     @abstractmethod
     def _close(self) -> None:

@@ -9,14 +9,17 @@ step so every rank stops the same way when one failed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from wtransfer import wire
 from wtransfer.errors import ConfigError, PeerError, TransferTimeout
+
+T = TypeVar("T")
 
 
 def _collective_error(what: str, exc: RuntimeError, timeout_s: float) -> Exception:
@@ -95,6 +98,53 @@ class TrainerGroup:
     def close(self) -> None:
         """Release the coordination group."""
         dist.destroy_process_group(self.pg)
+
+
+class Ranks:
+    """This rank's place among the trainer ranks that send one update: alone (no group), or
+    one rank of a `TrainerGroup`. Every step of an update runs through `together`, so all
+    ranks fail the same way when one fails."""
+
+    def __init__(self, group: TrainerGroup | None) -> None:
+        self.group = group
+
+    @property
+    def sender_index(self) -> int | None:
+        """This rank's index among the senders (None: it only helps gather)."""
+        return self.group.sender_index if self.group is not None else 0
+
+    @property
+    def senders(self) -> int:
+        """How many trainer ranks send."""
+        return len(self.group.senders) if self.group is not None else 1
+
+    @property
+    def lead(self) -> bool:
+        """Whether this rank drives the control plane (start, tensor list, finish)."""
+        return self.sender_index == 0
+
+    def together(self, step: Callable[[], T]) -> T | None:
+        """Run `step` here, then agree with the other ranks: every rank raises the first
+        failure of any rank (alone: just run it)."""
+        result, error = None, None
+        try:
+            result = step()
+        except BaseException as exc:
+            error = exc
+        if self.group is not None:
+            self.group.verdict(error)
+        elif error is not None:
+            raise error
+        return result
+
+    def gather(self, record: Any) -> list[Any]:
+        """Every rank's plain-data `record`, in rank order (alone: `[record]`)."""
+        return [record] if self.group is None else self.group.all_gather_records(record)
+
+    def close(self) -> None:
+        """Release the coordination group, if any."""
+        if self.group is not None:
+            self.group.close()
 
 
 def broadcast_record(record: Any, src: int = 0, group: Any = None) -> Any:

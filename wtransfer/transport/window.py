@@ -1,29 +1,82 @@
-"""The posting window of the streaming backends (nccl, ucx), one loop per side.
+"""The one send loop and the one receive loop every backend's buckets go through.
 
 Both sides walk the same bucket plan in the same units (`units`: a packed bucket alone, or a
 run of up to `batch` consecutive direct buckets, which a backend may launch as one operation)
 and keep up to `max_inflight` units posted ahead, waiting only on the oldest when the window or
 a staging slot is needed. A packed bucket needs one of `slots` staging slots until its
 operation completed; a direct bucket moves the source tensor's own bytes into the
-destination's and needs none. A backend supplies only its primitives: post an operation on
-some bytes, wait for one (with its deadline and peer checks).
+destination's and needs none.
+
+A backend supplies only its primitives, as a channel: `SendChannel` for a data plane of its
+own (stage a bucket into a slot, post an operation on some bytes, wait for one with its
+deadline and peer checks: nccl, ucx), or `CallChannel` where each bucket's update call hands
+it over (stage, and describe the call: ipc, the inline example). The sender base turns a
+`CallChannel` into posts of update calls and runs `send_buckets`; receivers of streaming
+backends run `receive_buckets`.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from wtransfer.packing import Bucket
 
-if TYPE_CHECKING:
-    from wtransfer.trainer.engine import Share
-
 Op = TypeVar("Op")
-"""A backend's handle on one posted operation (a CUDA event, UCX requests, ...)."""
+"""A backend's handle on one posted operation (a CUDA event, UCX requests, a pending call)."""
+
+Check = Callable[[], None]
+"""Raises a failure the receivers already reported (a refused update call); never blocks."""
+
+
+class Packer(Protocol):
+    """What the send loop needs of a bucket packer (`BucketPacker`, `GatheringPacker`)."""
+
+    def direct(self, bucket: Bucket) -> torch.Tensor:
+        """The source bytes of a direct bucket."""
+
+    def finish(self) -> None:
+        """Every own bucket is posted: take part in the other senders' gathers, check the
+        source yielded everything."""
+
+
+@dataclass(frozen=True)
+class SendChannel(Generic[Op]):
+    """A backend's own data plane for one sender's buckets (nccl broadcasts, ucx messages)."""
+
+    slots: int
+    """Staging slots; a packed bucket holds one until its operation completed."""
+    stage: Callable[[Bucket, int], torch.Tensor]
+    """Pack a bucket into a slot; returns the bytes to post."""
+    post: Callable[[list[Bucket], int, list[torch.Tensor]], Op]
+    """Start moving one unit's bytes (a packed bucket in staging slot `slot`, or a run of
+    direct ones, slot -1): ``post(unit, slot, data)``."""
+    wait: Callable[[Op, Check], None]
+    """Wait for a posted operation, with the transfer's deadline, raising what `check` (the
+    receivers' answers) or the peers report meanwhile."""
+    max_inflight: int = 0
+    """Units posted ahead (0: `slots`)."""
+    batch: int = 1
+    """Consecutive direct buckets one post may carry."""
+    first: int | None = None
+    """At most this many in the first unit (None: `batch`)."""
+
+
+@dataclass(frozen=True)
+class CallChannel:
+    """Buckets handed over by their own update calls (ipc, the inline example): a slot is
+    packed again only once the call that carried it was answered."""
+
+    slots: int
+    stage: Callable[[Bucket, int], torch.Tensor]
+    """Pack a bucket into a slot; returns the packed bytes."""
+    describe: Callable[[Bucket, int, torch.Tensor, int | None], dict[str, Any]]
+    """The update info that hands over bucket `bucket` packed in slot `slot` (its bytes and,
+    with checksums on, their checksum): ``describe(bucket, slot, data, checksum)``."""
 
 
 def units(buckets: Sequence[Bucket], batch: int, first: int | None = None
@@ -51,41 +104,42 @@ def units(buckets: Sequence[Bucket], batch: int, first: int | None = None
     return out
 
 
-def send_windowed(share: Share, slots: int, *, max_inflight: int, batch: int = 1,
-                  first: int | None = None,
-                  stage: Callable[[Bucket, int], torch.Tensor],
-                  post: Callable[[list[Bucket], list[torch.Tensor]], Op],
-                  wait: Callable[[Op], None]) -> None:
-    """Post every unit of `share` in order. `stage(bucket, slot)` packs a bucket into staging
-    slot `slot` and returns the bytes to post; a direct bucket posts `share.packer.direct`.
-    Packing the next bucket overlaps the operations already posted. Once all are posted the
-    packer finishes (its part in other senders' gathers), then every operation is waited on."""
-    packer = share.packer
-    free = deque(range(slots))
+def send_buckets(buckets: Sequence[Bucket], packer: Packer, channel: SendChannel[Op], *,
+                 check: Check, all_posted: Callable[[], None] | None = None) -> None:
+    """Post every unit of `buckets` in order through `channel`: a packed one into a free
+    staging slot (packing the next bucket overlaps the operations already posted), a direct
+    one from the source's own bytes. `check()` runs before each unit; once every unit is
+    posted, `all_posted()` runs (the sender base issues finish there), the packer finishes
+    (its part in other senders' gathers), then every operation is waited on."""
+    free = deque(range(channel.slots))
     inflight: deque[tuple[int, Op]] = deque()
+    window = channel.max_inflight or channel.slots
 
     def retire_oldest() -> None:
         slot, op = inflight.popleft()
-        wait(op)
+        channel.wait(op, check)
         if slot >= 0:
             free.append(slot)
 
-    for unit in units(share.buckets, batch, first):
+    for unit in units(buckets, channel.batch, channel.first):
+        check()
         direct = unit[0].direct
-        while len(inflight) >= max_inflight or not (direct or free):
+        while len(inflight) >= window or not (direct or free):
             retire_oldest()
         if direct:
             slot, data = -1, [packer.direct(bucket) for bucket in unit]
         else:
             slot = free.popleft()
-            data = [stage(unit[0], slot)]
-        inflight.append((slot, post(unit, data)))
+            data = [channel.stage(unit[0], slot)]
+        inflight.append((slot, channel.post(unit, slot, data)))
+    if all_posted is not None:
+        all_posted()
     packer.finish()
     while inflight:
         retire_oldest()
 
 
-def receive_windowed(buckets: Sequence[Bucket], slots: int, *, max_inflight: int,
+def receive_buckets(buckets: Sequence[Bucket], slots: int, *, max_inflight: int,
                      batch: int = 1, first: int | None = None,
                      destination: Callable[[Bucket], torch.Tensor],
                      staging: Callable[[Bucket, int], torch.Tensor],

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.manifest import Manifest
 from wtransfer.packing import Slice, TensorMeta
 from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.receiver.session import UpdateSession
@@ -78,11 +79,11 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
                 for i, rec in enumerate(staging["buffers"])]
 
     def _receive(self, info: IPCUpdateInfo, session: UpdateSession) -> None:
-        metas = self._listed(info)
-        if metas is not None:
-            session.announce(metas)
+        manifest = self._listed(info)
+        if manifest is not None:
+            session.announce(manifest.metas)
             if info.zero_copy is not None:
-                self._receive_zero_copy(info.zero_copy, metas, session)
+                self._receive_zero_copy(info.zero_copy, manifest.metas, session)
                 return
         elif info.zero_copy is not None:
             raise MetadataError("a zero-copy update must carry its tensor list (or its digest)")
@@ -113,12 +114,12 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
             if staging.is_cuda or self.device.type == "cuda":  # done reading: slot is free
                 drain(staging.device if staging.is_cuda else self.device, self._timeout_s())
 
-    def _listed(self, info: IPCUpdateInfo) -> list[TensorMeta] | None:
+    def _listed(self, info: IPCUpdateInfo) -> Manifest | None:
         """The tensor list this update carries or names by digest (None: neither); only a
         zero-copy update (one call for the whole update) may name it."""
         if info.tensors is None and info.tensors_digest is not None and info.zero_copy is None:
             raise MetadataError("only a zero-copy update may name its tensor list by digest")
-        return self._lists.resolve(info.tensors, info.tensors_digest)
+        return self.manifests.resolve(info.tensors, info.tensors_digest)
 
     def _receive_zero_copy(self, update: dict[str, Any], metas: list[TensorMeta],
                            session: UpdateSession) -> None:

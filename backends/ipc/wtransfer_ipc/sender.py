@@ -10,12 +10,13 @@ from typing import Any
 import torch
 
 from wtransfer.errors import ConfigError
-from wtransfer.packing import Bucket, BucketPlan
-from wtransfer.protocol import PendingCall, WeightSyncClient
+from wtransfer.manifest import Manifest
+from wtransfer.packing import Bucket
+from wtransfer.protocol import WeightSyncClient
 from wtransfer.records import receiver_init_dict
-from wtransfer.trainer.engine import Share, TrainerTransferEngine
+from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
 from wtransfer.trainer.source import WeightSource
-from wtransfer.transport.sending import send_issued
+from wtransfer.transport.window import CallChannel
 from wtransfer_ipc.cuda import await_event, export_buffer, exported_event, withdraw_event
 from wtransfer_ipc.info import STAGING_FIELDS, IPCTrainerInitInfo
 from wtransfer_ipc.sender_process import own_start_time
@@ -31,7 +32,6 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
     backend_name = "ipc"
     init_info_cls = IPCTrainerInitInfo
-    pipelined = True
 
     def __init__(self, init_info: IPCTrainerInitInfo, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
@@ -102,51 +102,44 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
             return first
         return {**first, "senders": [{k: f[k] for k in STAGING_FIELDS} for f in fragments]}
 
-    def _announce(self, plan: BucketPlan) -> None:
+    def _announce(self, manifest: Manifest) -> dict[str, Any]:
         """Several senders: the tensor list travels alone, before any sender's bucket."""
-        calls = self.update_calls
-        assert calls is not None
-        calls.update({"tensors": self.tensor_list(plan)[0]})
-        calls.settle()
+        return {"tensors": manifest.wire}
 
-    def _send(self, share: Share) -> None:
-        manifest, _ = self.tensor_list(share.plan)
-        calls = self.update_calls
-        assert calls is not None
+    def _outgoing(self, share: Share) -> Outgoing:
+        """Zero-copy where it applies (one call: the receivers copy out of the source's own
+        storage), else one call per packed bucket, its staging slot reused once answered."""
         if self._zero_copy is not None:
             tensors, share = self.in_place(share, shareable)
             if tensors is not None:
-                self._send_zero_copy(share.plan, tensors, self._zero_copy)
-                return
+                return Outgoing(share, kept=self._zero_copy, opening={
+                    **self.listed_tensors(share.manifest),
+                    "zero_copy": self._zero_copy.update(tensors)})
+        listed = share.manifest.wire
 
-        def issue(bucket: Bucket, slot: int, data: torch.Tensor,
-                  checksum: int | None) -> PendingCall:
+        def stage(bucket: Bucket, slot: int) -> torch.Tensor:
+            self._wait_read(slot)
+            share.packer.pack(bucket, self._staging[slot])
+            if self._packed:  # the receivers' streams wait on this before reading the slot
+                self._packed[slot][0].record(torch.cuda.current_stream(self.device))
+            return self._staging[slot][: bucket.nbytes]
+
+        def describe(bucket: Bucket, slot: int, _data: torch.Tensor,
+                     checksum: int | None) -> dict[str, Any]:
             update: dict[str, Any] = {
                 "buffer": slot, "nbytes": bucket.nbytes, "checksum": checksum,
                 "slices": [s.to_wire() for s in bucket.slices],
             }
-            if slot >= 0 and self._packed:
+            if self._packed:
                 update["event"] = self._packed[slot][1]
             if share.count > 1:
                 update["sender"] = share.index
             elif bucket.index == 0:
-                update["tensors"] = manifest
-            return calls.update(update)
+                update["tensors"] = listed
+            return update
 
-        send_issued(share, self._staging, issue, timeout_s=calls.timeout_s,
-                    checksum=self.init_info.checksum, before_issue=self._packed_into,
-                    check=calls.check, before_pack=self._wait_read)
-        self.finish_early()
-        calls.settle()
-
-    def _send_zero_copy(self, plan: BucketPlan, tensors: list[torch.Tensor],
-                        exports: ZeroCopyExports) -> None:
-        """The whole update in one call; an unchanged tensor list travels as its digest once
-        the receivers hold it (a failed update sends it in full next time)."""
-        calls = self.update_calls
-        assert calls is not None
-        calls.update({**self.listed_tensors(plan), "zero_copy": exports.update(tensors)})
-        self.settle_in_place(exports)
+        return Outgoing(share, channel=CallChannel(slots=len(self._staging), stage=stage,
+                                                   describe=describe))
 
     def _wait_read(self, slot: int) -> None:
         """Pack into staging `slot` only once every worker's reads of its last bucket ran (the
@@ -156,11 +149,6 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         for worker in self._freed:
             await_event(worker[slot][0], self.init_info.timeout_s,
                         "an engine's reads of a staging buffer", "is the engine alive?")
-
-    def _packed_into(self, slot: int) -> None:
-        """Mark staging `slot` packed: record its event after the packing copies."""
-        if slot >= 0 and self._packed:
-            self._packed[slot][0].record(torch.cuda.current_stream(self.device))
 
     def _close(self) -> None:
         had_cuda = bool(self._staging) and self.device.type == "cuda"

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from wtransfer.errors import ConfigError
-from wtransfer.packing import DEFAULT_ALIGN
 from wtransfer.records import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 
 TRANSPORTS = ("nccl", "gloo")
@@ -59,11 +58,6 @@ class NCCLInitInfo(ReceiverInitInfo):
     senders: int = 1
     """Sending trainer ranks (ranks 0..senders-1); each broadcasts its buckets
     (`BucketPlan.owners`) in its own group of itself and every worker."""
-    session: str = ""
-    """Namespace of this init's rendezvous keys (a fresh one per sender)."""
-    direct_threshold: int | None = 0
-    """Resolved by the sender: tensors this large are broadcast without staging."""
-    align: int = DEFAULT_ALIGN
     batch: int = 1
     """Consecutive direct tensors the sender broadcasts in one NCCL group call; every rank
     must group alike, so the receiver takes the sender's number."""

@@ -8,11 +8,10 @@ from typing import Any
 
 import torch
 
-from wtransfer.errors import ConfigError, LifecycleError, MetadataError, PeerError
+from wtransfer.errors import ConfigError, LifecycleError, PeerError
 from wtransfer.packing import (
     CHECKSUM_BYTES,
     Bucket,
-    BucketPlan,
     read_checksum_trailer,
     trailer_length,
 )
@@ -20,7 +19,7 @@ from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.transport.tcp_lifeline import Lifeline
-from wtransfer.transport.window import receive_windowed
+from wtransfer.transport.window import receive_buckets
 from wtransfer_nccl.group import (
     MAX_INFLIGHT,
     Group,
@@ -56,8 +55,6 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         """One group per sending trainer rank (index = sender)."""
         self._staging: list[list[torch.Tensor]] = []
         """`num_buffers` staging buffers per sender."""
-        self._plan: tuple[BucketPlan, list[list[Bucket]]] | None = None
-        """The last plan and each sender's buckets of it."""
         self._lifeline: Lifeline | None = None
         """The connection that tells this worker the lead trainer died
         (`wtransfer.transport.tcp_lifeline`)."""
@@ -66,15 +63,14 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         if info.transport == "nccl" and self.device.type != "cuda":
             raise ConfigError("the trainer broadcasts CUDA tensors over NCCL; this receiver is "
                               f"on {self.device}: create it with device='cuda:N'")
-        self._plan = None  # the plan depends on this init's bucket size and threshold
         rank = info.rank_offset + self.worker_index
         if not info.senders <= rank < info.world_size:
             raise ConfigError(f"worker rank {rank} is outside {info.senders}.."
                               f"{info.world_size - 1}: the engine has more workers than the "
                               "trainer counted in world_size")
         staging_device = self.device if info.transport == "nccl" else torch.device("cpu")
-        store = join_rendezvous(info.master_address, info.master_port, rank, info.session,
-                                info.timeout_s)
+        store = join_rendezvous(info.master_address, info.master_port, rank,
+                                info.sender_id or "", info.timeout_s)
         workers = info.world_size - info.senders
         try:
             for sender in range(info.senders):
@@ -128,24 +124,15 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         if errors:
             raise errors[0]
 
-    def _shares(self, info: NCCLUpdateInfo, session: UpdateSession) -> list[list[Bucket]]:
+    def _shares(self, info: NCCLUpdateInfo, session: UpdateSession) -> list[tuple[Bucket, ...]]:
         """Announce the update's tensors; each sender's buckets of the plan derived from them
-        (planned again only for a new list: a trainer sends the same one every step)."""
+        (planned once per list: a trainer sends the same one every step)."""
         init = self.init_info
         assert init is not None
-        metas = self._lists.resolve(info.tensors, info.tensors_digest)
-        if metas is None:
-            raise MetadataError("the update info must carry 'tensors' or 'tensors_digest'")
-        session.announce(metas)
-        plan = self._lists.plan(metas, init.bucket_bytes, align=init.align,
-                                direct_threshold=init.direct_threshold or 0)
-        if self._plan is None or self._plan[0] is not plan:
-            owners = plan.owners(init.senders)
-            self._plan = (plan, [[b for b, o in zip(plan.buckets, owners, strict=True)
-                                  if o == sender] for sender in range(init.senders)])
-        return self._plan[1]
+        manifest = self.announce_listed(info.tensors, info.tensors_digest, session)
+        return manifest.shares(init.plan_params, init.senders)
 
-    def _receive_share(self, group: Group, buckets: list[Bucket],
+    def _receive_share(self, group: Group, buckets: tuple[Bucket, ...],
                        staging_buffers: list[torch.Tensor], session: UpdateSession,
                        lock: threading.Lock, stop: threading.Event | None) -> None:
         """Receive one sender's buckets in order. Up to `MAX_INFLIGHT` broadcasts are posted
@@ -185,7 +172,7 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
                             else None)
                 session.consume(staging, bucket.nbytes, bucket.slices, checksum)
 
-        receive_windowed(
+        receive_buckets(
             buckets, len(staging_buffers), max_inflight=MAX_INFLIGHT, batch=init.batch,
             first=init.first_batch,
             destination=destination,

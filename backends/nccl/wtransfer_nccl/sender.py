@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import secrets
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,10 +12,10 @@ from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.packing import CHECKSUM_BYTES
 from wtransfer.protocol import WeightSyncClient
 from wtransfer.records import receiver_init_dict
-from wtransfer.trainer.engine import Share, TrainerTransferEngine
+from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
 from wtransfer.trainer.source import WeightSource
 from wtransfer.transport.tcp_lifeline import LifelineListener
-from wtransfer.transport.window import send_windowed
+from wtransfer.transport.window import SendChannel
 from wtransfer_nccl.group import (
     DIRECT_BATCH,
     DIRECT_FIRST,
@@ -42,14 +40,12 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
 
     backend_name = "nccl"
     init_info_cls = NCCLTrainerInitInfo
-    pipelined = True
 
     def __init__(self, init_info: NCCLTrainerInitInfo, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
         super().__init__(init_info, client=client, source=source, process_group=process_group)
         self.device = self._staging_device(self.init_info.device)
         self.transport = "nccl" if self.device.type == "cuda" else "gloo"
-        self._session = secrets.token_hex(8)
         self._group: Group | None = None
         self._server: Any = None
         """The rendezvous server (`dist.TCPStore`) the first sender hosts."""
@@ -79,13 +75,12 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                                   lifeline_port=self._lifeline.port if self._lifeline else None,
                                   master_port=port, world_size=info.world_size,
                                   rank_offset=self.senders, transport=self.transport,
-                                  senders=self.senders, session=self._session,
-                                  direct_threshold=self.direct_threshold, batch=DIRECT_BATCH,
+                                  senders=self.senders, batch=DIRECT_BATCH,
                                   first_batch=DIRECT_FIRST)
 
     def _merge(self, fragments: list[dict[str, Any]]) -> dict[str, Any]:
-        """Several senders: they share the lead's rendezvous and session (each forms its own
-        group under it), so the lead's init info is everyone's."""
+        """Several senders: they share the lead's rendezvous, namespaced by the lead's
+        sender_id (each forms its own group under it), so the lead's init info is everyone's."""
         return fragments[0]
 
     @property
@@ -107,8 +102,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         the engines before it) + j, K the number of senders."""
         info = self.init_info
         made: dict[str, Any] = {}
-        sender = self.sender_index or 0
-        session = str(receiver_init["session"])  # the lead's: every sender joins under it
+        sender = self.ranks.sender_index or 0
+        session = str(receiver_init["sender_id"])  # the lead's: every sender joins under it
 
         def form() -> None:
             try:
@@ -135,41 +130,30 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
             raise made["error"]
         self._group = made["group"]
 
-    def _send(self, share: Share) -> None:
-        """The lead issues the receivers' update call (it carries the tensor list, or its
-        digest, and blocks in their receive loops) right behind start, and a lone sender its
-        finish right behind that; every sender broadcasts its buckets in its own group."""
+    def _outgoing(self, share: Share) -> Outgoing:
+        """The lead's update call carries the tensor list (or its digest) and blocks in the
+        receivers' receive loops; every sender broadcasts its buckets in its own group, up
+        to `MAX_INFLIGHT` ahead (a packed one in a free staging slot); the host waits only
+        on the oldest broadcast."""
         if self._broken or self._group is None:
             raise LifecycleError(f"nccl sender is unusable after an earlier failure "
                                  f"({self._broken}); create a new one with trainer_init")
-        group = self._group
-        calls = self.update_calls
-        listed = self.listed_tensors(share.plan)
-        if share.lead and calls is not None:
-            calls.update(listed)
-            self.finish_early()
-        try:
-            self._broadcast_all(share, group, calls.check if calls is not None else _no_news)
-            if calls is not None:
-                calls.settle()
-        except BaseException as exc:
-            self._broken = f"{type(exc).__name__}: {exc}"
-            group.abort()
-            raise
-
-    def _broadcast_all(self, share: Share, group: Group,
-                       receivers_failed: Callable[[], None]) -> None:
-        """Post every bucket's broadcast through the shared window (`MAX_INFLIGHT` ahead, a
-        packed one in a free staging slot); the host waits only on the oldest."""
-        info = self.init_info
-        staging = self._staging
-        send_windowed(
-            share, len(staging), max_inflight=MAX_INFLIGHT, batch=DIRECT_BATCH,
+        group, info, staging = self._group, self.init_info, self._staging
+        channel: SendChannel[Any] = SendChannel(
+            slots=len(staging), max_inflight=MAX_INFLIGHT, batch=DIRECT_BATCH,
             first=DIRECT_FIRST,
             stage=lambda bucket, slot: share.packer.pack_framed(bucket, staging[slot],
                                                                 info.checksum),
-            post=lambda _unit, data: group.broadcast(data),
-            wait=lambda pending: pending.wait(info.timeout_s, receivers_failed))
+            post=lambda _unit, _slot, data: group.broadcast(data),
+            wait=lambda pending, check: pending.wait(info.timeout_s, check))
+        return Outgoing(share, opening=self.listed_tensors(share.manifest), channel=channel)
+
+    def _failed(self, exc: BaseException) -> None:
+        """A failed broadcast leaves the group unusable: tear it down (NCCL would wait)."""
+        if self._broken is None:
+            self._broken = f"{type(exc).__name__}: {exc}"
+        if self._group is not None:
+            self._group.abort()
 
     def _close(self) -> None:
         group, self._group = self._group, None
@@ -180,7 +164,3 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
             self._lifeline.close()
             self._lifeline = None
         self._staging = []
-
-
-def _no_news() -> None:
-    """A rank without a client hears nothing from the receivers while it broadcasts."""

@@ -6,18 +6,17 @@ from typing import Any
 
 import torch
 
-from wtransfer.errors import LifecycleError, MetadataError
+from wtransfer.errors import LifecycleError
 from wtransfer.packing import (
     CHECKSUM_BYTES,
     Bucket,
-    BucketPlan,
     read_checksum_trailer,
     trailer_length,
 )
 from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
-from wtransfer.transport.window import receive_windowed
+from wtransfer.transport.window import receive_buckets
 from wtransfer_ucx.info import UCXInitInfo, UCXUpdateInfo
 from wtransfer_ucx.remote_reads import ImportedKeys
 from wtransfer_ucx.transport import (
@@ -67,12 +66,14 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
             if self._ep is None:
                 raise LifecycleError("ucx: the endpoint to the trainer was closed after a "
                                      "failed update; create a new sender (trainer_init)")
+            manifest = self.announce_listed(info.tensors, info.tensors_digest, session)
             self._keys.read_into(
-                session, self._announce(info, session, direct_threshold=1), info.rma,
+                session, manifest.plan(init.plan_params.with_direct(1)), info.rma,
                 self._ep, self.device, budget=init.num_buffers * init.bucket_bytes,
                 timeout_s=init.timeout_s, check=ucx.check_peers)
             return
-        plan = self._announce(info, session, direct_threshold=init.direct_threshold or 0)
+        plan = self.announce_listed(info.tensors, info.tensors_digest,
+                                    session).plan(init.plan_params)
         staging = self._staging
 
         def landed(bucket: Bucket, slot: int, data: torch.Tensor) -> None:
@@ -85,7 +86,7 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
             if data.is_cuda:  # unpacked before the slot takes the next bucket
                 torch.cuda.current_stream(data.device).synchronize()
 
-        receive_windowed(
+        receive_buckets(
             plan.buckets, len(staging), max_inflight=MAX_INFLIGHT,
             destination=lambda bucket: session.direct_destination(bucket, self.device),
             staging=lambda bucket, slot: staging[slot][
@@ -96,18 +97,6 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
             landed=landed,
             temporary=lambda bucket: session.direct_temporary_bytes(bucket, self.device),
             budget=init.num_buffers * init.bucket_bytes)
-
-    def _announce(self, info: UCXUpdateInfo, session: UpdateSession, *,
-                  direct_threshold: int) -> BucketPlan:
-        """Announce the update's tensors; the plan the sender built from them (parsed and
-        planned again only for a new list: a trainer sends the same one every step)."""
-        assert self.init_info is not None
-        metas = self._lists.resolve(info.tensors, info.tensors_digest)
-        if metas is None:
-            raise MetadataError("the update info must carry 'tensors' or 'tensors_digest'")
-        session.announce(metas)
-        return self._lists.plan(metas, self.init_info.bucket_bytes,
-                                direct_threshold=direct_threshold)
 
     def _abort(self) -> None:
         if self._ucx is not None:

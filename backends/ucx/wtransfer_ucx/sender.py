@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from wtransfer.errors import LifecycleError
-from wtransfer.packing import CHECKSUM_BYTES, Bucket, TensorMeta
+from wtransfer.packing import CHECKSUM_BYTES, Bucket
 from wtransfer.protocol import WeightSyncClient
 from wtransfer.records import receiver_init_dict
-from wtransfer.trainer.engine import Share, TrainerTransferEngine
+from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
 from wtransfer.trainer.source import WeightSource
-from wtransfer.transport.window import send_windowed
+from wtransfer.transport.window import SendChannel
 from wtransfer_ucx.info import UCXTrainerInitInfo
 from wtransfer_ucx.remote_reads import ExportedTensors, readable
 from wtransfer_ucx.transport import (
@@ -31,7 +30,6 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
 
     backend_name = "ucx"
     init_info_cls = UCXTrainerInitInfo
-    pipelined = True
 
     def __init__(self, init_info: UCXTrainerInitInfo, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
@@ -56,8 +54,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]
         return receiver_init_dict(info, trainer_address=info.listen_address,
-                                  trainer_port=port, session=self._session,
-                                  direct_threshold=self.direct_threshold)
+                                  trainer_port=port, session=self._session)
 
     @property
     def direct_threshold(self) -> int:
@@ -75,46 +72,26 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         self._endpoints = self._ucx.wait_for_endpoints(self.client.num_workers(),
                                                        self.init_info.timeout_s)
 
-    def _send(self, share: Share) -> None:
+    def _outgoing(self, share: Share) -> Outgoing:
+        """One-sided reads where they apply (one call: every worker reads each tensor out of
+        this process's memory and answers once its reads completed), else the update call
+        with the tensor list, then tagged buckets to every worker (one endpoint each),
+        packing bucket k+1 while bucket k is on the wire."""
         if self._broken:
             raise LifecycleError(f"ucx sender is unusable after an earlier failure "
                                  f"({self._broken}); create a new one with trainer_init")
-        calls = self.update_calls
-        assert calls is not None
+        ucx, info = self._ucx, self.init_info
+        assert ucx is not None  # connected
         self._updates += 1
-        tensors: list[torch.Tensor] | None = None
+        update = {**self.listed_tensors(share.manifest), "update": self._updates}
         if self._exports is not None:
             tensors, share = self.in_place(share, readable)
-        update = {**self.listed_tensors(share.plan), "update": self._updates}
-        try:
             if tensors is not None:
-                self._send_reads(update, tensors, share.plan.metas)
-            else:
-                calls.update(update)
-                self.finish_early()
-                self._send_buckets(share, calls.check)
-                calls.settle()
-        except BaseException as exc:  # messages or reads may still be in flight
-            self._broken = f"{type(exc).__name__}: {exc}"
-            raise
-
-    def _send_reads(self, update: dict[str, Any], tensors: list[torch.Tensor],
-                    metas: Sequence[TensorMeta]) -> None:
-        """The whole update in one call: every worker reads each tensor out of this
-        process's memory and answers once its reads completed."""
-        calls, exports = self.update_calls, self._exports
-        assert calls is not None and exports is not None
-        for device in {t.device for t in tensors if t.is_cuda}:  # the trainer's last writes
-            torch.cuda.current_stream(device).synchronize()  # land before any read
-        calls.update({**update, "rma": exports.update(tensors, metas)})
-        self.settle_in_place(exports)
-
-    def _send_buckets(self, share: Share, receivers_failed: Callable[[], None]) -> None:
-        info = self.init_info
-        ucx = self._ucx
-        assert ucx is not None
-        staging = self._staging
-        endpoints = self._endpoints
+                for device in {t.device for t in tensors if t.is_cuda}:  # the trainer's last
+                    torch.cuda.current_stream(device).synchronize()  # writes land before reads
+                return Outgoing(share, kept=self._exports, opening={
+                    **update, "rma": self._exports.update(tensors, share.manifest.metas)})
+        staging, endpoints, session = self._staging, self._endpoints, self._session
 
         def stage(bucket: Bucket, slot: int) -> torch.Tensor:
             data = share.packer.pack_framed(bucket, staging[slot], info.checksum)
@@ -124,12 +101,18 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
 
         if self.device.type == "cuda":  # the trainer's last writes land before any send reads
             torch.cuda.current_stream(self.device).synchronize()
-        send_windowed(
-            share, len(staging), max_inflight=MAX_INFLIGHT, stage=stage,
-            post=lambda unit, data: [ucx.send(ep, data[0], tag(self._session, self._updates,
-                                                               unit[0].index))
-                                     for ep in endpoints],
-            wait=lambda requests: ucx.wait(requests, info.timeout_s, receivers_failed))
+        channel: SendChannel[Any] = SendChannel(
+            slots=len(staging), max_inflight=MAX_INFLIGHT, stage=stage,
+            post=lambda unit, _slot, data: [
+                ucx.send(ep, data[0], tag(session, self._updates, unit[0].index))
+                for ep in endpoints],
+            wait=lambda requests, check: ucx.wait(requests, info.timeout_s, check))
+        return Outgoing(share, opening=update, channel=channel)
+
+    def _failed(self, exc: BaseException) -> None:
+        """Messages or reads may still be in flight: this sender is not reused."""
+        if self._broken is None:
+            self._broken = f"{type(exc).__name__}: {exc}"
 
     def _close(self) -> None:
         if self._exports is not None:

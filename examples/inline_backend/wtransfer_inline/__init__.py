@@ -13,12 +13,12 @@ from typing import Any, ClassVar
 import torch
 
 import wtransfer
-from wtransfer.packing import Bucket, Slice, metas_from_wire, metas_to_wire
+from wtransfer.packing import Bucket, Slice, metas_from_wire
 from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.records import ReceiverInitInfo, TrainerInitInfo, UpdateInfo, receiver_init_dict
-from wtransfer.trainer.engine import Share, TrainerTransferEngine
-from wtransfer.transport.sending import send_pipelined
+from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
+from wtransfer.transport.window import CallChannel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,19 +72,23 @@ class InlineSender(TrainerTransferEngine[InlineTrainerInitInfo]):
                          for _ in range(self.init_info.num_buffers)]
         return receiver_init_dict(self.init_info)
 
-    def _send(self, share: Share) -> None:
-        def transmit(bucket: Bucket, slot: int, data: torch.Tensor, checksum: int | None) -> None:
-            update: dict[str, Any] = {
-                "data": data.numpy().tobytes(),
-                "slices": [s.to_wire() for s in bucket.slices], "checksum": checksum,
-            }
-            if bucket.index == 0:
-                update["tensors"] = metas_to_wire(share.plan.metas)
-            calls = self.update_calls
-            assert calls is not None
-            calls.update(update).result(calls.timeout_s)
+    def _outgoing(self, share: Share) -> Outgoing:
+        """Each bucket's update call carries its bytes (the first also the tensor list)."""
 
-        send_pipelined(share, self._staging, transmit, checksum=self.init_info.checksum)
+        def stage(bucket: Bucket, slot: int) -> torch.Tensor:
+            share.packer.pack(bucket, self._staging[slot])
+            return self._staging[slot][: bucket.nbytes]
+
+        def describe(bucket: Bucket, _slot: int, data: torch.Tensor,
+                     checksum: int | None) -> dict[str, Any]:
+            update: dict[str, Any] = {"data": data.numpy().tobytes(), "checksum": checksum,
+                                      "slices": [s.to_wire() for s in bucket.slices]}
+            if bucket.index == 0:
+                update["tensors"] = share.manifest.wire
+            return update
+
+        return Outgoing(share, channel=CallChannel(slots=len(self._staging), stage=stage,
+                                                   describe=describe))
 
     def _close(self) -> None:
         self._staging = []
