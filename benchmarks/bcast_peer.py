@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from wtransfer.launch.models import build
 from wtransfer.packing import byte_view
-from wtransfer.shapes import build
 
 
 def main() -> None:

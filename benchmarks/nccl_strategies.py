@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from wtransfer_nccl.libnccl import load_nccl
 
+from wtransfer.launch.models import build
 from wtransfer.packing import Bucket, BucketPlan, TensorMeta, byte_view
-from wtransfer.shapes import build
 
 PACKED = [(1024, 2, None), (1024, 4, None), (256, 4, None), (64, 8, None), (256, 4, 64),
           (256, 4, 16), (64, 4, 4)]

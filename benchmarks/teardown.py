@@ -19,7 +19,7 @@ import time
 import torch
 
 import wtransfer
-from wtransfer.shapes import build
+from wtransfer.launch.models import build
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from transfer import receivers, trainer_info

@@ -35,10 +35,11 @@ from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
 from wtransfer.clients import FanoutClient
+from wtransfer.launch.models import build
 from wtransfer.launch.processes import spawn_receiver
 from wtransfer.packing import Bucket, BucketPacker, BucketPlan, Slice, byte_view
 from wtransfer.rpc import RPCClient
-from wtransfer.shapes import build, model_metas
+from wtransfer.shapes import model_metas
 from wtransfer.trainer.engine import Outgoing, Share
 from wtransfer.transport.window import CallChannel
 

@@ -32,7 +32,7 @@ from wtransfer.errors import (
 )
 from wtransfer.protocol import CallQueue, InitFor, PendingCall, WeightSyncClient
 from wtransfer.receiver.engine import WeightTransferEngine
-from wtransfer.records import PauseMode, check_pause_mode, check_version
+from wtransfer.records import PauseMode, check_pause_mode
 
 T = TypeVar("T")
 
@@ -66,8 +66,11 @@ class LocalClient(SingleEngineClient):
 
     def __init__(self, engine: WeightTransferEngine[Any, Any]) -> None:
         self.engine = engine
-        self.weight_version: str | None = None
-        """Label given by the last successful `finish_weight_update`."""
+
+    @property
+    def weight_version(self) -> str | None:
+        """The label of the engine's weights (its last labelled update's)."""
+        return self.engine.weight_version
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Initialize the engine."""
@@ -82,13 +85,8 @@ class LocalClient(SingleEngineClient):
         self.engine.update_weights(update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """Finish the update and record `weight_version` (a bad label is refused before the
-        update closes, as every engine does)."""
-        if weight_version is not None:
-            check_version(weight_version)
-        self.engine.finish_weight_update()
-        if weight_version is not None:
-            self.weight_version = weight_version
+        """Finish the update and label the weights `weight_version`."""
+        self.engine.finish_weight_update(weight_version)
 
     def fingerprint(self) -> dict[str, str]:
         """Digest of the engine's target."""

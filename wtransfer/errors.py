@@ -7,6 +7,7 @@ the whole family; each subclass names one kind of failure and its message says w
 from __future__ import annotations
 
 import re
+from typing import Any
 
 
 class WTransferError(Exception):
@@ -91,6 +92,21 @@ _REMOTE: dict[str, type[PeerError]] = {
 }
 
 
+def ok_reply(result: object) -> dict[str, object]:
+    """A successful call's reply: ``{"ok": true, "result": ...}`` (every control plane)."""
+    return {"ok": True, "result": result}
+
+
+def reply_result(reply: object, where: str) -> Any:
+    """The result a reply carries, or the failure it carries raised (`from_reply`, its
+    message led by `where`); `MetadataError` for anything that is not a reply."""
+    if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+        raise MetadataError(f"{where}: malformed reply {reply!r:.200}")
+    if not reply["ok"]:
+        raise from_reply(reply, where)
+    return reply.get("result")
+
+
 def error_reply(exc: BaseException) -> dict[str, object]:
     """A failed call's reply, as plain data: ``{"ok": false, "type": <class>, "message"}``.
 
@@ -156,6 +172,8 @@ __all__ = [
     "error_kind",
     "error_reply",
     "from_reply",
+    "ok_reply",
     "relayed_kind",
     "remote_error",
+    "reply_result",
 ]

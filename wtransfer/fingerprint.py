@@ -7,14 +7,13 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from wtransfer.packing import byte_view, dtype_name
+from wtransfer.packing import byte_view, dtype_name, is_dtensor
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
     """Hex BLAKE2b-128 of a tensor's dtype, shape and bytes (DTensors are gathered first)."""
-    full = getattr(tensor, "full_tensor", None)
-    if callable(full):
-        tensor = full()
+    if is_dtensor(tensor):
+        tensor = tensor.full_tensor()
     data = byte_view(tensor.detach()).cpu()
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{dtype_name(tensor.dtype)}{tuple(tensor.shape)}".encode())

@@ -12,8 +12,10 @@ import ctypes
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from wtransfer.errors import ConfigError, MetadataError
 
@@ -32,6 +34,12 @@ _DTYPE_NAMES = (
 )  # fmt: skip
 DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
 """Every dtype that can travel, by its name without the ``torch.`` prefix."""
+
+
+def is_dtensor(tensor: torch.Tensor) -> TypeGuard[DTensor]:
+    """Whether `tensor` is a DTensor (a shard of a tensor spread over ranks): the one test
+    every module uses (sources, gathers, fingerprints)."""
+    return isinstance(tensor, DTensor)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

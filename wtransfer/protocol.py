@@ -55,6 +55,16 @@ class WeightSyncClient(Protocol):
 
 
 @runtime_checkable
+class LabelledClient(Protocol):
+    """A client that knows the label of the weights its engine holds (`LocalClient`, the
+    inference engine's `LocalEngineClient`); `ReceiverServer.status` reports it."""
+
+    @property
+    def weight_version(self) -> str | None:
+        """The label of the engine's weights."""
+
+
+@runtime_checkable
 class PendingCall(Protocol):
     """One control call on its way: `result` waits for its reply."""
 

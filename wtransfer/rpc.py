@@ -34,9 +34,10 @@ from wtransfer.errors import (
     MetadataError,
     TransferTimeout,
     error_reply,
-    from_reply,
+    ok_reply,
+    reply_result,
 )
-from wtransfer.protocol import WeightSyncClient
+from wtransfer.protocol import LabelledClient, WeightSyncClient
 from wtransfer.receiver.engine import WeightTransferEngine
 
 SERVED = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
@@ -167,8 +168,7 @@ class ReceiverServer:
             self._socket.send_multipart([*envelope, wire.encode(error_reply(exc))])
             return
         if method == "status":
-            self._socket.send_multipart([*envelope, wire.encode(
-                {"ok": True, "result": self.status()})])
+            self._socket.send_multipart([*envelope, wire.encode(ok_reply(self.status()))])
         else:
             self._work.put((envelope, method, args, after))
 
@@ -203,7 +203,7 @@ class ReceiverServer:
                 if after is not None and (*key[:-1], after) in self._failed:
                     raise LifecycleError(f"{method} skipped: it was sent to run after call "
                                          f"{int.from_bytes(after, 'little')}, which failed")
-                reply = {"ok": True, "result": getattr(self.client, method)(**args)}
+                reply = ok_reply(getattr(self.client, method)(**args))
             except Exception as exc:
                 reply = error_reply(exc)
                 self._failed[key] = None
@@ -216,7 +216,8 @@ class ReceiverServer:
         """State of the served receiver (plain data; what `RPCClient.status()` returns)."""
         out: dict[str, Any] = {"pid": os.getpid(), "rss_bytes": _rss_bytes(),
                                "cuda_bytes": _cuda_bytes(), "threads": threading.active_count(),
-                               "weight_version": getattr(self.client, "weight_version", None)}
+                               "weight_version": self.client.weight_version
+                               if isinstance(self.client, LabelledClient) else None}
         if self.engine is not None:
             out.update(state=self.engine.state.value, torn=self.engine.torn,
                        failure=self.engine.failure,
@@ -264,12 +265,8 @@ class RPCCall:
             if self._reply is None:
                 waited = self.timeout_s if deadline == self.deadline else timeout_s
                 raise TransferTimeout(self.client._silence(self.method, waited or 0.0))
-        reply = wire.decode(self._reply)
-        if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
-            raise MetadataError(f"malformed reply from {self.client.address}: {reply!r:.200}")
-        if reply["ok"]:
-            return reply.get("result")
-        raise from_reply(reply, f"{self.method} failed on {self.client.address}")
+        return reply_result(wire.decode(self._reply),
+                            f"{self.method} failed on {self.client.address}")
 
     def cancel(self) -> None:
         """Stop waiting: a reply that comes later is dropped."""

@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from wtransfer.errors import ConfigError
-from wtransfer.packing import DTYPES, TensorMeta
-from wtransfer.trainer.gather import is_dtensor
+from wtransfer.packing import DTYPES, TensorMeta, is_dtensor
 
 
 def qwen3_metas(
@@ -146,13 +145,3 @@ def model_metas(name: str) -> list[TensorMeta]:
         return qwen3_metas(**MODEL_SHAPES[name])  # type: ignore[arg-type]
     raise ConfigError(f"unknown model {name!r}; choose mixed, mixed-mismatch, demo or one of "
                      f"{sorted(MODEL_SHAPES)}")
-
-
-def build(name: str, seed: int, device: str, fill: str = "random") -> nn.Module:
-    """Build model `name` filled from `seed` on `device`; ``llm:NAME`` is the inference
-    engine's own model (`wtransfer.inference.load_model`)."""
-    if name.startswith("llm:"):
-        from wtransfer.inference.model import load_model
-
-        return load_model(name[4:], device=device, seed=seed)
-    return build_module(model_metas(name), seed, device, fill=fill)

@@ -6,9 +6,9 @@ from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
 from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.launch.models import build
 from wtransfer.manifest import Manifest
 from wtransfer.packing import BucketPlan, metas_to_wire
-from wtransfer.shapes import build
 from wtransfer.testing.conformance import BackendConformance
 from wtransfer.wire import digest
 

@@ -10,9 +10,9 @@ from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
 from wtransfer.errors import ConfigError
+from wtransfer.launch.models import build
 from wtransfer.launch.processes import spawn_receiver
 from wtransfer.rpc import RPCClient
-from wtransfer.shapes import build
 from wtransfer.testing.conformance import BackendConformance, wait_for
 from wtransfer.testing.targets import assert_lands_in_loader_target
 from wtransfer.testing.tensor_lists import (
@@ -79,7 +79,7 @@ _OPENS_AN_UPDATE_AND_STAYS = """
 import sys
 import wtransfer
 from wtransfer.rpc import RPCClient
-from wtransfer.shapes import build
+from wtransfer.launch.models import build
 from wtransfer_nccl import NCCLTrainerInitInfo
 client = RPCClient(sys.argv[1], timeout_s=60)
 info = NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=120)

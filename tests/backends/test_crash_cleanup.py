@@ -17,8 +17,8 @@ from wtransfer_ipc.shm import SHM_DIR, creator_alive
 import wtransfer
 from wtransfer.errors import TransferTimeout
 from wtransfer.fingerprint import fingerprint
+from wtransfer.launch.models import build
 from wtransfer.launch.processes import free_port, spawn_receiver, spawn_trainer
-from wtransfer.shapes import build
 from wtransfer.testing.conformance import wait_for
 
 ROUNDS = 4

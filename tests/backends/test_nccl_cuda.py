@@ -8,9 +8,9 @@ from wtransfer_nccl.libnccl import load_nccl
 
 import wtransfer
 from wtransfer.errors import PeerError
+from wtransfer.launch.models import build
 from wtransfer.launch.processes import spawn_receiver
 from wtransfer.rpc import RPCClient
-from wtransfer.shapes import build
 
 pytestmark = pytest.mark.gpu
 

@@ -7,6 +7,7 @@ import signal
 import pytest
 
 import wtransfer
+from wtransfer.launch.models import build
 from wtransfer.launch.processes import spawn_receiver
 from wtransfer.launch.trainer_ranks import TrainerRanks
 from wtransfer.rpc import RPCClient
@@ -95,7 +96,7 @@ def test_a_sender_killed_mid_update_fails_every_side_and_the_next_update_lands()
 
 def test_a_single_process_trainer_still_needs_no_process_group():
     with spawn_receiver("ipc", model="mixed", seed=2) as receiver:
-        model = wtransfer.shapes.build("mixed", 1, "cpu")
+        model = build("mixed", 1, "cpu")
         client = RPCClient(receiver.address, timeout_s=30)
         from wtransfer_ipc import IPCTrainerInitInfo
 

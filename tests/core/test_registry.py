@@ -60,7 +60,8 @@ def test_third_party_backend_passes_the_shipped_conformance_suite(plugin_dir, tm
 
 IN_PROCESS_CASE = """
 import wtransfer
-from wtransfer.shapes import build, randomize
+from wtransfer.shapes import randomize
+from wtransfer.launch.models import build
 from wtransfer_inline import InlineTrainerInitInfo
 
 

@@ -13,9 +13,10 @@ from wtransfer.errors import LifecycleError
 from wtransfer.fingerprint import fingerprint
 from wtransfer.inference import AsyncEngine, EngineConfig
 from wtransfer.inference.server import build_app
+from wtransfer.launch.models import build
 from wtransfer.launch.peer import vary_seed
 from wtransfer.launch.processes import spawn_trainer
-from wtransfer.shapes import build, randomize
+from wtransfer.shapes import randomize
 from wtransfer.testing.conformance import wait_for
 
 SEED = 5

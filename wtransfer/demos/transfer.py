@@ -11,10 +11,11 @@ import statistics
 import sys
 
 from wtransfer.fingerprint import fingerprint
+from wtransfer.launch.models import build
 from wtransfer.launch.processes import spawn_receiver
 from wtransfer.registry import get_backend, trainer_init
 from wtransfer.rpc import RPCClient
-from wtransfer.shapes import build, model_metas, randomize
+from wtransfer.shapes import model_metas, randomize
 from wtransfer.trainer.source import ModuleSource
 
 BAR = 30

@@ -9,7 +9,7 @@ and `LocalEngineClient` are its asyncio and blocking faces.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -77,6 +77,13 @@ def check_command(command: str) -> None:
     """`ConfigError` unless `command` is one of `COMMANDS`."""
     if command not in COMMANDS:
         raise ConfigError(f"unknown engine command {command!r}; known: {sorted(COMMANDS)}")
+
+
+def run_command(target: EngineCommands, command: str, args: Sequence[Any]) -> Any:
+    """Run one of `COMMANDS` on `target`: the one dispatcher every driver of a replica uses
+    (the engine thread, a data-parallel rank)."""
+    check_command(command)
+    return getattr(target, command)(*args)
 
 
 class CoreClient(Protocol):

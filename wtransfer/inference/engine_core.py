@@ -23,7 +23,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from wtransfer.errors import EngineDeadError, LifecycleError
-from wtransfer.inference.commands import Emit, check_command
+from wtransfer.inference.commands import Emit, check_command, run_command
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.replica import Replica
 from wtransfer.inference.sequence import SeqStatus
@@ -63,8 +63,8 @@ class EngineCore(Replica):
 
     def submit(self, command: str, *args: Any) -> Future[Any]:
         """Run the named command (one of `COMMANDS`) on the engine thread."""
-        check_command(command)
-        return self.call(getattr(self, command), *args)
+        check_command(command)  # refused at once, not on the engine thread
+        return self.call(run_command, self, command, args)
 
     def _run(self) -> None:
         try:

@@ -44,9 +44,10 @@ def run(args: argparse.Namespace) -> None:
 
     import wtransfer
     from wtransfer.clients import FanoutClient
+    from wtransfer.launch.models import build
     from wtransfer.launch.processes import local_store
     from wtransfer.rpc import RPCClient
-    from wtransfer.shapes import build, randomize
+    from wtransfer.shapes import randomize
 
     dist.init_process_group("gloo", store=local_store(args.ranks, args.timeout, args.port),
                             rank=args.rank, world_size=args.ranks,

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from wtransfer import wire
-from wtransfer.errors import ConfigError, error_reply
+from wtransfer.errors import ConfigError, error_reply, ok_reply
 from wtransfer.inference.async_engine import AsyncEngine
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.params import SamplingParams
@@ -67,7 +67,7 @@ class EngineActor:
             result = await method(self.engine, *values)
         except Exception as exc:
             return wire.encode(error_reply(exc))
-        return wire.encode({"ok": True, "result": result})
+        return wire.encode(ok_reply(result))
 
     async def generate(self, request: bytes) -> AsyncIterator[bytes]:
         """Stream one request's cumulative outputs (`RequestOutput.to_wire()`, msgpack);
@@ -82,7 +82,7 @@ class EngineActor:
             stream = self.engine.generate(list(fields["prompt_token_ids"]), params,
                                           fields.get("request_id"))
             async for output in stream:
-                yield wire.encode({"ok": True, "result": output.to_wire()})
+                yield wire.encode(ok_reply(output.to_wire()))
         except Exception as exc:
             yield wire.encode(error_reply(exc))
 

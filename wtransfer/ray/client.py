@@ -7,7 +7,7 @@ from typing import Any
 
 from wtransfer import wire
 from wtransfer.clients import SingleEngineClient, check_workers
-from wtransfer.errors import MetadataError, PeerError, TransferTimeout, from_reply
+from wtransfer.errors import PeerError, TransferTimeout, reply_result
 from wtransfer.inference.outputs import RequestOutput
 
 
@@ -42,12 +42,7 @@ class ActorClient(SingleEngineClient):
                             f"{str(exc).splitlines()[0]})") from None
 
     def _result(self, reply_bytes: Any, what: str) -> Any:
-        reply = wire.decode(reply_bytes)
-        if not isinstance(reply, dict) or "ok" not in reply:
-            raise MetadataError(f"{what}: {self.name} sent a malformed reply")
-        if not reply["ok"]:
-            raise from_reply(reply, f"{what} failed on {self.name}")
-        return reply.get("result")
+        return reply_result(wire.decode(reply_bytes), f"{what} failed on {self.name}")
 
     def call(self, command: str, *args: Any, timeout_s: float | None = None) -> Any:
         """Run one of `wtransfer.ray.ACTOR_CALLS` on the actor and return its result."""

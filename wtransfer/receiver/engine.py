@@ -41,7 +41,7 @@ from wtransfer.manifest import Manifest, Manifests
 from wtransfer.receiver.deadline import DeadlineTimer
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
-from wtransfer.records import ReceiverInitInfo, UpdateInfo
+from wtransfer.records import ReceiverInitInfo, UpdateInfo, check_version
 from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.receiver.engine")
@@ -97,6 +97,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         """Why the last update failed, while the state is FAILED."""
         self.torn = False
         """True when the last update failed after changing some weights (and none since)."""
+        self.weight_version: str | None = None
+        """The label the last update that gave one finished with (None: none yet)."""
         self.last_update_bytes = 0
         self.last_update_seconds = 0.0
         self._state = ReceiverState.NEW
@@ -280,10 +282,13 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                              "trainer_init (the receiver now serves another sender); create a "
                              "new sender with trainer_init")
 
-    def finish_weight_update(self) -> None:
-        """Check the update is complete, run backend and target post-processing, close it."""
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Check the update is complete, run backend and target post-processing, close it;
+        label the weights `weight_version` (a bad label is refused before anything closes)."""
         with self._call():
             self._require(ReceiverState.UPDATING, action="finish a weight update")
+            if weight_version is not None:
+                check_version(weight_version)
             session = self._session
             assert session is not None
             try:
@@ -293,6 +298,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             except BaseException as exc:
                 self._fail(f"{type(exc).__name__}: {exc}")
                 raise
+            if weight_version is not None:
+                self.weight_version = weight_version
             self.last_update_bytes = session.bytes_received
             self.last_update_seconds = time.monotonic() - self._started
             self._session = None

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import wtransfer
-from wtransfer.shapes import build, randomize
+from wtransfer.launch.models import build
+from wtransfer.shapes import randomize
 
 
 class LoaderTarget(wtransfer.ModuleTarget):

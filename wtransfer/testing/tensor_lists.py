@@ -9,10 +9,11 @@ import pytest
 
 import wtransfer
 from wtransfer.errors import MetadataError
+from wtransfer.launch.models import build
 from wtransfer.launch.processes import spawn_receiver
 from wtransfer.records import TransferStats
 from wtransfer.rpc import RPCCall, RPCClient
-from wtransfer.shapes import build, randomize
+from wtransfer.shapes import randomize
 
 
 class RecordingClient(RPCClient):

@@ -19,19 +19,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 from wtransfer.errors import ConfigError, MetadataError
-from wtransfer.packing import DTYPES, Bucket, BucketPlan, Slice, byte_view, copy_bytes
-
-try:  # torch >= 2.4
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # pragma: no cover - older torch
-    DTensor = Shard = None  # type: ignore[assignment,misc]
-
-
-def is_dtensor(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` is a DTensor (a shard of a tensor spread over ranks)."""
-    return DTensor is not None and isinstance(tensor, DTensor)
+from wtransfer.packing import (
+    DTYPES,
+    Bucket,
+    BucketPlan,
+    Slice,
+    byte_view,
+    copy_bytes,
+    is_dtensor,
+)
 
 
 def _row_sharded(tensor: Any) -> bool:

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from wtransfer.errors import ConfigError
-from wtransfer.packing import TensorMeta, signature
-from wtransfer.trainer.gather import is_dtensor
+from wtransfer.packing import TensorMeta, is_dtensor, signature
 
 
 class WeightSource(ABC):

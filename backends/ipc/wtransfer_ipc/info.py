@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from wtransfer.errors import ConfigError
+from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.records import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 
 TRANSPORTS = ("shm", "cuda")
@@ -103,6 +103,34 @@ class IPCInitInfo(ReceiverInitInfo):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ZeroCopyUpdate:
+    """A whole update read straight out of the sender's storage (`wtransfer_ipc.zero_copy`):
+    handle records of the storages the receivers do not hold yet, which storages the update
+    reads, each tensor's storage and byte offset, and the sender's event after its last
+    write. `used` and `layout` are packed signed 64-bit integers in the host's byte order
+    (both processes share a host), so an unchanged one is compared, not walked."""
+
+    storages: list[tuple[int, list[Any]]]
+    """``[index, handle record]`` of each storage the receivers do not hold yet."""
+    used: bytes
+    """The indices of every storage the update reads."""
+    layout: bytes
+    """Each tensor's storage index (-1 for an empty tensor) and byte offset."""
+    event: bytes
+    """IPC handle of the event recorded after the trainer's last write."""
+    token: str
+    """The sender's buffer namespace (a new one: nothing opened before is its)."""
+    sender_pid: int
+
+    def __post_init__(self) -> None:
+        if len(self.storages) > 1 << 20:
+            raise MetadataError(f"zero_copy lists {len(self.storages)} storages")
+        for name in ("used", "layout"):
+            if len(getattr(self, name)) % 8:
+                raise MetadataError(f"zero_copy {name} must be packed 64-bit integers")
+
+
+@dataclass(frozen=True, kw_only=True)
 class IPCUpdateInfo(UpdateInfo):
     """One bucket, ready in staging buffer `buffer` (the first also announces the tensors)."""
 
@@ -121,7 +149,5 @@ class IPCUpdateInfo(UpdateInfo):
     the receiver's stream waits on it before reading."""
     sender: int = 0
     """With several senders: whose staging buffers hold the bucket."""
-    zero_copy: dict[str, Any] | None = None
-    """The whole update straight from the sender's storage: ``{"storages": [[index, record or
-    None], ...], "layout": [[storage, byte_offset], ...], "event": bytes, "token": str,
-    "sender_pid": int}`` (record None: the storage the receiver opened before)."""
+    zero_copy: ZeroCopyUpdate | None = None
+    """The whole update straight from the sender's storage (one call per update)."""

@@ -14,7 +14,7 @@ from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
 from wtransfer_ipc.cuda import SenderEvents, drain, open_buffer
-from wtransfer_ipc.info import IPCInitInfo, IPCUpdateInfo
+from wtransfer_ipc.info import IPCInitInfo, IPCUpdateInfo, ZeroCopyUpdate
 from wtransfer_ipc.sender_process import ProcessWatch
 from wtransfer_ipc.shm import SharedBuffer, creator_alive, sweep
 from wtransfer_ipc.zero_copy import ZeroCopyImports
@@ -121,7 +121,7 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
             raise MetadataError("only a zero-copy update may name its tensor list by digest")
         return self.manifests.resolve(info.tensors, info.tensors_digest)
 
-    def _receive_zero_copy(self, update: dict[str, Any], metas: list[TensorMeta],
+    def _receive_zero_copy(self, update: ZeroCopyUpdate, metas: list[TensorMeta],
                            session: UpdateSession) -> None:
         """Copy every tensor straight from the sender's storage (see `zero_copy`)."""
         if self.device.type != "cuda":

@@ -10,11 +10,7 @@ parameter (issued a few tensors at a time while it places the rest), and waits f
 (within the transfer's deadline) before answering, so `send_weights` returns only once the
 receivers finished reading and the optimizer may write again.
 
-Wire form (the ``zero_copy`` field of the update info): ``storages``, ``[index, handle
-record]`` for each storage the receivers do not hold yet; ``used``, the indices of every
-storage the update reads; ``layout``, each tensor's storage index (-1 for an empty tensor)
-and byte offset; ``used`` and ``layout`` as packed signed 64-bit integers in the host's byte
-order (both processes share a host), so an unchanged one is compared, not walked, on arrival.
+Wire form: the update info's ``zero_copy`` field, a `wtransfer_ipc.info.ZeroCopyUpdate`.
 """
 
 from __future__ import annotations
@@ -22,12 +18,14 @@ from __future__ import annotations
 import os
 from array import array
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from wtransfer.errors import MetadataError
 from wtransfer.packing import TensorMeta
+from wtransfer.wire import record_to_wire
 from wtransfer_ipc.cuda import (
     SenderEvents,
     export_buffer,
@@ -35,8 +33,28 @@ from wtransfer_ipc.cuda import (
     open_buffer,
     withdraw_event,
 )
+from wtransfer_ipc.info import ZeroCopyUpdate
 
-_FIELDS = {"storages", "used", "layout", "event", "token", "sender_pid"}
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where the source's tensors lay at the last update, and that update's fields."""
+
+    pointers: list[int]
+    used: list[int]
+    used_bytes: bytes
+    layout_bytes: bytes
+
+
+@dataclass(frozen=True)
+class _Sources:
+    """What the last update's `used`, `layout` and tensor list resolved to (reused while all
+    three stay the same: every step, for a trainer)."""
+
+    used: bytes
+    layout: bytes
+    metas: list[TensorMeta]
+    views: list[torch.Tensor]
 
 
 def shareable(tensors: Iterable[torch.Tensor]) -> bool:
@@ -48,9 +66,7 @@ def _packed(values: list[int]) -> bytes:
     return array("q", values).tobytes()
 
 
-def _unpacked(data: object, what: str) -> list[int]:
-    if not isinstance(data, bytes) or len(data) % 8:
-        raise MetadataError(f"zero_copy {what} must be packed 64-bit integers (bytes)")
+def _unpacked(data: bytes) -> list[int]:
     return array("q", data).tolist()
 
 
@@ -68,9 +84,7 @@ class ZeroCopyExports:
         self._index: dict[int, int] = {}
         self.event: tuple[torch.cuda.Event, bytes] | None = None
         """The event recorded after the trainer's last write, and its IPC handle."""
-        self._last: tuple[list[int], list[int], bytes, bytes] | None = None
-        """The tensors' pointers at the last update, the storages it used, and its `used`
-        and `layout` fields."""
+        self._last: _Placement | None = None
         self._sent: set[int] = set()
         """Storages whose handle the receivers hold (confirmed by a successful update)."""
 
@@ -79,18 +93,18 @@ class ZeroCopyExports:
         which storages they use (with the handle record of each one the receivers do not
         hold yet), where each tensor lies in them, and the event after the last write."""
         pointers = [t.data_ptr() for t in tensors]
-        if self._last is None or self._last[0] != pointers:
+        last = self._last
+        if last is None or last.pointers != pointers:
             used, layout = self._place(tensors)
-            self._last = (pointers, used, _packed(used), _packed(layout))
-        _, used, used_bytes, layout_bytes = self._last
+            last = self._last = _Placement(pointers, used, _packed(used), _packed(layout))
         device = tensors[0].device if tensors else torch.device("cuda")
         if self.event is None:
             self.event = exported_event(device)
         self.event[0].record(torch.cuda.current_stream(device))
-        return {"storages": [[i, self._record(i)] for i in used if i not in self._sent],
-                "used": used_bytes, "layout": layout_bytes,
-                "event": self.event[1], "token": self.token,
-                "sender_pid": os.getpid()}
+        return record_to_wire(ZeroCopyUpdate(
+            storages=[(i, self._record(i)) for i in last.used if i not in self._sent],
+            used=last.used_bytes, layout=last.layout_bytes, event=self.event[1],
+            token=self.token, sender_pid=os.getpid()))
 
     def _record(self, index: int) -> list[Any]:
         exported = self._exported[index]
@@ -100,7 +114,7 @@ class ZeroCopyExports:
     def confirm(self) -> None:
         """The receivers took the last update: they hold every storage it listed."""
         if self._last is not None:
-            self._sent.update(self._last[1])
+            self._sent.update(self._last.used)
 
     def forget(self) -> None:
         """The last update failed: send every storage's handle again next time (a receiver
@@ -148,45 +162,33 @@ class ZeroCopyImports:
     def __init__(self) -> None:
         self._opened: dict[int, torch.Tensor] = {}
         self._token: str | None = None
-        self._last: tuple[object, object, list[TensorMeta], list[torch.Tensor]] | None = None
-        """The last update's `used` and `layout`, its tensor list and the source views they
-        gave (reused while all stay the same: every step, for a trainer)."""
+        self._last: _Sources | None = None
         self._events = SenderEvents()
 
-    def sources(self, update: dict[str, Any], metas: list[TensorMeta],
+    def sources(self, update: ZeroCopyUpdate, metas: list[TensorMeta],
                 device: torch.device) -> list[torch.Tensor]:
         """Each tensor's bytes in the sender's storage, checked against `metas`; the current
         stream waits for the sender's writes."""
-        if not isinstance(update, dict) or set(update) != _FIELDS:
-            raise MetadataError(f"zero_copy must be {{{', '.join(sorted(_FIELDS))}}}")
-        token, pid = update["token"], update["sender_pid"]
-        if not isinstance(token, str) or not isinstance(pid, int):
-            raise MetadataError("zero_copy token must be a string and sender_pid an int")
-        if token != self._token:  # a new sender: nothing opened before is its
-            self._opened, self._token, self._last = {}, token, None
+        if update.token != self._token:  # a new sender: nothing opened before is its
+            self._opened, self._token, self._last = {}, update.token, None
             self._events.close()
-        new, used, layout = update["storages"], update["used"], update["layout"]
-        if not isinstance(new, list) or len(new) > 1 << 20:
-            raise MetadataError("zero_copy storages must be a list")
         last = self._last
-        if new or last is None or last[0] != used:
-            self._open(new, _unpacked(used, "used"), token, pid == os.getpid())
+        if update.storages or last is None or last.used != update.used:
+            self._open(update.storages, _unpacked(update.used), update.token,
+                       update.sender_pid == os.getpid())
             last = None
-        if last is None or last[1] != layout or last[2] is not metas:
-            out = self._place(_unpacked(layout, "layout"), metas, device)
-            self._last = (used, layout, metas, out)
-        else:
-            out = last[3]
-        self._events.wait(update["event"], device)
-        return out
+        if last is None or last.layout != update.layout or last.metas is not metas:
+            last = self._last = _Sources(update.used, update.layout, metas, self._place(
+                _unpacked(update.layout), metas, device))
+        self._events.wait(update.event, device)
+        return last.views
 
-    def _open(self, new: list[Any], used: list[int], token: str, same_process: bool) -> None:
+    def _open(self, new: list[tuple[int, list[Any]]], used: list[int], token: str,
+              same_process: bool) -> None:
         """Open the storages sent with handles; keep exactly those the update uses."""
-        for item in new:
-            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)):
-                raise MetadataError("zero_copy storages holds [index, handle record] pairs")
-            self._opened[item[0]] = open_buffer(item[1], token=token, index=item[0],
-                                                same_process=same_process, size=0)
+        for index, record in new:
+            self._opened[index] = open_buffer(record, token=token, index=index,
+                                              same_process=same_process, size=0)
         missing = [i for i in used if i not in self._opened]
         if missing:
             raise MetadataError(f"zero_copy storage {missing[0]} was never sent")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from wtransfer.errors import ConfigError
+from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.records import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 
 
@@ -55,6 +55,24 @@ class UCXInitInfo(ReceiverInitInfo):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReadsUpdate:
+    """A whole update as one-sided reads out of the trainer's memory
+    (`wtransfer_ucx.remote_reads`)."""
+
+    keys: list[tuple[int, int, int, bytes]]
+    """``[key, address, nbytes, packed remote key]`` of each registration the workers do not
+    hold yet."""
+    reads: bytes
+    """Each tensor's address and key, packed signed 64-bit integers (key -1: empty tensor)."""
+    drop: list[int]
+    """Keys the trainer unregistered (their memory may not be read any more)."""
+
+    def __post_init__(self) -> None:
+        if len(self.reads) % 16:
+            raise MetadataError("rma reads must be pairs of packed 64-bit integers")
+
+
+@dataclass(frozen=True, kw_only=True)
 class UCXUpdateInfo(UpdateInfo):
     """The update's tensor list (both sides derive the plan) and its sequence number."""
 
@@ -63,6 +81,6 @@ class UCXUpdateInfo(UpdateInfo):
     """Instead of `tensors`: `wtransfer.wire.digest` of the list this worker got last (a
     trainer sends the same list every step; the list itself is about 40 KB for 400 tensors)."""
     update: int = 0
-    rma: dict[str, Any] | None = None
+    rma: ReadsUpdate | None = None
     """The whole update as one-sided reads out of the trainer's memory (see
     `wtransfer_ucx.remote_reads`); None: tagged buckets follow."""

@@ -2,12 +2,11 @@
 trainer's memory into its parameter (UCX remote memory access, see `rma`).
 
 The trainer registers each source tensor once, again only when its address or size changes,
-and the update call carries what the workers need: ``keys``, ``[key, address, nbytes, packed
-remote key]`` for each registration the workers do not hold yet; ``reads``, each tensor's
-address and key as packed signed 64-bit integers (key -1 for an empty tensor); ``drop``, keys
-the trainer unregistered. A worker checks every read lies inside its key's registration before
-it writes anything, reads every tensor (a few at a time when they land in temporaries), and
-answers once the reads completed, so `send_weights` returns only when the trainer may write
+and the update call carries what the workers need (a `wtransfer_ucx.info.ReadsUpdate`: the
+registrations they do not hold yet, each tensor's address and key, the keys dropped). A
+worker checks every read lies inside its key's registration before it writes anything, reads
+every tensor (a few at a time when they land in temporaries), and answers once the reads
+completed, so `send_weights` returns only when the trainer may write
 its tensors again. One call per update, no staging on either side.
 """
 
@@ -15,6 +14,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,9 +22,27 @@ import torch
 from wtransfer.errors import MetadataError
 from wtransfer.packing import BucketPlan, TensorMeta
 from wtransfer.receiver.session import UpdateSession
+from wtransfer.wire import record_to_wire
+from wtransfer_ucx.info import ReadsUpdate
 from wtransfer_ucx.rma import Reads, Region, RemoteKey
 
-_FIELDS = {"keys", "reads", "drop"}
+
+@dataclass(frozen=True)
+class _LastExport:
+    """The last update's tensor list, its tensors' addresses and its packed ``reads``."""
+
+    metas: Sequence[TensorMeta]
+    addresses: list[int]
+    reads: bytes
+
+
+@dataclass(frozen=True)
+class _LastSources:
+    """The last update's plan, packed ``reads`` and the sources they resolved to."""
+
+    plan: BucketPlan
+    reads: bytes
+    sources: dict[int, tuple[int, RemoteKey]]
 
 
 def readable(tensors: list[torch.Tensor]) -> bool:
@@ -42,21 +60,20 @@ class ExportedTensors:
         self._held: set[int] = set()
         """Keys the workers hold (confirmed by a successful update)."""
         self._dropped: list[int] = []
-        self._last: tuple[Sequence[TensorMeta], list[int], bytes] | None = None
-        """The last update's list, its tensors' addresses and its ``reads``: a trainer sends
-        the same tensors every step, so an update whose list and addresses are unchanged
-        reuses them once the workers confirmed the keys they name."""
+        self._last: _LastExport | None = None
+        """A trainer sends the same tensors every step: an update whose list and addresses
+        are unchanged reuses the last ``reads`` once the workers confirmed the keys."""
 
     def update(self, tensors: list[torch.Tensor], metas: Sequence[TensorMeta]
                ) -> dict[str, Any]:
         """The ``rma`` field of one update of `tensors` (described by `metas`, in order)."""
         addresses = [t.data_ptr() for t in tensors]
         last = self._last
-        if last is not None and last[0] is metas and last[1] == addresses and \
+        if last is not None and last.metas is metas and last.addresses == addresses and \
                 not self._dropped and self._held:
-            return {"keys": [], "reads": last[2], "drop": []}
+            return record_to_wire(ReadsUpdate(keys=[], reads=last.reads, drop=[]))
         reads = array("q")
-        keys: list[list[Any]] = []
+        keys: list[tuple[int, int, int, bytes]] = []
         used: dict[tuple[int, int], tuple[int, Region]] = {}
         for tensor, address, meta in zip(tensors, addresses, metas, strict=True):
             span = (address, meta.nbytes)
@@ -71,14 +88,15 @@ class ExportedTensors:
             reads.extend((span[0], entry[0]))
         for span, (key, region) in used.items():
             if key not in self._held:
-                keys.append([key, span[0], span[1], region.rkey])
+                keys.append((key, span[0], span[1], region.rkey))
         for span, (key, region) in self._regions.items():
             if span not in used:  # the tensor moved: nobody may read this memory any more
                 region.close()
                 self._dropped.append(key)
         self._regions = used
-        self._last = (metas, addresses, reads.tobytes())
-        return {"keys": keys, "reads": self._last[2], "drop": list(self._dropped)}
+        self._last = _LastExport(metas, addresses, reads.tobytes())
+        return record_to_wire(ReadsUpdate(keys=keys, reads=self._last.reads,
+                                          drop=list(self._dropped)))
 
     def confirm(self) -> None:
         """The update landed: the workers hold every key it used and dropped the old ones."""
@@ -105,11 +123,11 @@ class ImportedKeys:
         self.in_flight = False
         """True from the first read of an update until every one completed: after a
         failure in between, reads may still land, and only closing the endpoint stops them."""
-        self._last: tuple[BucketPlan, bytes, dict[int, tuple[int, RemoteKey]]] | None = None
-        """The last update's plan, ``reads`` and checked sources: the next update of an
-        unchanged trainer (same list, same addresses, no keys added or dropped) reuses them."""
+        self._last: _LastSources | None = None
+        """The next update of an unchanged trainer (same list, same addresses, no keys added
+        or dropped) reuses the sources checked last time."""
 
-    def read_into(self, session: UpdateSession, plan: BucketPlan, update: object, ep: Any,
+    def read_into(self, session: UpdateSession, plan: BucketPlan, update: ReadsUpdate, ep: Any,
                   device: torch.device, *, budget: int, timeout_s: float,
                   check: Callable[[], None] | None = None) -> None:
         """Check `update` (an update's ``rma`` field) against `plan`, then read every tensor
@@ -150,35 +168,23 @@ class ImportedKeys:
         for bucket, destination in landing:
             session.complete_direct(bucket, destination)
 
-    def _sources(self, plan: BucketPlan, update: object, ep: Any,
+    def _sources(self, plan: BucketPlan, update: ReadsUpdate, ep: Any,
                  timeout_s: float) -> dict[int, tuple[int, RemoteKey]]:
-        """Each non-empty tensor's remote address and key, every field checked first."""
-        if not (isinstance(update, dict) and set(update) == _FIELDS
-                and isinstance(update["keys"], list) and isinstance(update["drop"], list)
-                and isinstance(update["reads"], bytes) and len(update["reads"]) % 16 == 0):
-            raise MetadataError("rma must be {keys: list, reads: bytes (pairs of 64-bit "
-                                "integers), drop: list}")
+        """Each non-empty tensor's remote address and key, every read checked first."""
         last = self._last
-        if last is not None and last[0] is plan and last[1] == update["reads"] \
-                and not update["keys"] and not update["drop"]:
-            return last[2]
+        if last is not None and last.plan is plan and last.reads == update.reads \
+                and not update.keys and not update.drop:
+            return last.sources
         self._last = None
-        pairs = array("q", update["reads"])
+        pairs = array("q", update.reads)
         if len(pairs) != 2 * len(plan.metas):
             raise MetadataError(f"rma reads describe {len(pairs) // 2} tensors; the update "
                                 f"lists {len(plan.metas)}")
-        for key in update["drop"]:
-            entry = self._keys.pop(key, None) if isinstance(key, int) else None
+        for key in update.drop:
+            entry = self._keys.pop(key, None)
             if entry is not None:
                 entry[2].close()
-        new: dict[int, tuple[int, int, bytes]] = {}
-        for entry in update["keys"]:
-            if not (isinstance(entry, list) and len(entry) == 4
-                    and all(isinstance(v, int) for v in entry[:3])
-                    and isinstance(entry[3], bytes)):
-                raise MetadataError("each rma key must be [key, address, nbytes, packed "
-                                    "remote key]")
-            new[entry[0]] = (entry[1], entry[2], entry[3])
+        new = {key: (address, nbytes, packed) for key, address, nbytes, packed in update.keys}
         wanted: dict[int, tuple[int, int]] = {}
         for index, meta in enumerate(plan.metas):
             address, key = pairs[2 * index], pairs[2 * index + 1]
@@ -200,7 +206,7 @@ class ImportedKeys:
                 old[2].close()
             self._keys[key] = (address, nbytes, RemoteKey(ep, packed))
         sources = {i: (address, self._keys[key][2]) for i, (address, key) in wanted.items()}
-        self._last = (plan, update["reads"], sources)
+        self._last = _LastSources(plan, update.reads, sources)
         return sources
 
     def close(self) -> None:

@@ -23,10 +23,10 @@ from wtransfer import wire
 from wtransfer.demos.rl.grpo import Rollout, grpo_step
 from wtransfer.inference import load_model
 from wtransfer.launch.processes import local_store
+from wtransfer.packing import is_dtensor
 from wtransfer.protocol import WeightSyncClient
 from wtransfer.records import TransferStats
 from wtransfer.registry import get_backend, trainer_init
-from wtransfer.trainer.gather import is_dtensor
 from wtransfer.trainer.source import ModuleSource
 
 TIMEOUT_S = 300.0

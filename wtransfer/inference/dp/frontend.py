@@ -37,7 +37,9 @@ from wtransfer.errors import (
     IntegrityError,
     PeerError,
     RemoteEngineDeadError,
+    WTransferError,
     from_reply,
+    reply_result,
 )
 from wtransfer.inference.commands import Emit, check_command
 from wtransfer.inference.config import EngineConfig
@@ -301,10 +303,10 @@ class DataParallelCore:
             with self._lock:
                 entry = self._calls.pop(int(message["id"]), None)
             if entry is not None and not entry[1].done():
-                if message["ok"]:
-                    entry[1].set_result(message.get("result"))
-                else:
-                    entry[1].set_exception(from_reply(message, f"data-parallel rank {rank}"))
+                try:
+                    entry[1].set_result(reply_result(message, f"data-parallel rank {rank}"))
+                except WTransferError as exc:
+                    entry[1].set_exception(exc)
         elif kind == "outputs":
             for data in message["outputs"]:
                 output = RequestOutput.from_wire(data)

@@ -45,8 +45,8 @@ import torch
 import zmq
 
 from wtransfer import wire
-from wtransfer.errors import ConfigError, LifecycleError, PeerError, error_reply
-from wtransfer.inference.commands import COMMANDS
+from wtransfer.errors import LifecycleError, PeerError, error_reply, ok_reply
+from wtransfer.inference.commands import run_command
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.dp.collective import RankGroup
 from wtransfer.inference.outputs import RequestOutput
@@ -96,7 +96,7 @@ class DPRank(Replica):
                ) -> None:
         self._flush()  # outputs a call produced (aborts) reach the front end before its reply
         if error is None:
-            self._send({"kind": "reply", "id": call_id, "ok": True, "result": result})
+            self._send({"kind": "reply", "id": call_id, **ok_reply(result)})
         else:
             self._send({"kind": "reply", "id": call_id, **error_reply(error)})
 
@@ -119,10 +119,8 @@ class DPRank(Replica):
             if op == "shutdown":
                 result: Any = self.abort(None)
                 self._stopping = True
-            elif op in COMMANDS:
-                result = getattr(self, op)(*args)
             else:
-                raise ConfigError(f"unknown data-parallel command {op!r}")
+                result = run_command(self, op, args)
         except Exception as exc:
             self._reply(call_id, error=exc)
             return

@@ -1,0 +1,18 @@
+"""Models the child processes, tests and benchmarks build by name: a shape list from
+`wtransfer.shapes` filled from a seed, or (``llm:NAME``) the inference engine's own model."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from wtransfer.shapes import build_module, model_metas
+
+
+def build(name: str, seed: int, device: str, fill: str = "random") -> nn.Module:
+    """Build model `name` filled from `seed` on `device`; ``llm:NAME`` is the inference
+    engine's own model (`wtransfer.inference.load_model`)."""
+    if name.startswith("llm:"):
+        from wtransfer.inference.model import load_model  # only for the engine's own model
+
+        return load_model(name[4:], device=device, seed=seed)
+    return build_module(model_metas(name), seed, device, fill=fill)
