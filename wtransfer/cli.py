@@ -68,7 +68,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                       num_kv_blocks=args.num_kv_blocks,
                                       max_num_seqs=args.max_num_seqs,
                                       update_rollback={"auto": None, "on": True,
-                                                       "off": False}[args.update_rollback]))
+                                                       "off": False}[args.update_rollback],
+                                      update_staging=None if args.update_staging == "auto"
+                                      else args.update_staging))
     app = build_app(engine, dev_mode=args.dev_mode, api_key=api_key)
     print(serve_banner(args, engine.call("weight_info"), api_key is not None), flush=True)
 
@@ -88,8 +90,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def serve_banner(args: argparse.Namespace, weight_info: dict[str, object],
                  api_key: bool) -> str:
     """What `wtransfer serve` prints at start-up: where it listens and what it serves."""
-    rollback = {"auto": "auto, when the model fits in half the available host memory",
-                "on": "on", "off": "off"}[args.update_rollback]
+    staging = weight_info.get("update_staging", "off")
+    chosen = "auto: " if args.update_staging == "auto" else ""
+    staged = (f"{chosen}{staging} (updates land in a shadow copy while generating, committed "
+              "at a step boundary)" if staging != "off" else
+              f"{chosen}off (updates land in place, with the engine paused or idle)")
+    rollback = ("not needed (staged updates never touch the live weights)" if staging != "off"
+                else f"{'on' if weight_info.get('rollback') else 'off'} ("
+                     + {"auto": "auto, when the model fits in half the available host memory",
+                        "on": "on", "off": "off"}[args.update_rollback] + ")")
     return "\n".join([
         f"wtransfer serve: http://{args.host}:{args.port}",
         f"  model {args.model} on {args.device}, data_parallel_size {args.data_parallel_size}, "
@@ -98,7 +107,8 @@ def serve_banner(args: argparse.Namespace, weight_info: dict[str, object],
                           "untrusted clients)" if args.dev_mode else
                           "off (generate, /health and /metrics only; --dev-mode adds the RL "
                           "routes)"),
-        f"  update rollback: {'on' if weight_info.get('rollback') else 'off'} ({rollback})",
+        f"  update staging: {staged}",
+        f"  update rollback: {rollback}",
         f"  api key: {'required' if api_key else 'none'}",
     ])
 
@@ -188,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV-cache blocks of 16 tokens")
     serve.add_argument("--max-num-seqs", type=int, default=64,
                        help="sequences computed in one step")
+    serve.add_argument("--update-staging", choices=["auto", "off", "swap", "copy"],
+                       default="auto",
+                       help="land updates in a shadow copy while generating and commit at a "
+                            "step boundary by swapping storages or copying (auto: swap when "
+                            "the extra copy fits in half the free memory)")
     serve.add_argument("--update-rollback", choices=["auto", "on", "off"], default="auto",
                        help="restore the old weights when an update fails (auto: when the "
                             "model fits in half the available host memory)")

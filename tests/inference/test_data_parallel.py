@@ -234,9 +234,9 @@ def test_keep_pause_ipc_update_reaches_every_rank_and_spans_split_at_the_pause(s
     run(main())
 
 
-def test_weight_update_needs_the_global_pause():
+def test_an_in_place_weight_update_needs_the_global_pause():
     async def main():
-        engine = dp_engine(2)
+        engine = dp_engine(2, update_staging="off")
         try:
             sender = await asyncio.to_thread(trainer_sender, engine, load_model("tiny", seed=1))
             with sender, pytest.raises(LifecycleError, match="pause_generation"):
@@ -249,8 +249,10 @@ def test_weight_update_needs_the_global_pause():
 
 
 def test_resume_is_all_or_nothing_when_one_rank_has_an_update_open():
+    """In-place updates (update_staging='off'): a rank with an update open refuses to resume,
+    and then no rank resumes."""
     async def main():
-        engine = dp_engine(2)
+        engine = dp_engine(2, update_staging="off")
         dp = engine.core
         try:
             await engine.pause_generation(mode="keep")

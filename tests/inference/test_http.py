@@ -166,9 +166,12 @@ def test_dev_endpoints_and_their_errors(dev):
     assert h.post("/abort_requests", json={"request_ids": [1]}).status_code == 400
     assert h.post("/update_weights", json={"update_info": {}}).status_code == 409
     assert h.post("/update_weight_version", json={"new_version": "v8"}).status_code == 200
-    assert h.get("/weight_info").json() == {
+    assert h.get("/weight_info").json() == {  # auto staging: decided at start-up
         "weight_version": "v8", "num_workers": 1, "update_state": "none", "torn": False,
-        "failure": None, "rollback": True}  # auto: on before the first init, as after it
+        "failure": None, "rollback": False, "update_staging": "swap", "update_stall_ms": 0.0,
+        "previous_version": None,
+        "workers": [{"worker": 0, "update_state": "none", "update_bytes": 0,
+                     "last_update_bytes": 0}]}
     assert h.post("/update_weight_version", json={}).status_code == 400
     assert len(h.get("/weight_fingerprint").json()["fingerprint"]) > 10
     assert h.post("/resume").status_code == 200
@@ -208,7 +211,8 @@ def test_weight_update_from_a_trainer_process_over_http_with_two_spans(dev):
         sender.send_weights(weight_version="http-1")
     info = h.get("/weight_info").json()
     assert (info["weight_version"], info["num_workers"]) == ("http-1", 1)
-    assert (info["update_state"], info["torn"], info["rollback"]) == ("ready", False, True)
+    assert (info["update_state"], info["torn"], info["update_staging"]) == ("ready", False,
+                                                                            "swap")
     assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
     h.post("/resume")
     thread.join(120)
@@ -259,7 +263,7 @@ def test_dev_routes_are_404_without_dev_mode_and_sigterm_aborts_live_requests():
     assert result["out"]["choices"][0]["finish_reason"] == "abort", log
     assert f"wtransfer serve: http://127.0.0.1:{server.port}" in log  # says what it serves
     assert "model tiny on cpu" in log and "dev mode: off" in log, log
-    assert "update rollback: on (auto" in log, log
+    assert "update staging: auto: swap" in log, log
     assert server.proc.returncode in (0, -signal.SIGTERM)
 
 

@@ -108,9 +108,10 @@ def test_pause_when_idle_resume_when_running_and_repeated_races():
     run(main())
 
 
-def test_weight_update_is_refused_while_generating_unpaused():
+def test_an_in_place_update_is_refused_while_generating_unpaused():
+    """update_staging='off': updates land in the live weights, so only paused or idle."""
     async def main():
-        engine = AsyncEngine(EngineConfig(model="tiny"))
+        engine = AsyncEngine(EngineConfig(model="tiny", update_staging="off"))
         client = wtransfer.rpc.RPCClient(engine.serve_rpc(), timeout_s=30)
         loop = asyncio.get_running_loop()
         sender = await loop.run_in_executor(None, lambda: wtransfer.trainer_init(
@@ -230,7 +231,8 @@ def test_in_process_update_through_ipc_changes_the_served_weights():
 @pytest.mark.parametrize("rollback", [False, True])
 def test_a_failed_update_keeps_the_label_and_is_torn_or_rolled_back(rollback):
     async def main():
-        engine = AsyncEngine(EngineConfig(model="tiny", update_rollback=rollback))
+        engine = AsyncEngine(EngineConfig(model="tiny", update_rollback=rollback,
+                                          update_staging="off"))
         before = await engine.fingerprint()
         client = wtransfer.rpc.RPCClient(engine.serve_rpc(), timeout_s=30)
         trainer = load_model("tiny", seed=4)
@@ -267,8 +269,9 @@ def test_a_failed_update_keeps_the_label_and_is_torn_or_rolled_back(rollback):
 
 
 def test_an_update_abandoned_by_its_sender_cannot_hold_the_engine():
+    """An in-place update holds the steps while open; its sender's silence ends it."""
     async def main():
-        engine = AsyncEngine(EngineConfig(model="tiny"))
+        engine = AsyncEngine(EngineConfig(model="tiny", update_staging="off"))
         client = LocalEngineClient(engine)
         loop = asyncio.get_running_loop()
         sender = await loop.run_in_executor(None, lambda: wtransfer.trainer_init(

@@ -53,7 +53,7 @@ def kill_mid_update(engine):
 
 
 def test_a_trainer_killed_mid_transfer_rolls_the_engine_back():
-    engine = AsyncEngine(EngineConfig(model="tiny", update_rollback=True))
+    engine = AsyncEngine(EngineConfig(model="tiny", update_rollback=True, update_staging="off"))
     try:
         info = kill_mid_update(engine)
         assert info["torn"] is False and "rolled back" in info["failure"]
@@ -72,7 +72,8 @@ def test_a_trainer_killed_mid_transfer_rolls_the_engine_back():
 
 
 def test_without_rollback_the_torn_weights_are_reported_until_a_full_update():
-    engine = AsyncEngine(EngineConfig(model="tiny", update_rollback=False))
+    engine = AsyncEngine(EngineConfig(model="tiny", update_rollback=False,
+                                      update_staging="off"))
     app = build_app(engine, dev_mode=True)
 
     async def probe():

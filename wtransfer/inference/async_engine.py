@@ -145,7 +145,8 @@ class AsyncEngine:
         await self._call("init_weight_transfer_engine", init_info)
 
     async def start_weight_update(self) -> None:
-        """Open a weight update (the engine must be paused or idle)."""
+        """Open a weight update (in place: the engine must be paused or idle; staged: while
+        it generates)."""
         await self._call("start_weight_update")
 
     async def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -153,8 +154,15 @@ class AsyncEngine:
         await self._call("update_weights", update_info)
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """Complete the update; `weight_version` labels the tokens produced from now on."""
+        """Complete the update; `weight_version` labels the tokens produced from now on (a
+        staged update returns once its commit made the new weights live)."""
         await self._call("finish_weight_update", weight_version)
+
+    async def rollback_weights(self) -> None:
+        """Swap the previous weight version back in, with its label (staged swap updates:
+        possible once after a commit, until the next update starts); requests in flight are
+        re-prefilled with it."""
+        await self._call("rollback_weights")
 
     async def update_weight_version(self, version: str) -> None:
         """Relabel the current weights."""

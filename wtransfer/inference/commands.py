@@ -43,13 +43,16 @@ class EngineCommands(Protocol):
         """Create (once) and initialize the configured backend's receiver."""
 
     def start_weight_update(self) -> None:
-        """Open an update (the engine must be paused or idle)."""
+        """Open an update (in place: the engine must be paused or idle; staged: any time)."""
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive one part of the update."""
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Complete the update and, in the same step, relabel the weights."""
+
+    def rollback_weights(self) -> None:
+        """Swap the previous weight version back in (staged swap updates)."""
 
     def update_weight_version(self, version: str) -> None:
         """Relabel the current weights."""
@@ -77,6 +80,12 @@ def check_command(command: str) -> None:
     """`ConfigError` unless `command` is one of `COMMANDS`."""
     if command not in COMMANDS:
         raise ConfigError(f"unknown engine command {command!r}; known: {sorted(COMMANDS)}")
+
+
+TRANSFER_COMMANDS: frozenset[str] = frozenset({
+    "init_weight_transfer_engine", "start_weight_update", "update_weights",
+    "finish_weight_update"})
+"""The commands a staging replica runs on its transfer lane, off the step loop."""
 
 
 def run_command(target: EngineCommands, command: str, args: Sequence[Any]) -> Any:

@@ -105,12 +105,24 @@ class EngineConfig:
     """Keep a host copy of each tensor an update overwrites and restore them all when the
     update fails or is abandoned, so the engine returns to its old weights and can resume.
     None (default): on when the model fits in half of the host's available memory."""
+    update_staging: str | None = None
+    """Where updates land: "off" (in place, the engine paused or idle), "swap" or "copy"
+    (into a shadow copy while the engine keeps generating, committed at a step boundary by
+    exchanging storages, or by copying into the live ones: `wtransfer.inference.staging`).
+    None (default): "swap" when the extra copy fits in half the free memory of the device,
+    else "off"."""
+    update_reprefill: bool = True
+    """At a staged commit (and a rollback), re-prefill the requests in flight so that every
+    token after it is computed with the new weights; False keeps their (stale) KV."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                      "data_parallel_size", "dp_sync_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.update_staging not in (None, "off", "swap", "copy"):
+            raise ConfigError(f"EngineConfig.update_staging must be 'off', 'swap', 'copy' or "
+                              f"None (auto), got {self.update_staging!r}")
         for name in ("step_timeout_s", "call_timeout_s"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ConfigError(f"EngineConfig.{name} must be a positive number")

@@ -27,6 +27,7 @@ from wtransfer.inference.commands import Emit, check_command, run_command
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.replica import Replica
 from wtransfer.inference.sequence import SeqStatus
+from wtransfer.inference.transfer_lane import TransferLane
 
 log = logging.getLogger("wtransfer.engine")
 
@@ -40,6 +41,9 @@ class EngineCore(Replica):
         self._wake = threading.Condition()
         self._stopped = False
         self._failure: str | None = None
+        self._lane = (TransferLane(self, self.call, config.call_timeout_s)
+                      if self.staging is not None else None)
+        """Where a staging engine's weight-transfer calls run (off the step loop)."""
         self._thread = threading.Thread(target=self._run, name="wtransfer-engine-core",
                                         daemon=True)
         self._thread.start()
@@ -64,6 +68,8 @@ class EngineCore(Replica):
     def submit(self, command: str, *args: Any) -> Future[Any]:
         """Run the named command (one of `COMMANDS`) on the engine thread."""
         check_command(command)  # refused at once, not on the engine thread
+        if self._lane is not None and self._lane.takes(command) and self._failure is None:
+            return self._lane.submit(command, args)
         return self.call(run_command, self, command, args)
 
     def _run(self) -> None:
@@ -123,5 +129,7 @@ class EngineCore(Replica):
                 log.warning("shutdown: live requests were not aborted within %gs",
                             self.config.step_timeout_s)
             self._thread.join(timeout=self.config.step_timeout_s)
+        if self._lane is not None:
+            self._lane.shutdown()
         if self.receiver is not None:
             self.receiver.shutdown()

@@ -12,6 +12,8 @@ import logging
 from concurrent.futures import Future
 from typing import Any
 
+import torch
+
 from wtransfer.errors import ConfigError, LifecycleError
 from wtransfer.inference.block_manager import BlockManager
 from wtransfer.inference.commands import Emit
@@ -21,6 +23,8 @@ from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.runner import ModelRunner
 from wtransfer.inference.scheduler import PauseState, Scheduler
 from wtransfer.inference.sequence import Sequence
+from wtransfer.inference.staging import StagedWeights, StagingMode
+from wtransfer.inference.stall import StallMeter
 from wtransfer.receiver.engine import ReceiverState, WeightTransferEngine
 from wtransfer.receiver.target import ModuleTarget
 from wtransfer.records import PauseMode, check_pause_mode, check_version
@@ -63,12 +67,18 @@ class Replica:
                                    max_model_len=self.model.config.max_position_embeddings)
         self.runner = ModelRunner(self.model, config)
         self.weight_version = "default"
-        self.rollback = self._rollback_enabled()
-        """Whether updates keep host copies to restore on failure (decided once, at start:
-        `EngineConfig.update_rollback`, or auto)."""
+        mode = self._staging_mode()
+        self.staging = StagedWeights(self.model, mode) if mode != "off" else None
+        """The shadow staged updates land in (None: updates land in place, paused)."""
+        self.rollback = self.staging is None and self._rollback_enabled()
+        """Whether in-place updates keep host copies to restore on failure (decided once, at
+        start: `EngineConfig.update_rollback`, or auto; staged updates never touch the live
+        weights, so they need none)."""
         self.receiver: WeightTransferEngine[Any, Any] | None = None
         self.steps = 0
         self.tokens_generated = 0
+        self.stall = StallMeter()
+        """The longest gap between steps each update caused (`update_stall_ms`)."""
         self._sequences: dict[str, Sequence] = {}
         self._drained: list[tuple[Future[None], bool]] = []
 
@@ -82,8 +92,9 @@ class Replica:
         return self.receiver is not None and self.receiver.state is ReceiverState.UPDATING
 
     def can_step(self) -> bool:
-        """Whether a step would compute anything now."""
-        return not self.update_open and self.scheduler.has_work()
+        """Whether a step would compute anything now (an update in place holds the steps; a
+        staged one lands beside them)."""
+        return (self.staging is not None or not self.update_open) and self.scheduler.has_work()
 
     def step(self) -> int:
         """Schedule and compute one step; returns how many sequences it advanced (or ended).
@@ -105,6 +116,7 @@ class Replica:
                 self.emit(seq.to_output())
             return len(batch)
         self.steps += 1
+        self.stall.step(bool(self.scheduler.running))
         for seq, (token, logprob) in zip(batch, results, strict=True):
             seq.append(token, logprob, self.weight_version)
             seq.num_computed = len(seq) - 1
@@ -179,12 +191,18 @@ class Replica:
 
     def resume_refusal(self) -> str | None:
         """Why `resume` would be refused now (None: it would not be)."""
-        if self.update_open:
+        if self.update_open and self.staging is None:
             return "a weight update is open; finish it before resuming"
-        if self.receiver is not None and self.receiver.torn:
+        if self.torn:
             return (f"refusing to resume: the last weight update failed after changing some "
                     f"weights ({self.receiver.failure}); complete a new update first")
         return None
+
+    @property
+    def torn(self) -> bool:
+        """Whether a failed in-place update left the live weights part new, part old (a
+        failed staged update never touched them)."""
+        return self.staging is None and self.receiver is not None and self.receiver.torn
 
     def resume(self) -> None:
         """Leave the pause; refused while an update is open or the weights are torn."""
@@ -202,17 +220,35 @@ class Replica:
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Create (once) the configured backend's receiver over the model and initialize it."""
         if self.receiver is None:
-            self.receiver = create_receiver(self.config.weight_transfer_backend, self.target,
+            target = self.staging.target if self.staging is not None else self.target
+            self.receiver = create_receiver(self.config.weight_transfer_backend, target,
                                             device=self.config.device,
                                             worker_index=self.worker_index,
                                             rollback=self.rollback)
         self.receiver.init_transfer_engine(init_info)
 
+    def _model_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+
     def _rollback_enabled(self) -> bool:
         if self.config.update_rollback is not None:
             return self.config.update_rollback
-        model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        return model_bytes <= available_host_memory() // 2
+        return self._model_bytes() <= available_host_memory() // 2
+
+    def _staging_mode(self) -> StagingMode:
+        """`EngineConfig.update_staging`, or auto: swap when one more copy of the weights fits
+        in half the free memory of their device; a mode that does not fit is refused here."""
+        wanted, need = self.config.update_staging, self._model_bytes()
+        device = next(self.model.parameters()).device
+        free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+                else available_host_memory())
+        if wanted is None:
+            return "swap" if free and need <= free // 2 else "off"
+        if wanted != "off" and free and need > free:
+            raise ConfigError(f"update_staging={wanted!r} keeps one more copy of the weights "
+                              f"({need / 1e6:.1f} MB) but {device} has {free / 1e6:.1f} MB "
+                              "free; choose update_staging='off' (updates in place, paused)")
+        return wanted  # type: ignore[return-value]
 
     def _require_receiver(self) -> WeightTransferEngine[Any, Any]:
         if self.receiver is None:
@@ -220,24 +256,74 @@ class Replica:
         return self.receiver
 
     def start_weight_update(self) -> None:
-        """Open an update; refused while requests run unpaused."""
+        """Open an update; in place, refused while requests run unpaused; staged, on the
+        transfer lane while the engine generates (the shadow is levelled first)."""
         receiver = self._require_receiver()
-        if not self.is_paused() and self.scheduler.running:
+        if self.staging is None and not self.is_paused() and self.scheduler.running:
             raise LifecycleError("the engine is generating; pause_generation(...) before "
-                                 "start_weight_update")
+                                 "start_weight_update, or serve with update_staging='swap' "
+                                 "to update while generating")
+        if self.staging is not None:
+            if self.update_open:  # the shadow it stages into must not be levelled under it
+                raise LifecycleError("an update is open; finish it first")
+            self.staging.prepare()
         receiver.start_weight_update()
+        self.stall.open()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive one part of the update; a failure closes the update."""
         self._require_receiver().update_weights(update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """Complete the update and, in the same step, relabel the weights."""
+        """Complete an in-place update and, in the same step, relabel the weights (a staged
+        update finishes in two halves: `finish_staged`, then `commit_staged`)."""
+        if self.staging is not None:
+            self.finish_staged(weight_version)
+            self.commit_staged(weight_version)
+            return
         if weight_version is not None:
             check_version(weight_version)  # before the update closes, not after
         self._require_receiver().finish_weight_update()
         if weight_version is not None:
             self.weight_version = weight_version
+        self.stall.close()
+
+    def finish_staged(self, weight_version: str | None) -> None:
+        """The transfer lane's half of a staged finish: the label is checked and every tensor
+        arrived (the receiver's checks), all in the shadow; nothing live changed yet."""
+        if weight_version is not None:
+            check_version(weight_version)
+        self._require_receiver().finish_weight_update()
+
+    def commit_staged(self, weight_version: str | None) -> None:
+        """The engine thread's half, between two steps: the shadow goes live (swap or copy),
+        the label with it, and (by default) the requests in flight are re-prefilled so every
+        later token is computed with the new weights."""
+        assert self.staging is not None
+        self.staging.commit(self.weight_version)
+        if weight_version is not None:
+            self.weight_version = weight_version
+        self._after_weights_changed()
+        self.stall.close()
+
+    def rollback_weights(self) -> None:
+        """Swap the previous version back in (staged swap updates, once after a commit until
+        the next update starts), with its label; requests in flight re-prefill."""
+        if self.staging is None:
+            raise LifecycleError("rollback_weights needs staged updates "
+                                 "(update_staging='swap')")
+        if self.update_open:
+            raise LifecycleError("an update is staging into the shadow that holds the previous "
+                                 "version; finish or fail it first")
+        previous = self.staging.previous
+        self.staging.rollback()
+        self.weight_version = previous or self.weight_version
+        self._after_weights_changed()
+
+    def _after_weights_changed(self) -> None:
+        if self.config.update_reprefill:
+            self.scheduler.preempt_all()
+            self.blocks.reset_prefix_cache()
 
     def update_weight_version(self, version: str) -> None:
         """Relabel the current weights."""
@@ -257,10 +343,18 @@ class Replica:
         receiver = self.receiver
         return {"weight_version": self.weight_version,
                 "update_state": receiver.state.value if receiver else "none",
-                "torn": bool(receiver and receiver.torn),
+                "torn": self.torn,
                 "failure": receiver.failure if receiver else None,
                 "rollback": self.rollback,
-                "update_bytes": receiver.update_bytes if receiver else 0}
+                "update_bytes": receiver.update_bytes if receiver else 0,
+                "update_staging": self.staging.mode if self.staging else "off",
+                "update_stall_ms": self.stall.last_ms,
+                "previous_version": self.staging.previous if self.staging else None,
+                "workers": [{"worker": self.worker_index,
+                             "update_state": receiver.state.value if receiver else "none",
+                             "update_bytes": receiver.update_bytes if receiver else 0,
+                             "last_update_bytes": receiver.last_update_bytes if receiver
+                             else 0}]}
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and benchmarks."""
@@ -270,4 +364,5 @@ class Replica:
                 "prefix_cache_hits": self.blocks.hits, "preemptions": self.scheduler.preemptions,
                 "last_update_bytes": self.receiver.last_update_bytes if self.receiver else 0,
                 "last_update_seconds": self.receiver.last_update_seconds if self.receiver else 0,
-                "torn": bool(self.receiver and self.receiver.torn)}
+                "torn": self.torn,
+                "update_stall_ms": self.stall.last_ms}

@@ -60,7 +60,8 @@ HEALTH_TIMEOUT_S = 2.0
 _GENERATE_FIELDS = ("token_ids", "sampling_params", "request_id", "stream")
 DEV_ROUTES = ("/pause", "/resume", "/is_paused", "/abort_requests",
               "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-              "/finish_weight_update", "/update_weight_version", "/weight_info",
+              "/finish_weight_update", "/rollback_weights", "/update_weight_version",
+              "/weight_info",
               "/weight_fingerprint")
 """The routes `--dev-mode` adds (pause/resume and the weight-sync calls)."""
 
@@ -76,6 +77,8 @@ METRICS_HELP = {
                            "packed buckets, alignment padding included (a sender's "
                            "TransferStats.bytes counts the tensors' own bytes)",
     "last_transfer_seconds": "the last update's time from start to finish at the engine",
+    "last_update_stall_ms": "the longest gap between two steps the last update caused (its "
+                            "pause, or a staged update's commit)",
     "prefix_cache_hit_blocks_total": "KV blocks reused from the prefix cache",
     "preemptions_total": "sequences preempted for lack of KV blocks",
 }
@@ -209,6 +212,7 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
             "paused": int(s["paused"]), "weights_torn": int(s["torn"]),
             "last_transfer_bytes": s["last_update_bytes"],
             "last_transfer_seconds": s["last_update_seconds"],
+            "last_update_stall_ms": s["update_stall_ms"],
             "prefix_cache_hit_blocks_total": s["prefix_cache_hits"],
             "preemptions_total": s["preemptions"],
         }
@@ -334,6 +338,12 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, body_of: BodyOf) -> None:
         await engine.finish_weight_update(await arg(request, "weight_version", str, None))
         return {"status": "ok"}
 
+    @app.post("/rollback_weights")
+    async def rollback(request: Request) -> dict[str, str]:
+        await body_of(request, ())
+        await engine.rollback_weights()
+        return {"status": "ok", "weight_version": await engine.get_weight_version()}
+
     @app.post("/update_weight_version")
     async def update_version(request: Request) -> dict[str, str]:
         await engine.update_weight_version(await arg(request, "new_version", str))
@@ -344,7 +354,11 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, body_of: BodyOf) -> None:
         info = await engine.weight_info()
         return {"weight_version": info["weight_version"], "num_workers": engine.num_workers(),
                 "update_state": info["update_state"], "torn": info["torn"],
-                "failure": info["failure"], "rollback": info["rollback"]}
+                "failure": info["failure"], "rollback": info["rollback"],
+                "update_staging": info["update_staging"],
+                "update_stall_ms": info["update_stall_ms"],
+                "previous_version": info["previous_version"],
+                "workers": info["workers"]}
 
     @app.get("/weight_fingerprint")
     async def weight_fingerprint() -> dict[str, Any]:

@@ -134,6 +134,7 @@ def _merge_stats(per_rank: list[Any]) -> dict[str, Any]:
             "torn": any(s["torn"] for s in per_rank),
             "weight_version": per_rank[0]["weight_version"],
             "last_update_seconds": max(s["last_update_seconds"] for s in per_rank),
+            "update_stall_ms": max(s["update_stall_ms"] for s in per_rank),
             "ranks": per_rank}
 
 
@@ -146,6 +147,10 @@ def _merge_weight_info(per_rank: list[Any]) -> dict[str, Any]:
             "failure": next((per_rank[r]["failure"] for r in torn), None),
             "rollback": all(info["rollback"] for info in per_rank),
             "update_bytes": sum(info["update_bytes"] for info in per_rank),
+            "update_staging": per_rank[0]["update_staging"],
+            "update_stall_ms": max(info["update_stall_ms"] for info in per_rank),
+            "previous_version": per_rank[0]["previous_version"],
+            "workers": [w for info in per_rank for w in info["workers"]],
             "ranks": per_rank}
 
 

@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import sys
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -52,11 +53,14 @@ from wtransfer.inference.dp.collective import RankGroup
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.replica import Replica
 from wtransfer.inference.scheduler import PauseState
+from wtransfer.inference.transfer_lane import TransferLane
 from wtransfer.records import PauseMode
 from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.dp")
 _IDLE_POLL_MS = 200
+_LANE_POLL_MS = 1
+"""How often an idle rank looks for its lane's results while a lane call runs."""
 
 
 class DPRank(Replica):
@@ -69,6 +73,15 @@ class DPRank(Replica):
         self.socket = socket
         super().__init__(config, self._collect, worker_index=rank)
         self.group = group()
+        self._lane = (TransferLane(self, self._at_step_boundary, config.call_timeout_s)
+                      if self.staging is not None else None)
+        """Where this rank's weight-transfer calls run when it stages (off its main loop)."""
+        self._boundary: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        """Functions the lane hands to the main loop, run between two steps (a commit)."""
+        self._lane_done: deque[tuple[int, Future[Any]]] = deque()
+        """Lane calls that finished, for the main loop to answer (one thread uses the
+        socket)."""
+        self._lane_busy = 0
         self.wave = 0
         self.in_wave = False
         self.global_paused = False
@@ -115,6 +128,11 @@ class DPRank(Replica):
         if op == "wake":
             self._on_wake(int(args[0]))
             return
+        if self._lane is not None and self._lane.takes(op):
+            self._lane_busy += 1
+            self._lane.submit(op, args).add_done_callback(
+                lambda done: self._lane_done.append((call_id, done)))
+            return
         try:
             if op == "shutdown":
                 result: Any = self.abort(None)
@@ -128,6 +146,26 @@ class DPRank(Replica):
             result.add_done_callback(lambda f: self._reply(call_id, error=f.exception()))
         else:
             self._reply(call_id, result)
+
+    def _at_step_boundary(self, fn: Callable[[], Any]) -> Future[Any]:
+        """For the lane: run `fn` on the main loop between two steps."""
+        future: Future[Any] = Future()
+        self._boundary.append((fn, future))
+        return future
+
+    def _serve_lane(self) -> None:
+        """Run what the lane handed over, and answer its finished calls (main loop)."""
+        while self._boundary:
+            fn, future = self._boundary.popleft()
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+        while self._lane_done:
+            call_id, done = self._lane_done.popleft()
+            self._lane_busy -= 1
+            error = done.exception()
+            self._reply(call_id, None if error is not None else done.result(), error)
 
     # -- waves -----------------------------------------------------------------------------
 
@@ -216,10 +254,12 @@ class DPRank(Replica):
 
     def start_weight_update(self) -> None:
         """Open an update; with data parallelism only in the global pause."""
-        if not self.global_paused:
+        if not self.global_paused and self.staging is None:
             raise LifecycleError("with data_parallel_size > 1, call pause_generation(...) "
                                  "before start_weight_update: ranks step in lockstep, and one "
-                                 "busy receiving weights would stall the others")
+                                 "busy receiving weights would stall the others (or serve "
+                                 "with update_staging='swap': each rank stages beside its "
+                                 "steps)")
         super().start_weight_update()
 
     def stats(self) -> dict[str, Any]:
@@ -235,6 +275,7 @@ class DPRank(Replica):
         """Serve until the front end says shutdown (or goes away)."""
         self._send({"kind": "ready"})
         while not self._stopping:
+            self._serve_lane()
             if self.in_wave:
                 self._drain_commands(0)
                 if not self._stopping:
@@ -242,10 +283,12 @@ class DPRank(Replica):
             elif self._wants_wave():
                 self._begin_wave(announce=True)
             else:
-                self._drain_commands(_IDLE_POLL_MS)
+                self._drain_commands(_LANE_POLL_MS if self._lane_busy else _IDLE_POLL_MS)
                 if os.getppid() != self._parent:
                     return  # the front end died; nobody is left to serve
         self._flush()
+        if self._lane is not None:
+            self._lane.shutdown()
 
 
 def place(config: EngineConfig, rank: int) -> EngineConfig:

@@ -1,0 +1,180 @@
+"""Staged updates: a shadow copy of the weights that an update lands in while the engine keeps
+generating from the live ones, committed at a step boundary.
+
+`StagedWeights` holds one shadow tensor per parameter and buffer of the module (tied weights
+share one). A staged update's receiver writes only into the shadow (`ShadowTarget`); the live
+weights change only at `commit`, on the engine's thread between two steps:
+
+- ``swap`` exchanges the live and shadow storages (O(1) per tensor): the shadow then holds the
+  previous version, so `rollback` is a swap back, until the next update starts staging;
+- ``copy`` copies the shadow into the live storages (pointers never change, for engines whose
+  kernels captured them), one copy of what the update wrote; no previous version stays.
+
+Before an update stages, the shadow is brought level with the live weights where they differ
+(`prepare`: the tensors the last update or rollback changed), so an update that sends only
+some tensors commits exactly those. A staged update that fails leaves the live weights as they
+were; the tensors it wrote are levelled again by the next `prepare`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import torch
+from torch import nn
+
+from wtransfer.errors import ConfigError, LifecycleError, MetadataError
+from wtransfer.fingerprint import fingerprint
+from wtransfer.packing import DTYPES, TensorMeta, byte_view
+from wtransfer.receiver.target import WeightTarget
+
+StagingMode = Literal["off", "swap", "copy"]
+STAGING_MODES: tuple[str, ...] = ("off", "swap", "copy")
+
+
+def _slots(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every state-dict name of `module` and the parameter or buffer it names (tied weights
+    under several names are one object)."""
+    return dict(module.state_dict(keep_vars=True))
+
+
+class StagedWeights:
+    """The shadow of `module`'s weights and the commit that makes it live (see the module
+    docstring)."""
+
+    def __init__(self, module: nn.Module, mode: StagingMode) -> None:
+        if mode not in ("swap", "copy"):
+            raise ConfigError(f"staging mode must be 'swap' or 'copy', got {mode!r}")
+        self.mode = mode
+        self.module = module
+        self._live = _slots(module)
+        self._owner: dict[str, str] = {}
+        """Each name's first name for the same tensor (tied weights share one shadow)."""
+        seen: dict[int, str] = {}
+        for name, tensor in self._live.items():
+            self._owner[name] = seen.setdefault(id(tensor), name)
+        with torch.no_grad():
+            self.shadow: dict[str, torch.Tensor] = {
+                name: tensor.detach().clone() for name, tensor in self._live.items()
+                if self._owner[name] == name}
+        self.written: set[str] = set()
+        """Tensors (by owner name) written into the shadow since the last `prepare`."""
+        self._differ: set[str] = set()
+        """Tensors whose shadow differs from the live one (what `prepare` levels)."""
+        self.previous: str | None = None
+        """The version label the shadow holds after a swap commit (what `rollback` brings
+        back), else None."""
+        self.target = ShadowTarget(self)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the shadow (one copy of the module's weights)."""
+        return sum(t.numel() * t.element_size() for t in self.shadow.values())
+
+    def owner(self, name: str) -> str:
+        """The name whose shadow tensor `name` writes (`MetadataError` for an unknown one)."""
+        try:
+            return self._owner[name]
+        except KeyError:
+            raise MetadataError(f"unknown tensor {name!r}") from None
+
+    @torch.no_grad()
+    def prepare(self) -> None:
+        """Level the shadow with the live weights where they differ, before an update stages
+        into it (off the step loop: the engine keeps reading the live weights meanwhile). The
+        previous version a swap left in the shadow is gone from here on."""
+        for name in sorted(self._differ | self.written):
+            self.shadow[name].copy_(self._live[name].detach())
+        if self.shadow and next(iter(self.shadow.values())).is_cuda:
+            torch.cuda.current_stream().synchronize()
+        self._differ.clear()
+        self.written.clear()
+        self.previous = None
+
+    @torch.no_grad()
+    def commit(self, previous_version: str) -> int:
+        """Make what the update wrote live (on the engine's thread, between steps); returns how
+        many tensors changed. `previous_version` labels what the shadow holds after a swap."""
+        names = sorted(self.written)
+        if self.mode == "swap":
+            self._swap(names)
+            self._differ = set(names)
+            self.previous = previous_version
+        else:
+            for name in names:
+                self._live[name].detach().copy_(self.shadow[name])
+            self._differ.clear()
+        self.written.clear()
+        return len(names)
+
+    def rollback(self) -> int:
+        """Swap the previous version back in (swap mode, after a commit and before the next
+        update starts staging); returns how many tensors changed."""
+        if self.mode != "swap":
+            raise LifecycleError("rollback_weights needs update_staging='swap': copy staging "
+                                 "copies the new weights over the old ones, keeping none")
+        if self.previous is None:
+            raise LifecycleError("no previous weight version is resident: rollback is "
+                                 "possible once after an update committed, until the next "
+                                 "update starts")
+        names = sorted(self._differ)
+        self._swap(names)
+        self.previous = None
+        return len(names)
+
+    def _swap(self, names: Sequence[str]) -> None:
+        """Exchange the live and shadow storages of `names` (every alias follows, since
+        aliases are one parameter object)."""
+        for name in names:
+            live = self._live[name]
+            held = live.data
+            live.data = self.shadow[name]
+            self.shadow[name] = held
+        if names and self.shadow[names[0]].is_cuda:
+            torch.cuda.current_stream().synchronize()
+
+
+class ShadowTarget(WeightTarget):
+    """The receiver's target for staged updates: every write lands in the shadow."""
+
+    def __init__(self, staged: StagedWeights) -> None:
+        self.staged = staged
+
+    def metadata(self) -> list[TensorMeta]:
+        """The module's state-dict entries, as the live weights hold them."""
+        return [TensorMeta.of(n, t) for n, t in self.staged._live.items()]
+
+    def held(self, name: str) -> TensorMeta | None:
+        """Metadata of the tensor `name` names, or None."""
+        live = self.staged._live.get(name)
+        return None if live is None else TensorMeta.of(name, live)
+
+    def check(self, metas: Sequence[TensorMeta]) -> None:
+        """Refuse an update whose tensors the module does not hold as sent."""
+        for meta in metas:
+            live = self.staged._live.get(meta.name)
+            if live is None or live.shape != meta.shape or live.dtype != DTYPES.get(meta.dtype):
+                super().check(metas)  # names every problem
+                return
+
+    def _dest(self, name: str) -> torch.Tensor:
+        owner = self.staged.owner(name)
+        self.staged.written.add(owner)
+        return self.staged.shadow[owner]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each tensor into its shadow."""
+        for name, tensor in weights:
+            self._dest(name).copy_(tensor, non_blocking=True)
+
+    def direct_bytes(self, name: str) -> torch.Tensor | None:
+        """Byte view of the shadow (contiguous: it was cloned)."""
+        dest = self._dest(name)
+        return byte_view(dest) if dest.is_contiguous() else None
+
+    def fingerprint(self) -> dict[str, str]:
+        """Digest of the shadow (what a commit would make live)."""
+        return fingerprint({n: self.staged.shadow[self.staged.owner(n)]
+                            for n in self.staged._live})

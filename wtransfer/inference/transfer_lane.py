@@ -1,0 +1,57 @@
+"""`TransferLane`: a staging replica's weight-transfer calls, on a thread of their own.
+
+With staged updates (`EngineConfig.update_staging`), init, start and update calls run here,
+off the step loop, writing only into the shadow, while the engine's own thread keeps stepping
+from the live weights. A finish runs its checks here too, then hands the commit to the step
+loop (`at_step_boundary`) and returns once the new weights are live. Calls run one at a time in
+submission order, like every engine command.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from wtransfer.errors import TransferTimeout
+from wtransfer.inference.commands import TRANSFER_COMMANDS, run_command
+from wtransfer.inference.replica import Replica
+
+AtStepBoundary = Callable[[Callable[[], Any]], "Future[Any]"]
+"""Runs a function on the engine's thread between two steps; its future has the result."""
+
+
+class TransferLane:
+    """Runs `replica`'s weight-transfer commands off its step loop (see the module docstring)."""
+
+    def __init__(self, replica: Replica, at_step_boundary: AtStepBoundary,
+                 timeout_s: float) -> None:
+        self.replica = replica
+        self._at_step_boundary = at_step_boundary
+        self._timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-lane")
+
+    @staticmethod
+    def takes(command: str) -> bool:
+        """Whether `command` runs on the lane (the weight-transfer calls)."""
+        return command in TRANSFER_COMMANDS
+
+    def submit(self, command: str, args: Sequence[Any]) -> Future[Any]:
+        """Run a weight-transfer command on the lane; its future has the result."""
+        if command == "finish_weight_update":
+            return self._pool.submit(self._finish, *args)
+        return self._pool.submit(run_command, self.replica, command, args)
+
+    def _finish(self, weight_version: str | None = None) -> None:
+        self.replica.finish_staged(weight_version)
+        commit = self._at_step_boundary(lambda: self.replica.commit_staged(weight_version))
+        try:
+            commit.result(timeout=self._timeout_s)
+        except FutureTimeout:
+            raise TransferTimeout(f"the commit did not reach a step boundary within "
+                                  f"{self._timeout_s:g}s") from None
+
+    def shutdown(self) -> None:
+        """Stop the lane once the call in progress (which has its deadline) returns."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
