@@ -193,7 +193,7 @@ class Replica:
         """Why `resume` would be refused now (None: it would not be)."""
         if self.update_open and self.staging is None:
             return "a weight update is open; finish it before resuming"
-        if self.torn:
+        if self.torn and self.receiver is not None:
             return (f"refusing to resume: the last weight update failed after changing some "
                     f"weights ({self.receiver.failure}); complete a new update first")
         return None
