@@ -34,7 +34,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                        data_parallel_size=args.data_parallel_size, engine=args.engine,
                        trainer_ranks=args.trainer_ranks,
                        ray_engines=args.engines if args.ray else 0,
-                       ray_address=args.ray_address)
+                       ray_address=args.ray_address, update_staging=args.update_staging)
 
 
 def cmd_transfer_demo(args: argparse.Namespace) -> int:
@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve the policy from N lockstep engine ranks")
     rl.add_argument("--trainer-ranks", type=_positive, default=1,
                     help="train the policy with N FSDP2 ranks (gloo) that send together")
+    rl.add_argument("--update-staging", choices=["auto", "off", "swap", "copy"],
+                    default="auto",
+                    help="our engine: stage updates while generating (auto: swap when the "
+                         "shadow fits); off: pause around each in-place update")
     rl.add_argument("--engine", choices=["wtransfer", "vllm"], default="wtransfer",
                     help="serve the policy with our engine or an in-process vLLM (needs vllm "
                          "and wtransfer-vllm: make test-vllm builds .venv-vllm)")

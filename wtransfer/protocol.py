@@ -55,6 +55,19 @@ class WeightSyncClient(Protocol):
 
 
 @runtime_checkable
+class PausingClient(Protocol):
+    """A client that can pause its engine's generation (`HTTPClient`, the vLLM clients,
+    `LocalEngineClient`, `ActorClient`): `send_weights(..., pause=mode)` pauses only around
+    the commit."""
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pause generation: "abort", "wait" or "keep" the requests in flight."""
+
+    def resume(self) -> None:
+        """Resume generation."""
+
+
+@runtime_checkable
 class LabelledClient(Protocol):
     """A client that knows the label of the weights its engine holds (`LocalClient`, the
     inference engine's `LocalEngineClient`); `ReceiverServer.status` reports it."""

@@ -19,7 +19,7 @@ from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.engine_core import EngineCore
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.params import SamplingParams
-from wtransfer.records import PauseMode
+from wtransfer.records import PauseMode, check_pause_mode
 from wtransfer.registry import get_backend
 from wtransfer.rpc import ReceiverServer
 
@@ -238,6 +238,19 @@ class LocalEngineClient(SingleEngineClient):
     def fingerprint(self) -> dict[str, str]:
         """Per-tensor digest of the served weights (every rank must agree)."""
         return dict(self.engine.call("fingerprint"))
+
+    def pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """Pause generation (every rank) and wait until the pause holds."""
+        held = self.engine.call("pause", check_pause_mode(mode), clear_cache)
+        timeout = self.engine.config.step_timeout_s
+        try:
+            held.result(timeout=timeout)
+        except FutureTimeout:
+            raise TransferTimeout(f"the pause did not hold within {timeout:g}s") from None
+
+    def resume(self) -> None:
+        """Resume generation."""
+        self.engine.call("resume")
 
     def __repr__(self) -> str:
         return f"LocalEngineClient(data_parallel_size={self.engine.num_workers()})"

@@ -9,6 +9,7 @@ data-parallel rank drives one from its process's main loop.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -79,6 +80,9 @@ class Replica:
         self.tokens_generated = 0
         self.stall = StallMeter()
         """The longest gap between steps each update caused (`update_stall_ms`)."""
+        self.commit_ms = 0.0
+        """How long the last staged commit held the engine thread (the swap or copy itself;
+        the re-prefill it asks for is computed by the steps after it)."""
         self._sequences: dict[str, Sequence] = {}
         self._drained: list[tuple[Future[None], bool]] = []
 
@@ -202,7 +206,7 @@ class Replica:
     def torn(self) -> bool:
         """Whether a failed in-place update left the live weights part new, part old (a
         failed staged update never touched them)."""
-        return self.staging is None and self.receiver is not None and self.receiver.torn
+        return self.receiver is not None and self.receiver.torn
 
     def resume(self) -> None:
         """Leave the pause; refused while an update is open or the weights are torn."""
@@ -300,10 +304,12 @@ class Replica:
         the label with it, and (by default) the requests in flight are re-prefilled so every
         later token is computed with the new weights."""
         assert self.staging is not None
+        started = time.perf_counter()
         self.staging.commit(self.weight_version)
         if weight_version is not None:
             self.weight_version = weight_version
         self._after_weights_changed()
+        self.commit_ms = (time.perf_counter() - started) * 1e3
         self.stall.close()
 
     def rollback_weights(self) -> None:
@@ -349,6 +355,7 @@ class Replica:
                 "update_bytes": receiver.update_bytes if receiver else 0,
                 "update_staging": self.staging.mode if self.staging else "off",
                 "update_stall_ms": self.stall.last_ms,
+                "update_commit_ms": self.commit_ms,
                 "previous_version": self.staging.previous if self.staging else None,
                 "workers": [{"worker": self.worker_index,
                              "update_state": receiver.state.value if receiver else "none",

@@ -78,7 +78,8 @@ METRICS_HELP = {
                            "TransferStats.bytes counts the tensors' own bytes)",
     "last_transfer_seconds": "the last update's time from start to finish at the engine",
     "last_update_stall_ms": "the longest gap between two steps the last update caused (its "
-                            "pause, or a staged update's commit)",
+                            "pause, or a staged update's commit); NaN until the first step "
+                            "after it",
     "prefix_cache_hit_blocks_total": "KV blocks reused from the prefix cache",
     "preemptions_total": "sequences preempted for lack of KV blocks",
 }
@@ -212,7 +213,8 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
             "paused": int(s["paused"]), "weights_torn": int(s["torn"]),
             "last_transfer_bytes": s["last_update_bytes"],
             "last_transfer_seconds": s["last_update_seconds"],
-            "last_update_stall_ms": s["update_stall_ms"],
+            "last_update_stall_ms": ("NaN" if s["update_stall_ms"] is None
+                                     else s["update_stall_ms"]),
             "prefix_cache_hit_blocks_total": s["prefix_cache_hits"],
             "preemptions_total": s["preemptions"],
         }
@@ -357,6 +359,7 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, body_of: BodyOf) -> None:
                 "failure": info["failure"], "rollback": info["rollback"],
                 "update_staging": info["update_staging"],
                 "update_stall_ms": info["update_stall_ms"],
+                "update_commit_ms": info["update_commit_ms"],
                 "previous_version": info["previous_version"],
                 "workers": info["workers"]}
 

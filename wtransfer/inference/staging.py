@@ -138,6 +138,8 @@ class StagedWeights:
 class ShadowTarget(WeightTarget):
     """The receiver's target for staged updates: every write lands in the shadow."""
 
+    stages = True
+
     def __init__(self, staged: StagedWeights) -> None:
         self.staged = staged
 

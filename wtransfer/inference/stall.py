@@ -18,8 +18,9 @@ class StallMeter:
     """Measures each update's stall (see the module docstring); used on the engine thread."""
 
     def __init__(self) -> None:
-        self.last_ms = 0.0
-        """The last closed update's stall, in milliseconds."""
+        self.last_ms: float | None = 0.0
+        """The last update's stall, in milliseconds; None until its window closed (the first
+        step after it finished)."""
         self._open = False
         self._closing = False
         self._worst = 0.0
@@ -28,7 +29,7 @@ class StallMeter:
 
     def open(self) -> None:
         """An update started."""
-        self._open, self._closing, self._worst, self.last_ms = True, False, 0.0, 0.0
+        self._open, self._closing, self._worst, self.last_ms = True, False, 0.0, None
 
     def close(self) -> None:
         """The update finished: the next step ends its window."""

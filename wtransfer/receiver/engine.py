@@ -137,8 +137,9 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             raise LifecycleError(f"{self.backend_name}: cannot {action} in state "
                                  f"'{self._state.value}': {hint}")
 
-    def _fail(self, reason: str) -> None:
-        """Fail the open update: stop the backend writing, roll back if enabled, record why."""
+    def _fail(self, reason: str, *, finishing: bool = False) -> None:
+        """Fail the open update: stop the backend writing, roll back if enabled, record why.
+        A staging target's live weights change only in its finish (`finishing`)."""
         self._deadline.disarm()
         with contextlib.suppress(Exception):  # teardown must not mask the original failure
             self._abort()
@@ -148,7 +149,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 self.target.abort()
             except Exception:
                 log.exception("%s: the target's abort failed", self.backend_name)
-        if session is not None and session.touched and self.rollback:
+        touched = bool(session and session.touched) and (finishing or not self.target.stages)
+        if session is not None and touched and self.rollback:
             try:
                 restored = session.rollback()
                 reason += f"; rolled back {restored} tensor(s) to the last good weights"
@@ -156,7 +158,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 log.exception("%s: rollback failed", self.backend_name)
                 reason += f"; rollback failed ({type(exc).__name__}: {exc})"
         self.failure = reason
-        self.torn = bool(session and session.touched)
+        self.torn = touched
         self._state = ReceiverState.FAILED
 
     def _expire_if_abandoned(self) -> None:
@@ -237,7 +239,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             self._require(ReceiverState.READY, ReceiverState.FAILED,
                           action="start a weight update")
             self._session = UpdateSession(self.target, self.device, rollback=(
-                self._rollback_store if self.rollback else None))
+                self._rollback_store if self.rollback and not self.target.stages else None))
             if self.manifests.last is not None:
                 self._session.precheck(self.manifests.last.metas)
             self._start()
@@ -294,9 +296,13 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             try:
                 session.finish()
                 self._finish()
-                self.target.finish()
             except BaseException as exc:
                 self._fail(f"{type(exc).__name__}: {exc}")
+                raise
+            try:
+                self.target.finish()
+            except BaseException as exc:
+                self._fail(f"{type(exc).__name__}: {exc}", finishing=True)
                 raise
             if weight_version is not None:
                 self.weight_version = weight_version

@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -30,6 +32,11 @@ class WeightTarget(ABC):
     Tensors passed to `load_weights` are views of staging memory, valid only during the call:
     a target must copy them (into its own storage) before returning.
     """
+
+    stages: ClassVar[bool] = False
+    """True for a target whose writes land in a copy of its own until `finish` makes them
+    live (a shadow, host staging): an update that fails before its finish leaves the live
+    weights whole, so it is never torn and needs no rollback copies."""
 
     @abstractmethod
     def metadata(self) -> list[TensorMeta]:

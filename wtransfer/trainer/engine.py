@@ -43,8 +43,15 @@ import torch
 from wtransfer.errors import ConfigError, LifecycleError, SenderReplacedError, TransferTimeout
 from wtransfer.manifest import Manifest, PlanParams
 from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta, bucket_checksum
-from wtransfer.protocol import CallQueue, PendingCall, WeightSyncClient
-from wtransfer.records import TrainerInitInfo, TransferStats, check_version, new_sender_id
+from wtransfer.protocol import CallQueue, PausingClient, PendingCall, WeightSyncClient
+from wtransfer.records import (
+    PauseMode,
+    TrainerInitInfo,
+    TransferStats,
+    check_pause_mode,
+    check_version,
+    new_sender_id,
+)
 from wtransfer.trainer.calls import UpdateCalls
 from wtransfer.trainer.gather import GatheringPacker
 from wtransfer.trainer.group import Ranks, TrainerGroup
@@ -159,6 +166,9 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         """This sender's identity: every receiver init info and update call carries it, so
         receivers refuse this sender's calls once a newer `trainer_init` replaced it (with
         several trainer ranks, the lead's, agreed at connect)."""
+        self._pause: tuple[PausingClient, PauseMode] | None = None
+        """The lead's client and the pause the update in progress wants around its finish
+        (None: no pause)."""
         self.replaced: str | None = None
         """Why the receivers refused this sender as replaced by a newer one (every later
         `send_weights` raises `SenderReplacedError` at once)."""
@@ -218,9 +228,14 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self._on_senders(self._after_init)
         self.connected = True
 
-    def send_weights(self, weight_version: str | None = None) -> TransferStats:
+    def send_weights(self, weight_version: str | None = None, *,
+                     pause: PauseMode | None = None) -> TransferStats:
         """Send every tensor of the source: start -> update(s) -> finish on the client (with
-        a sharded source or several senders: on every trainer rank, together)."""
+        a sharded source or several senders: on every trainer rank, together).
+
+        With `pause` ("keep", "wait" or "abort"), on a client that can pause, the engine is
+        paused only around the finish (its commit, or vLLM's weight loading), once every
+        byte arrived, and resumed after it: the transfer itself runs while it generates."""
         if self.closed or not self.connected:
             raise LifecycleError(f"{self.backend_name} sender is "
                                  f"{'shut down' if self.closed else 'not connected'}")
@@ -228,6 +243,13 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             raise SenderReplacedError(self.replaced)
         if weight_version is not None:
             check_version(weight_version)  # before any byte moves, not at finish
+        self._pause = None
+        if pause is not None and self.lead:
+            client = self.client
+            if not isinstance(client, PausingClient):
+                raise ConfigError(f"send_weights(pause={pause!r}) needs a client that can "
+                                  f"pause its engine; {client!r} cannot")
+            self._pause = (client, check_pause_mode(pause))
         try:
             return self._send_update(weight_version)
         except SenderReplacedError as exc:
@@ -359,17 +381,30 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
 
     def _finish_early(self, calls: UpdateCalls) -> None:
         """Once every update call of a lone sender is issued, its finish goes right behind
-        them; with several senders finish waits for every rank's verdict instead."""
-        if self.lead and self.senders == 1:
+        them; with several senders, or a pause around the finish, it waits for every rank's
+        verdict instead."""
+        if self.lead and self.senders == 1 and self._pause is None:
             calls.finish()
 
     def _close_update(self, calls: UpdateCalls | None) -> None:
-        """The lead waits for every reply; with several senders it issues finish first, now
-        that every rank's part succeeded (a lone sender issued it behind its update calls)."""
-        if self.lead and calls is not None:
+        """The lead waits for every reply; with several senders, or a pause around the
+        finish, it issues finish now that every rank's part succeeded (a lone sender issued
+        it behind its update calls), pausing the engine around it when asked."""
+        if not self.lead or calls is None:
+            return
+        if self._pause is None:
             if self.senders > 1:
                 calls.finish()
             calls.settle()
+            return
+        calls.settle()  # every byte is in: only the finish runs paused
+        client, mode = self._pause
+        client.pause(mode=mode, clear_cache=True)
+        try:
+            calls.finish()
+            calls.settle()
+        finally:
+            client.resume()
 
     def _abort_remote(self, exc: BaseException, calls: UpdateCalls) -> None:
         """Tell receivers the update failed here, so they fail it now instead of at timeout."""

@@ -15,10 +15,12 @@ from wtransfer_vllm.clients import AsyncLLMClient, ServerClient
 from wtransfer_vllm.names import BACKEND_PREFIX, WORKER_EXTENSION, vllm_backend_name
 
 
-def engine_kwargs(backend: str) -> dict[str, Any]:
+def engine_kwargs(backend: str, *, staged: bool = False) -> dict[str, Any]:
     """The vLLM engine arguments that serve wtransfer backend `backend`: the weight-transfer
-    config, and the worker extension that lets clients read fingerprints."""
-    return {"weight_transfer_config": {"backend": vllm_backend_name(backend)},
+    config, and the worker extension that lets clients read fingerprints. With `staged`,
+    updates land in host memory while vLLM generates and reach the model only at finish
+    (pause around it: ``send_weights(..., pause="keep")``)."""
+    return {"weight_transfer_config": {"backend": vllm_backend_name(backend, staged=staged)},
             "worker_extension_cls": WORKER_EXTENSION}
 
 

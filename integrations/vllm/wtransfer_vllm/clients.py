@@ -106,6 +106,15 @@ class AsyncLLMClient(SingleEngineClient):
         self._run("finish_weight_update",
                   lambda: self.engine.finish_weight_update(weight_version=weight_version))
 
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pause vLLM's generation (`abort`, `wait` or `keep` the requests in flight)."""
+        self._run("pause_generation", lambda: self.engine.pause_generation(
+            mode=mode, clear_cache=clear_cache))
+
+    def resume(self) -> None:
+        """Resume vLLM's generation."""
+        self._run("resume_generation", self.engine.resume_generation)
+
     def num_workers(self) -> int:
         """vLLM workers of every data-parallel replica (tensor x pipeline parallel each)."""
         parallel = self.engine.vllm_config.parallel_config

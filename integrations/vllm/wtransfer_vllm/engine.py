@@ -20,6 +20,7 @@ from wtransfer.errors import WTransferError, error_kind
 from wtransfer.receiver.engine import WeightTransferEngine as Receiver
 from wtransfer.registry import create_receiver
 from wtransfer_vllm.envelope import unwrap
+from wtransfer_vllm.staging import HostStaging
 from wtransfer_vllm.target import VLLMTarget
 
 
@@ -50,6 +51,9 @@ class WTransferEngine(WeightTransferEngine[Any, Any]):
     """Base of the per-backend engines; `wtransfer_backend` names the wtransfer backend."""
 
     wtransfer_backend: ClassVar[str] = ""
+    staged: ClassVar[bool] = False
+    """Whether updates land in host staging and reach the model only at finish
+    (`wtransfer_vllm.staging`): the ``wtransfer-<name>-staged`` engines."""
     init_info_cls = dict
     update_info_cls = dict
     supports_draft_weight_update = False
@@ -58,8 +62,9 @@ class WTransferEngine(WeightTransferEngine[Any, Any]):
                  model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.target = VLLMTarget(model, vllm_config.model_config)
+        into: VLLMTarget | HostStaging = HostStaging(self.target) if self.staged else self.target
         self.receiver: Receiver[Any, Any] = create_receiver(
-            self.wtransfer_backend, self.target, device=str(device),
+            self.wtransfer_backend, into, device=str(device),
             worker_index=worker_index(vllm_config.parallel_config))
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
@@ -107,9 +112,10 @@ class WTransferEngine(WeightTransferEngine[Any, Any]):
                 "last_update_bytes": receiver.last_update_bytes}
 
 
-def engine_class(backend: str) -> type[WTransferEngine]:
-    """The vLLM engine class serving wtransfer backend `backend`."""
+def engine_class(backend: str, *, staged: bool = False) -> type[WTransferEngine]:
+    """The vLLM engine class serving wtransfer backend `backend` (with host staging)."""
     name = "WTransfer" + "".join(p.capitalize() for p in backend.replace("-", "_").split("_"))
-    return type(f"{name}Engine", (WTransferEngine,), {
-        "wtransfer_backend": backend, "__module__": __name__,
-        "__doc__": f"wtransfer backend {backend!r} as a vLLM weight-transfer engine."})
+    how = ", staged in host memory until finish" if staged else ""
+    return type(f"{name}{'Staged' if staged else ''}Engine", (WTransferEngine,), {
+        "wtransfer_backend": backend, "staged": staged, "__module__": __name__,
+        "__doc__": f"wtransfer backend {backend!r} as a vLLM weight-transfer engine{how}."})

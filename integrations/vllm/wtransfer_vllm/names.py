@@ -8,6 +8,11 @@ FINGERPRINT_METHOD = "wtransfer_fingerprint"
 STATE_METHOD = "wtransfer_state"
 
 
-def vllm_backend_name(backend: str) -> str:
-    """The vLLM backend name of wtransfer backend `backend`."""
-    return backend if backend.startswith(BACKEND_PREFIX) else BACKEND_PREFIX + backend
+STAGED_SUFFIX = "-staged"
+"""``wtransfer-<name>-staged``: updates staged in host memory, loaded into the model at finish."""
+
+
+def vllm_backend_name(backend: str, *, staged: bool = False) -> str:
+    """The vLLM backend name of wtransfer backend `backend` (its host-staged engine)."""
+    name = backend if backend.startswith(BACKEND_PREFIX) else BACKEND_PREFIX + backend
+    return name + STAGED_SUFFIX if staged and not name.endswith(STAGED_SUFFIX) else name

@@ -160,3 +160,53 @@ def test_a_replaced_sender_is_refused_and_vllm_keeps_its_weights(engine, checkpo
     finally:
         stale.shutdown()
         current.shutdown()
+
+
+def test_a_host_staged_update_pauses_vllm_only_around_its_finish(checkpoints, reference):
+    """`wtransfer-ipc-staged`: every update call lands in host staging while vLLM is not
+    paused; `send_weights(pause="keep")` pauses only around the finish, which loads the
+    model; a request in flight splits its spans there, and the new weights serve like a
+    fresh engine's."""
+    import wtransfer_vllm
+    from vllm_helpers import init_info
+
+    root, _, trainer = checkpoints
+    vllm = InProcessVLLM(root / "base", backend="ipc", staged=True)
+    events = []
+
+    class Watching(wtransfer_vllm.AsyncLLMClient):
+        def update_weights(self, update_info):
+            events.append(("update", self._run("is_paused", self.engine.is_paused)))
+            super().update_weights(update_info)
+
+        def finish_weight_update(self, weight_version=None):
+            events.append(("finish", self._run("is_paused", self.engine.is_paused)))
+            super().finish_weight_update(weight_version)
+
+        def pause(self, mode="abort", clear_cache=True):
+            events.append(("pause", mode))
+            super().pause(mode, clear_cache)
+
+        def resume(self):
+            events.append(("resume", None))
+            super().resume()
+
+    try:
+        client = Watching(vllm.llm, loop=vllm.thread.loop)
+        started = threading.Event()
+        running = vllm.start_request([5, 6, 7], 480, "staged-mid", started, 3)
+        assert started.wait(120)
+        with wtransfer.trainer_init(init_info("ipc", bucket_bytes=64 << 10), client=client,
+                                    source=wtransfer.ModuleSource(trainer)) as sender:
+            sender.send_weights(weight_version="staged-1", pause="keep")
+        kinds = [kind for kind, _ in events]
+        updates = [paused for kind, paused in events if kind == "update"]
+        assert len(updates) > 1 and not any(updates), events  # landed while generating
+        assert kinds[-4:][1:] == ["pause", "finish", "resume"] and ("finish", True) in events
+        out = running.result(timeout=120)
+        spans = [(s.version, s.start, s.end) for s in out.weight_versions]
+        assert [s[0] for s in spans][-1] == "staged-1" and spans[-1][2] == 480, spans
+        assert client.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+        assert vllm.greedy() == reference
+    finally:
+        vllm.close()

@@ -57,12 +57,12 @@ class LoopThread:
 class InProcessVLLM:
     """An AsyncLLM serving `model_dir` with wtransfer backend `backend` (None: none)."""
 
-    def __init__(self, model_dir, backend=None):
+    def __init__(self, model_dir, backend=None, staged=False):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.thread = LoopThread()
-        extra = wtransfer_vllm.engine_kwargs(backend) if backend else {}
+        extra = wtransfer_vllm.engine_kwargs(backend, staged=staged) if backend else {}
 
         async def start():
             return AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir),

@@ -16,6 +16,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,10 @@ class StepRecord:
     reward: float
     transfer_ms: float
     gbps: float
-    paused_ms: float
+    paused_ms: float | None
+    """The pause around the update, as the trainer saw it (None: a staged update, no pause)."""
+    stall_ms: float | None
+    """The longest gap between two engine steps the update caused (None: not measured)."""
     inflight: int
     straddled: int
     train_ms: float
@@ -75,9 +79,20 @@ def _rollouts(prompts: list[list[int]], choices: list[dict[str, Any]], group: in
     return out
 
 
+def _median(values: Iterable[float | None]) -> float | None:
+    """The median of the measured values (None when none was measured)."""
+    measured = [v for v in values if v is not None]
+    return statistics.median(measured) if measured else None
+
+
+def _ms(value: float | None, width: int) -> str:
+    return f"{value:>{width}.2f}" if value is not None else f"{'-':>{width}}"
+
+
 def _print_row(r: StepRecord) -> None:
     print(f"{r.step:>5} {r.reward:>7.3f} {r.transfer_ms:>12.2f} {r.gbps:>7.3f} "
-          f"{r.paused_ms:>10.2f} {r.inflight:>9} {r.straddled:>10} {r.train_ms:>9.1f}",
+          f"{_ms(r.paused_ms, 10)} {_ms(r.stall_ms, 9)} {r.inflight:>9} {r.straddled:>10} "
+          f"{r.train_ms:>9.1f}",
           flush=True)
 
 
@@ -96,7 +111,7 @@ def _check_options(*, backend: str, **counts: int) -> None:
 
 def _policy_server(engine: str, local: bool, model: str, backend: str,
                    data_parallel_size: int, ray_engines: int = 0,
-                   ray_address: str | None = None) -> Any:
+                   ray_address: str | None = None, update_staging: str = "auto") -> Any:
     """The server the demo generates from (and prints which)."""
     if ray_engines:
         from wtransfer.demos.rl.ray_server import RayPolicyServer
@@ -105,20 +120,21 @@ def _policy_server(engine: str, local: bool, model: str, backend: str,
               f"{ray_engines} engine actor(s) on Ray ({ray_address or 'a local cluster'})")
         return RayPolicyServer(model=model, seed=0, backend=backend, engines=ray_engines,
                                address=ray_address)
+    dp = f", {data_parallel_size} data-parallel ranks" if data_parallel_size > 1 else ""
     if engine == "vllm":
         from wtransfer.demos.rl.vllm_server import VLLMPolicyServer
 
-        where = "vLLM AsyncLLM (in process)"
-        make: Any = VLLMPolicyServer
-    elif engine == "wtransfer":
-        where = "in-process engine" if local else "wtransfer serve (child process, HTTP)"
-        make = LocalPolicyServer if local else HTTPPolicyServer
-    else:
+        print(f"wtransfer demo: async GRPO on chain-parity, backend={backend}, server=vLLM "
+              f"AsyncLLM (in process){dp}")
+        return VLLMPolicyServer(model=model, seed=0, backend=backend,
+                                data_parallel_size=data_parallel_size)
+    if engine != "wtransfer":
         raise ConfigError(f"engine must be 'wtransfer' or 'vllm', got {engine!r}")
-    if data_parallel_size > 1:
-        where += f", {data_parallel_size} data-parallel ranks"
-    print(f"wtransfer demo: async GRPO on chain-parity, backend={backend}, server={where}")
-    return make(model=model, seed=0, backend=backend, data_parallel_size=data_parallel_size)
+    where = "in-process engine" if local else "wtransfer serve (child process, HTTP)"
+    make = LocalPolicyServer if local else HTTPPolicyServer
+    print(f"wtransfer demo: async GRPO on chain-parity, backend={backend}, server={where}{dp}")
+    return make(model=model, seed=0, backend=backend, data_parallel_size=data_parallel_size,
+                update_staging=update_staging)
 
 
 def _validate(server: Any, trainer: dict[str, torch.Tensor],
@@ -173,10 +189,15 @@ def _plot(records: list[StepRecord], path: Path, title: str) -> None:
     ax1.axhline(0.5, color="grey", linestyle=":", label="random policy")
     ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
     ax2.bar(steps, [r.transfer_ms for r in records], color="tab:blue", label="transfer")
-    ax2.plot(steps, [r.paused_ms for r in records], color="tab:orange", marker=".",
-             label="paused (pause+transfer+resume)")
+    for key, label, color in (("paused_ms", "paused (pause+transfer+resume)", "tab:orange"),
+                              ("stall_ms", "engine stall (longest gap between steps)",
+                               "tab:red")):
+        points = [(r.step, getattr(r, key)) for r in records if getattr(r, key) is not None]
+        if points:
+            ax2.plot(*zip(*points, strict=True), color=color, marker=".", label=label)
     ax2.set(xlabel="step", ylabel="ms", title="weight update time per step")
-    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
+    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, frameon=False,
+               fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -187,7 +208,7 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
                 lr: float = 1e-2, seed: int = 0, run_dir: str | None = None,
                 data_parallel_size: int = 1, engine: str = "wtransfer",
                 trainer_ranks: int = 1, ray_engines: int = 0,
-                ray_address: str | None = None) -> int:
+                ray_address: str | None = None, update_staging: str = "auto") -> int:
     """Run the demo; returns the exit code (0 when both validations passed). `engine` is
     "wtransfer" (our engine) or "vllm" (an in-process vLLM AsyncLLM); with `trainer_ranks` > 1
     the policy is trained by that many FSDP2 ranks (this process and helper processes); with
@@ -202,7 +223,7 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
     out_dir.mkdir(parents=True, exist_ok=True)
     model = VLLM_MODEL if engine == "vllm" else MODEL
     server = _policy_server(engine, local, model, backend, data_parallel_size, ray_engines,
-                            ray_address)
+                            ray_address, update_staging)
     try:
         if ray_engines:  # addresses as Ray sees this node; one worker per engine actor
             from wtransfer.ray import trainer_init_info
@@ -227,8 +248,12 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
                        for p in prompts for _ in range(group)]
             return prompts, futures
 
+        staged = server.staging != "off"
+        print("  updates: " + (f"staged ({server.staging}): no pause, the engine commits at "
+                               "a step boundary" if staged
+                               else "in place, the engine paused (keep) around each"))
         print(f"{'step':>5} {'reward':>7} {'transfer ms':>12} {'GB/s':>7} {'paused ms':>10} "
-              f"{'in-flight':>9} {'straddled':>10} {'train ms':>9}")
+              f"{'stall ms':>9} {'in-flight':>9} {'straddled':>10} {'train ms':>9}")
         records: list[StepRecord] = []
         streams: list[tuple[list[int], Stream]] = []
         pending = submit()
@@ -249,15 +274,19 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
                         raise RuntimeError("validation requests made no progress")
                     time.sleep(0.002)
             inflight = server.inflight()
-            t0 = time.perf_counter()
-            server.pause("keep", clear_cache=True)
-            stats = trainer.send(f"step-{step}")
-            server.resume()
-            paused_ms = (time.perf_counter() - t0) * 1e3
+            paused_ms: float | None = None
+            if staged:  # the engine keeps generating; the commit re-prefills in-flight requests
+                stats = trainer.send(f"step-{step}")
+            else:
+                t0 = time.perf_counter()
+                server.pause("keep", clear_cache=True)
+                stats = trainer.send(f"step-{step}")
+                server.resume()
+                paused_ms = (time.perf_counter() - t0) * 1e3
             straddled = sum(len(r.versions) > 1 for r in rollouts)
             record = StepRecord(step, statistics.fmean(r.reward for r in rollouts),
-                                stats.seconds * 1e3, stats.gbps, paused_ms, inflight,
-                                straddled, train_ms, server.weight_version())
+                                stats.seconds * 1e3, stats.gbps, paused_ms, server.stall_ms(),
+                                inflight, straddled, train_ms, server.weight_version())
             records.append(record)
             _print_row(record)
         for f in pending[1]:
@@ -277,7 +306,8 @@ def _report(records: list[StepRecord], ok: bool, problems: list[str], out_dir: P
         "steps": len(records), "reward_first5": head, "reward_last5": tail,
         "median_transfer_ms": statistics.median(r.transfer_ms for r in records),
         "median_gbps": statistics.median(r.gbps for r in records),
-        "median_paused_ms": statistics.median(r.paused_ms for r in records),
+        "median_paused_ms": _median(r.paused_ms for r in records),
+        "median_stall_ms": _median(r.stall_ms for r in records),
         "straddled_rollouts": sum(r.straddled for r in records),
         "wall_s": wall_s, "validation_passed": ok, "problems": problems,
     }
@@ -292,7 +322,8 @@ def _report(records: list[StepRecord], ok: bool, problems: list[str], out_dir: P
     print(f"  {'reward, last 5 steps':<34} {tail:.3f}")
     print(f"  {'median transfer ms / GB/s':<34} {summary['median_transfer_ms']:.2f} / "
           f"{summary['median_gbps']:.3f}")
-    print(f"  {'median paused ms':<34} {summary['median_paused_ms']:.2f}")
+    paused, stall = _median(r.paused_ms for r in records), _median(r.stall_ms for r in records)
+    print(f"  {'median paused ms / stall ms':<34} {_ms(paused, 0)} / {_ms(stall, 0)}")
     print(f"  {'rollouts that straddled an update':<34} {summary['straddled_rollouts']}")
     print(f"  {'wall time':<34} {wall_s:.1f} s")
     print(f"  {'validation':<34} {'PASSED' if ok else 'FAILED: ' + '; '.join(problems[:3])}")

@@ -66,6 +66,13 @@ class RayPolicyServer:
         handle = Stream()
         return handle.follow(self._pool.submit(self._run, prompt, params, handle))
 
+    staging = "off"
+    """These engines land updates in place: the demo pauses around them."""
+
+    def stall_ms(self) -> float | None:
+        """Not measured for this engine."""
+        return None
+
     def pause(self, mode: str, clear_cache: bool) -> None:
         """Pause every engine."""
         self._all(lambda a: a.pause(mode, clear_cache))

@@ -81,11 +81,20 @@ class Stream:
         return self
 
 
+def last_stall(weight_info: Any, within_s: float = 2.0) -> float | None:
+    """`update_stall_ms` of the last update, waiting (up to `within_s`) for the engine's first
+    step after it, which closes its window; None when no step came (an idle engine)."""
+    deadline = time.monotonic() + within_s
+    while (stall := weight_info()["update_stall_ms"]) is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return None if stall is None else float(stall)
+
+
 class HTTPPolicyServer:
     """`wtransfer serve --dev-mode --batch-invariant` in a child process."""
 
     def __init__(self, *, model: str, seed: int, backend: str, data_parallel_size: int = 1,
-                 start_timeout_s: float = 120):
+                 update_staging: str = "auto", start_timeout_s: float = 120):
         self.model = model
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -93,7 +102,7 @@ class HTTPPolicyServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "wtransfer", "serve", "--model", model, "--seed", str(seed),
              "--port", str(port), "--dev-mode", "--batch-invariant",
-             "--weight-transfer-backend", backend,
+             "--weight-transfer-backend", backend, "--update-staging", update_staging,
              "--data-parallel-size", str(data_parallel_size)],
             stdout=subprocess.DEVNULL, stderr=self._log)
         self.http = httpx.Client(base_url=self.url, timeout=300,
@@ -109,6 +118,8 @@ class HTTPPolicyServer:
             time.sleep(0.1)
         self.client: WeightSyncClient = HTTPClient(self.url)
         self._pool = ThreadPoolExecutor(max_workers=128, thread_name_prefix="rollout")
+        self.staging = str(self.weight_info()["update_staging"])
+        """How the server lands updates ("off": in place, so the demo pauses around them)."""
 
     def _healthy(self) -> bool:
         try:
@@ -161,7 +172,15 @@ class HTTPPolicyServer:
 
     def weight_version(self) -> str:
         """GET /weight_info."""
-        return str(self.http.get("/weight_info").json()["weight_version"])
+        return str(self.weight_info()["weight_version"])
+
+    def weight_info(self) -> dict[str, Any]:
+        """GET /weight_info."""
+        return dict(self.http.get("/weight_info").json())
+
+    def stall_ms(self) -> float | None:
+        """The last update's stall (`update_stall_ms`), once the engine stepped after it."""
+        return last_stall(self.weight_info)
 
     def reference(self, state: dict[str, torch.Tensor]) -> FreshEngineReference:
         """Greedy continuations from a fresh engine holding the weights `state`."""
@@ -192,16 +211,26 @@ class LocalPolicyServer:
     """An `AsyncEngine` in this process, on its own event-loop thread."""
 
     def __init__(self, *, model: str, seed: int, backend: str,
-                 data_parallel_size: int = 1) -> None:
+                 data_parallel_size: int = 1, update_staging: str = "auto") -> None:
         self.model = model
-        self.engine = AsyncEngine(EngineConfig(model=model, seed=seed, batch_invariant=True,
-                                               weight_transfer_backend=backend,
-                                               max_num_seqs=256,
-                                               data_parallel_size=data_parallel_size))
+        self.engine = AsyncEngine(EngineConfig(
+            model=model, seed=seed, batch_invariant=True, weight_transfer_backend=backend,
+            max_num_seqs=256, data_parallel_size=data_parallel_size,
+            update_staging=None if update_staging == "auto" else update_staging))
         self.client: WeightSyncClient = LocalEngineClient(self.engine)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
+        self.staging = str(self.weight_info()["update_staging"])
+        """How the engine lands updates ("off": in place, so the demo pauses around them)."""
+
+    def weight_info(self) -> dict[str, Any]:
+        """The engine's weight info."""
+        return dict(self._submit(self.engine.weight_info()).result(timeout=CALL_TIMEOUT_S))
+
+    def stall_ms(self) -> float | None:
+        """The last update's stall (`update_stall_ms`), once the engine stepped after it."""
+        return last_stall(self.weight_info)
 
     def _submit(self, coro: Any) -> Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)

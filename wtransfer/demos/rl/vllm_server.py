@@ -101,6 +101,13 @@ class VLLMPolicyServer:
         return handle.follow(asyncio.run_coroutine_threadsafe(self._run(prompt, params, handle),
                                                               self._loop))
 
+    staging = "off"
+    """These engines land updates in place: the demo pauses around them."""
+
+    def stall_ms(self) -> float | None:
+        """Not measured for this engine."""
+        return None
+
     def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         """Pause vLLM (keep + clear_cache: kept requests re-prefill with the new weights)."""
         self._wait(self.llm.pause_generation(mode=mode, clear_cache=clear_cache))

@@ -125,6 +125,12 @@ def _agree(what: str) -> Callable[[list[Any]], Any]:
     return agree
 
 
+def _worst_stall(per_rank: list[float | None]) -> float | None:
+    """The engine's stall: the worst rank's, None while any rank's window is still open."""
+    closed = [v for v in per_rank if v is not None]
+    return max(closed) if len(closed) == len(per_rank) else None
+
+
 def _merge_stats(per_rank: list[Any]) -> dict[str, Any]:
     total = {key: sum(s[key] for s in per_rank)
              for key in ("steps", "tokens_generated", "running", "waiting",
@@ -134,7 +140,7 @@ def _merge_stats(per_rank: list[Any]) -> dict[str, Any]:
             "torn": any(s["torn"] for s in per_rank),
             "weight_version": per_rank[0]["weight_version"],
             "last_update_seconds": max(s["last_update_seconds"] for s in per_rank),
-            "update_stall_ms": max(s["update_stall_ms"] for s in per_rank),
+            "update_stall_ms": _worst_stall([s["update_stall_ms"] for s in per_rank]),
             "ranks": per_rank}
 
 
@@ -148,7 +154,8 @@ def _merge_weight_info(per_rank: list[Any]) -> dict[str, Any]:
             "rollback": all(info["rollback"] for info in per_rank),
             "update_bytes": sum(info["update_bytes"] for info in per_rank),
             "update_staging": per_rank[0]["update_staging"],
-            "update_stall_ms": max(info["update_stall_ms"] for info in per_rank),
+            "update_stall_ms": _worst_stall([info["update_stall_ms"] for info in per_rank]),
+            "update_commit_ms": max(info["update_commit_ms"] for info in per_rank),
             "previous_version": per_rank[0]["previous_version"],
             "workers": [w for info in per_rank for w in info["workers"]],
             "ranks": per_rank}

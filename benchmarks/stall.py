@@ -1,0 +1,152 @@
+"""Benchmark: what a weight update costs a serving engine, paused against staged.
+
+    python benchmarks/stall.py --models tiny,qwen3-0.6b --inflight 16 --updates 5
+
+A steady streaming load (`--inflight` greedy requests, each replaced as it finishes) runs on
+an in-process engine while a trainer thread pushes its weights over ipc every `--every-s`:
+
+- **none**: no updates (the floor: decode tokens/s, and the step interval, in the same run);
+- **paused**: ``pause(keep, clear_cache)``, update in place, resume (``update_staging=off``);
+- **staged**: the update lands in the shadow while the engine steps, committed by a swap at a
+  step boundary, with the requests in flight re-prefilled (``update_staging=swap``);
+- **staged, keep KV**: the same, keeping the requests' KV (``update_reprefill=False``): what
+  the commit alone costs.
+
+Per mode: tokens/s over the window (and its ratio to **none**), and per update the median of
+`update_stall_ms` (the longest gap between two steps the update caused) and, staged, of
+`update_commit_ms` (the swap itself). A gap includes a step's own compute: compare it with the
+step interval of **none**. The re-prefill after a commit is work every kept request needs to be
+computed with the new weights (the paused path does the same after its resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from wtransfer_ipc import IPCTrainerInitInfo
+
+import wtransfer
+from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient, SamplingParams
+from wtransfer.inference.model import load_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import print_table, write_json
+
+MODES = {"none": {"update_staging": "off"}, "paused": {"update_staging": "off"},
+         "staged": {"update_staging": "swap"},
+         "staged, keep KV": {"update_staging": "swap", "update_reprefill": False}}
+
+
+async def load(engine: AsyncEngine, inflight: int, max_tokens: int, stop: asyncio.Event,
+               counted: list[int]) -> None:
+    """Keep `inflight` greedy requests streaming until `stop`; count every token."""
+
+    async def one(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            seen = 0
+            async for out in engine.generate([i % 200 + 1, 5, 7], params):
+                got = len(out.outputs[0].token_ids)
+                counted[0] += got - seen
+                seen = got
+            n += 1
+
+    await asyncio.gather(*(one(i) for i in range(inflight)))
+
+
+async def step_interval(engine: AsyncEngine, window_s: float = 1.0) -> float:
+    """Median seconds between the engine's steps, from its step counter, over a window."""
+    samples = []
+    for _ in range(5):
+        a = (await engine.stats())["steps"]
+        started = time.perf_counter()
+        await asyncio.sleep(window_s / 5)
+        b = (await engine.stats())["steps"]
+        if b > a:
+            samples.append((time.perf_counter() - started) / (b - a))
+    return statistics.median(samples) if samples else float("nan")
+
+
+async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: float,
+                   max_tokens: int) -> dict[str, Any]:
+    engine = AsyncEngine(EngineConfig(model=model, max_num_seqs=max(64, inflight),
+                                      **MODES[mode]))
+    trainer = load_model(model, seed=1)
+    stop, counted = asyncio.Event(), [0]
+    driving = asyncio.create_task(load(engine, inflight, max_tokens, stop, counted))
+    await asyncio.sleep(1.0)  # every request streaming
+    client = LocalEngineClient(engine)
+    sender = await asyncio.to_thread(wtransfer.trainer_init, IPCTrainerInitInfo(
+        bucket_bytes=64 << 20, timeout_s=600), client=client,
+        source=wtransfer.ModuleSource(trainer))
+    interval = await step_interval(engine)
+    stalls, commits, transfers = [], [], []
+    start, base = time.perf_counter(), counted[0]
+    for k in range(updates if mode != "none" else 0):
+        await asyncio.sleep(every_s)
+        if mode == "paused":
+            await engine.pause_generation(mode="keep", clear_cache=True)
+        stats = await asyncio.to_thread(sender.send_weights, f"u{k}")
+        if mode == "paused":
+            await engine.resume_generation()
+        transfers.append(stats.seconds * 1e3)
+        info = await engine.weight_info()
+        while info["update_stall_ms"] is None:  # the first step after it closes its window
+            await asyncio.sleep(0.002)
+            info = await engine.weight_info()
+        stalls.append(info["update_stall_ms"])
+        commits.append(info["update_commit_ms"])
+    if mode == "none":
+        await asyncio.sleep(every_s * updates)
+    elapsed = time.perf_counter() - start
+    tokens = counted[0] - base
+    stop.set()
+    await engine.abort_requests()
+    await asyncio.wait_for(driving, 120)
+    sender.shutdown()
+    engine.shutdown()
+    return {"model": model, "mode": mode, "tokens_per_s": tokens / elapsed,
+            "step_ms": interval * 1e3,
+            "transfer_ms": statistics.median(transfers) if transfers else float("nan"),
+            "stall_ms": statistics.median(stalls) if stalls else float("nan"),
+            "commit_ms": statistics.median(commits) if mode.startswith("staged")
+            else float("nan"), "updates": len(stalls)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="tiny,qwen3-0.6b")
+    parser.add_argument("--inflight", type=int, default=16)
+    parser.add_argument("--updates", type=int, default=5)
+    parser.add_argument("--every-s", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    rows = []
+    for model in args.models.split(","):
+        for mode in MODES:
+            row = asyncio.run(run_mode(model, mode, args.inflight, args.updates, args.every_s,
+                                       args.max_tokens))
+            rows.append(row)
+            print(f"  {model} {mode}: {row['tokens_per_s']:.0f} tok/s, stall "
+                  f"{row['stall_ms']:.1f} ms", flush=True)
+        floor = next(r for r in rows if r["model"] == model and r["mode"] == "none")
+        for r in rows:
+            if r["model"] == model:
+                r["vs_none"] = r["tokens_per_s"] / floor["tokens_per_s"]
+    print_table(rows, [("model", "model", ""), ("mode", "mode", ""),
+                       ("tokens_per_s", "tok/s", ".0f"), ("vs_none", "vs none", ".3f"),
+                       ("step_ms", "step ms", ".2f"), ("transfer_ms", "transfer ms", ".1f"),
+                       ("stall_ms", "stall ms", ".2f"), ("commit_ms", "commit ms", ".3f"),
+                       ("updates", "updates", "d")])
+    print(f"wrote {write_json('stall', rows, vars(args))}")
+
+
+if __name__ == "__main__":
+    main()
