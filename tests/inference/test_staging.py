@@ -266,22 +266,19 @@ def test_copy_staging_keeps_the_live_storages_and_refuses_rollback():
     run(main())
 
 
-def test_a_staging_mode_that_does_not_fit_is_refused_at_start_up():
+def test_a_staging_mode_that_does_not_fit_is_refused_at_start_up(monkeypatch):
     """A shadow needs one more copy of the weights; a mode that cannot have it is refused
-    when the engine starts, saying what to choose instead."""
+    when the engine starts, saying what to choose instead. (The host's free memory is the
+    one thing set here: 1 KiB.)"""
     from wtransfer.inference import replica
 
-    real = replica.available_host_memory
-    replica.available_host_memory = lambda: 1 << 10  # a host with 1 KiB free
-    try:
-        with pytest.raises(ConfigError, match="update_staging='swap' keeps one more copy.*"
-                                              "choose update_staging='off'"):
-            AsyncEngine(EngineConfig(model="tiny", update_staging="swap"))
-        auto = AsyncEngine(EngineConfig(model="tiny"))
-        assert auto.call("weight_info")["update_staging"] == "off"  # auto: does not fit
-        auto.shutdown()
-    finally:
-        replica.available_host_memory = real
+    monkeypatch.setattr(replica, "available_host_memory", lambda: 1 << 10)
+    with pytest.raises(ConfigError, match=r"update_staging='swap' keeps one more copy.*"
+                                          r"choose update_staging='off'"):
+        AsyncEngine(EngineConfig(model="tiny", update_staging="swap"))
+    auto = AsyncEngine(EngineConfig(model="tiny"))
+    assert auto.call("weight_info")["update_staging"] == "off"  # auto: it does not fit
+    auto.shutdown()
 
 
 def test_tokens_keep_coming_from_the_engine_thread_while_a_call_is_on_the_lane():
