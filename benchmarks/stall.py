@@ -38,7 +38,8 @@ from wtransfer.inference.model import load_model
 sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_json
 
-MODES: dict[str, dict[str, Any]] = {"none": {"update_staging": "off"}, "paused": {"update_staging": "off"},
+MODES: dict[str, dict[str, Any]] = {
+         "none": {"update_staging": "off"}, "paused": {"update_staging": "off"},
          "staged": {"update_staging": "swap"},
          "staged, keep KV": {"update_staging": "swap", "update_reprefill": False}}
 
