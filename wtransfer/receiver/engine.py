@@ -158,7 +158,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 log.exception("%s: rollback failed", self.backend_name)
                 reason += f"; rollback failed ({type(exc).__name__}: {exc})"
         self.failure = reason
-        self.torn = touched
+        self.torn = touched and bool(session and session.touched)  # unless rolled back
         self._state = ReceiverState.FAILED
 
     def _expire_if_abandoned(self) -> None:
