@@ -13,10 +13,11 @@ an in-process engine while a trainer thread pushes its weights over ipc every `-
   the commit alone costs.
 
 Per mode: tokens/s over the window (and its ratio to **none**), and per update the median of
-`update_stall_ms` (the longest gap between two steps the update caused) and, staged, of
-`update_commit_ms` (the swap itself). A gap includes a step's own compute: compare it with the
-step interval of **none**. The re-prefill after a commit is work every kept request needs to be
-computed with the new weights (the paused path does the same after its resume).
+`update_stall_ms` (the longest time the update kept the engine from computing: between the end
+of one step and the start of the next) and, staged, of `update_commit_ms` (the swap itself).
+Steps slowed beside a staged transfer, and the re-prefill after a commit (work every kept
+request needs to be computed with the new weights; the paused path does the same after its
+resume), are compute: they show in tokens/s.
 """
 
 from __future__ import annotations

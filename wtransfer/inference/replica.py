@@ -79,7 +79,7 @@ class Replica:
         self.steps = 0
         self.tokens_generated = 0
         self.stall = StallMeter()
-        """The longest gap between steps each update caused (`update_stall_ms`)."""
+        """How long each update kept the engine from computing (`update_stall_ms`)."""
         self.commit_ms = 0.0
         """How long the last staged commit held the engine thread (the swap or copy itself;
         the re-prefill it asks for is computed by the steps after it)."""
@@ -106,6 +106,7 @@ class Replica:
         A failure while computing the step ends only that step's requests, with finish_reason
         "error" and the message; the engine keeps serving the others.
         """
+        started = time.monotonic()
         batch = self.scheduler.schedule()
         if not batch:
             return 0
@@ -120,7 +121,7 @@ class Replica:
                 self.emit(seq.to_output())
             return len(batch)
         self.steps += 1
-        self.stall.step(bool(self.scheduler.running))
+        self.stall.step(started, bool(self.scheduler.running))
         for seq, (token, logprob) in zip(batch, results, strict=True):
             seq.append(token, logprob, self.weight_version)
             seq.num_computed = len(seq) - 1

@@ -77,9 +77,9 @@ METRICS_HELP = {
                            "packed buckets, alignment padding included (a sender's "
                            "TransferStats.bytes counts the tensors' own bytes)",
     "last_transfer_seconds": "the last update's time from start to finish at the engine",
-    "last_update_stall_ms": "the longest gap between two steps the last update caused (its "
-                            "pause, or a staged update's commit); NaN until the first step "
-                            "after it",
+    "last_update_stall_ms": "the longest time the last update kept the engine from computing, "
+                            "between two steps (its pause, or a staged update's commit); NaN "
+                            "until the first step after it",
     "prefix_cache_hit_blocks_total": "KV blocks reused from the prefix cache",
     "preemptions_total": "sequences preempted for lack of KV blocks",
 }

@@ -2,11 +2,12 @@
 
 An update's window opens when it starts and closes at the first step after it finished (an
 in-place update: after the resume; a staged one: after its commit). The stall is the longest
-gap between two consecutive step ends inside the window, counted only where the engine had
-requests to step at the earlier one (an idle engine does not stall). A paused update's gap
-therefore spans its pause; a staged one's only the steps slowed beside the transfer and the
-step that carries the commit. A step's own compute is part of every gap: compare against the
-step interval without updates (`benchmarks/stall.py` prints both).
+time inside the window between the end of one step and the start of the next, counted only
+where the engine had requests to step at the end of the earlier one (an idle engine does not
+stall): the time the engine computed nothing because of the update. A paused update's stall
+therefore spans its pause; a staged one's is the commit and the calls between two steps. Steps
+that run slower beside a staged transfer, or the re-prefill after a commit, are compute, not
+stall: they show in throughput (`benchmarks/stall.py` prints both).
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ class StallMeter:
         if self._open:
             self._closing = True
 
-    def step(self, busy: bool) -> None:
-        """A step ended; `busy`: the engine has requests left to step."""
-        now = time.monotonic()
+    def step(self, started: float, busy: bool) -> None:
+        """A step that began at `started` (`time.monotonic()`) ended; `busy`: the engine has
+        requests left to step."""
         if self._open and self._busy and self._last_end is not None:
-            self._worst = max(self._worst, now - self._last_end)
+            self._worst = max(self._worst, started - self._last_end)
         if self._closing:
             self.last_ms = self._worst * 1e3
             self._open = self._closing = False
-        self._last_end, self._busy = now, busy
+        self._last_end, self._busy = time.monotonic(), busy

@@ -51,7 +51,8 @@ class StepRecord:
     paused_ms: float | None
     """The pause around the update, as the trainer saw it (None: a staged update, no pause)."""
     stall_ms: float | None
-    """The longest gap between two engine steps the update caused (None: not measured)."""
+    """The longest time the update kept the engine from computing, between two steps (None:
+    not measured)."""
     inflight: int
     straddled: int
     train_ms: float
@@ -190,7 +191,7 @@ def _plot(records: list[StepRecord], path: Path, title: str) -> None:
     ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
     ax2.bar(steps, [r.transfer_ms for r in records], color="tab:blue", label="transfer")
     for key, label, color in (("paused_ms", "paused (pause+transfer+resume)", "tab:orange"),
-                              ("stall_ms", "engine stall (longest gap between steps)",
+                              ("stall_ms", "engine stall (no step computed)",
                                "tab:red")):
         points = [(r.step, getattr(r, key)) for r in records if getattr(r, key) is not None]
         if points:
