@@ -1,8 +1,16 @@
-"""The records of the lifecycle: wire parameters, init and update infos, and transfer stats.
+"""The records of the lifecycle: wire parameters, init and update infos, transfer stats, and
+layouts.
 
 A backend subclasses `TrainerInitInfo` (naming itself in the `backend` class attribute, which
 is checked when the class is defined), `ReceiverInitInfo` and `UpdateInfo`. Dicts from the
 wire become these dataclasses through `wtransfer.wire.parse_record`.
+
+Layouts say which part of each tensor a rank holds. A sharded engine worker (or trainer rank)
+holds a slice of a tensor: one box of it, or several boxes laid side by side (a
+tensor-parallel rank of a fused ``gate_up_proj`` holds its rows of the gate and of the up
+projection). A `TensorLayout` says so for one tensor: its global name, shape and dtype, the
+`Box`es held, and how the local tensor is made of them (concatenated along `concat_dim`, in
+order); `replica` tells copies of the same boxes on several ranks apart.
 """
 
 from __future__ import annotations
@@ -10,10 +18,13 @@ from __future__ import annotations
 import math
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal, get_args
 
-from wtransfer.errors import ConfigError
+import torch
+
+from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.manifest import PlanParams
 from wtransfer.packing import DEFAULT_ALIGN
 from wtransfer.wire import check_record_types, record_to_wire
@@ -189,3 +200,108 @@ def receiver_init_dict(trainer: TrainerInitInfo, **extra: Any) -> dict[str, Any]
     params = {k: v for k, v in record_to_wire(trainer).items()
               if k in WireParams.__dataclass_fields__}
     return {**params, **extra}
+
+
+# -- layouts ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Box:
+    """A rectangular part of a tensor: per dimension, where it starts and how long it is."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.lengths):
+            raise MetadataError(f"a box needs one offset per length, got {self.offsets} and "
+                                f"{self.lengths}")
+        if any(o < 0 for o in self.offsets) or any(n < 0 for n in self.lengths):
+            raise MetadataError(f"box offsets and lengths must be >= 0, got {self}")
+
+    @classmethod
+    def whole(cls, shape: Sequence[int]) -> Box:
+        """The box of a whole tensor of `shape`."""
+        return cls(offsets=(0,) * len(shape), lengths=tuple(shape))
+
+    def slices(self) -> tuple[slice, ...]:
+        """Index of this box in the full tensor."""
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.lengths, strict=True))
+
+    @property
+    def numel(self) -> int:
+        """Elements in the box."""
+        return math.prod(self.lengths)
+
+    def within(self, shape: Sequence[int]) -> bool:
+        """Whether the box lies inside a tensor of `shape`."""
+        return len(shape) == len(self.offsets) and all(
+            o + n <= s for o, n, s in zip(self.offsets, self.lengths, shape, strict=True))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorLayout:
+    """The part of global tensor `name` (`shape`, `dtype`) one rank holds (see the module
+    docstring)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    boxes: tuple[Box, ...]
+    concat_dim: int = 0
+    """The local tensor is the boxes concatenated along this dimension, in order."""
+    replica: int = 0
+    """Which copy of these boxes this is among the ranks that hold the same ones."""
+
+    def __post_init__(self) -> None:
+        if not self.boxes:
+            raise MetadataError(f"layout of {self.name!r} holds no box")
+        bad = [b for b in self.boxes if not b.within(self.shape)]
+        if bad:
+            raise MetadataError(f"layout of {self.name!r}: box {bad[0]} lies outside "
+                                f"{list(self.shape)}")
+        if len(self.boxes) > 1 and not 0 <= self.concat_dim < len(self.shape):
+            raise MetadataError(f"layout of {self.name!r}: concat_dim {self.concat_dim} out "
+                                f"of range")
+
+    @classmethod
+    def whole(cls, name: str, dtype: str, shape: Sequence[int], replica: int = 0
+              ) -> TensorLayout:
+        """The layout of a rank holding all of a tensor."""
+        return cls(name=name, dtype=dtype, shape=tuple(shape), boxes=(Box.whole(shape),),
+                   replica=replica)
+
+    @property
+    def is_whole(self) -> bool:
+        """Whether this rank holds the whole tensor."""
+        return len(self.boxes) == 1 and self.boxes[0] == Box.whole(self.shape)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor this rank holds."""
+        first = list(self.boxes[0].lengths)
+        if len(self.boxes) > 1:
+            first[self.concat_dim] = sum(b.lengths[self.concat_dim] for b in self.boxes)
+        return tuple(first)
+
+    @property
+    def numel(self) -> int:
+        """Elements this rank holds."""
+        return sum(b.numel for b in self.boxes)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full tensor `full` (a view when it is one box)."""
+        if tuple(full.shape) != self.shape:
+            raise MetadataError(f"{self.name!r}: full tensor of shape {list(full.shape)}, the "
+                                f"layout says {list(self.shape)}")
+        parts = [full[b.slices()] for b in self.boxes]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.concat_dim)
+
+    def place(self, local: torch.Tensor, full: torch.Tensor) -> None:
+        """Write the local tensor's boxes into the full tensor `full`."""
+        start = 0
+        for box in self.boxes:
+            width = box.lengths[self.concat_dim] if len(self.boxes) > 1 else 0
+            piece = (local if len(self.boxes) == 1
+                     else local.narrow(self.concat_dim, start, width))
+            full[box.slices()] = piece
+            start += width

@@ -171,7 +171,8 @@ def test_dev_endpoints_and_their_errors(dev):
         "failure": None, "rollback": False, "update_staging": "swap", "update_stall_ms": 0.0,
         "update_commit_ms": 0.0, "previous_version": None,
         "workers": [{"worker": 0, "update_state": "none", "update_bytes": 0,
-                     "last_update_bytes": 0}]}
+                     "last_update_bytes": 0, "kept_bytes": 427520, "torn": False,
+                     "failure": None}]}
     assert h.post("/update_weight_version", json={}).status_code == 400
     assert len(h.get("/weight_fingerprint").json()["fingerprint"]) > 10
     assert h.post("/resume").status_code == 200

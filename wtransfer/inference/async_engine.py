@@ -69,9 +69,9 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, output)
 
     def num_workers(self) -> int:
-        """Receiving workers behind this engine (its data-parallel ranks); a trainer sizes
-        NCCL groups and UCX endpoint counts by it."""
-        return self.config.data_parallel_size
+        """Receiving workers behind this engine (its data-parallel ranks times their
+        tensor-parallel workers); a trainer sizes NCCL groups and UCX endpoint counts by it."""
+        return self.config.data_parallel_size * self.config.tensor_parallel_size
 
     def call(self, command: str, *args: Any) -> Any:
         """Run one of `COMMANDS` from a thread other than this engine's event loop and wait

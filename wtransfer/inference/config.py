@@ -25,6 +25,23 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     torch_dtype: str = "float32"
+    num_experts: int = 0
+    """Mixture of experts (Qwen3-MoE): experts per MoE layer; 0 is a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to."""
+    moe_intermediate_size: int = 0
+    """The feed-forward width of one expert."""
+    norm_topk_prob: bool = True
+    """Renormalize the routing weights of the chosen experts to sum to one."""
+    decoder_sparse_step: int = 1
+    """Every this many layers is an MoE layer (the others dense), as in Qwen3-MoE."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers that stay dense whatever `decoder_sparse_step` says."""
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` routes its tokens to experts."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -34,23 +51,46 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("model config: num_attention_heads must be a multiple of "
                               "num_key_value_heads")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0
+                                     and self.decoder_sparse_step > 0):
+            raise ConfigError("model config: an MoE model needs 0 < num_experts_per_tok <= "
+                              "num_experts, moe_intermediate_size > 0, decoder_sparse_step > 0")
 
     @classmethod
     def from_hf(cls, data: dict[str, Any]) -> ModelConfig:
         """Read the fields this engine uses from a Hugging Face config.json dict."""
         known = {f.name for f in fields(cls)}
+        data = {**data}
+        for old, new in (("num_local_experts", "num_experts"), ("dtype", "torch_dtype")):
+            if old in data and new not in data:  # transformers 5 names
+                data[new] = data[old]
+        rope = data.get("rope_parameters")
+        if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in data:
+            data["rope_theta"] = rope["rope_theta"]
         values = {k: v for k, v in data.items() if k in known}
         if "head_dim" not in values and "hidden_size" in data and "num_attention_heads" in data:
             values["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
         values.setdefault("num_key_value_heads", data.get("num_attention_heads"))
+        if "mlp_only_layers" in values:
+            values["mlp_only_layers"] = tuple(values["mlp_only_layers"])
         try:
             return cls(**values)
         except TypeError as exc:
             raise ConfigError(f"config.json is missing fields this engine needs: {exc}") from None
 
     def to_hf(self) -> dict[str, Any]:
-        """A Hugging Face style config.json dict (Qwen3 architecture)."""
-        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **asdict(self)}
+        """A Hugging Face style config.json dict (Qwen3, or Qwen3-MoE with experts)."""
+        fields = asdict(self)
+        if not self.num_experts:
+            return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                    **{k: v for k, v in fields.items() if k not in _MOE_FIELDS}}
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                **fields, "mlp_only_layers": list(self.mlp_only_layers)}
+
+
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
 
 
 MODEL_CONFIGS: dict[str, ModelConfig] = {
@@ -62,6 +102,11 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
                           num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                           intermediate_size=128, tie_word_embeddings=False,
                           max_position_embeddings=2048),
+    "tiny-moe": ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            intermediate_size=128, tie_word_embeddings=False,
+                            max_position_embeddings=2048, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=32),
     "small": ModelConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                          intermediate_size=384, tie_word_embeddings=True,
@@ -71,8 +116,9 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
                               intermediate_size=3072, tie_word_embeddings=True,
                               max_position_embeddings=40960, torch_dtype="bfloat16"),
 }
-"""Named random-weight models: "tiny" for tests, "tiny32" where an engine needs head_dim >= 32
-(vLLM's CPU attention), Qwen3-0.6B shapes for benchmarks."""
+"""Named random-weight models: "tiny" for tests, "tiny-moe" (Qwen3-MoE, 4 experts, 2 per
+token), "tiny32" where an engine needs head_dim >= 32 (vLLM's CPU attention), Qwen3-0.6B shapes
+for benchmarks."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +142,12 @@ class EngineConfig:
     """Compute each sequence on its own so its tokens never depend on its batch-mates (and turn
     prefix caching off, whose cached blocks come from other sequences' computations)."""
     data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    """Worker processes per data-parallel rank, each holding a slice of every matrix (heads,
+    feed-forward width and vocabulary split; one all-reduce per attention and MLP block)."""
+    enable_expert_parallel: bool = False
+    """An MoE model's experts split across the tensor-parallel workers (each keeps only its
+    experts) instead of each expert's width."""
     dp_sync_interval: int = 32
     step_timeout_s: float = 60.0
     """Deadline of pause and resume (a wait-mode pause includes draining running requests)."""
@@ -117,7 +169,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-                     "data_parallel_size", "dp_sync_interval"):
+                     "data_parallel_size", "tensor_parallel_size", "dp_sync_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.update_staging not in (None, "off", "swap", "copy"):

@@ -131,5 +131,4 @@ class EngineCore(Replica):
             self._thread.join(timeout=self.config.step_timeout_s)
         if self._lane is not None:
             self._lane.shutdown()
-        if self.receiver is not None:
-            self.receiver.shutdown()
+        self.close()

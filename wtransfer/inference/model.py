@@ -8,9 +8,11 @@ paged KV cache through an `AttentionBatch` that the engine's runner builds for e
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +20,11 @@ from torch import nn
 
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.inference.config import MODEL_CONFIGS, ModelConfig
+from wtransfer.inference.parallel import Parallel, check_shardable, layouts
 from wtransfer.packing import DTYPES
+
+ALONE = Parallel()
+"""A model that is not split."""
 
 
 @dataclass
@@ -70,18 +76,22 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Ten
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with Qwen3's per-head q/k norms and rotary embeddings."""
+    """Grouped-query attention with Qwen3's per-head q/k norms and rotary embeddings (a
+    tensor-parallel rank holds its share of the heads and KV heads)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, par: Parallel = ALONE) -> None:
         super().__init__()
         self.layer = layer
-        self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads,
-                                                    cfg.num_key_value_heads, cfg.head_dim)
+        self.par = par
+        self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads // par.size,
+                                                    cfg.num_key_value_heads // par.size,
+                                                    cfg.head_dim)
         self.theta = cfg.rope_theta
         self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        """Row-parallel: its outputs are summed over the ranks."""
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
@@ -107,32 +117,83 @@ class Attention(nn.Module):
             att = F.scaled_dot_product_attention(qs.transpose(0, 1), keys.transpose(0, 1),
                                                  values.transpose(0, 1), attn_mask=mask)
             out[seg.start : seg.end] = att.transpose(0, 1)
-        return self.o_proj(out.reshape(n, self.heads * self.head_dim))
+        return self.par.all_reduce(self.o_proj(out.reshape(n, self.heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward."""
+    """SwiGLU feed-forward (a tensor-parallel rank holds its share of the width)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, par: Parallel = ALONE) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.par = par
+        width = cfg.intermediate_size // par.size
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate(x)) * up(x))."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """down(silu(gate(x)) * up(x)), summed over the ranks."""
+        return self.par.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class Experts(nn.Module):
+    """The experts of one MoE layer as two fused tensors, as transformers holds them:
+    ``gate_up_proj`` [experts, 2 x width, hidden] (gate rows, then up rows) and ``down_proj``
+    [experts, hidden, width]; a checkpoint's per-expert tensors load into them."""
+
+    def __init__(self, cfg: ModelConfig, par: Parallel = ALONE) -> None:
+        super().__init__()
+        count = cfg.num_experts // par.size if par.expert else cfg.num_experts
+        width = cfg.moe_intermediate_size if par.expert else cfg.moe_intermediate_size // par.size
+        self.first = par.span(cfg.num_experts)[0] if par.expert else 0
+        """The global index of this rank's first expert."""
+        self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * width, cfg.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(count, cfg.hidden_size, width))
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's feed-forward: a router picks `num_experts_per_tok` experts per token, their
+    SwiGLU outputs are summed with the routing weights (renormalized over the picked experts
+    with `norm_topk_prob`). The order of the computation is transformers', so fp32 outputs
+    match it; a rank computes the experts it holds and one all-reduce sums them."""
+
+    def __init__(self, cfg: ModelConfig, par: Parallel = ALONE) -> None:
+        super().__init__()
+        self.par = par
+        self.top_k, self.norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        """The router (replicated)."""
+        self.experts = Experts(cfg, par)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Route, compute this rank's experts, sum over the ranks."""
+        logits = F.linear(x, self.gate.weight)
+        probs = F.softmax(logits, dtype=torch.float, dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype)
+        out = torch.zeros_like(x)
+        experts = self.experts
+        for local in range(experts.gate_up_proj.shape[0]):
+            pick, token = torch.where((chosen == experts.first + local).T)
+            if token.numel() == 0:
+                continue
+            gate, up = F.linear(x[token], experts.gate_up_proj[local]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, experts.down_proj[local])
+            out.index_add_(0, token, (y * weights[token, pick, None]).to(out.dtype))
+        return self.par.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residuals."""
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, par: Parallel = ALONE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, par)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = SparseMoE(cfg, par) if cfg.is_moe_layer(layer) else MLP(cfg, par)
 
     def forward(self, h: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """One transformer block."""
@@ -143,34 +204,48 @@ class DecoderLayer(nn.Module):
 class DecoderBody(nn.Module):
     """Embeddings, layers and the final norm (the checkpoint's ``model.`` prefix)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, par: Parallel = ALONE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size // par.size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, par)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen3ForCausalLM(nn.Module):
     """The policy: `forward` gives hidden states of the batch's tokens, `logits` projects them."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, par: Parallel = ALONE) -> None:
         super().__init__()
+        check_shardable(cfg, par)
         self.config = cfg
-        self.model = DecoderBody(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.par = par
+        self.model = DecoderBody(cfg, par)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // par.size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; a vocabulary-parallel rank looks up the ids it holds, and an
+        all-reduce fills in the rest."""
+        if self.par.size == 1:
+            return self.model.embed_tokens(input_ids)
+        start, end = self.par.span(self.config.vocab_size)
+        outside = (input_ids < start) | (input_ids >= end)
+        h = self.model.embed_tokens(torch.where(outside, 0, input_ids - start))
+        h[outside] = 0
+        return self.par.all_reduce(h)
+
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of the flat batch `input_ids`."""
-        h = self.model.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         for layer in self.model.layers:
             h = layer(h, batch)
         return self.model.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits (float32) of hidden states."""
-        return self.lm_head(hidden).float()
+        """Vocabulary logits (float32) of hidden states (gathered from every rank)."""
+        return self.par.gather_last(self.lm_head(hidden)).float()
 
     def sequence_logits(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         """Logits at every position of each full sequence, differentiable (for training):
@@ -195,31 +270,80 @@ class Qwen3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in place; fused ``qkv_proj``/``gate_up_proj`` are split."""
+        """Copy checkpoint tensors in place: fused ``qkv_proj``/``gate_up_proj`` are split, a
+        checkpoint's per-expert tensors go into their rows of the fused experts (a model that
+        is not split: shards are taken from a whole one, `shard_model`)."""
         own = self.state_dict(keep_vars=True)
         for name, tensor in weights:
-            for part, piece in self._split_fused(name, tensor):
+            for part, index, piece in self._places(name, tensor):
                 dest = own.get(part)
                 if dest is None:
-                    raise MetadataError(f"checkpoint tensor {part!r} has no place in this model")
-                if dest.shape != piece.shape:
-                    raise MetadataError(f"checkpoint tensor {part!r} has shape "
-                                        f"{list(piece.shape)}, model expects {list(dest.shape)}")
-                dest.data.copy_(piece)
+                    raise MetadataError(f"checkpoint tensor {name!r} has no place in this model")
+                view = dest.data if index is None else dest.data[index]
+                if view.shape != piece.shape:
+                    raise MetadataError(f"checkpoint tensor {name!r} has shape "
+                                        f"{list(piece.shape)}, model expects {list(view.shape)}")
+                view.copy_(piece)
 
-    def _split_fused(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def _places(self, name: str, tensor: torch.Tensor
+                ) -> list[tuple[str, Any, torch.Tensor]]:
+        """Where a checkpoint tensor goes: (parameter, index into it or None, the piece)."""
         cfg = self.config
         if name.endswith("self_attn.qkv_proj.weight"):
             base = name.removesuffix("qkv_proj.weight")
             q = cfg.num_attention_heads * cfg.head_dim
             kv = cfg.num_key_value_heads * cfg.head_dim
             parts = tensor.split([q, kv, kv], dim=0)
-            return [(base + f"{p}_proj.weight", t) for p, t in zip("qkv", parts, strict=True)]
+            return [(base + f"{p}_proj.weight", None, t)
+                    for p, t in zip("qkv", parts, strict=True)]
         if name.endswith("mlp.gate_up_proj.weight"):
             base = name.removesuffix("gate_up_proj.weight")
             gate, up = tensor.chunk(2, dim=0)
-            return [(base + "gate_proj.weight", gate), (base + "up_proj.weight", up)]
-        return [(name, tensor)]
+            return [(base + "gate_proj.weight", None, gate), (base + "up_proj.weight", None, up)]
+        expert = _EXPERT.fullmatch(name)
+        if expert is not None:
+            base, index, proj = expert.group(1), int(expert.group(2)), expert.group(3)
+            width = cfg.moe_intermediate_size
+            if proj == "down":
+                return [(base + "down_proj", index, tensor)]
+            rows = slice(0, width) if proj == "gate" else slice(width, 2 * width)
+            return [(base + "gate_up_proj", (index, rows), tensor)]
+        return [(name, None, tensor)]
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The state dict under a checkpoint's names: fused experts as one tensor per expert
+        and projection, as Hugging Face checkpoints store them (`save_pretrained`)."""
+        out: dict[str, torch.Tensor] = {}
+        width = self.config.moe_intermediate_size
+        for name, tensor in self.state_dict().items():
+            if name.endswith("mlp.experts.gate_up_proj"):
+                base = name.removesuffix("gate_up_proj")
+                for e in range(tensor.shape[0]):
+                    out[f"{base}{e}.gate_proj.weight"] = tensor[e, :width]
+                    out[f"{base}{e}.up_proj.weight"] = tensor[e, width:]
+            elif name.endswith("mlp.experts.down_proj"):
+                base = name.removesuffix("down_proj")
+                for e in range(tensor.shape[0]):
+                    out[f"{base}{e}.down_proj.weight"] = tensor[e]
+            else:
+                out[name] = tensor
+        return out
+
+
+_EXPERT = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight")
+"""A checkpoint's per-expert tensor: the experts' prefix, the expert, the projection."""
+
+
+def shard_model(full: Qwen3ForCausalLM, par: Parallel) -> Qwen3ForCausalLM:
+    """Rank `par.rank`'s shard of the whole model `full` (same names, sharded shapes: the
+    slices `wtransfer.inference.parallel.layouts` gives)."""
+    shard = Qwen3ForCausalLM(full.config, par)
+    state = full.state_dict()
+    kept = layouts(full.config, par, state)
+    with torch.no_grad():
+        for name, tensor in shard.state_dict(keep_vars=True).items():
+            tensor.data.copy_(kept[name].take(state[name]))
+    return shard.to(next(full.parameters()).dtype).eval()
 
 
 def _init_random(model: nn.Module, seed: int) -> None:
@@ -229,7 +353,7 @@ def _init_random(model: nn.Module, seed: int) -> None:
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:  # unit-variance activations: outputs depend visibly on every weight
-                scale = 1.0 if param.dim() == 1 or "embed" in name else param.shape[1] ** -0.5
+                scale = 1.0 if param.dim() == 1 or "embed" in name else param.shape[-1] ** -0.5
                 param.copy_(torch.randn(param.shape, generator=gen) * scale)
 
 
@@ -267,7 +391,7 @@ def save_pretrained(model: Qwen3ForCausalLM, directory: str | Path) -> Path:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in model.checkpoint_tensors().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"))

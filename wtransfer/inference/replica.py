@@ -8,6 +8,7 @@ data-parallel rank drives one from its process's main loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from concurrent.futures import Future
@@ -15,21 +16,22 @@ from typing import Any
 
 import torch
 
-from wtransfer.errors import ConfigError, LifecycleError
+from wtransfer.errors import ConfigError, EngineDeadError, LifecycleError
 from wtransfer.inference.block_manager import BlockManager
 from wtransfer.inference.commands import Emit
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.model import load_model
+from wtransfer.inference.model import ALONE, load_model, shard_model
+from wtransfer.inference.parallel import Parallel, layouts
 from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.runner import ModelRunner
 from wtransfer.inference.scheduler import PauseState, Scheduler
 from wtransfer.inference.sequence import Sequence
-from wtransfer.inference.staging import StagedWeights, StagingMode
+from wtransfer.inference.staging import StagingMode
 from wtransfer.inference.stall import StallMeter
+from wtransfer.inference.tp.shard import ShardWeights
+from wtransfer.inference.tp.workers import TPWorkers
 from wtransfer.receiver.engine import ReceiverState, WeightTransferEngine
-from wtransfer.receiver.target import ModuleTarget
 from wtransfer.records import PauseMode, check_pause_mode, check_version
-from wtransfer.registry import create_receiver
 from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.engine")
@@ -59,23 +61,45 @@ class Replica:
         self.config = config
         self.emit = emit
         self.worker_index = worker_index
-        self.model = load_model(config.model, device=config.device, dtype=config.dtype,
-                                seed=config.seed)
-        self.target = ModuleTarget(self.model)
+        tp = config.tensor_parallel_size
+        device = torch.device(config.device)
+        full = load_model(config.model, device="cpu" if tp > 1 else config.device,
+                          dtype=config.dtype, seed=config.seed)
+        mode = self._staging_mode(full, device)
+        rollback = mode == "off" and self._rollback_enabled(full)
+        self.workers: TPWorkers | None = None
+        """Ranks 1..N-1 of this replica's tensor-parallel group (None: not split)."""
+        par = ALONE
+        if tp > 1:
+            self.workers = TPWorkers(config, first_worker=worker_index, staging=mode,
+                                     rollback=rollback, device=device)
+            par = Parallel(0, tp, config.enable_expert_parallel, self.workers.collective)
+            meta = {n: t.to("meta") for n, t in full.state_dict().items()}
+            self.workers.layouts = [layouts(full.config, Parallel(r, tp, par.expert), meta)
+                                    for r in range(tp)]
+            self.model = shard_model(full, par).to(device)
+        else:
+            self.model = full
+        self.weights = ShardWeights(self.model, layouts(full.config, par, full.state_dict()),
+                                    backend=config.weight_transfer_backend,
+                                    device=config.device, worker_index=worker_index,
+                                    staging=mode, rollback=rollback)
+        """Rank 0's weights, its shadow and its receiver."""
+        del full
+        self.staging = self.weights.staging
+        """The shadow staged updates land in (None: updates land in place, paused)."""
+        self.rollback = self.weights.rollback
+        """Whether in-place updates keep host copies to restore on failure (decided once, at
+        start: `EngineConfig.update_rollback`, or auto; staged updates never touch the live
+        weights, so they need none)."""
+        self.target = self.weights.live
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.model.config.max_position_embeddings)
-        self.runner = ModelRunner(self.model, config)
+        self.runner = ModelRunner(self.model, config, before_forward=(
+            self.workers.step if self.workers is not None else None))
         self.weight_version = "default"
-        mode = self._staging_mode()
-        self.staging = StagedWeights(self.model, mode) if mode != "off" else None
-        """The shadow staged updates land in (None: updates land in place, paused)."""
-        self.rollback = self.staging is None and self._rollback_enabled()
-        """Whether in-place updates keep host copies to restore on failure (decided once, at
-        start: `EngineConfig.update_rollback`, or auto; staged updates never touch the live
-        weights, so they need none)."""
-        self.receiver: WeightTransferEngine[Any, Any] | None = None
         self.steps = 0
         self.tokens_generated = 0
         self.stall = StallMeter()
@@ -85,6 +109,11 @@ class Replica:
         the re-prefill it asks for is computed by the steps after it)."""
         self._sequences: dict[str, Sequence] = {}
         self._drained: list[tuple[Future[None], bool]] = []
+
+    @property
+    def receiver(self) -> WeightTransferEngine[Any, Any] | None:
+        """Rank 0's receiver (None before the first init)."""
+        return self.weights.receiver
 
     # -- stepping --------------------------------------------------------------------------
 
@@ -112,6 +141,8 @@ class Replica:
             return 0
         try:
             results = self.runner.run(batch)
+        except EngineDeadError:
+            raise  # a tensor-parallel worker is gone: the engine cannot step any more
         except Exception as exc:
             log.exception("step failed; ending its %d request(s) with finish_reason 'error'",
                           len(batch))
@@ -222,29 +253,40 @@ class Replica:
 
     # -- weight transfer (engine thread) ---------------------------------------------------
 
+    def _everywhere(self, command: str, *args: Any) -> None:
+        """Run a weight-transfer command on every rank of the group: the workers first (so
+        receivers that must meet, such as an NCCL group, are all in it), then rank 0, then
+        wait for the workers' answers (a failure here is the one raised)."""
+        pending = self.workers.call_all(command, args) if self.workers is not None else None
+        try:
+            getattr(self.weights, command)(*args)
+        except BaseException:
+            if pending is not None and self.workers is not None:
+                with contextlib.suppress(Exception):  # rank 0's failure is the one to report
+                    self.workers.wait(pending, command)
+            raise
+        if pending is not None and self.workers is not None:
+            self.workers.wait(pending, command)
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Create (once) the configured backend's receiver over the model and initialize it."""
-        if self.receiver is None:
-            target = self.staging.target if self.staging is not None else self.target
-            self.receiver = create_receiver(self.config.weight_transfer_backend, target,
-                                            device=self.config.device,
-                                            worker_index=self.worker_index,
-                                            rollback=self.rollback)
-        self.receiver.init_transfer_engine(init_info)
+        """Create (once) every rank's receiver of the configured backend and initialize it."""
+        self._everywhere("init_weight_transfer_engine", init_info)
 
-    def _model_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+    def _model_bytes(self, model: torch.nn.Module) -> int:
+        """Bytes one worker holds of `model` (the whole model's share per worker)."""
+        whole = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        return whole // self.config.tensor_parallel_size
 
-    def _rollback_enabled(self) -> bool:
+    def _rollback_enabled(self, model: torch.nn.Module) -> bool:
         if self.config.update_rollback is not None:
             return self.config.update_rollback
-        return self._model_bytes() <= available_host_memory() // 2
+        return self._model_bytes(model) <= available_host_memory() // 2
 
-    def _staging_mode(self) -> StagingMode:
-        """`EngineConfig.update_staging`, or auto: swap when one more copy of the weights fits
-        in half the free memory of their device; a mode that does not fit is refused here."""
-        wanted, need = self.config.update_staging, self._model_bytes()
-        device = next(self.model.parameters()).device
+    def _staging_mode(self, model: torch.nn.Module, device: torch.device) -> StagingMode:
+        """`EngineConfig.update_staging`, or auto: swap when one more copy of a worker's
+        weights fits in half the free memory of its device; a mode that does not fit is
+        refused here."""
+        wanted, need = self.config.update_staging, self._model_bytes(model)
         free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
                 else available_host_memory())
         if wanted is None:
@@ -255,29 +297,19 @@ class Replica:
                               "free; choose update_staging='off' (updates in place, paused)")
         return wanted  # type: ignore[return-value]
 
-    def _require_receiver(self) -> WeightTransferEngine[Any, Any]:
-        if self.receiver is None:
-            raise LifecycleError("call init_weight_transfer_engine first")
-        return self.receiver
-
     def start_weight_update(self) -> None:
         """Open an update; in place, refused while requests run unpaused; staged, on the
-        transfer lane while the engine generates (the shadow is levelled first)."""
-        receiver = self._require_receiver()
+        transfer lane while the engine generates (every shadow is levelled first)."""
         if self.staging is None and not self.is_paused() and self.scheduler.running:
             raise LifecycleError("the engine is generating; pause_generation(...) before "
                                  "start_weight_update, or serve with update_staging='swap' "
                                  "to update while generating")
-        if self.staging is not None:
-            if self.update_open:  # the shadow it stages into must not be levelled under it
-                raise LifecycleError("an update is open; finish it first")
-            self.staging.prepare()
-        receiver.start_weight_update()
+        self._everywhere("start_weight_update")
         self.stall.open()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Receive one part of the update; a failure closes the update."""
-        self._require_receiver().update_weights(update_info)
+        """Receive one part of the update on every rank; a failure closes the update."""
+        self._everywhere("update_weights", update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Complete an in-place update and, in the same step, relabel the weights (a staged
@@ -288,25 +320,26 @@ class Replica:
             return
         if weight_version is not None:
             check_version(weight_version)  # before the update closes, not after
-        self._require_receiver().finish_weight_update()
+        self._everywhere("finish_weight_update", weight_version)
         if weight_version is not None:
             self.weight_version = weight_version
         self.stall.close()
 
     def finish_staged(self, weight_version: str | None) -> None:
         """The transfer lane's half of a staged finish: the label is checked and every tensor
-        arrived (the receiver's checks), all in the shadow; nothing live changed yet."""
+        arrived in every rank's shadow; nothing live changed yet."""
         if weight_version is not None:
             check_version(weight_version)
-        self._require_receiver().finish_weight_update()
+        self._everywhere("finish_weight_update", weight_version)
 
     def commit_staged(self, weight_version: str | None) -> None:
-        """The engine thread's half, between two steps: the shadow goes live (swap or copy),
-        the label with it, and (by default) the requests in flight are re-prefilled so every
-        later token is computed with the new weights."""
-        assert self.staging is not None
+        """The engine thread's half, between two steps: every rank's shadow goes live (swap
+        or copy) at this boundary, the label with it, and (by default) the requests in flight
+        are re-prefilled so every later token is computed with the new weights."""
         started = time.perf_counter()
-        self.staging.commit(self.weight_version)
+        if self.workers is not None:
+            self.workers.sync("commit", previous=self.weight_version)
+        self.weights.commit(self.weight_version)
         if weight_version is not None:
             self.weight_version = weight_version
         self._after_weights_changed()
@@ -314,8 +347,8 @@ class Replica:
         self.stall.close()
 
     def rollback_weights(self) -> None:
-        """Swap the previous version back in (staged swap updates, once after a commit until
-        the next update starts), with its label; requests in flight re-prefill."""
+        """Swap the previous version back in on every rank (staged swap updates, once after a
+        commit until the next update starts), with its label; requests in flight re-prefill."""
         if self.staging is None:
             raise LifecycleError("rollback_weights needs staged updates "
                                  "(update_staging='swap')")
@@ -323,7 +356,9 @@ class Replica:
             raise LifecycleError("an update is staging into the shadow that holds the previous "
                                  "version; finish or fail it first")
         previous = self.staging.previous
-        self.staging.rollback()
+        self.weights.rollback_weights()  # checks first: the workers only follow a good one
+        if self.workers is not None:
+            self.workers.sync("rollback")
         self.weight_version = previous or self.weight_version
         self._after_weights_changed()
 
@@ -341,8 +376,23 @@ class Replica:
         return self.weight_version
 
     def fingerprint(self) -> dict[str, str]:
-        """Per-tensor digest of the served weights."""
+        """Per-tensor digest of the served weights (full tensors, assembled from every rank)."""
+        if self.workers is not None:
+            return self.workers.fingerprint(self.model.state_dict())
         return self.target.fingerprint()
+
+    def workers_info(self) -> list[dict[str, Any]]:
+        """Every rank's update state and bytes (rank 0 first)."""
+        if self.workers is None:
+            return [self.weights.info()]
+        return [self.weights.info(), *self.workers.wait(self.workers.call_all("info", ()),
+                                                        "info")]
+
+    def close(self) -> None:
+        """Release every rank's receiver and stop the workers."""
+        self.weights.shutdown()
+        if self.workers is not None:
+            self.workers.close()
 
     def weight_info(self) -> dict[str, Any]:
         """The weight label, the receiver's update state, and whether a failed update left
@@ -358,11 +408,7 @@ class Replica:
                 "update_stall_ms": self.stall.last_ms,
                 "update_commit_ms": self.commit_ms,
                 "previous_version": self.staging.previous if self.staging else None,
-                "workers": [{"worker": self.worker_index,
-                             "update_state": receiver.state.value if receiver else "none",
-                             "update_bytes": receiver.update_bytes if receiver else 0,
-                             "last_update_bytes": receiver.last_update_bytes if receiver
-                             else 0}]}
+                "workers": self.workers_info()}
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and benchmarks."""

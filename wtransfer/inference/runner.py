@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -12,45 +15,80 @@ from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.sequence import Sequence
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What one forward computes, as plain data (a tensor-parallel driver broadcasts it to its
+    workers): the flat token ids, and per sequence its rows, the positions its new tokens take
+    and its KV block table."""
+
+    ids: list[int]
+    segments: list[tuple[int, int, int, int, list[int]]]
+    """(first row, end row, first new position, end position, block table) per sequence."""
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain form."""
+        return {"ids": self.ids, "segments": [[*s[:4], s[4]] for s in self.segments]}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> StepPlan:
+        """Back from `to_wire` (from our own driver: trusted shapes)."""
+        return cls(list(data["ids"]), [(int(a), int(b), int(c), int(d), list(t))
+                                       for a, b, c, d, t in data["segments"]])
+
+
 class ModelRunner:
     """Owns the KV cache tensors; `run(seqs)` computes each sequence's new tokens and returns
-    one (token, logprob) per sequence."""
+    one (token, logprob) per sequence. A tensor-parallel driver's runner hands each step's
+    plan to `before_forward` (the workers compute the same plan on their shards)."""
 
-    def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig) -> None:
+    def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig,
+                 before_forward: Callable[[StepPlan], None] | None = None) -> None:
         self.model = model
         self.config = config
+        self.before_forward = before_forward
         cfg = model.config
         param = next(model.parameters())
         slots = config.num_kv_blocks * config.block_size
-        shape = (slots, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (slots, cfg.num_key_value_heads // model.par.size, cfg.head_dim)
         self.kv = [(torch.zeros(shape, dtype=param.dtype, device=param.device),
                     torch.zeros(shape, dtype=param.dtype, device=param.device))
                    for _ in range(cfg.num_hidden_layers)]
         self.device = param.device
         self._generators: dict[str, torch.Generator] = {}
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         bs = self.config.block_size
-        table = seq.block_table
         return torch.tensor([table[p // bs] * bs + p % bs for p in range(start, end)],
                             dtype=torch.long, device=self.device)
 
-    @torch.no_grad()
-    def _forward(self, seqs: Seq[Sequence]) -> torch.Tensor:
+    def plan(self, seqs: Seq[Sequence]) -> StepPlan:
+        """The plan of one forward over `seqs` (each sequence's tokens not computed yet)."""
         ids: list[int] = []
         segments = []
-        last_rows = []
         for seq in seqs:
             start, end = seq.num_computed, len(seq)
             row = len(ids)
             ids += seq.tokens[start:end]
-            context = self._slots(seq, 0, end)
-            segments.append(Segment(row, len(ids), context[start:end], context,
+            segments.append((row, len(ids), start, end, list(seq.block_table)))
+        return StepPlan(ids, segments)
+
+    @torch.no_grad()
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Run one planned forward; the logits of each sequence's last row."""
+        segments = []
+        for row, row_end, start, end, table in plan.segments:
+            context = self._slots(table, 0, end)
+            segments.append(Segment(row, row_end, context[start:end], context,
                                     torch.arange(start, end, device=self.device)))
-            last_rows.append(len(ids) - 1)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
+        hidden = self.model(torch.tensor(plan.ids, dtype=torch.long, device=self.device),
                             AttentionBatch(self.kv, segments))
-        return self.model.logits(hidden[last_rows])
+        return self.model.logits(hidden[[s[1] - 1 for s in plan.segments]])
+
+    def _forward(self, seqs: Seq[Sequence]) -> torch.Tensor:
+        plan = self.plan(seqs)
+        if self.before_forward is not None:
+            self.before_forward(plan)
+        return self.execute(plan)
 
     def run(self, seqs: Seq[Sequence]) -> list[tuple[int, float]]:
         """Compute and sample; in batch-invariant mode each sequence runs alone."""

@@ -2,8 +2,9 @@
 generating from the live ones, committed at a step boundary.
 
 `StagedWeights` holds one shadow tensor per parameter and buffer of the module (tied weights
-share one). A staged update's receiver writes only into the shadow (`ShadowTarget`); the live
-weights change only at `commit`, on the engine's thread between two steps:
+share one). A staged update's receiver writes only into the shadow (its target is a
+`wtransfer.inference.shard_target.ShardTarget` over `dest`); the live weights change only at
+`commit`, on the engine's thread between two steps:
 
 - ``swap`` exchanges the live and shadow storages (O(1) per tensor): the shadow then holds the
   previous version, so `rollback` is a swap back, until the next update starts staging;
@@ -18,16 +19,13 @@ were; the tensors it wrote are levelled again by the next `prepare`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 from torch import nn
 
 from wtransfer.errors import ConfigError, LifecycleError, MetadataError
-from wtransfer.fingerprint import fingerprint
-from wtransfer.packing import DTYPES, TensorMeta, byte_view
-from wtransfer.receiver.target import WeightTarget
 
 StagingMode = Literal["off", "swap", "copy"]
 STAGING_MODES: tuple[str, ...] = ("off", "swap", "copy")
@@ -65,7 +63,6 @@ class StagedWeights:
         self.previous: str | None = None
         """The version label the shadow holds after a swap commit (what `rollback` brings
         back), else None."""
-        self.target = ShadowTarget(self)
 
     @property
     def nbytes(self) -> int:
@@ -78,6 +75,12 @@ class StagedWeights:
             return self._owner[name]
         except KeyError:
             raise MetadataError(f"unknown tensor {name!r}") from None
+
+    def dest(self, name: str) -> torch.Tensor:
+        """The shadow tensor an update writes for `name` (counted as written)."""
+        owner = self.owner(name)
+        self.written.add(owner)
+        return self.shadow[owner]
 
     @torch.no_grad()
     def prepare(self) -> None:
@@ -133,50 +136,3 @@ class StagedWeights:
             self.shadow[name] = held
         if names and self.shadow[names[0]].is_cuda:
             torch.cuda.current_stream().synchronize()
-
-
-class ShadowTarget(WeightTarget):
-    """The receiver's target for staged updates: every write lands in the shadow."""
-
-    stages = True
-
-    def __init__(self, staged: StagedWeights) -> None:
-        self.staged = staged
-
-    def metadata(self) -> list[TensorMeta]:
-        """The module's state-dict entries, as the live weights hold them."""
-        return [TensorMeta.of(n, t) for n, t in self.staged._live.items()]
-
-    def held(self, name: str) -> TensorMeta | None:
-        """Metadata of the tensor `name` names, or None."""
-        live = self.staged._live.get(name)
-        return None if live is None else TensorMeta.of(name, live)
-
-    def check(self, metas: Sequence[TensorMeta]) -> None:
-        """Refuse an update whose tensors the module does not hold as sent."""
-        for meta in metas:
-            live = self.staged._live.get(meta.name)
-            if live is None or live.shape != meta.shape or live.dtype != DTYPES.get(meta.dtype):
-                super().check(metas)  # names every problem
-                return
-
-    def _dest(self, name: str) -> torch.Tensor:
-        owner = self.staged.owner(name)
-        self.staged.written.add(owner)
-        return self.staged.shadow[owner]
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy each tensor into its shadow."""
-        for name, tensor in weights:
-            self._dest(name).copy_(tensor, non_blocking=True)
-
-    def direct_bytes(self, name: str) -> torch.Tensor | None:
-        """Byte view of the shadow (contiguous: it was cloned)."""
-        dest = self._dest(name)
-        return byte_view(dest) if dest.is_contiguous() else None
-
-    def fingerprint(self) -> dict[str, str]:
-        """Digest of the shadow (what a commit would make live)."""
-        return fingerprint({n: self.staged.shadow[self.staged.owner(n)]
-                            for n in self.staged._live})

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -32,10 +31,12 @@ class WeightTarget(ABC):
     a target must copy them (into its own storage) before returning.
     """
 
-    stages: ClassVar[bool] = False
-    """True for a target whose writes land in a copy of its own until `finish` makes them
-    live (a shadow, host staging): an update that fails before its finish leaves the live
-    weights whole, so it is never torn and needs no rollback copies."""
+    @property
+    def stages(self) -> bool:
+        """True for a target whose writes land in a copy of its own until `finish` makes them
+        live (a shadow, host staging): an update that fails before its finish leaves the live
+        weights whole, so it is never torn and needs no rollback copies."""
+        return False
 
     @abstractmethod
     def metadata(self) -> list[TensorMeta]:

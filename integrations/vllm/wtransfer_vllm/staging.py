@@ -27,7 +27,10 @@ class HostStaging(WeightTarget):
     """Every write lands in a host buffer per tensor (allocated once, pinned where CUDA is);
     `finish` loads them into the vLLM model (`VLLMTarget`), in arrival order."""
 
-    stages = True
+    @property
+    def stages(self) -> bool:
+        """Writes land in host buffers until `finish` loads them into the model."""
+        return True
 
     def __init__(self, model_target: VLLMTarget) -> None:
         self.model_target = model_target

@@ -71,7 +71,7 @@ class DPRank(Replica):
                  group: Callable[[], RankGroup]) -> None:
         self._outbox: list[dict[str, Any]] = []
         self.socket = socket
-        super().__init__(config, self._collect, worker_index=rank)
+        super().__init__(config, self._collect, worker_index=rank * config.tensor_parallel_size)
         self.group = group()
         self._lane = (TransferLane(self, self._at_step_boundary, config.call_timeout_s)
                       if self.staging is not None else None)
@@ -264,7 +264,8 @@ class DPRank(Replica):
 
     def stats(self) -> dict[str, Any]:
         """Counters, plus this rank's lockstep state."""
-        return {**super().stats(), "rank": self.worker_index, "device": str(self.runner.device),
+        return {**super().stats(), "rank": self.worker_index // self.config.tensor_parallel_size,
+                "device": str(self.runner.device),
                 "wave": self.wave,
                 "in_wave": self.in_wave, "global_paused": self.global_paused,
                 "dummy_steps": self.dummy_steps, "waves_started": self.waves_started}
@@ -335,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("data-parallel rank %d failed: %s: %s", args.rank, type(exc).__name__, exc)
         return 1
     finally:
-        if node is not None and node.receiver is not None:
-            node.receiver.shutdown()
+        if node is not None:
+            node.close()
         socket.close(linger=1000)
     return 0
 

@@ -1,0 +1,194 @@
+"""Tensor and expert parallelism of the engine's model: which slice of every tensor a worker
+keeps, and the collectives its forward pass needs.
+
+Rank r of N (Megatron-style, as vLLM shards Qwen3): q/k/v and gate/up are column-parallel
+(rank r keeps its heads, its KV heads, its rows of the feed-forward width), o and down are
+row-parallel (the matching columns; their outputs are summed by one all-reduce per block), the
+embedding and the LM head are vocabulary-parallel (rank r keeps rows r*V/N .. (r+1)*V/N: an
+embedding looks up its rows and an all-reduce sums; the LM head's logits are gathered), norms
+and the MoE router are replicated. An MoE layer's experts are either split in width like the
+dense feed-forward (each rank holds every expert's slice) or, with expert parallelism, split by
+expert (rank r keeps experts r*E/N .. (r+1)*E/N whole). Tokens are never moved between ranks:
+every rank holds every token's hidden state (the all-reduces keep them equal), computes the
+contributions of the experts it holds for the tokens routed to them, and one all-reduce sums
+the experts' outputs: the same collective as a dense block, at the price of each rank routing
+every token (cheap: the router is one small matmul).
+
+`layouts` gives each tensor's `wtransfer.records.TensorLayout` for one rank: what its
+receiver keeps of a full tensor, and what the sharding-aware transfers will send it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from wtransfer import wire
+from wtransfer.errors import ConfigError, EngineDeadError
+from wtransfer.inference.config import ModelConfig
+from wtransfer.packing import dtype_name
+from wtransfer.records import Box, TensorLayout
+
+
+class Collective:
+    """The collectives of one tensor-parallel group over a torch process group object (gloo
+    on CPU, NCCL on CUDA), made through a store (no default process group needed). A failure
+    (a worker died) or a wait past the deadline is an `EngineDeadError`: the group cannot
+    step any more."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float,
+                 device: torch.device) -> None:
+        self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        wait = timedelta(seconds=timeout_s)
+        if device.type == "cuda":  # the CPU build of torch has no NCCL group
+            nccl: Any = getattr(dist, "ProcessGroupNCCL")  # noqa: B009
+            options = nccl.Options()
+            options._timeout = wait
+            self.pg: Any = nccl(store, rank, size, options)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, size, wait)
+
+    def _run(self, what: str, work: Any) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            text = str(exc)
+            if "imeout" in text or "imed out" in text:
+                raise EngineDeadError(f"tensor-parallel {what} did not complete within "
+                                      f"{self.timeout_s:g}s: a worker is stalled") from None
+            raise EngineDeadError(f"tensor-parallel {what} failed (a worker died): "
+                                  f"{text[:300]}") from None
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum over the group, in place."""
+        self._run("all-reduce", self.pg.allreduce([tensor]))
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape everywhere), in rank order."""
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._run("all-gather", self.pg.allgather([parts], [tensor.contiguous()]))
+        return parts
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
+        """Rank `root`'s `tensor` on every rank, in place."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = root, 0
+        self._run("broadcast", self.pg.broadcast([tensor], opts))
+
+    def broadcast_record(self, record: Any) -> Any:
+        """Rank 0's plain-data `record` on every rank (msgpack through byte tensors: no
+        pickle); the others pass None."""
+        data = wire.encode(record) if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.broadcast(size)
+        buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0
+                  else torch.empty(int(size.item()), dtype=torch.uint8))
+        if buffer.numel():
+            self.broadcast(buffer)
+        return wire.decode(buffer.numpy().tobytes())
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """This worker's place in its tensor-parallel group and the group's collectives."""
+
+    rank: int = 0
+    size: int = 1
+    expert: bool = False
+    """Whether an MoE layer's experts are split by expert (else by width)."""
+    group: Collective | None = None
+    """The collectives of the N workers (None when alone)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the group, in place (alone: unchanged)."""
+        if self.group is not None:
+            self.group.all_reduce(tensor)
+        return tensor
+
+    def gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` concatenated along the last dimension, in rank order."""
+        if self.group is None:
+            return tensor
+        return torch.cat(self.group.all_gather(tensor), dim=-1)
+
+    def span(self, total: int) -> tuple[int, int]:
+        """This rank's [start, end) of `total` items split evenly (checked divisible)."""
+        per = total // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+
+def check_shardable(cfg: ModelConfig, par: Parallel) -> None:
+    """`ConfigError` naming what does not split evenly over `par.size` workers."""
+    if par.size == 1:
+        return
+    counts = {"num_attention_heads": cfg.num_attention_heads,
+              "num_key_value_heads": cfg.num_key_value_heads,
+              "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
+    if cfg.num_experts:
+        counts["num_experts" if par.expert else "moe_intermediate_size"] = (
+            cfg.num_experts if par.expert else cfg.moe_intermediate_size)
+    uneven = {k: v for k, v in counts.items() if v % par.size}
+    if uneven:
+        raise ConfigError(f"tensor_parallel_size={par.size} must divide {uneven} of the model")
+    if par.expert and not cfg.num_experts:
+        raise ConfigError("enable_expert_parallel needs an MoE model (num_experts > 0)")
+
+
+def _rows(name: str, dtype: str, shape: tuple[int, ...], dim: int, start: int, end: int
+          ) -> TensorLayout:
+    offsets = [0] * len(shape)
+    lengths = list(shape)
+    offsets[dim], lengths[dim] = start, end - start
+    return TensorLayout(name=name, dtype=dtype, shape=shape,
+                        boxes=(Box(offsets=tuple(offsets), lengths=tuple(lengths)),))
+
+
+def layouts(cfg: ModelConfig, par: Parallel, full: dict[str, torch.Tensor]
+            ) -> dict[str, TensorLayout]:
+    """Each tensor of the full model (`full`: name -> tensor, as TP=1 holds it) as rank
+    `par.rank` keeps it (see the module docstring)."""
+    out: dict[str, TensorLayout] = {}
+    hd = cfg.head_dim
+    for name, tensor in full.items():
+        shape, dtype = tuple(tensor.shape), dtype_name(tensor.dtype)
+        if par.size == 1:
+            out[name] = TensorLayout.whole(name, dtype, shape)
+            continue
+        leaf = name.rsplit(".", 2)
+        kind = ".".join(leaf[-2:])
+        if kind == "q_proj.weight":
+            a, b = par.span(cfg.num_attention_heads)
+            out[name] = _rows(name, dtype, shape, 0, a * hd, b * hd)
+        elif kind in ("k_proj.weight", "v_proj.weight"):
+            a, b = par.span(cfg.num_key_value_heads)
+            out[name] = _rows(name, dtype, shape, 0, a * hd, b * hd)
+        elif kind == "o_proj.weight":
+            a, b = par.span(cfg.num_attention_heads)
+            out[name] = _rows(name, dtype, shape, 1, a * hd, b * hd)
+        elif kind in ("gate_proj.weight", "up_proj.weight"):
+            out[name] = _rows(name, dtype, shape, 0, *par.span(cfg.intermediate_size))
+        elif kind == "down_proj.weight":
+            out[name] = _rows(name, dtype, shape, 1, *par.span(cfg.intermediate_size))
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            out[name] = _rows(name, dtype, shape, 0, *par.span(cfg.vocab_size))
+        elif name.endswith("experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+            if par.expert:
+                out[name] = _rows(name, dtype, shape, 0, *par.span(cfg.num_experts))
+            else:
+                inter = cfg.moe_intermediate_size
+                a, b = par.span(inter)
+                gate = _rows(name, dtype, shape, 1, a, b).boxes[0]
+                up = _rows(name, dtype, shape, 1, inter + a, inter + b).boxes[0]
+                out[name] = TensorLayout(name=name, dtype=dtype, shape=shape,
+                                         boxes=(gate, up), concat_dim=1)
+        elif name.endswith("experts.down_proj"):  # [E, H, I]
+            out[name] = (_rows(name, dtype, shape, 0, *par.span(cfg.num_experts))
+                         if par.expert else
+                         _rows(name, dtype, shape, 2, *par.span(cfg.moe_intermediate_size)))
+        else:  # norms, the router: every rank holds them whole
+            out[name] = TensorLayout.whole(name, dtype, shape, replica=par.rank)
+    return out

@@ -1,0 +1,87 @@
+"""`ShardTarget`: what an engine worker's receiver writes into: the part of every checkpoint
+tensor the worker keeps, in its live weights or in its staging shadow.
+
+It accepts the full tensors (global names, shapes and dtypes: what a trainer sends), and keeps
+its layout's part of each (`wtransfer.records.TensorLayout.take`); a tensor the worker holds
+whole is written in place, straight from the receiver's buffers (`direct_bytes`). A worker of a
+model that is not split holds every tensor whole, so the same target serves it (staged updates
+of a single replica land in its shadow through it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from wtransfer.errors import MetadataError
+from wtransfer.fingerprint import fingerprint
+from wtransfer.inference.staging import StagedWeights
+from wtransfer.packing import TensorMeta, byte_view
+from wtransfer.receiver.target import WeightTarget, copy_to_host
+from wtransfer.records import TensorLayout
+
+
+class ShardTarget(WeightTarget):
+    """The receiver's target of one worker (see the module docstring): into `module`'s
+    tensors, or into `staging`'s shadow of them."""
+
+    def __init__(self, module: nn.Module, layouts: dict[str, TensorLayout],
+                 staging: StagedWeights | None = None) -> None:
+        self.module = module
+        self.layouts = layouts
+        self.staging = staging
+        self._live = dict(module.state_dict(keep_vars=True))
+        missing = sorted(set(self._live) - set(layouts))
+        if missing:
+            raise MetadataError(f"no layout for {missing[:3]}")
+
+    @property
+    def stages(self) -> bool:
+        """Whether writes land in the shadow until a commit makes them live."""
+        return self.staging is not None
+
+    def _dest(self, name: str) -> torch.Tensor:
+        if name not in self._live:
+            raise MetadataError(f"unknown tensor {name!r}")
+        return self.staging.dest(name) if self.staging is not None else self._live[name].data
+
+    def metadata(self) -> list[TensorMeta]:
+        """Every tensor as the trainer holds it: global names and shapes."""
+        return [TensorMeta(n, lay.dtype, lay.shape) for n, lay in self.layouts.items()]
+
+    def held(self, name: str) -> TensorMeta | None:
+        """The global metadata of `name`, or None."""
+        lay = self.layouts.get(name)
+        return None if lay is None else TensorMeta(name, lay.dtype, lay.shape)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Keep this worker's part of each full tensor."""
+        for name, tensor in weights:
+            self._dest(name).copy_(self.layouts[name].take(tensor), non_blocking=True)
+
+    def direct_bytes(self, name: str) -> torch.Tensor | None:
+        """A byte view of a tensor this worker holds whole (None for a slice: the receiver
+        assembles the full tensor, then `load_weights` takes the part)."""
+        lay = self.layouts.get(name)
+        if lay is None or not lay.is_whole:
+            return None
+        dest = self._dest(name)
+        return byte_view(dest) if dest.is_contiguous() else None
+
+    def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A host copy of what this worker holds of `name`, placed in a full-shaped tensor
+        (the rest zero: giving it back through `load_weights` restores exactly this part)."""
+        lay = self.layouts[name]
+        local = self._live[name].detach()
+        if lay.is_whole:
+            return copy_to_host(local, out)
+        full = torch.zeros(lay.shape, dtype=local.dtype)
+        lay.place(local.cpu(), full)
+        return full
+
+    def fingerprint(self) -> dict[str, str]:
+        """Digest of this worker's live parts (by global name; not the full tensors')."""
+        return fingerprint(self.module.state_dict())

@@ -1,0 +1,110 @@
+"""`ShardWeights`: one engine worker's weights and the receiver that updates them.
+
+A replica's rank 0 and each of its tensor-parallel workers hold one: the worker's part of the
+model (the whole model when it is not split), the shadow a staged update lands in, the target
+that keeps the worker's part of every full tensor (`ShardTarget`), and the backend's receiver.
+The weight-transfer calls of the engine run here on every rank alike; a staged update's commit
+(`commit`) and a rollback run on each rank at the same step boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from wtransfer.errors import LifecycleError
+from wtransfer.inference.shard_target import ShardTarget
+from wtransfer.inference.staging import StagedWeights, StagingMode
+from wtransfer.packing import DTYPES
+from wtransfer.receiver.engine import ReceiverState, WeightTransferEngine
+from wtransfer.records import TensorLayout, check_version
+from wtransfer.registry import create_receiver
+
+
+class ShardWeights:
+    """One worker's weights (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, layouts: dict[str, TensorLayout], *, backend: str,
+                 device: str, worker_index: int, staging: StagingMode,
+                 rollback: bool) -> None:
+        self.model = model
+        self.layouts = layouts
+        self.backend = backend
+        self.device = device
+        self.worker_index = worker_index
+        """This worker's index among the engine's receiving workers."""
+        self.staging = StagedWeights(model, staging) if staging != "off" else None
+        self.rollback = rollback and self.staging is None
+        self.target = ShardTarget(model, layouts, self.staging)
+        """What the receiver writes (the shadow when staging)."""
+        self.live = ShardTarget(model, layouts)
+        """The live weights (what a fingerprint reads)."""
+        self.receiver: WeightTransferEngine[Any, Any] | None = None
+
+    @property
+    def update_open(self) -> bool:
+        """Whether an update is open on this worker."""
+        return self.receiver is not None and self.receiver.state is ReceiverState.UPDATING
+
+    def _receiver(self) -> WeightTransferEngine[Any, Any]:
+        if self.receiver is None:
+            raise LifecycleError("call init_weight_transfer_engine first")
+        return self.receiver
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Create (once) the backend's receiver over this worker's target and initialize it."""
+        if self.receiver is None:
+            self.receiver = create_receiver(self.backend, self.target, device=self.device,
+                                            worker_index=self.worker_index,
+                                            rollback=self.rollback)
+        self.receiver.init_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        """Open an update; a staging worker levels its shadow first."""
+        receiver = self._receiver()
+        if self.staging is not None:
+            if self.update_open:  # the shadow it stages into must not be levelled under it
+                raise LifecycleError("an update is open; finish it first")
+            self.staging.prepare()
+        receiver.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive one part of the update."""
+        self._receiver().update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Close the update: in place, the weights are live; staged, every tensor arrived in
+        the shadow and `commit` makes them live."""
+        if weight_version is not None:
+            check_version(weight_version)
+        self._receiver().finish_weight_update(weight_version)
+
+    def commit(self, previous_version: str) -> None:
+        """Make a staged update live (between two steps)."""
+        if self.staging is not None:
+            self.staging.commit(previous_version)
+
+    def rollback_weights(self) -> None:
+        """Swap the previous version back in (staged swap updates)."""
+        if self.staging is None:
+            raise LifecycleError("rollback_weights needs staged updates "
+                                 "(update_staging='swap')")
+        self.staging.rollback()
+
+    def info(self) -> dict[str, Any]:
+        """This worker's update state and bytes."""
+        receiver = self.receiver
+        return {"worker": self.worker_index,
+                "update_state": receiver.state.value if receiver else "none",
+                "update_bytes": receiver.update_bytes if receiver else 0,
+                "last_update_bytes": receiver.last_update_bytes if receiver else 0,
+                "kept_bytes": sum(lay.numel * DTYPES[lay.dtype].itemsize
+                                  for lay in self.layouts.values()),
+                "torn": bool(receiver and receiver.torn),
+                "failure": receiver.failure if receiver else None}
+
+    def shutdown(self) -> None:
+        """Release the receiver."""
+        if self.receiver is not None:
+            self.receiver.shutdown()

@@ -1,0 +1,167 @@
+"""A tensor-parallel worker process: rank r of a replica's group (see `workers`).
+
+Run by rank 0 as ``python -m wtransfer.inference.tp.worker``. It loads the model, keeps its
+shard, joins the group's collective, then follows rank 0: every broadcast message is one
+forward to compute with it (``step``) or something to do at that step boundary (``commit``,
+``rollback``, ``fingerprint``, ``shutdown``). Weight-transfer commands arrive on the command
+socket and run on a thread of their own (one at a time, in order), beside the step loop.
+
+Messages on the command socket (msgpack): worker to rank 0 ``{"kind": "loaded"}`` once the
+model is in memory, or ``{"kind": "fatal", type, message}``; rank 0 to worker ``{"id",
+"command", "args"}``, answered ``{"id", "ok": true, "result"}`` or ``{"id"}`` with the fields of
+`wtransfer.errors.error_reply`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from wtransfer import wire
+from wtransfer.errors import WTransferError, error_reply, ok_reply
+from wtransfer.inference.config import EngineConfig
+from wtransfer.inference.model import load_model, shard_model
+from wtransfer.inference.parallel import Collective, Parallel, layouts
+from wtransfer.inference.runner import ModelRunner, StepPlan
+from wtransfer.inference.tp.shard import ShardWeights
+from wtransfer.wire import parse_record
+
+log = logging.getLogger("wtransfer.tp")
+COMMANDS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+            "finish_weight_update", "info")
+"""What rank 0 may ask a worker on the command socket."""
+
+
+def worker_device(config: EngineConfig, first_worker: int, rank: int) -> torch.device:
+    """`device="cuda"` puts worker w on GPU w (modulo the GPUs present); an explicit device is
+    used as given."""
+    if config.device == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", (first_worker + rank) % torch.cuda.device_count())
+    return torch.device(config.device)
+
+
+class Worker:
+    """One worker's model shard, receiver and runner, and its two loops."""
+
+    def __init__(self, config: EngineConfig, rank: int, store: dist.Store, socket: Any,
+                 first_worker: int, staging: str, rollback: bool) -> None:
+        self.config, self.rank, self.socket = config, rank, socket
+        self.device = worker_device(config, first_worker, rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        full = load_model(config.model, device="cpu", dtype=config.dtype, seed=config.seed)
+        socket.send(wire.encode({"kind": "loaded"}))
+        size = config.tensor_parallel_size
+        self.collective = Collective(dist.PrefixStore("wtransfer-tp/", store), rank, size,
+                                     config.step_timeout_s, self.device)
+        par = Parallel(rank, size, config.enable_expert_parallel, self.collective)
+        self.model = shard_model(full, par).to(self.device)
+        self.weights = ShardWeights(
+            self.model, layouts(full.config, par, full.state_dict()),
+            backend=config.weight_transfer_backend, device=str(self.device),
+            worker_index=first_worker + rank, staging=staging,  # type: ignore[arg-type]
+            rollback=rollback)
+        del full
+        self.runner = ModelRunner(self.model, config)
+        self._parent = os.getppid()
+        self._stop = threading.Event()
+
+    def serve_commands(self) -> None:
+        """The command thread: run each weight-transfer command in order and answer it."""
+        while not self._stop.is_set():
+            if not self.socket.poll(200):
+                if os.getppid() != self._parent:
+                    return
+                continue
+            message = wire.decode(self.socket.recv())
+            call_id, command, args = message["id"], message["command"], message["args"]
+            try:
+                if command not in COMMANDS:
+                    raise WTransferError(f"unknown tensor-parallel worker command {command!r}")
+                reply = ok_reply(getattr(self.weights, command)(*args))
+            except Exception as exc:
+                reply = error_reply(exc)
+            self.socket.send(wire.encode({"id": call_id, **reply}))
+
+    def follow(self) -> None:
+        """The step loop: do what rank 0 broadcasts, until shutdown."""
+        while True:
+            message = self.collective.broadcast_record(None)
+            op = message["op"]
+            if op == "step":
+                self.runner.execute(StepPlan.from_wire(message))
+            elif op == "commit":
+                self.weights.commit(str(message["previous"]))
+            elif op == "rollback":
+                try:
+                    self.weights.rollback_weights()
+                except WTransferError as exc:  # rank 0 checked first; say it, keep stepping
+                    log.error("tensor-parallel worker %d: rollback failed: %s", self.rank, exc)
+            elif op == "fingerprint":
+                state = self.model.state_dict()
+                for name in sorted(state):
+                    self.collective.all_gather(state[name].detach())
+            elif op == "shutdown":
+                return
+
+    def close(self) -> None:
+        """Stop the command thread and release the receiver."""
+        self._stop.set()
+        self.weights.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of a worker process."""
+    parser = argparse.ArgumentParser(description="one tensor-parallel engine worker")
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--store", required=True, help="host:port of rank 0's store")
+    parser.add_argument("--commands", required=True, help="rank 0's command address")
+    parser.add_argument("--first-worker", type=int, required=True)
+    parser.add_argument("--staging", required=True)
+    parser.add_argument("--rollback", type=int, required=True)
+    args = parser.parse_args(argv)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    socket: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    socket.setsockopt(zmq.IDENTITY, f"tp-{args.rank}".encode())
+    socket.setsockopt(zmq.LINGER, 1000)
+    socket.connect(args.commands)
+    worker: Worker | None = None
+    try:
+        config = parse_record(EngineConfig, json.loads(args.config), where="--config")
+        host, port = args.store.rsplit(":", 1)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+        store = dist.TCPStore(host, int(port), None, False,
+                              timedelta(seconds=config.step_timeout_s))
+        worker = Worker(config, args.rank, store, socket, args.first_worker, args.staging,
+                        bool(args.rollback))
+    except Exception as exc:
+        socket.send(wire.encode({"kind": "fatal", **error_reply(exc)}))
+        socket.close(linger=1000)
+        return 1
+    commands = threading.Thread(target=worker.serve_commands, name="wtransfer-tp-commands",
+                                daemon=True)
+    commands.start()
+    try:
+        worker.follow()
+    except WTransferError as exc:  # rank 0 went away or a peer died: nothing to serve
+        log.error("tensor-parallel worker %d stops: %s", args.rank, exc)
+        return 1
+    finally:
+        worker.close()
+        commands.join(timeout=5)
+        socket.close(linger=1000)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
