@@ -39,12 +39,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_json
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-SIZES = {"tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32, intermediate_size=256,
-                      vocab_size=1024),
-         "larger": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
-                        num_key_value_heads=8, head_dim=64, intermediate_size=3072,
-                        vocab_size=32000)}
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=1024),
+    "larger": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                   num_key_value_heads=8, head_dim=64, intermediate_size=3072,
+                   vocab_size=32000)}
 
 
 def checkpoint(size: str, seed: int, path: Path) -> Any:
@@ -52,9 +52,9 @@ def checkpoint(size: str, seed: int, path: Path) -> Any:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**SIZES[size], tie_word_embeddings=False,
-                                         max_position_embeddings=2048,
-                                         torch_dtype="float32")).eval()
+    fields: dict[str, Any] = {**SIZES[size], "tie_word_embeddings": False,
+                              "max_position_embeddings": 2048}
+    model = Qwen3ForCausalLM(Qwen3Config(**fields)).eval()
     model.save_pretrained(path)
     return model
 
