@@ -33,6 +33,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                        lr=args.lr, seed=args.seed, run_dir=args.run_dir,
                        data_parallel_size=args.data_parallel_size, engine=args.engine,
                        trainer_ranks=args.trainer_ranks,
+                       tensor_parallel_size=args.tensor_parallel_size,
                        ray_engines=args.engines if args.ray else 0,
                        ray_address=args.ray_address, update_staging=args.update_staging)
 
@@ -62,6 +63,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine(EngineConfig(model=args.model, device=args.device,
                                       weight_transfer_backend=args.weight_transfer_backend,
                                       data_parallel_size=args.data_parallel_size,
+                                      tensor_parallel_size=args.tensor_parallel_size,
+                                      enable_expert_parallel=args.enable_expert_parallel,
                                       dp_sync_interval=args.dp_sync_interval,
                                       batch_invariant=args.batch_invariant, seed=args.seed,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
@@ -102,6 +105,8 @@ def serve_banner(args: argparse.Namespace, weight_info: dict[str, object],
     return "\n".join([
         f"wtransfer serve: http://{args.host}:{args.port}",
         f"  model {args.model} on {args.device}, data_parallel_size {args.data_parallel_size}, "
+        f"tensor_parallel_size {args.tensor_parallel_size}"
+        f"{' (experts split)' if args.enable_expert_parallel else ''}, "
         f"weight transfer backend {args.weight_transfer_backend}",
         "  dev mode: " + ("on (pause/resume and weight-update routes; never expose to "
                           "untrusted clients)" if args.dev_mode else
@@ -151,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where rl.png and metrics.json go (None: runs/rl-<timestamp>)")
     rl.add_argument("--data-parallel-size", type=_positive, default=1,
                     help="serve the policy from N lockstep engine ranks")
+    rl.add_argument("--tensor-parallel-size", type=_positive, default=1,
+                    help="serve the policy with N tensor-parallel workers per engine")
     rl.add_argument("--trainer-ranks", type=_positive, default=1,
                     help="train the policy with N FSDP2 ranks (gloo) that send together")
     rl.add_argument("--update-staging", choices=["auto", "off", "swap", "copy"],
@@ -192,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the backend weight updates arrive through")
     serve.add_argument("--data-parallel-size", type=int, default=1,
                        help="engine-core processes stepping in lockstep behind this server")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="worker processes per data-parallel rank, each holding a slice of "
+                            "every matrix")
+    serve.add_argument("--enable-expert-parallel", action="store_true",
+                       help="an MoE model's experts split across the tensor-parallel workers")
     serve.add_argument("--dp-sync-interval", type=int, default=32,
                        help="steps between the ranks' state syncs (pause agreement, wave end)")
     serve.add_argument("--batch-invariant", action="store_true",

@@ -112,7 +112,8 @@ def _check_options(*, backend: str, **counts: int) -> None:
 
 def _policy_server(engine: str, local: bool, model: str, backend: str,
                    data_parallel_size: int, ray_engines: int = 0,
-                   ray_address: str | None = None, update_staging: str = "auto") -> Any:
+                   ray_address: str | None = None, update_staging: str = "auto",
+                   tensor_parallel_size: int = 1) -> Any:
     """The server the demo generates from (and prints which)."""
     if ray_engines:
         from wtransfer.demos.rl.ray_server import RayPolicyServer
@@ -122,6 +123,8 @@ def _policy_server(engine: str, local: bool, model: str, backend: str,
         return RayPolicyServer(model=model, seed=0, backend=backend, engines=ray_engines,
                                address=ray_address)
     dp = f", {data_parallel_size} data-parallel ranks" if data_parallel_size > 1 else ""
+    if tensor_parallel_size > 1:
+        dp += f", {tensor_parallel_size} tensor-parallel workers each"
     if engine == "vllm":
         from wtransfer.demos.rl.vllm_server import VLLMPolicyServer
 
@@ -135,7 +138,7 @@ def _policy_server(engine: str, local: bool, model: str, backend: str,
     make = LocalPolicyServer if local else HTTPPolicyServer
     print(f"wtransfer demo: async GRPO on chain-parity, backend={backend}, server={where}{dp}")
     return make(model=model, seed=0, backend=backend, data_parallel_size=data_parallel_size,
-                update_staging=update_staging)
+                update_staging=update_staging, tensor_parallel_size=tensor_parallel_size)
 
 
 def _validate(server: Any, trainer: dict[str, torch.Tensor],
@@ -209,13 +212,15 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
                 lr: float = 1e-2, seed: int = 0, run_dir: str | None = None,
                 data_parallel_size: int = 1, engine: str = "wtransfer",
                 trainer_ranks: int = 1, ray_engines: int = 0,
-                ray_address: str | None = None, update_staging: str = "auto") -> int:
+                ray_address: str | None = None, update_staging: str = "auto",
+                tensor_parallel_size: int = 1) -> int:
     """Run the demo; returns the exit code (0 when both validations passed). `engine` is
     "wtransfer" (our engine) or "vllm" (an in-process vLLM AsyncLLM); with `trainer_ranks` > 1
     the policy is trained by that many FSDP2 ranks (this process and helper processes); with
     `ray_engines` > 0 it is served by that many engine actors on Ray (`ray_address`, or a
     local cluster)."""
     _check_options(steps=steps, backend=backend, data_parallel_size=data_parallel_size,
+                   tensor_parallel_size=tensor_parallel_size,
                    trainer_ranks=trainer_ranks, prompts_per_step=prompts_per_step, group=group)
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -224,14 +229,14 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
     out_dir.mkdir(parents=True, exist_ok=True)
     model = VLLM_MODEL if engine == "vllm" else MODEL
     server = _policy_server(engine, local, model, backend, data_parallel_size, ray_engines,
-                            ray_address, update_staging)
+                            ray_address, update_staging, tensor_parallel_size)
     try:
         if ray_engines:  # addresses as Ray sees this node; one worker per engine actor
             from wtransfer.ray import trainer_init_info
 
             info = trainer_init_info(backend, server.client, bucket_bytes=1 << 20)
         else:
-            info = _init_info(backend, data_parallel_size)
+            info = _init_info(backend, data_parallel_size * tensor_parallel_size)
         trainer = (LocalTrainer(model, lr, info, server.client) if trainer_ranks == 1 else
                    ShardedTrainer(model, lr, info, server.client, ranks=trainer_ranks,
                                   backend=backend))

@@ -94,7 +94,8 @@ class HTTPPolicyServer:
     """`wtransfer serve --dev-mode --batch-invariant` in a child process."""
 
     def __init__(self, *, model: str, seed: int, backend: str, data_parallel_size: int = 1,
-                 update_staging: str = "auto", start_timeout_s: float = 120):
+                 update_staging: str = "auto", tensor_parallel_size: int = 1,
+                 start_timeout_s: float = 120):
         self.model = model
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -103,7 +104,8 @@ class HTTPPolicyServer:
             [sys.executable, "-m", "wtransfer", "serve", "--model", model, "--seed", str(seed),
              "--port", str(port), "--dev-mode", "--batch-invariant",
              "--weight-transfer-backend", backend, "--update-staging", update_staging,
-             "--data-parallel-size", str(data_parallel_size)],
+             "--data-parallel-size", str(data_parallel_size),
+             "--tensor-parallel-size", str(tensor_parallel_size)],
             stdout=subprocess.DEVNULL, stderr=self._log)
         self.http = httpx.Client(base_url=self.url, timeout=300,
                                  limits=httpx.Limits(max_connections=256))
@@ -211,11 +213,13 @@ class LocalPolicyServer:
     """An `AsyncEngine` in this process, on its own event-loop thread."""
 
     def __init__(self, *, model: str, seed: int, backend: str,
-                 data_parallel_size: int = 1, update_staging: str = "auto") -> None:
+                 data_parallel_size: int = 1, update_staging: str = "auto",
+                 tensor_parallel_size: int = 1) -> None:
         self.model = model
         self.engine = AsyncEngine(EngineConfig(
             model=model, seed=seed, batch_invariant=True, weight_transfer_backend=backend,
             max_num_seqs=256, data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
             update_staging=None if update_staging == "auto" else update_staging))
         self.client: WeightSyncClient = LocalEngineClient(self.engine)
         self._loop = asyncio.new_event_loop()
