@@ -179,6 +179,10 @@ class TransferStats:
     seconds: float
     gathered_peak_bytes: int = 0
     """Sharded sources: most gathered bytes this rank held at once (bounded by a bucket)."""
+    sent_bytes: int | None = None
+    """M->N: tensor bytes this trainer rank sent (its part of `bytes`, replicas shared)."""
+    worker_bytes: list[int] | None = None
+    """M->N: tensor bytes each worker received (what it keeps), in worker order."""
 
     @property
     def gbps(self) -> float:
@@ -192,7 +196,9 @@ class TransferStats:
     def __repr__(self) -> str:
         return (f"TransferStats(bytes={self.bytes}, tensors={self.tensors}, "
                 f"buckets={self.buckets}, seconds={self.seconds:.6f}, "
-                f"gbps={self.gbps:.3f}, gathered_peak_bytes={self.gathered_peak_bytes})")
+                f"gbps={self.gbps:.3f}, gathered_peak_bytes={self.gathered_peak_bytes}"
+                + (f", sent_bytes={self.sent_bytes}, worker_bytes={self.worker_bytes}"
+                   if self.worker_bytes is not None else "") + ")")
 
 
 def receiver_init_dict(trainer: TrainerInitInfo, **extra: Any) -> dict[str, Any]:
@@ -231,6 +237,17 @@ class Box:
     def numel(self) -> int:
         """Elements in the box."""
         return math.prod(self.lengths)
+
+    def intersect(self, other: Box) -> Box | None:
+        """The part of this box inside `other`, or None when they do not overlap."""
+        starts = [max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True)]
+        ends = [min(a + n, b + m) for a, n, b, m in zip(self.offsets, self.lengths,
+                                                        other.offsets, other.lengths,
+                                                        strict=True)]
+        if any(e <= st for st, e in zip(starts, ends, strict=True)):
+            return None
+        return Box(offsets=tuple(starts), lengths=tuple(e - st for st, e in zip(starts, ends,
+                                                                                strict=True)))
 
     def within(self, shape: Sequence[int]) -> bool:
         """Whether the box lies inside a tensor of `shape`."""
@@ -295,6 +312,22 @@ class TensorLayout:
                                 f"layout says {list(self.shape)}")
         parts = [full[b.slices()] for b in self.boxes]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.concat_dim)
+
+    def view(self, local: torch.Tensor, region: Box) -> torch.Tensor:
+        """The part of the local tensor that holds global `region` (which must lie inside one
+        of this layout's boxes): a view, so writing it writes the local tensor."""
+        start = 0
+        for box in self.boxes:
+            width = box.lengths[self.concat_dim] if len(self.boxes) > 1 else 0
+            if all(b0 <= r0 and r0 + rn <= b0 + bn for b0, bn, r0, rn in zip(
+                    box.offsets, box.lengths, region.offsets, region.lengths, strict=True)):
+                piece = local if len(self.boxes) == 1 else local.narrow(self.concat_dim, start,
+                                                                         width)
+                index = tuple(slice(r0 - b0, r0 - b0 + rn) for b0, r0, rn in zip(
+                    box.offsets, region.offsets, region.lengths, strict=True))
+                return piece[index]
+            start += width
+        raise MetadataError(f"{self.name!r}: region {region} lies in none of this rank's boxes")
 
     def place(self, local: torch.Tensor, full: torch.Tensor) -> None:
         """Write the local tensor's boxes into the full tensor `full`."""

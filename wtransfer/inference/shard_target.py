@@ -20,7 +20,7 @@ from wtransfer.fingerprint import fingerprint
 from wtransfer.inference.staging import StagedWeights
 from wtransfer.packing import TensorMeta, byte_view
 from wtransfer.receiver.target import WeightTarget, copy_to_host
-from wtransfer.records import TensorLayout
+from wtransfer.records import Box, TensorLayout
 
 
 class ShardTarget(WeightTarget):
@@ -70,6 +70,18 @@ class ShardTarget(WeightTarget):
             return None
         dest = self._dest(name)
         return byte_view(dest) if dest.is_contiguous() else None
+
+    def keeps(self) -> dict[str, TensorLayout]:
+        """This worker's layouts: an M->N transfer sends it only these parts."""
+        return self.layouts
+
+    def region(self, name: str, box: Box) -> torch.Tensor:
+        """The view of global region `box` in this worker's part of `name` (live, or the
+        shadow while staging)."""
+        lay = self.layouts.get(name)
+        if lay is None:
+            raise MetadataError(f"unknown tensor {name!r}")
+        return lay.view(self._dest(name), box)
 
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """A host copy of what this worker holds of `name`, placed in a full-shaped tensor

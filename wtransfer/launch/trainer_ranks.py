@@ -4,7 +4,8 @@
         --address tcp://... [--address ...] --senders K --model mixed --seed 1
 
 Each rank joins a gloo process group, shards the model with FSDP2 (`fully_shard`, CPU device
-mesh), gives itself a client when R < K (one `RPCClient` per receiver address, fanned out), and
+mesh), gives itself a client when R < K (one `RPCClient` per receiver address, or an
+`HTTPClient` for an ``http://`` one, fanned out), and
 calls `trainer_init` and `send_weights` with every other rank. It prints one JSON line per
 update: the transfer's stats, the most gathered bytes it held, and (with --fingerprint) the
 fingerprint of the full model. Used by the tests, the benchmark and the demo.
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import wtransfer
-    from wtransfer.clients import FanoutClient
+    from wtransfer.clients import FanoutClient, HTTPClient
     from wtransfer.launch.models import build
     from wtransfer.launch.processes import local_store
     from wtransfer.rpc import RPCClient
@@ -56,7 +57,8 @@ def run(args: argparse.Namespace) -> None:
     model = shard(module, args.ranks) if args.ranks > 1 else module
     client: Any = None
     if args.rank < args.senders:
-        clients = [RPCClient(a, timeout_s=args.timeout) for a in args.address]
+        clients = [HTTPClient(a, timeout_s=args.timeout) if a.startswith("http")
+                   else RPCClient(a, timeout_s=args.timeout) for a in args.address]
         client = clients[0] if len(clients) == 1 else FanoutClient(clients)
     fields = wire.decode(bytes.fromhex(args.init_hex)) if args.init_hex else {}
     info = wtransfer.get_backend(args.backend).sender_class().init_info_cls(**fields)

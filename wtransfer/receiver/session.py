@@ -10,6 +10,12 @@ start -> finish update:
 Tensors split across buckets go straight into the target's storage when it offers a byte view
 (`WeightTarget.direct_bytes`); otherwise they are assembled in one temporary buffer each.
 
+An M->N transfer (`wtransfer.transport.mton`) sends each worker only what it keeps, as boxes
+of the global tensors from several trainer ranks: `keep_only(layouts)` says what that is, and
+`consume_pieces` writes each box into the target's own region of the tensor
+(`WeightTarget.region`), or into a whole-tensor buffer loaded once complete for a target
+that offers none. A tensor is complete once every element it keeps arrived, exactly once.
+
 With a `rollback` store the session copies each tensor's old value to host memory just before
 the first byte of it is written (into the store's buffers, reused across updates, so the cost
 is one copy, not an allocation); `rollback()` puts every such value back, so a failed update
@@ -33,6 +39,8 @@ from wtransfer.packing import (
     tensor_from_bytes,
 )
 from wtransfer.receiver.target import WeightTarget
+from wtransfer.records import Box, TensorLayout
+from wtransfer.transport.mton import Piece
 
 ISSUE_EVERY = 8
 """A zero-copy update issues its copies in groups of this many tensors (`load_whole`)."""
@@ -49,6 +57,19 @@ class _Partial:
         self.direct = direct
         self.received = 0
         self.spans: list[tuple[int, int]] = []
+
+
+class _Regions:
+    """The boxes of one tensor an M->N update delivered so far."""
+
+    __slots__ = ("boxes", "expected", "full", "received")
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.received = 0
+        self.boxes: list[Box] = []
+        self.full: torch.Tensor | None = None
+        """The whole tensor being assembled, for a target that offers no regions."""
 
 
 class _Batch:
@@ -77,6 +98,9 @@ class UpdateSession:
         self._pending: dict[str, TensorMeta] = {}
         self._announced: dict[str, TensorMeta] = {}
         self._partials: dict[str, _Partial] = {}
+        self._kept: dict[str, TensorLayout] | None = None
+        """What an M->N update delivers of each tensor (`keep_only`); None: whole tensors."""
+        self._regions: dict[str, _Regions] = {}
         self._prechecked: Sequence[TensorMeta] | None = None
         """A list the target passed while the update was opening (`precheck`)."""
         self.touched = False
@@ -132,14 +156,83 @@ class UpdateSession:
         self._pending.update({m.name: m for m in metas})
         self._announced.update({m.name: m for m in metas})
 
-    def consume(
-        self,
-        staging: torch.Tensor,
-        nbytes: int,
-        slices: Sequence[Slice],
-        checksum: int | None = None,
-    ) -> None:
-        """Load one bucket's slices from the first `nbytes` of uint8 `staging`."""
+    def keep_only(self, kept: dict[str, TensorLayout] | None) -> None:
+        """An M->N update: of each announced tensor only what `kept` holds arrives (None:
+        whole tensors, assembled from their boxes); tensors this worker keeps nothing of are
+        complete at once."""
+        self._kept = kept
+        for name in list(self._pending):
+            meta = self._pending[name]
+            layout = kept.get(name) if kept is not None else None
+            expected = layout.numel if layout is not None else meta.numel
+            if kept is not None and layout is None:
+                expected = 0
+            if expected == 0:
+                del self._pending[name]
+            else:
+                self._regions[name] = _Regions(expected)
+
+    def consume_pieces(self, staging: torch.Tensor, nbytes: int, pieces: Sequence[Piece],
+                       checksum: int | None = None) -> None:
+        """Load one M->N bucket: each piece a box of an announced tensor at its offset in the
+        first `nbytes` of uint8 `staging` (see the module docstring)."""
+        data = self._checked_bucket(staging, nbytes, checksum)
+        loads: list[tuple[str, torch.Tensor]] = []
+        for piece in pieces:
+            meta, regions = self._piece_meta(piece, nbytes)
+            box = piece.box
+            self._save(meta.name)
+            src = data[piece.offset: piece.offset + piece.nbytes].view(
+                DTYPES[meta.dtype]).view(box.lengths)
+            dest = self._target.region(meta.name, box)
+            if dest is None:
+                if regions.full is None:
+                    regions.full = torch.empty(meta.shape, dtype=DTYPES[meta.dtype],
+                                               device=self._device)
+                dest = regions.full[box.slices()]
+            self.touched = True
+            dest.copy_(src, non_blocking=True)
+            regions.boxes.append(box)
+            regions.received += box.numel
+            if regions.received == regions.expected:
+                del self._pending[meta.name]
+                del self._regions[meta.name]
+                if regions.full is not None:
+                    loads.append((meta.name, regions.full))
+        if loads:
+            self._target.load_weights(loads)
+        self.bytes_received += sum(p.nbytes for p in pieces)
+
+    def _piece_meta(self, piece: Piece, nbytes: int) -> tuple[TensorMeta, _Regions]:
+        """The announced tensor of `piece`, after checking its bounds, that it lies in what
+        this worker keeps, and that none of its elements arrived before."""
+        if not 0 <= piece.tensor < len(self._metas):
+            raise MetadataError(f"piece names tensor #{piece.tensor} but only "
+                                f"{len(self._metas)} were announced")
+        meta = self._metas[piece.tensor]
+        if (not piece.box.within(meta.shape) or piece.offset < 0
+                or piece.offset + piece.nbytes > nbytes or piece.offset % meta.itemsize
+                or piece.nbytes != piece.box.numel * meta.itemsize):
+            raise MetadataError(f"piece of {meta.name!r} (box {piece.box}, bytes "
+                                f"[{piece.offset}, {piece.offset + piece.nbytes})) does not "
+                                f"fit the tensor {list(meta.shape)} or the {nbytes}-byte bucket")
+        regions = self._regions.get(meta.name)
+        if regions is None:
+            raise MetadataError(f"tensor {meta.name!r}: this worker keeps none of it left "
+                                f"to receive, yet box {piece.box} arrived")
+        layout = self._kept.get(meta.name) if self._kept is not None else None
+        if layout is not None and not any(
+                piece.box.intersect(b) == piece.box for b in layout.boxes):
+            raise MetadataError(f"tensor {meta.name!r}: box {piece.box} lies outside what this "
+                                "worker keeps")
+        if any(piece.box.intersect(b) is not None for b in regions.boxes):
+            raise MetadataError(f"tensor {meta.name!r}: elements of box {piece.box} arrived "
+                                "twice")
+        return meta, regions
+
+    def _checked_bucket(self, staging: torch.Tensor, nbytes: int,
+                        checksum: int | None) -> torch.Tensor:
+        """The first `nbytes` of `staging`, after checking they fit and match `checksum`."""
         if not 0 <= nbytes <= staging.numel():
             raise MetadataError(f"bucket of {nbytes} bytes does not fit the "
                                 f"{staging.numel()}-byte staging buffer")
@@ -150,6 +243,17 @@ class UpdateSession:
                 raise IntegrityError(f"bucket checksum mismatch: sender {checksum:#018x}, "
                                      f"received {actual:#018x}; the bytes were corrupted or "
                                      "overwritten before the receiver read them")
+        return data
+
+    def consume(
+        self,
+        staging: torch.Tensor,
+        nbytes: int,
+        slices: Sequence[Slice],
+        checksum: int | None = None,
+    ) -> None:
+        """Load one bucket's slices from the first `nbytes` of uint8 `staging`."""
+        data = self._checked_bucket(staging, nbytes, checksum)
         batch = _Batch()
         for s in slices:
             meta = self._slice_meta(s, nbytes)

@@ -11,6 +11,7 @@ from torch import nn
 from wtransfer.errors import MetadataError
 from wtransfer.fingerprint import fingerprint
 from wtransfer.packing import DTYPES, TensorMeta, byte_view, signature
+from wtransfer.records import Box, TensorLayout
 
 
 def copy_to_host(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -77,6 +78,17 @@ class WeightTarget(ABC):
         When given, a receiver writes the tensor's bytes straight into it (one copy, and no
         temporary for a tensor split across buckets) instead of calling `load_weights`.
         """
+        return None
+
+    def keeps(self) -> dict[str, TensorLayout] | None:
+        """What this worker keeps of each tensor, by incoming name (an M->N transfer sends it
+        exactly that), or None: every tensor whole."""
+        return None
+
+    def region(self, name: str, box: Box) -> torch.Tensor | None:
+        """A writable view of global region `box` of tensor `name` (which must lie in what
+        this target `keeps`), or None: an M->N receiver then assembles the whole tensor and
+        hands it to `load_weights`."""
         return None
 
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -181,6 +193,10 @@ class ModuleTarget(WeightTarget):
         if view is not None:
             self._views[name] = view
         return view
+
+    def region(self, name: str, box: Box) -> torch.Tensor:
+        """The part `box` of the parameter or buffer `name` maps to (a view)."""
+        return self._dest(name)[box.slices()]
 
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Copy the parameter or buffer `name` maps to into host memory (`out` if it fits)."""

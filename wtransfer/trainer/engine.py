@@ -26,7 +26,8 @@ together (`Ranks` over a `TrainerGroup`). Ranks with a client send; the bucket p
 across them (`BucketPlan.owners`); the first sender drives start, the tensor list and finish.
 Every rank walks every bucket so that sharded tensors are gathered bucket by bucket
 (`GatheringPacker`), and after each step all ranks agree on the outcome, so they fail
-together.
+together. A backend that moves each rank's own shards to the workers that keep them (M->N,
+`sends_own_shards`) gathers nothing: every rank sends its pair buckets (`Outgoing.units`).
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ from wtransfer.records import (
 from wtransfer.trainer.calls import UpdateCalls
 from wtransfer.trainer.gather import GatheringPacker
 from wtransfer.trainer.group import Ranks, TrainerGroup
+from wtransfer.trainer.layouts import NoGather
 from wtransfer.trainer.source import WeightSource
-from wtransfer.transport.window import CallChannel, SendChannel, send_buckets
+from wtransfer.transport.window import CallChannel, Movable, SendChannel, send_buckets
 from wtransfer.wire import parse_record, record_to_wire
 
 TInitT = TypeVar("TInitT", bound=TrainerInitInfo)
@@ -71,7 +73,7 @@ class Share:
     manifest: Manifest
     plan: BucketPlan
     buckets: tuple[Bucket, ...]
-    packer: BucketPacker | GatheringPacker
+    packer: BucketPacker | GatheringPacker | NoGather
     index: int
     """This sender's index among the senders (0 drives the control plane)."""
     count: int
@@ -108,6 +110,9 @@ class Outgoing:
     """How the buckets move (None: the opening call carries the whole update)."""
     kept: SentOnce | None = None
     """What the receivers keep once this update lands."""
+    units: tuple[Movable, ...] | None = None
+    """What the channel moves instead of the share's buckets (an M->N sender's pair
+    buckets)."""
 
 
 @dataclass(frozen=True)
@@ -267,9 +272,10 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                 calls.start()  # the engine opens the update while this rank plans it
             try:
                 layout = self._layout(self.source.metadata())
-                packer: BucketPacker | GatheringPacker = (
-                    GatheringPacker(layout.plan, self.source.parts(), layout.owners,
-                                    self.ranks.group.senders)
+                packer: BucketPacker | GatheringPacker | NoGather = (
+                    NoGather() if self.sends_own_shards
+                    else GatheringPacker(layout.plan, self.source.parts(), layout.owners,
+                                         self.ranks.group.senders)
                     if self.source.sharded and self.ranks.group is not None
                     else BucketPacker(layout.plan, self.source.tensors()))
                 index = self.ranks.sender_index
@@ -289,8 +295,11 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                 calls.drop()
         seconds = time.perf_counter() - start
         peak = packer.peak_bytes if isinstance(packer, GatheringPacker) else 0
-        return TransferStats(layout.plan.total_bytes, len(layout.manifest),
-                             len(layout.plan.buckets), seconds, peak)
+        fields: dict[str, Any] = {"bytes": layout.plan.total_bytes,
+                                  "tensors": len(layout.manifest),
+                                  "buckets": len(layout.plan.buckets), "seconds": seconds,
+                                  "gathered_peak_bytes": peak}
+        return TransferStats(**{**fields, **self._moved()})
 
     def _layout(self, metas: list[TensorMeta]) -> _Layout:
         """The manifest, plan and this rank's buckets of `metas` (the last ones again while
@@ -355,7 +364,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         else:
             self._finish_early(calls)  # every update call of this rank is issued
             if out.channel is not None:
-                send_buckets(share.buckets, share.packer, out.channel, check=calls.check)
+                send_buckets(share.buckets if out.units is None else out.units, share.packer,
+                             out.channel, check=calls.check)
         try:
             calls.settle()
         except BaseException:
@@ -445,6 +455,16 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+    @property
+    def sends_own_shards(self) -> bool:
+        """Whether every rank sends the workers its own shards (M->N): nothing is gathered."""
+        return False
+
+    def _moved(self) -> dict[str, Any]:
+        """Fields of the last update's `TransferStats` only the backend knows (M->N: its pair
+        buckets, bytes this rank sent, bytes each worker received); optional."""
+        return {}
 
     @property
     def direct_threshold(self) -> int:

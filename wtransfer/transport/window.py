@@ -20,11 +20,22 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 
 from wtransfer.packing import Bucket
+
+
+class Movable(Protocol):
+    """What the loops need of a bucket: `Bucket`, or an M->N `PairBucket` (never direct)."""
+
+    @property
+    def direct(self) -> bool:
+        """Whether it moves a source tensor's own bytes (no staging slot)."""
+
+
+B = TypeVar("B", bound=Movable)
 
 Op = TypeVar("Op")
 """A backend's handle on one posted operation (a CUDA event, UCX requests, a pending call)."""
@@ -50,9 +61,10 @@ class SendChannel(Generic[Op]):
 
     slots: int
     """Staging slots; a packed bucket holds one until its operation completed."""
-    stage: Callable[[Bucket, int], torch.Tensor]
-    """Pack a bucket into a slot; returns the bytes to post."""
-    post: Callable[[list[Bucket], int, list[torch.Tensor]], Op]
+    stage: Callable[[Any, int], torch.Tensor]
+    """Pack a bucket (a `Bucket`, or what the backend's units are) into a slot; returns the
+    bytes to post."""
+    post: Callable[[list[Any], int, list[torch.Tensor]], Op]
     """Start moving one unit's bytes (a packed bucket in staging slot `slot`, or a run of
     direct ones, slot -1): ``post(unit, slot, data)``."""
     wait: Callable[[Op, Check], None]
@@ -79,15 +91,14 @@ class CallChannel:
     with checksums on, their checksum): ``describe(bucket, slot, data, checksum)``."""
 
 
-def units(buckets: Sequence[Bucket], batch: int, first: int | None = None
-          ) -> list[list[Bucket]]:
+def units(buckets: Sequence[B], batch: int, first: int | None = None) -> list[list[B]]:
     """`buckets` in posting units: each packed bucket alone, runs of up to `batch` consecutive
     direct ones together, the very first unit of at most `first` (the bytes start moving once
     both sides posted it: a small one is ready sooner, the rest is posted while it moves). A
     pure function of the plan, so sender and receivers (which derive the same plan and get
     the same numbers) post the same units: NCCL needs every rank to group its calls alike."""
-    out: list[list[Bucket]] = []
-    run: list[Bucket] = []
+    out: list[list[B]] = []
+    run: list[B] = []
     for bucket in buckets:
         if bucket.direct and batch > 1:
             run.append(bucket)
@@ -104,7 +115,7 @@ def units(buckets: Sequence[Bucket], batch: int, first: int | None = None
     return out
 
 
-def send_buckets(buckets: Sequence[Bucket], packer: Packer, channel: SendChannel[Op], *,
+def send_buckets(buckets: Sequence[Movable], packer: Packer, channel: SendChannel[Op], *,
                  check: Check, all_posted: Callable[[], None] | None = None) -> None:
     """Post every unit of `buckets` in order through `channel`: a packed one into a free
     staging slot (packing the next bucket overlaps the operations already posted), a direct
@@ -127,7 +138,7 @@ def send_buckets(buckets: Sequence[Bucket], packer: Packer, channel: SendChannel
         while len(inflight) >= window or not (direct or free):
             retire_oldest()
         if direct:
-            slot, data = -1, [packer.direct(bucket) for bucket in unit]
+            slot, data = -1, [packer.direct(cast(Bucket, bucket)) for bucket in unit]
         else:
             slot = free.popleft()
             data = [channel.stage(unit[0], slot)]
@@ -139,14 +150,14 @@ def send_buckets(buckets: Sequence[Bucket], packer: Packer, channel: SendChannel
         retire_oldest()
 
 
-def receive_buckets(buckets: Sequence[Bucket], slots: int, *, max_inflight: int,
+def receive_buckets(buckets: Sequence[B], slots: int, *, max_inflight: int,
                      batch: int = 1, first: int | None = None,
-                     destination: Callable[[Bucket], torch.Tensor],
-                     staging: Callable[[Bucket, int], torch.Tensor],
-                     post: Callable[[list[Bucket], list[torch.Tensor]], Op],
+                     destination: Callable[[B], torch.Tensor],
+                     staging: Callable[[B, int], torch.Tensor],
+                     post: Callable[[list[B], list[torch.Tensor]], Op],
                      wait: Callable[[Op], None],
-                     landed: Callable[[Bucket, int, torch.Tensor], None],
-                     temporary: Callable[[Bucket], int] | None = None,
+                     landed: Callable[[B, int, torch.Tensor], None],
+                     temporary: Callable[[B], int] | None = None,
                      budget: int = 0) -> None:
     """Receive `buckets` in order, in the sender's units. A direct bucket lands at
     `destination(bucket)` (the parameter itself where the target offers it), a packed one in
@@ -159,10 +170,10 @@ def receive_buckets(buckets: Sequence[Bucket], slots: int, *, max_inflight: int,
     bytes in flight wait for earlier ones to land (one unit always goes), so a target that
     offers no storage of its own costs bounded memory, not a model's worth of temporaries."""
     free = deque(range(slots))
-    posted: deque[tuple[list[Bucket], int, list[torch.Tensor], Op, int]] = deque()
+    posted: deque[tuple[list[B], int, list[torch.Tensor], Op, int]] = deque()
     upcoming = deque(units(buckets, batch, first))
     held = 0
-    head_need: tuple[list[Bucket], int] | None = None
+    head_need: tuple[list[B], int] | None = None
     while upcoming or posted:
         while upcoming and len(posted) < max_inflight:
             unit = upcoming[0]

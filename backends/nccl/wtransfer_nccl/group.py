@@ -88,13 +88,14 @@ class Pending(ABC):
             if check is not None:
                 check()
             if time.monotonic() > deadline:
-                raise TransferTimeout(f"broadcast did not complete within {timeout_s:g}s: a "
+                raise TransferTimeout(f"a transfer did not complete within {timeout_s:g}s: a "
                                       "peer is gone or stalled")
             time.sleep(self.poll_s)
 
 
 class Group(ABC):
-    """A broadcast group of `world_size` ranks rooted at rank 0."""
+    """A group of `world_size` ranks: broadcasts rooted at rank 0, and point-to-point
+    messages (M->N transfers)."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -106,6 +107,15 @@ class Group(ABC):
         (one unit of the posting window)."""
 
     @abstractmethod
+    def send(self, tensor: torch.Tensor, peer: int) -> Pending:
+        """Start sending flat uint8 `tensor` to rank `peer` (messages between two ranks
+        arrive in the order they were sent)."""
+
+    @abstractmethod
+    def recv(self, tensor: torch.Tensor, peer: int) -> Pending:
+        """Start receiving the next message from rank `peer` into flat uint8 `tensor`."""
+
+    @abstractmethod
     def abort(self) -> None:
         """Tear the group down without waiting for peers (after a failure or timeout)."""
 
@@ -115,18 +125,37 @@ class Group(ABC):
 
 
 class _GlooPending(Pending):
-    def __init__(self, work: dist.Work) -> None:
+    """A gloo operation: a collective reports completion through its future; a send or
+    receive has none (`p2p`), so a daemon thread waits on it (within the group's own timeout)
+    and reports."""
+
+    def __init__(self, work: dist.Work, p2p: bool = False) -> None:
         self._work = work
+        self._p2p = p2p
         self._event = threading.Event()
-        work.get_future().add_done_callback(lambda _: self._event.set())
+        self._error: str | None = None
+        if p2p:
+            threading.Thread(target=self._await, name="wtransfer-gloo-p2p", daemon=True).start()
+        else:
+            work.get_future().add_done_callback(lambda _: self._event.set())
+
+    def _await(self) -> None:
+        try:
+            self._work.wait()
+        except RuntimeError as exc:
+            self._error = str(exc)
+        self._event.set()
 
     def done(self) -> bool:
         if not self._event.is_set():
             return False
         try:
-            self._work.wait()
+            if self._error is None and not self._p2p:  # a send or receive is waited once
+                self._work.wait()  # (a second wait would wait for another message)
         except RuntimeError as exc:
-            raise PeerError(f"gloo broadcast failed (a peer died or left): {exc}") from None
+            self._error = str(exc)
+        if self._error is not None:
+            raise PeerError(f"gloo transfer failed (a peer died or left): {self._error}")
         return True
 
     def wait(self, timeout_s: float, check: Callable[[], None] | None = None) -> None:
@@ -135,7 +164,7 @@ class _GlooPending(Pending):
             if check is not None:
                 check()
             if time.monotonic() > deadline:
-                raise TransferTimeout(f"broadcast did not complete within {timeout_s:g}s: a "
+                raise TransferTimeout(f"a transfer did not complete within {timeout_s:g}s: a "
                                       "peer is gone or stalled")
         self.done()
 
@@ -174,6 +203,19 @@ class GlooGroup(Group):
         pg: Any = self._pg
         parts: list[Pending] = [_GlooPending(pg.broadcast([t], opts)) for t in tensors]
         return parts[0] if len(parts) == 1 else _AllPending(parts)
+
+    def send(self, tensor: torch.Tensor, peer: int) -> Pending:
+        """Start a gloo send."""
+        return _GlooPending(self._live().send([tensor], peer, 0), p2p=True)
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> Pending:
+        """Start a gloo receive."""
+        return _GlooPending(self._live().recv([tensor], peer, 0), p2p=True)
+
+    def _live(self) -> Any:
+        if self._pg is None:
+            raise PeerError("the group was torn down after a failure")
+        return self._pg
 
     def abort(self) -> None:
         """Drop the group; gloo's threads finish on their own timeouts, off this thread."""
@@ -283,6 +325,26 @@ class NCCLGroup(Group):
         event = torch.cuda.Event()
         event.record(self.stream)
         return _NCCLPending(self, event, tensors)
+
+    def send(self, tensor: torch.Tensor, peer: int) -> Pending:
+        """Enqueue a send on the group's stream after the current stream's work."""
+        return self._p2p(self.lib.send, tensor, peer)
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> Pending:
+        """Enqueue a receive on the group's stream after the current stream's work."""
+        return self._p2p(self.lib.recv, tensor, peer)
+
+    def _p2p(self, op: Callable[[int, int, int, int, int], None], tensor: torch.Tensor,
+             peer: int) -> Pending:
+        comm = self._comm
+        if comm is None:
+            raise PeerError("the NCCL communicator was torn down after a failure")
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if tensor.numel():
+            op(comm, tensor.data_ptr(), tensor.numel(), peer, self.stream.cuda_stream)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return _NCCLPending(self, event, [tensor])
 
     def abort(self) -> None:
         """Abort the communicator: every rank's pending NCCL work errors out."""

@@ -11,12 +11,13 @@ from wtransfer.records import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 TRANSPORTS = ("nccl", "gloo")
 
 
-def _check_endpoint(address: str, port: int, world_size: int, *, lowest_port: int) -> None:
+def _check_endpoint(address: str, port: int, world_size: int | None, *,
+                    lowest_port: int) -> None:
     if not address:
         raise ConfigError("master_address must name the trainer's host (e.g. '127.0.0.1')")
     if not lowest_port <= port <= 65535:
         raise ConfigError(f"master_port must be in {lowest_port}..65535, got {port}")
-    if world_size < 2:
+    if world_size is not None and world_size < 2:
         raise ConfigError(f"world_size counts the trainer and every worker, so it must be >= 2, "
                           f"got {world_size}")
 
@@ -27,13 +28,20 @@ class NCCLTrainerInitInfo(TrainerInitInfo):
     ranks send) of a `world_size` rendezvous the first sender hosts at
     `master_address:master_port`; engine workers are ranks K..world_size-1, numbered in the
     order of the client's engines (`WeightSyncClient.init_each_engine`). Each sender
-    broadcasts its share of the buckets in a group of its own with every worker."""
+    broadcasts its share of the buckets in a group of its own with every worker, or, in an
+    M->N transfer (`m2n`), every trainer rank sends each worker the parts of its own shards
+    that worker keeps, over one group of them all."""
 
     backend: ClassVar[str] = "nccl"
     master_address: str
-    world_size: int
-    """The sending trainer ranks plus every receiving worker behind the client
-    (`client.num_workers()`)."""
+    world_size: int | None = None
+    """The sending trainer ranks plus every receiving worker behind the client; None
+    (default): that sum, counted at init (`client.num_workers()`)."""
+    m2n: bool | None = None
+    """Send each worker only what it keeps, from the trainer ranks that hold it, without
+    gathering (`wtransfer.transport.mton`): every trainer rank needs a client then. None
+    (default): when the source is sharded and every trainer rank has a client; False: gather
+    each bucket to a sender and broadcast it to every worker."""
     master_port: int = 0
     """Port of the rendezvous the first sender hosts; 0 (default): a free one the OS picks,
     sent to the receivers in their init info. Name one where a firewall needs it."""
@@ -64,6 +72,10 @@ class NCCLInitInfo(ReceiverInitInfo):
     first_batch: int | None = None
     """At most this many in the first group call (None: `batch`), so the bytes start moving
     before either side prepared a whole batch; the sender's number, like `batch`."""
+    m2n: bool = False
+    """One group of every trainer rank and worker: each worker receives only what it keeps,
+    from every trainer rank (`wtransfer.transport.mton`), and publishes its layouts in the
+    rendezvous at init."""
     lifeline_port: int | None = None
     """Port of the lead trainer's `wtransfer.transport.tcp_lifeline.LifelineListener` at
     `master_address`: each worker connects once, and fails an open update within moments of
@@ -100,3 +112,6 @@ class NCCLUpdateInfo(UpdateInfo):
     """Instead of `tensors`: `wtransfer.wire.digest` of the list this receiver got in its last
     update under the same init. A trainer sends the same list every step; naming it spares
     sending, decoding and comparing hundreds of entries on every update."""
+    plan_digest: str | None = None
+    """M->N: `TransferPlan.digest` of the trainer's plan; a worker that planned otherwise
+    refuses the update before any byte moves."""

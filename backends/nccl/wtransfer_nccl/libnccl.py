@@ -1,8 +1,9 @@
 """A ctypes binding to the NCCL library itself (``libnccl.so.2``), found at run time.
 
-Only what a broadcast needs: unique id, communicator init/abort/destroy, broadcast, group
-start/end, async error query. Search order: ``$WTRANSFER_NCCL_LIBRARY``, the
-``nvidia-nccl-cu12``/``-cu13`` wheels, the copy next to torch, then the system loader path.
+Only what the backend uses: unique id, communicator init/abort/destroy, broadcast,
+point-to-point send and receive (M->N transfers), group start/end, async error query.
+Search order: ``$WTRANSFER_NCCL_LIBRARY``, the ``nvidia-nccl-cu12``/``-cu13`` wheels, the copy
+next to torch, then the system loader path.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class NCCLLibrary:
         lib.ncclBroadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                       ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_void_p]
+        for name in ("ncclSend", "ncclRecv"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                           ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.ncclCommGetAsyncError.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
         lib.ncclGroupStart.argtypes = []
         lib.ncclGroupEnd.argtypes = []
@@ -99,6 +103,14 @@ class NCCLLibrary:
         """In-place broadcast of `nbytes` at device address `ptr`, enqueued on `stream`."""
         self._check(self._lib.ncclBroadcast(ptr, ptr, nbytes, NCCL_UINT8, root, comm, stream),
                     "ncclBroadcast")
+
+    def send(self, comm: int, ptr: int, nbytes: int, peer: int, stream: int) -> None:
+        """Send `nbytes` at device address `ptr` to rank `peer`, enqueued on `stream`."""
+        self._check(self._lib.ncclSend(ptr, nbytes, NCCL_UINT8, peer, comm, stream), "ncclSend")
+
+    def recv(self, comm: int, ptr: int, nbytes: int, peer: int, stream: int) -> None:
+        """Receive `nbytes` from rank `peer` into device address `ptr`, on `stream`."""
+        self._check(self._lib.ncclRecv(ptr, nbytes, NCCL_UINT8, peer, comm, stream), "ncclRecv")
 
     def group_start(self) -> None:
         """Open a group: the calls until `group_end` are launched together, as one kernel."""

@@ -1,9 +1,11 @@
-"""Engine side of the NCCL backend: joins the group once, receives every bucket by broadcast."""
+"""Engine side of the NCCL backend: joins the group once, receives every bucket by broadcast,
+or (M->N, `wtransfer_nccl.mton`) only what this worker keeps, from every trainer rank."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from wtransfer.packing import (
 from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
+from wtransfer.transport.mton import PairBucket
 from wtransfer.transport.tcp_lifeline import Lifeline
 from wtransfer.transport.window import receive_buckets
 from wtransfer_nccl.group import (
@@ -28,6 +31,14 @@ from wtransfer_nccl.group import (
     sender_store,
 )
 from wtransfer_nccl.info import NCCLInitInfo, NCCLUpdateInfo
+from wtransfer_nccl.mton import (
+    Planner,
+    check_plan,
+    m2n_store,
+    publish_layouts,
+    read_layouts,
+    whole_layouts,
+)
 
 _LIFELINE_CHECK_S = 0.2
 """How often an open update looks at its lifeline (between calls, and while a broadcast is
@@ -58,8 +69,11 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         self._lifeline: Lifeline | None = None
         """The connection that tells this worker the lead trainer died
         (`wtransfer.transport.tcp_lifeline`)."""
+        self._planner: Planner | None = None
+        """M->N: the plans between every rank's published layouts."""
 
     def _init(self, info: NCCLInitInfo) -> None:
+        self._planner = None
         if info.transport == "nccl" and self.device.type != "cuda":
             raise ConfigError("the trainer broadcasts CUDA tensors over NCCL; this receiver is "
                               f"on {self.device}: create it with device='cuda:N'")
@@ -73,7 +87,9 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
                                 info.sender_id or "", info.timeout_s)
         workers = info.world_size - info.senders
         try:
-            for sender in range(info.senders):
+            if info.m2n:
+                self._join_m2n(info, store, rank, staging_device)
+            for sender in range(info.senders if not info.m2n else 0):
                 self._groups.append(make_group(
                     info.transport, sender_store(store, sender, info.senders),
                     rank - info.senders + 1, workers + 1, info.timeout_s, staging_device))
@@ -82,10 +98,23 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
             raise
         self._staging = [[torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                       device=staging_device) for _ in range(info.num_buffers)]
-                         for _ in range(info.senders)]
+                         for _ in range(info.senders if not info.m2n else 1)]
         if info.lifeline_port is not None:
             self._lifeline = Lifeline(info.master_address, info.lifeline_port,
                                       min(info.timeout_s, _LIFELINE_CONNECT_S))
+
+    def _join_m2n(self, info: NCCLInitInfo, store: Any, rank: int,
+                  device: torch.device) -> None:
+        """Publish what this worker keeps, join the group of every trainer rank and worker,
+        and read what everyone holds."""
+        kept = self.target.keeps()
+        publish_layouts(store, rank, kept if kept is not None
+                        else whole_layouts(self.target.metadata()))
+        self._groups.append(make_group(info.transport, m2n_store(store), rank, info.world_size,
+                                       info.timeout_s, device))
+        everyone = read_layouts(store, range(info.world_size), info.timeout_s)
+        self._planner = Planner(everyone[:info.senders], everyone[info.senders:],
+                                info.bucket_bytes)
 
     def _sender_gone(self) -> str | None:
         lifeline = self._lifeline
@@ -94,6 +123,9 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         return None
 
     def _receive(self, info: NCCLUpdateInfo, session: UpdateSession) -> None:
+        if self._planner is not None:
+            self._receive_m2n(info, session)
+            return
         shares = self._shares(info, session)  # a malformed update is named as such first
         if not self._groups:
             raise LifecycleError("nccl: the group was torn down after a failure; the trainer "
@@ -124,6 +156,55 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         if errors:
             raise errors[0]
 
+    def _receive_m2n(self, info: NCCLUpdateInfo, session: UpdateSession) -> None:
+        """Check the plan, then receive this worker's pair buckets in round order, each from
+        its trainer rank into a staging slot, and write their boxes into place."""
+        init, planner = self.init_info, self._planner
+        assert init is not None and planner is not None
+        manifest = self.announce_listed(info.tensors, info.tensors_digest, session)
+        plan = planner.plan(manifest)
+        check_plan(plan, info.plan_digest)
+        if not self._groups:
+            raise LifecycleError("nccl: the group was torn down after a failure; the trainer "
+                                 "must call init_weight_transfer_engine again")
+        session.keep_only(self.target.keeps())
+        group, staging_buffers = self._groups[0], self._staging[0]
+        stopped = self._stop_check(None)
+
+        def landed(bucket: PairBucket, slot: int, _data: torch.Tensor) -> None:
+            staging = staging_buffers[slot]
+            checksum = read_checksum_trailer(staging, bucket.nbytes) if init.checksum else None
+            session.consume_pieces(staging, bucket.nbytes, bucket.pieces, checksum)
+
+        receive_buckets(
+            plan.of_worker(group.rank - init.senders), len(staging_buffers),
+            max_inflight=len(staging_buffers),
+            destination=lambda bucket: staging_buffers[0],  # never: pair buckets are packed
+            staging=lambda bucket, slot: staging_buffers[slot][
+                :trailer_length(bucket.nbytes, init.checksum)],
+            post=lambda unit, data: group.recv(data[0], unit[0].sender),
+            wait=lambda pending: pending.wait(init.timeout_s, stopped),
+            landed=landed)
+        if staging_buffers[0].device.type == "cuda":
+            torch.cuda.current_stream(staging_buffers[0].device).synchronize()
+
+    def _stop_check(self, stop: threading.Event | None) -> Callable[[], None]:
+        """What a wait asks every few microseconds: whether another share failed (`stop`),
+        and, every `_LIFELINE_CHECK_S`, whether the trainer is gone."""
+        next_look = time.monotonic() + _LIFELINE_CHECK_S
+
+        def stopped() -> None:
+            nonlocal next_look
+            if stop is not None and stop.is_set():
+                raise PeerError("another sender's share failed")
+            if time.monotonic() >= next_look:
+                next_look = time.monotonic() + _LIFELINE_CHECK_S
+                gone = self._sender_gone()
+                if gone is not None:
+                    raise PeerError(f"a transfer cannot complete: {gone}")
+
+        return stopped
+
     def _shares(self, info: NCCLUpdateInfo, session: UpdateSession) -> list[tuple[Bucket, ...]]:
         """Announce the update's tensors; each sender's buckets of the plan derived from them
         (planned once per list: a trainer sends the same one every step)."""
@@ -143,19 +224,7 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         group's stream waits on the current one), with one synchronize at the end."""
         init = self.init_info
         assert init is not None
-
-        next_look = time.monotonic() + _LIFELINE_CHECK_S
-
-        def stopped() -> None:  # asked every few microseconds while a broadcast is awaited
-            nonlocal next_look
-            if stop is not None and stop.is_set():
-                raise PeerError("another sender's share failed")
-            if time.monotonic() >= next_look:
-                next_look = time.monotonic() + _LIFELINE_CHECK_S
-                gone = self._sender_gone()
-                if gone is not None:
-                    raise PeerError(f"a broadcast cannot complete: {gone}")
-
+        stopped = self._stop_check(stop)
         device = staging_buffers[0].device  # num_buffers >= 1 (checked in the init info)
 
         def destination(bucket: Bucket) -> torch.Tensor:

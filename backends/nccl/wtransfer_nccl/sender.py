@@ -1,4 +1,5 @@
-"""Trainer side of the NCCL backend: rank 0, packs buckets and broadcasts them."""
+"""Trainer side of the NCCL backend: packs buckets and broadcasts them to every worker, or
+(M->N, `wtransfer_nccl.mton`) sends each worker the parts of its own shards that it keeps."""
 
 from __future__ import annotations
 
@@ -28,6 +29,15 @@ from wtransfer_nccl.group import (
     session_store,
 )
 from wtransfer_nccl.info import NCCLTrainerInitInfo
+from wtransfer_nccl.mton import (
+    Planner,
+    m2n_store,
+    pack,
+    publish_layouts,
+    read_layouts,
+    source_parts,
+    whole_layouts,
+)
 
 
 class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
@@ -53,16 +63,24 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         """What the workers connect to so they see this process die (the lead's)."""
         self._broken: str | None = None
         self._staging: list[torch.Tensor] = []
+        self.world_size = 0
+        """Trainer ranks that send plus every worker (counted at connect)."""
+        self.m2n = False
+        """Whether updates go M->N (`NCCLTrainerInitInfo.m2n`, decided at connect)."""
+        self._planner: Planner | None = None
+        self._last_moved: dict[str, Any] = {}
 
     def _connect(self) -> dict[str, Any]:
         info = self.init_info
         assert self.client is not None
         workers = self.client.num_workers()
-        if self.senders + workers != info.world_size:
+        if info.world_size is not None and self.senders + workers != info.world_size:
             raise ConfigError(f"world_size={info.world_size}, but {self.senders} sending "
                               f"trainer rank(s) plus {workers} worker(s) make "
                               f"{self.senders + workers}; set world_size="
-                              f"{self.senders + workers}")
+                              f"{self.senders + workers}, or leave it out")
+        self.world_size = self.senders + workers
+        self.m2n = self._choose_m2n()
         self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]
         port = info.master_port
@@ -73,10 +91,32 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                 self._lifeline = LifelineListener(info.master_address)  # after timeout_s
         return receiver_init_dict(info, master_address=info.master_address,
                                   lifeline_port=self._lifeline.port if self._lifeline else None,
-                                  master_port=port, world_size=info.world_size,
+                                  master_port=port, world_size=self.world_size,
                                   rank_offset=self.senders, transport=self.transport,
                                   senders=self.senders, batch=DIRECT_BATCH,
-                                  first_batch=DIRECT_FIRST)
+                                  first_batch=DIRECT_FIRST, m2n=self.m2n)
+
+    def _choose_m2n(self) -> bool:
+        """M->N when asked, or by default when the source is sharded and every trainer rank
+        sends (its own shards); asked without every rank sending is refused."""
+        group = self.ranks.group
+        everyone = group is None or len(group.senders) == group.size
+        if self.init_info.m2n and not everyone:
+            assert group is not None
+            raise ConfigError(f"m2n=True sends every trainer rank's own shards, but only "
+                              f"{len(group.senders)} of {group.size} ranks have a client; "
+                              "give every rank a client (only the first makes control calls)")
+        if self.init_info.m2n is None:
+            return everyone and self.source.sharded
+        return self.init_info.m2n
+
+    @property
+    def sends_own_shards(self) -> bool:
+        """M->N: every rank sends its own shards; nothing is gathered."""
+        return self.m2n
+
+    def _moved(self) -> dict[str, Any]:
+        return self._last_moved
 
     def _merge(self, fragments: list[dict[str, Any]]) -> dict[str, Any]:
         """Several senders: they share the lead's rendezvous, namespaced by the lead's
@@ -111,9 +151,12 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                          else join_rendezvous(str(receiver_init["master_address"]),
                                               int(receiver_init["master_port"]), sender,
                                               session, info.timeout_s))
+                if self.m2n:
+                    made["group"] = self._form_m2n(store, sender)
+                    return
                 made["group"] = make_group(
                     self.transport, sender_store(store, sender, self.senders), 0,
-                    info.world_size - self.senders + 1, info.timeout_s, self.device)
+                    self.world_size - self.senders + 1, info.timeout_s, self.device)
             except BaseException as exc:
                 made["error"] = exc
 
@@ -124,11 +167,28 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                 lambda first, _count: {**receiver_init, "rank_offset": self.senders + first})
         former.join(info.timeout_s)
         if former.is_alive():
-            raise TransferTimeout(f"the group of {info.world_size} ranks did not form within "
+            raise TransferTimeout(f"the group of {self.world_size} ranks did not form within "
                                   f"{info.timeout_s:g}s")
         if "error" in made:
             raise made["error"]
         self._group = made["group"]
+
+    def _form_m2n(self, store: Any, sender: int) -> Group:
+        """Publish this rank's shards, join the group of every trainer rank and worker, and
+        read what everyone holds (`wtransfer_nccl.mton`)."""
+        from wtransfer.trainer.layouts import LocalShards
+
+        info = self.init_info
+        metas = self.source.metadata()
+        held = (LocalShards(metas, list(self.source.parts()), sender).layouts
+                if self.source.sharded else whole_layouts(metas, replica=sender))
+        publish_layouts(store, sender, held)
+        group = make_group(self.transport, m2n_store(store), sender, self.world_size,
+                           info.timeout_s, self.device)
+        everyone = read_layouts(store, range(self.world_size), info.timeout_s)
+        self._planner = Planner(everyone[:self.senders], everyone[self.senders:],
+                                info.bucket_bytes)
+        return group
 
     def _outgoing(self, share: Share) -> Outgoing:
         """The lead's update call carries the tensor list (or its digest) and blocks in the
@@ -139,6 +199,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
             raise LifecycleError(f"nccl sender is unusable after an earlier failure "
                                  f"({self._broken}); create a new one with trainer_init")
         group, info, staging = self._group, self.init_info, self._staging
+        if self._planner is not None:
+            return self._outgoing_m2n(share, group)
         channel: SendChannel[Any] = SendChannel(
             slots=len(staging), max_inflight=MAX_INFLIGHT, batch=DIRECT_BATCH,
             first=DIRECT_FIRST,
@@ -147,6 +209,28 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
             post=lambda _unit, _slot, data: group.broadcast(data),
             wait=lambda pending, check: pending.wait(info.timeout_s, check))
         return Outgoing(share, opening=self.listed_tensors(share.manifest), channel=channel)
+
+    def _outgoing_m2n(self, share: Share, group: Group) -> Outgoing:
+        """This rank's pair buckets of the plan, each packed from its own shards into a free
+        staging slot and sent to its worker (rank K + worker) as one message."""
+        from wtransfer.trainer.layouts import LocalShards
+
+        assert self._planner is not None
+        info, staging, metas = self.init_info, self._staging, share.manifest.metas
+        plan = self._planner.plan(share.manifest)
+        me = share.index
+        shards = LocalShards(metas, source_parts(self.source, metas), me)
+        mine = tuple(plan.of_sender(me))
+        self._last_moved = {"buckets": len(mine), "sent_bytes": plan.bytes_from(me),
+                            "worker_bytes": [plan.bytes_to(w) for w in range(plan.workers)]}
+        channel: SendChannel[Any] = SendChannel(
+            slots=len(staging), max_inflight=MAX_INFLIGHT,
+            stage=lambda bucket, slot: pack(bucket, metas, shards, staging[slot], info.checksum),
+            post=lambda unit, _slot, data: group.send(data[0], self.senders + unit[0].worker),
+            wait=lambda pending, check: pending.wait(info.timeout_s, check))
+        opening = ({**self.listed_tensors(share.manifest), "plan_digest": plan.digest}
+                   if share.lead else None)
+        return Outgoing(share, opening=opening, channel=channel, units=mine)
 
     def _failed(self, exc: BaseException) -> None:
         """A failed broadcast leaves the group unusable: tear it down (NCCL would wait)."""

@@ -1,0 +1,145 @@
+"""M->N transfers over nccl (gloo on CPU), real processes: FSDP2 trainer ranks send each
+engine worker only the parts it keeps, straight from their own shards, all ranks at once.
+
+What is checked is what a user would notice: every worker holds the trainer's weights
+bit-exact (fingerprints of the full tensors), each received exactly the bytes it keeps (not
+the model's size), greedy tokens equal a fresh engine holding the same weights, and a trainer
+rank killed mid-transfer fails every side in time with the weights as they were.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+import wtransfer
+from wtransfer.launch.processes import free_port, spawn_receiver
+from wtransfer.launch.trainer_ranks import TrainerRanks
+from wtransfer.rpc import RPCClient
+from wtransfer.testing.conformance import wait_for
+
+BUCKET = 16 << 10
+"""Smaller than most tensors of the tiny models: pieces are cut across pair buckets."""
+
+
+def fields(**extra):
+    return {"master_address": "127.0.0.1", "bucket_bytes": BUCKET, "timeout_s": 30.0, **extra}
+
+
+class Serve:
+    """`wtransfer serve` in a subprocess."""
+
+    def __init__(self, *flags):
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "wtransfer", "serve", "--port", self.url.rsplit(":", 1)[1],
+             "--weight-transfer-backend", "nccl", "--batch-invariant", "--dev-mode", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+        def healthy():
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                return httpx.get(self.url + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(healthy, 120, "the server to start")
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+
+    def greedy(self, prompt, n=12):
+        out = self.http.post("/inference/v1/generate", json={
+            "token_ids": prompt, "sampling_params": {"max_tokens": n, "temperature": 0}})
+        assert out.status_code == 200, out.text
+        return out.json()["choices"][0]["token_ids"]
+
+    def close(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(*flags):
+        servers.append(Serve(*flags))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+PROMPTS = [[1, 2, 3], [7, 8, 9, 10]]
+
+
+@pytest.mark.parametrize(("ranks", "model", "flags"), [
+    (2, "tiny", ["--tensor-parallel-size", "2"]),
+    (4, "tiny-moe", ["--tensor-parallel-size", "2", "--enable-expert-parallel"]),
+])
+def test_fsdp_ranks_send_each_worker_only_what_it_keeps(serve, ranks, model, flags):
+    engine = serve("--model", model, *flags)
+    with TrainerRanks(ranks, backend="nccl", addresses=[engine.url], senders=ranks,
+                      model=f"llm:{model}", seed=5, init_fields=fields(),
+                      fingerprint=True) as trainers:
+        outs = [trainers.wait_for(r, "sent", 180) for r in range(ranks)]
+        assert trainers.wait(60) == [0] * ranks
+    info = engine.http.get("/weight_info").json()
+    assert info["weight_version"] == "sharded-0"
+    assert wtransfer.HTTPClient(engine.url).fingerprint() == outs[0]["fingerprint"]
+    workers = sorted(info["workers"], key=lambda w: w["worker"])
+    kept = [w["kept_bytes"] for w in workers]
+    model_bytes = outs[0]["bytes"]
+    assert [w["last_update_bytes"] for w in workers] == kept  # what each keeps, not the model
+    assert all(k < model_bytes for k in kept)
+    assert all(o["worker_bytes"] == kept for o in outs)
+    assert sum(o["sent_bytes"] for o in outs) == sum(kept)  # every rank sent its own part
+    assert all(o["sent_bytes"] > 0 for o in outs)
+    assert all(o["gathered_peak_bytes"] == 0 for o in outs)  # nothing was gathered
+    got = [engine.greedy(p) for p in PROMPTS]
+    fresh = serve("--model", model, "--seed", "5")  # the trainer's weights, built directly
+    assert got == [fresh.greedy(p) for p in PROMPTS]
+
+
+def test_every_update_lands_and_a_killed_trainer_rank_leaves_the_weights_as_they_were():
+    """Into a whole-tensor receiver (each tensor assembled from both ranks' boxes): two
+    updates land; then a rank SIGKILLed mid-transfer fails every side within its deadline,
+    the receiver holds the last weights, and a fresh pair of ranks lands a full update."""
+    with spawn_receiver("nccl", model="mixed", seed=2, rollback=True) as receiver:
+        client = RPCClient(receiver.address, timeout_s=30)
+        with TrainerRanks(2, backend="nccl", addresses=[receiver.address], senders=2,
+                          updates=2, init_fields=fields(), fingerprint=True) as trainers:
+            outs = [trainers.wait_for(r, "sent", 180, count=2) for r in range(2)]
+            assert trainers.wait(60) == [0, 0]
+        assert client.fingerprint() == outs[0]["fingerprint"]
+        assert outs[0]["worker_bytes"] == [outs[0]["bytes"]]  # a whole receiver keeps all
+        assert outs[0]["sent_bytes"] + outs[1]["sent_bytes"] == outs[0]["bytes"]
+        before = client.fingerprint()
+        with TrainerRanks(2, backend="nccl", addresses=[receiver.address], senders=2,
+                          updates=1000, seed=7, init_fields=fields(timeout_s=5.0),
+                          timeout_s=10.0, fingerprint=True) as trainers:
+            trainers.wait_for(1, "ready", 120)
+            os.kill(trainers.procs[1].pid, signal.SIGKILL)
+            codes = trainers.wait(60)
+            assert codes[0] != 0 and "Traceback" in trainers.stderr(0)
+        wait_for(lambda: client.status()["state"] != "updating", 30,
+                 "the receiver to fail the update at its deadline")
+        status = client.status()
+        assert status["torn"] is False and status["state"] in ("failed", "ready")
+        landed = trainers.reports(0, "sent")
+        if status["weight_version"] != f"sharded-{len(landed)}":  # (the rank was killed
+            # after the receiver finished an update but before rank 0 heard every verdict)
+            assert client.fingerprint() == (landed[-1]["fingerprint"] if landed else before)
+        with TrainerRanks(2, backend="nccl", addresses=[receiver.address], senders=2,
+                          seed=9, init_fields=fields(), fingerprint=True) as trainers:
+            out = trainers.wait_for(0, "sent", 180)
+            assert trainers.wait(60) == [0, 0]
+        assert client.fingerprint() == out["fingerprint"] != before
+        client.close()

@@ -1,0 +1,174 @@
+"""The M->N plan: a pure function, checked by carrying real tensors through it.
+
+Sources are row shards (FSDP2's, uneven) and replicas; destinations are what tensor-parallel
+workers keep (rows, columns, and a fused tensor kept as two boxes side by side). Executing the
+plan (pack each pair bucket from the senders' local tensors, unpack into the workers' local
+tensors) must give every worker exactly its part of every full tensor.
+"""
+
+import pytest
+import torch
+
+from wtransfer.errors import MetadataError
+from wtransfer.packing import TensorMeta
+from wtransfer.receiver.session import UpdateSession
+from wtransfer.receiver.target import ModuleTarget
+from wtransfer.records import Box, TensorLayout
+from wtransfer.transport.mton import (
+    TransferPlan,
+    layouts_from_wire,
+    layouts_to_wire,
+    plan_transfers,
+)
+
+FULL = {"embed": torch.randn(10, 6), "fused": torch.randn(8, 4), "down": torch.randn(4, 9),
+        "norm": torch.randn(5)}
+METAS = [TensorMeta.of(n, t) for n, t in FULL.items()]
+
+
+def rows(name, start, stop, dim=0, replica=0):
+    shape = tuple(FULL[name].shape)
+    offsets, lengths = [0] * len(shape), list(shape)
+    offsets[dim], lengths[dim] = start, stop - start
+    return TensorLayout(name=name, dtype="float32", shape=shape,
+                        boxes=(Box(offsets=tuple(offsets), lengths=tuple(lengths)),),
+                        replica=replica)
+
+
+def whole(name, replica=0):
+    return TensorLayout.whole(name, "float32", FULL[name].shape, replica=replica)
+
+
+def fsdp(ranks):
+    """Row shards as FSDP2 cuts them (torch.chunk: the last ones shorter, or empty)."""
+    out = []
+    for r in range(ranks):
+        held = {}
+        for name, tensor in FULL.items():
+            chunk = -(-tensor.shape[0] // ranks)
+            a, b = min(r * chunk, tensor.shape[0]), min((r + 1) * chunk, tensor.shape[0])
+            held[name] = rows(name, a, b)
+        out.append(held)
+    return out
+
+
+def tp(rank):
+    """A TP=2 worker: embedding rows, fused gate|up rows as two boxes, down columns."""
+    fused = TensorLayout(name="fused", dtype="float32", shape=(8, 4), boxes=(
+        Box(offsets=(2 * rank, 0), lengths=(2, 4)), Box(offsets=(4 + 2 * rank, 0),
+                                                        lengths=(2, 4))))
+    return {"embed": rows("embed", 5 * rank, 5 * rank + 5), "fused": fused,
+            "down": rows("down", 4 * rank, 4 + 5 * rank, dim=1),  # columns 0..4, 4..9
+            "norm": whole("norm", replica=rank)}
+
+
+def execute(plan, sources, dests):
+    """Carry the full tensors through the plan; each worker's local tensors."""
+    local_src = [{n: lay.take(FULL[n]).clone() for n, lay in held.items()} for held in sources]
+    local_dst = [{n: torch.full(lay.local_shape, float("nan")) for n, lay in kept.items()}
+                 for kept in dests]
+    for bucket in plan.buckets:
+        data = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        for p in bucket.pieces:
+            name = METAS[p.tensor].name
+            region = sources[bucket.sender][name].view(local_src[bucket.sender][name], p.box)
+            data[p.offset:p.offset + p.nbytes].view(torch.float32).view(p.box.lengths).copy_(
+                region)
+        for p in bucket.pieces:
+            name = METAS[p.tensor].name
+            dests[bucket.worker][name].view(local_dst[bucket.worker][name], p.box).copy_(
+                data[p.offset:p.offset + p.nbytes].view(torch.float32).view(p.box.lengths))
+    return local_dst
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_every_worker_gets_exactly_its_part_of_every_tensor(ranks):
+    sources, dests = fsdp(ranks), [tp(0), tp(1)]
+    plan = plan_transfers(METAS, sources, dests, bucket_bytes=256)
+    got = execute(plan, sources, dests)
+    for kept, local in zip(dests, got, strict=True):
+        for name, lay in kept.items():
+            assert torch.equal(local[name], lay.take(FULL[name])), name
+    for worker, kept in enumerate(dests):  # the bytes it keeps, no more
+        assert plan.bytes_to(worker) == sum(lay.numel * 4 for lay in kept.values())
+    assert sum(plan.bytes_from(s) for s in range(ranks)) == sum(plan.bytes_to(w)
+                                                               for w in range(2))
+
+
+def test_buckets_are_bounded_aligned_and_each_rank_moves_one_per_round():
+    plan = plan_transfers(METAS, fsdp(3), [tp(0), tp(1)], bucket_bytes=256)
+    seen = {}
+    for b in plan.buckets:
+        assert b.nbytes <= 256
+        assert all(p.offset % 256 == 0 or p.offset % 4 == 0 for p in b.pieces)
+        for key in (("s", b.sender, b.round), ("w", b.worker, b.round)):
+            assert key not in seen, f"{key} moves two buckets in one round"
+            seen[key] = b
+    # a pair's buckets keep their order: its tensors' pieces come in list order
+    for s in range(3):
+        for w in range(2):
+            order = [p.tensor for b in plan.buckets if (b.sender, b.worker) == (s, w)
+                     for p in b.pieces]
+            assert order == sorted(order)
+
+
+def test_replicas_share_the_load():
+    sources = [{n: whole(n, replica=r) for n in FULL} for r in range(2)]
+    plan = plan_transfers(METAS, sources, [tp(0), tp(1)], bucket_bytes=1 << 16)
+    sent = [plan.bytes_from(s) for s in range(2)]
+    assert min(sent) > 0
+    assert abs(sent[0] - sent[1]) <= max(t.numel() * 4 for t in FULL.values())
+
+
+def test_the_plan_is_deterministic_and_travels_checked_by_its_digest():
+    args = (METAS, fsdp(2), [tp(0), tp(1)], 256)
+    plan = plan_transfers(*args)
+    assert plan_transfers(*args).digest == plan.digest
+    assert TransferPlan.from_wire(plan.to_wire()) == plan
+    wire = plan.to_wire()
+    wire["buckets"][0][4][0][3] += 4  # one piece moved by one element
+    with pytest.raises(MetadataError, match="does not match its digest"):
+        TransferPlan.from_wire(wire)
+    with pytest.raises(MetadataError, match="malformed M->N plan"):
+        TransferPlan.from_wire({"senders": 1})
+    layouts = tp(1)
+    assert layouts_from_wire(layouts_to_wire(layouts), "rank 1") == layouts
+    with pytest.raises(MetadataError, match="malformed layouts from rank 3"):
+        layouts_from_wire([["x", "float99", [1], [[[0], [1]]], 0, 0]], "rank 3")
+
+
+def test_bytes_no_rank_holds_and_two_tilings_of_one_tensor_are_refused():
+    partial = fsdp(2)
+    del partial[1]["embed"]
+    with pytest.raises(MetadataError, match=r"'embed': worker 1 keeps 30 elements .* hold 0"):
+        plan_transfers(METAS, partial, [tp(0), tp(1)], 256)
+    crossed = fsdp(2)
+    crossed[1]["embed"] = rows("embed", 0, 3, dim=1)
+    with pytest.raises(MetadataError, match="overlapping boxes"):
+        plan_transfers(METAS, crossed, [tp(0), tp(1)], 256)
+
+
+def test_a_receiver_refuses_pieces_outside_what_it_keeps_or_twice():
+    module = torch.nn.Linear(4, 2, bias=False)
+    target = ModuleTarget(module)
+    meta = TensorMeta.of("weight", module.weight)
+    kept = {"weight": TensorLayout(name="weight", dtype="float32", shape=(2, 4),
+                                   boxes=(Box(offsets=(0, 0), lengths=(1, 4)),))}
+    from wtransfer.transport.mton import Piece
+
+    data = torch.zeros(64, dtype=torch.uint8)
+    session = UpdateSession(target, "cpu")
+    session.announce([meta])
+    session.keep_only(kept)
+    outside = Piece(0, Box(offsets=(1, 0), lengths=(1, 4)), 0, 16)
+    with pytest.raises(MetadataError, match="outside what this worker keeps"):
+        session.consume_pieces(data, 16, [outside])
+    half = Piece(0, Box(offsets=(0, 0), lengths=(1, 2)), 0, 8)
+    session.consume_pieces(data, 16, [half])
+    with pytest.raises(MetadataError, match="arrived twice"):
+        session.consume_pieces(data, 16, [half])
+    with pytest.raises(MetadataError, match="does not fit"):
+        session.consume_pieces(data, 8, [Piece(0, Box(offsets=(0, 2), lengths=(1, 2)), 4, 8)])
+    session.consume_pieces(data, 16, [Piece(0, Box(offsets=(0, 2), lengths=(1, 2)), 8, 8)])
+    session.finish()  # every element it keeps arrived
+    assert torch.equal(module.weight[0], torch.zeros(4))

@@ -1,0 +1,261 @@
+"""The M->N plan: which bytes each trainer rank sends each engine worker, and when.
+
+A pure, deterministic function of the tensor list, the layouts of the M trainer ranks (what
+each holds: DTensor shards, replicas) and the layouts of the N workers (what each keeps), and
+the bucket size. Each destination byte comes from exactly one source, directly (no rank ever
+holds a tensor it does not keep): for every box a worker keeps, the source boxes that cover it
+are intersected with it, and each intersection goes to the least-loaded rank holding it
+(replicas share the load, ties to the lowest rank). Each (trainer rank, worker) pair's pieces
+are packed in order into buckets of at most `bucket_bytes` (a piece too large is cut along its
+leading dimensions), and every bucket gets a round: the static schedule both sides follow. In
+one round a rank sends or receives at most one bucket, and a pair's buckets keep their order,
+so ranks that post their rounds in order, a few ahead, never wait on each other in a circle.
+
+Planned once per tensor list and layouts; both sides check it by `TransferPlan.digest`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from wtransfer.errors import MetadataError
+from wtransfer.packing import DEFAULT_ALIGN, DTYPES, TensorMeta
+from wtransfer.records import Box, TensorLayout
+from wtransfer.wire import digest
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One region of one tensor inside a bucket."""
+
+    tensor: int
+    """Index in the tensor list."""
+    box: Box
+    """The region, in the tensor's global coordinates."""
+    offset: int
+    """Where its bytes start in the bucket."""
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PairBucket:
+    """One bucket of one (trainer rank, worker) pair."""
+
+    sender: int
+    worker: int
+    round: int
+    """When it moves in the static schedule."""
+    nbytes: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def direct(self) -> bool:
+        """Never: a pair bucket is always packed (from boxes of the sender's shards)."""
+        return False
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Every pair's buckets in schedule order (see the module docstring)."""
+
+    senders: int
+    workers: int
+    buckets: tuple[PairBucket, ...]
+    digest: str
+
+    def of_sender(self, sender: int) -> list[PairBucket]:
+        """The buckets `sender` sends, in round order."""
+        return [b for b in self.buckets if b.sender == sender]
+
+    def of_worker(self, worker: int) -> list[PairBucket]:
+        """The buckets `worker` receives, in round order."""
+        return [b for b in self.buckets if b.worker == worker]
+
+    def bytes_to(self, worker: int) -> int:
+        """Tensor bytes (padding excluded) `worker` receives."""
+        return sum(p.nbytes for b in self.buckets if b.worker == worker for p in b.pieces)
+
+    def bytes_from(self, sender: int) -> int:
+        """Tensor bytes `sender` sends."""
+        return sum(p.nbytes for b in self.buckets if b.sender == sender for p in b.pieces)
+
+    @property
+    def rounds(self) -> int:
+        """How many rounds the schedule has."""
+        return 1 + max((b.round for b in self.buckets), default=-1)
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain form (`from_wire` checks its digest)."""
+        return {"senders": self.senders, "workers": self.workers, "digest": self.digest,
+                "buckets": _buckets_wire(self.buckets)}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> TransferPlan:
+        """Parse a plan; `MetadataError` when malformed or its digest does not match."""
+        try:
+            buckets = tuple(
+                PairBucket(int(s), int(w), int(r), int(n), tuple(
+                    Piece(int(t), Box(offsets=tuple(o), lengths=tuple(ln)), int(off), int(nb))
+                    for t, o, ln, off, nb in pieces))
+                for s, w, r, n, pieces in data["buckets"])
+            plan = cls(int(data["senders"]), int(data["workers"]), buckets, str(data["digest"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MetadataError(f"malformed M->N plan: {exc}") from None
+        if digest(_buckets_wire(plan.buckets)) != plan.digest:
+            raise MetadataError("the M->N plan does not match its digest")
+        return plan
+
+
+def _buckets_wire(buckets: Sequence[PairBucket]) -> list[Any]:
+    return [[b.sender, b.worker, b.round, b.nbytes,
+             [[p.tensor, list(p.box.offsets), list(p.box.lengths), p.offset, p.nbytes]
+              for p in b.pieces]] for b in buckets]
+
+
+def _split(box: Box, itemsize: int, limit: int) -> list[Box]:
+    """`box` cut into boxes of at most `limit` bytes along its leading dimensions."""
+    if box.numel * itemsize <= limit or not box.lengths:
+        return [box]
+    dim = next((d for d, n in enumerate(box.lengths) if n > 1), None)
+    if dim is None:
+        return [box]
+    row = box.numel // box.lengths[dim] * itemsize
+    step = max(1, limit // row)
+    out = []
+    for start in range(0, box.lengths[dim], step):
+        n = min(step, box.lengths[dim] - start)
+        offsets, lengths = list(box.offsets), list(box.lengths)
+        offsets[dim] += start
+        lengths[dim] = n
+        part = Box(offsets=tuple(offsets), lengths=tuple(lengths))
+        out += _split(part, itemsize, limit) if n == 1 and row > limit else [part]
+    return out
+
+
+def plan_transfers(metas: Sequence[TensorMeta], sources: Sequence[dict[str, TensorLayout]],
+                   dests: Sequence[dict[str, TensorLayout]], bucket_bytes: int,
+                   align: int = DEFAULT_ALIGN) -> TransferPlan:
+    """The plan moving `metas` from ranks holding `sources` to workers keeping `dests` (see
+    the module docstring); `MetadataError` when some kept byte has no source, or the
+    sources' boxes overlap without being the same box (two tilings of one tensor)."""
+    load = [0] * len(sources)
+    pieces: dict[tuple[int, int], list[tuple[int, Box, int]]] = {}
+    for worker, kept in enumerate(dests):
+        for index, meta in enumerate(metas):
+            dest = kept.get(meta.name)
+            if dest is None:
+                continue
+            itemsize = DTYPES[meta.dtype].itemsize
+            tiles = _tiles(meta, sources)
+            for box in dest.boxes:
+                covered = 0
+                for tile, holders in tiles:
+                    region = box.intersect(tile)
+                    if region is None or not region.numel:
+                        continue
+                    sender = min(holders, key=lambda s: (load[s], s))
+                    load[sender] += region.numel * itemsize
+                    pieces.setdefault((sender, worker), []).append((index, region, itemsize))
+                    covered += region.numel
+                if covered > box.numel:
+                    raise MetadataError(f"{meta.name!r}: trainer ranks hold overlapping boxes "
+                                        f"of box {box} (two different shardings of one "
+                                        "tensor)")
+                if covered != box.numel:
+                    raise MetadataError(f"{meta.name!r}: worker {worker} keeps {box.numel} "
+                                        f"elements of box {box}, the trainer ranks hold "
+                                        f"{covered} of them")
+    raw: list[tuple[int, int, int, list[Piece]]] = []
+    for (sender, worker), items in sorted(pieces.items()):
+        current: list[Piece] = []
+        used = 0
+        for index, region, itemsize in items:
+            for part in _split(region, itemsize, bucket_bytes):
+                nbytes = part.numel * itemsize
+                start = -(-used // align) * align
+                if current and start + nbytes > bucket_bytes:
+                    raw.append((sender, worker, used, current))
+                    current, start = [], 0
+                current.append(Piece(index, part, start, nbytes))
+                used = start + nbytes
+        if current:
+            raw.append((sender, worker, used, current))
+    buckets = _schedule(raw)
+    return TransferPlan(len(sources), len(dests), buckets, digest(_buckets_wire(buckets)))
+
+
+def _tiles(meta: TensorMeta, sources: Sequence[dict[str, TensorLayout]]
+           ) -> list[tuple[Box, list[int]]]:
+    """The distinct boxes the trainer ranks hold of one tensor, each with its holders."""
+    tiles: dict[Box, list[int]] = {}
+    for sender, held in enumerate(sources):
+        layout = held.get(meta.name)
+        if layout is None:
+            continue
+        if tuple(layout.shape) != tuple(meta.shape):
+            raise MetadataError(f"{meta.name!r}: trainer rank {sender} holds a tensor of shape "
+                                f"{list(layout.shape)}, the list says {list(meta.shape)}")
+        for box in layout.boxes:
+            tiles.setdefault(box, []).append(sender)
+    boxes = list(tiles)
+    if sum(b.numel for b in boxes) > math.prod(meta.shape):
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                if a.intersect(b) is not None:
+                    raise MetadataError(f"{meta.name!r}: trainer ranks hold overlapping boxes "
+                                        f"{a} and {b} (two different shardings of one tensor)")
+    return sorted(tiles.items(), key=lambda item: (item[0].offsets, item[0].lengths))
+
+
+def _schedule(raw: list[tuple[int, int, int, list[Piece]]]) -> tuple[PairBucket, ...]:
+    """Rounds for every bucket: the earliest where its sender and worker are both free and
+    after its pair's previous bucket; buckets taken a bucket per pair at a time, pairs in
+    diagonal order (worker - sender), so an all-to-all of equal pairs takes one round per
+    pair of each rank (no rank idles while another has two pairs waiting)."""
+    by_pair: dict[tuple[int, int], list[tuple[int, list[Piece]]]] = {}
+    for sender, worker, nbytes, chunk in raw:
+        by_pair.setdefault((sender, worker), []).append((nbytes, chunk))
+    width = max([s + 1 for s, _ in by_pair] + [w + 1 for _, w in by_pair] + [1])
+    order = sorted(by_pair, key=lambda pair: ((pair[1] - pair[0]) % width, pair))
+    free_s: dict[int, int] = {}
+    free_w: dict[int, int] = {}
+    out = []
+    depth = max((len(v) for v in by_pair.values()), default=0)
+    for i in range(depth):
+        for sender, worker in order:
+            queue = by_pair[(sender, worker)]
+            if i >= len(queue):
+                continue
+            start = max(free_s.get(sender, 0), free_w.get(worker, 0))
+            free_s[sender] = free_w[worker] = start + 1
+            nbytes, chunk = queue[i]
+            out.append(PairBucket(sender, worker, start, nbytes, tuple(chunk)))
+    return tuple(sorted(out, key=lambda b: (b.round, b.sender, b.worker)))
+
+
+def layouts_to_wire(layouts: dict[str, TensorLayout]) -> list[Any]:
+    """A rank's layouts in plain form: ``[[name, dtype, shape, [[offsets, lengths], ...],
+    concat_dim, replica], ...]`` (what ranks publish to each other)."""
+    return [[lay.name, lay.dtype, list(lay.shape),
+             [[list(b.offsets), list(b.lengths)] for b in lay.boxes], lay.concat_dim,
+             lay.replica] for lay in layouts.values()]
+
+
+def layouts_from_wire(data: Any, where: str) -> dict[str, TensorLayout]:
+    """Parse `layouts_to_wire`'s form; `MetadataError` naming `where` when malformed."""
+    try:
+        out = {}
+        for name, dtype, shape, boxes, concat_dim, replica in data:
+            if dtype not in DTYPES:
+                raise ValueError(f"unknown dtype {dtype!r}")
+            out[str(name)] = TensorLayout(
+                name=str(name), dtype=str(dtype), shape=tuple(int(n) for n in shape),
+                boxes=tuple(Box(offsets=tuple(int(o) for o in offs),
+                                lengths=tuple(int(n) for n in lens)) for offs, lens in boxes),
+                concat_dim=int(concat_dim), replica=int(replica))
+        return out
+    except (TypeError, ValueError) as exc:
+        raise MetadataError(f"malformed layouts from {where}: {exc}") from None
