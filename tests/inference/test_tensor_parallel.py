@@ -229,3 +229,24 @@ def test_data_parallel_ranks_of_two_workers_each_take_an_update():
             single.shutdown()
 
     run(main(), deadline_s=300)
+
+
+def test_an_engine_idle_for_longer_than_its_step_timeout_still_serves():
+    """Workers wait for rank 0 within step_timeout_s; an idle rank 0 keeps them company, so
+    an engine left alone for three deadlines still generates (and then still updates)."""
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny", tensor_parallel_size=2,
+                                          batch_invariant=True, step_timeout_s=2.0))
+        try:
+            await asyncio.sleep(6.0)
+            assert engine.failure() is None
+            got = await greedy(engine, 8)
+        finally:
+            engine.shutdown()
+        single = AsyncEngine(EngineConfig(model="tiny", batch_invariant=True))
+        try:
+            assert got == await greedy(single, 8)
+        finally:
+            single.shutdown()
+
+    run(main(), deadline_s=120)

@@ -82,8 +82,8 @@ class EngineCore(Replica):
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._commands and not self._stopped and not self.can_step():
-                    self._wake.wait(0.5)  # an update failed by its watchdog: step again
+                if not self._commands and not self._stopped and not self.can_step():
+                    self._wake.wait(0.5)  # or look again (an update failed by its watchdog)
                 if self._stopped and not self._commands:
                     return
                 commands = list(self._commands)
@@ -96,6 +96,8 @@ class EngineCore(Replica):
                         future.set_exception(exc)
             if self.can_step():
                 self.step()
+            elif not commands:  # idle: tensor-parallel workers hear from rank 0 anyway
+                self.keep_workers_alive()
             self.resolve_drains()
 
     def _die(self, reason: str) -> None:

@@ -381,6 +381,12 @@ class Replica:
             return self.workers.fingerprint(self.model.state_dict())
         return self.target.fingerprint()
 
+    def keep_workers_alive(self) -> None:
+        """Called while the engine idles: tensor-parallel workers hear from rank 0 within
+        their deadline (`TPWorkers.keepalive`)."""
+        if self.workers is not None:
+            self.workers.keepalive()
+
     def workers_info(self) -> list[dict[str, Any]]:
         """Every rank's update state and bytes (rank 0 first)."""
         if self.workers is None:

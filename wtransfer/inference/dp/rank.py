@@ -285,6 +285,7 @@ class DPRank(Replica):
                 self._begin_wave(announce=True)
             else:
                 self._drain_commands(_LANE_POLL_MS if self._lane_busy else _IDLE_POLL_MS)
+                self.keep_workers_alive()
                 if os.getppid() != self._parent:
                     return  # the front end died; nobody is left to serve
         self._flush()

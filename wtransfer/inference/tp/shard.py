@@ -16,7 +16,6 @@ from torch import nn
 from wtransfer.errors import LifecycleError
 from wtransfer.inference.shard_target import ShardTarget
 from wtransfer.inference.staging import StagedWeights, StagingMode
-from wtransfer.packing import DTYPES
 from wtransfer.receiver.engine import ReceiverState, WeightTransferEngine
 from wtransfer.records import TensorLayout, check_version
 from wtransfer.registry import create_receiver
@@ -41,6 +40,9 @@ class ShardWeights:
         self.live = ShardTarget(model, layouts)
         """The live weights (what a fingerprint reads)."""
         self.receiver: WeightTransferEngine[Any, Any] | None = None
+        held = {t.data_ptr(): t for t in model.state_dict().values()}  # tied weights once
+        self.kept_bytes = sum(t.numel() * t.element_size() for t in held.values())
+        """Bytes of this worker's part of the model (what an M->N update sends it)."""
 
     @property
     def update_open(self) -> bool:
@@ -99,8 +101,7 @@ class ShardWeights:
                 "update_state": receiver.state.value if receiver else "none",
                 "update_bytes": receiver.update_bytes if receiver else 0,
                 "last_update_bytes": receiver.last_update_bytes if receiver else 0,
-                "kept_bytes": sum(lay.numel * DTYPES[lay.dtype].itemsize
-                                  for lay in self.layouts.values()),
+                "kept_bytes": self.kept_bytes,
                 "torn": bool(receiver and receiver.torn),
                 "failure": receiver.failure if receiver else None}
 

@@ -49,6 +49,7 @@ class TPWorkers:
                  rollback: bool, device: torch.device) -> None:
         self.size = config.tensor_parallel_size
         self.timeout_s = config.step_timeout_s
+        self._last_sync = time.monotonic()
         self.call_timeout_s = config.call_timeout_s
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
@@ -106,11 +107,19 @@ class TPWorkers:
 
     def step(self, plan: StepPlan) -> None:
         """Every worker computes `plan` with rank 0."""
-        self.collective.broadcast_record({"op": "step", **plan.to_wire()})
+        self.sync("step", **plan.to_wire())
 
     def sync(self, op: str, **fields: Any) -> None:
         """Every worker does `op` at this step boundary ("commit", "rollback", ...)."""
         self.collective.broadcast_record({"op": op, **fields})
+        self._last_sync = time.monotonic()
+
+    def keepalive(self) -> None:
+        """An idle engine tells its workers it is there (op "idle") a few times per
+        `step_timeout_s`: they wait on the next message within that deadline, so that a dead
+        rank 0 is noticed, and an engine idle for longer must not look dead to them."""
+        if time.monotonic() - self._last_sync > self.timeout_s / 4:
+            self.sync("idle")
 
     def fingerprint(self, local: dict[str, torch.Tensor]) -> dict[str, str]:
         """Per-tensor digest of the full tensors, assembled from every rank's part."""
