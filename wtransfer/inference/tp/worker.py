@@ -4,8 +4,9 @@ Run by rank 0 as ``python -m wtransfer.inference.tp.worker``. It loads the model
 shard, joins the group's collective, then follows rank 0: every broadcast message is one
 forward to compute with it (``step``) or something to do at that step boundary (``commit``,
 ``rollback``, ``fingerprint``, ``shutdown``), or ``idle``: an engine with nothing to step says
-it is alive, within the deadline each worker waits for the next message. Weight-transfer commands arrive on the command
-socket and run on a thread of their own (one at a time, in order), beside the step loop.
+it is alive, within the deadline each worker waits for the next message. Weight-transfer
+commands arrive on the command socket and run on a thread of their own (one at a time, in
+order), beside the step loop.
 
 Messages on the command socket (msgpack): worker to rank 0 ``{"kind": "loaded"}`` once the
 model is in memory, or ``{"kind": "fatal", type, message}``; rank 0 to worker ``{"id",
