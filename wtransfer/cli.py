@@ -46,6 +46,13 @@ def cmd_transfer_demo(args: argparse.Namespace) -> int:
                     bucket_mb=args.bucket_mb, checksum=args.checksum)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Plan an update for a cluster and print the prediction (see `wtransfer.sim`)."""
+    from wtransfer.sim.command import cmd_plan as run
+
+    return run(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the HTTP server over an inference engine."""
     import os
@@ -223,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="restore the old weights when an update fails (auto: when the "
                             "model fits in half the available host memory)")
     serve.set_defaults(func=cmd_serve)
+    plan = sub.add_parser("plan", formatter_class=fmt,
+                          help="plan an M->N update for a cluster and predict its time")
+    from wtransfer.sim.command import add_arguments
+
+    add_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 

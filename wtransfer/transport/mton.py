@@ -143,13 +143,15 @@ def plan_transfers(metas: Sequence[TensorMeta], sources: Sequence[dict[str, Tens
     sources' boxes overlap without being the same box (two tilings of one tensor)."""
     load = [0] * len(sources)
     pieces: dict[tuple[int, int], list[tuple[int, Box, int]]] = {}
-    for worker, kept in enumerate(dests):
-        for index, meta in enumerate(metas):
-            dest = kept.get(meta.name)
-            if dest is None:
-                continue
-            itemsize = DTYPES[meta.dtype].itemsize
-            tiles = _tiles(meta, sources)
+    held = _by_name(sources)
+    kept = _by_name(dests)
+    for index, meta in enumerate(metas):
+        keepers = kept.get(meta.name)
+        if not keepers:
+            continue
+        itemsize = DTYPES[meta.dtype].itemsize
+        tiles = _tiles(meta, held.get(meta.name, []))
+        for worker, dest in keepers:
             for box in dest.boxes:
                 covered = 0
                 for tile, holders in tiles:
@@ -187,14 +189,21 @@ def plan_transfers(metas: Sequence[TensorMeta], sources: Sequence[dict[str, Tens
     return TransferPlan(len(sources), len(dests), buckets, digest(_buckets_wire(buckets)))
 
 
-def _tiles(meta: TensorMeta, sources: Sequence[dict[str, TensorLayout]]
+def _by_name(ranks: Sequence[dict[str, TensorLayout]]
+             ) -> dict[str, list[tuple[int, TensorLayout]]]:
+    """For each tensor name, the ranks holding part of it and their layouts, in rank order."""
+    out: dict[str, list[tuple[int, TensorLayout]]] = {}
+    for rank, layouts in enumerate(ranks):
+        for name, layout in layouts.items():
+            out.setdefault(name, []).append((rank, layout))
+    return out
+
+
+def _tiles(meta: TensorMeta, holders: Sequence[tuple[int, TensorLayout]]
            ) -> list[tuple[Box, list[int]]]:
     """The distinct boxes the trainer ranks hold of one tensor, each with its holders."""
     tiles: dict[Box, list[int]] = {}
-    for sender, held in enumerate(sources):
-        layout = held.get(meta.name)
-        if layout is None:
-            continue
+    for sender, layout in holders:
         if tuple(layout.shape) != tuple(meta.shape):
             raise MetadataError(f"{meta.name!r}: trainer rank {sender} holds a tensor of shape "
                                 f"{list(layout.shape)}, the list says {list(meta.shape)}")

@@ -1,0 +1,97 @@
+"""`wtransfer plan`: plan a model's update for a cluster and print what the simulator
+predicts (see `wtransfer.sim.scenario`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from wtransfer.errors import ConfigError
+from wtransfer.sim.cluster import Cluster
+from wtransfer.sim.scenario import Scenario, plan_cluster
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `wtransfer plan`."""
+    parser.add_argument("--model", required=True,
+                        help="kimi-k2, deepseek-v3, qwen3-235b-a22b or a Qwen3 dense list")
+    parser.add_argument("--trainer", default="fsdp",
+                        help="fsdp, or megatron:tp=T,pp=P,ep=E")
+    parser.add_argument("--trainer-gpus", type=int, required=True, help="trainer ranks")
+    parser.add_argument("--engine", required=True,
+                        help="REPLICAS x TP workers, e.g. 8x16; add 'ep' to split experts by "
+                             "expert: 8x16ep")
+    parser.add_argument("--engine-dtype", choices=["bf16", "fp8"], default="bf16",
+                        help="what the engine holds (fp8: projection weights converted on "
+                             "the trainer before sending)")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--nics-per-node", type=int, default=8)
+    parser.add_argument("--nic-gbit", type=float, default=400, help="Gbit/s per NIC")
+    parser.add_argument("--nvlink-gbps", type=float, default=380,
+                        help="GB/s one way per GPU within a node")
+    parser.add_argument("--hbm-gbps", type=float, default=4800, help="GPU memory GB/s")
+    parser.add_argument("--colocated", action="store_true",
+                        help="engine worker w on trainer GPU w (shared GPUs)")
+    parser.add_argument("--bucket-mb", type=int, default=1024)
+    parser.add_argument("--num-buffers", type=int, default=2)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def parse_engine(text: str) -> tuple[int, int, bool]:
+    """``RxT`` or ``RxTep`` -> (replicas, tp, expert parallel)."""
+    ep = text.endswith("ep")
+    body = text[:-2] if ep else text
+    try:
+        replicas, tp = (int(x) for x in body.split("x"))
+    except ValueError:
+        raise ConfigError(f"--engine {text!r}: expected REPLICASxTP, e.g. 8x16 or 8x16ep") \
+            from None
+    if replicas < 1 or tp < 1:
+        raise ConfigError(f"--engine {text!r}: replicas and tp must be >= 1")
+    return replicas, tp, ep
+
+
+def report(sc: Scenario) -> dict[str, object]:
+    """The plain form of a scenario's plan and prediction."""
+    p = sc.prediction
+    return {"model": sc.model, "model_gb": sc.model_bytes / 1e9,
+            "engine_copy_gb": sc.engine_bytes / 1e9, "moved_gb": p.total_bytes / 1e9,
+            "predicted_s": p.seconds, "broadcast_s": p.broadcast_seconds,
+            "busiest_link": p.busiest, "busiest_link_s": p.busiest_seconds,
+            "busiest_link_share": p.link_share, "dominated_by": p.dominated_by,
+            "link_gb": {k: v / 1e9 for k, v in p.link_bytes.items()},
+            "pairs": p.pairs, "buckets": p.buckets,
+            "max_messages_per_pair": p.max_messages_per_pair,
+            "staging_peak_mb": p.staging_peak_bytes / 1e6, "rounds": sc.plan.rounds,
+            "stage_s": p.stage_seconds, "plan_s": sc.plan_seconds, "digest": sc.plan.digest}
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Plan and simulate (see the module docstring)."""
+    replicas, tp, ep = parse_engine(args.engine)
+    cluster = Cluster.of(senders=args.trainer_gpus, gpus_per_node=args.gpus_per_node,
+                         nics_per_node=args.nics_per_node, nic_gbit=args.nic_gbit,
+                         nvlink_gbps=args.nvlink_gbps, hbm_gbps=args.hbm_gbps,
+                         colocated=args.colocated)
+    sc = plan_cluster(args.model, trainer=args.trainer, trainer_gpus=args.trainer_gpus,
+                      replicas=replicas, tp=tp, ep=ep, cluster=cluster,
+                      engine_dtype=args.engine_dtype, bucket_bytes=args.bucket_mb << 20,
+                      num_buffers=args.num_buffers)
+    out = report(sc)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{sc.model}: {out['model_gb']:.1f} GB trainer copy, {out['engine_copy_gb']:.1f} GB "
+          f"per engine copy ({args.engine_dtype}); {args.trainer} over {args.trainer_gpus} "
+          f"GPUs -> {replicas} x {tp}{' (experts split)' if ep else ''} workers")
+    print(f"  moved {out['moved_gb']:.1f} GB in {sc.plan.buckets.__len__()} pair buckets over "
+          f"{out['pairs']} pairs, {sc.plan.rounds} rounds (planned in {sc.plan_seconds:.1f} s)")
+    print(f"  predicted {sc.prediction.seconds:.3f} s (rank-0 broadcast: "
+          f"{sc.prediction.broadcast_seconds:.2f} s)")
+    print(f"  busiest link: {out['busiest_link']}, busy {sc.prediction.busiest_seconds:.3f} s "
+          f"({sc.prediction.link_share:.0%} of the update); dominated by "
+          f"{sc.prediction.dominated_by}")
+    print(f"  staging peak per rank {out['staging_peak_mb']:.0f} MB; at most "
+          f"{out['max_messages_per_pair']} messages per pair; bytes per link class: "
+          + ", ".join(f"{k} {v:.1f} GB" for k, v in out["link_gb"].items()))  # type: ignore[attr-defined]
+    return 0
