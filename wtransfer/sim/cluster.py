@@ -10,6 +10,11 @@ engine sharing GPUs). A (sender, worker) pair talks over:
 
 Each rank moves one bucket at a time (the transports do: one operation per rank per round), so
 a link's bandwidth is the rank's own: a GPU's NVLink bandwidth one way, or its NIC share.
+
+Memory traffic (packing, converting, applying) is bounded per GPU: a trainer rank and a worker
+sharing a GPU (`colocated`) take turns on its memory. A `shared_host` cluster is one whose
+ranks are processes of one CPU host (this VM): every pack, apply and message of a node shares
+its memory bandwidth and its loopback link, one at a time.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class Cluster:
     """Bytes per second a GPU reads plus writes (packing, converting, applying)."""
     senders: int
     colocated: bool = False
+    shared_host: bool = False
 
     @classmethod
     def of(cls, *, senders: int, gpus_per_node: int = 8, nics_per_node: int = 8,
@@ -78,6 +84,14 @@ class Cluster:
             return worker
         first = -(-self.senders // self.gpus_per_node) * self.gpus_per_node
         return first + worker
+
+    def memory_domain(self, gpu: int) -> int:
+        """What a rank on `gpu` shares memory bandwidth with (its GPU, or its host)."""
+        return gpu // self.gpus_per_node if self.shared_host else gpu
+
+    def link_domain(self, sender: int, worker: int) -> int | None:
+        """The node whose one link every message of the pair shares (shared hosts only)."""
+        return self.sender_gpu(sender) // self.gpus_per_node if self.shared_host else None
 
     def link(self, sender: int, worker: int) -> Link:
         """The link between trainer rank `sender` and engine worker `worker`."""

@@ -6,13 +6,14 @@ the transports overlap them:
 
 1. **pack** on its trainer rank: read its boxes out of the shards and write them to a staging
    slot (converting to the engine's dtype on the way: bf16 read, fp8 written), at the GPU's
-   memory bandwidth; it needs one of the rank's `num_buffers` slots, free again once the
-   bucket left;
+   memory bandwidth (shared with whatever else uses that memory: `Cluster.memory_domain`);
+   it needs one of the rank's `num_buffers` slots, free again once the bucket left;
 2. **send** over the pair's link (`wtransfer.sim.cluster`): its latency plus bytes over
    bandwidth, once the rank's previous send and the worker's previous receive are done (each
    rank moves one bucket at a time, in round order) and the worker has a free slot;
-3. **apply** on the worker: read the slot, write the weights, at memory bandwidth; the slot is
-   free again after.
+3. **apply** on the worker: read the slot, write the weights, at memory bandwidth (with
+   `rollback`, first a copy of what the write replaces, the receiver's rollback snapshot);
+   the slot is free again after.
 
 The update ends when the last bucket is applied, plus `control_s` (the start and finish
 round trips). The baseline is what a transport without M->N does: rank 0 gathers every
@@ -77,7 +78,7 @@ def _pipeline(times: Sequence[tuple[float, float, float]]) -> float:
 
 def simulate(plan: TransferPlan, metas: Sequence[TensorMeta], cluster: Cluster, *,
              num_buffers: int = 2, source_bytes_per_byte: Sequence[float] | None = None,
-             control_s: float = 0.002) -> Prediction:
+             control_s: float = 0.002, rollback: bool = False) -> Prediction:
     """Predict `plan` on `cluster` (see the module docstring). `source_bytes_per_byte[i]`:
     bytes the trainer reads per byte sent of tensor i (2.0 for bf16 sent as fp8; default 1)."""
     ratio = list(source_bytes_per_byte) if source_bytes_per_byte is not None else None
@@ -86,6 +87,8 @@ def simulate(plan: TransferPlan, metas: Sequence[TensorMeta], cluster: Cluster, 
     send_free: dict[int, float] = defaultdict(float)
     recv_free: dict[int, float] = defaultdict(float)
     apply_free: dict[int, float] = defaultdict(float)
+    shared: dict[tuple[str, int], float] = defaultdict(float)
+    """When each shared resource (a memory domain, a host's link) is next free."""
     sender_slots: dict[int, list[float]] = defaultdict(lambda: [0.0] * num_buffers)
     worker_slots: dict[int, list[float]] = defaultdict(lambda: [0.0] * num_buffers)
     busy: dict[tuple[str, int], float] = defaultdict(float)
@@ -102,16 +105,22 @@ def simulate(plan: TransferPlan, metas: Sequence[TensorMeta], cluster: Cluster, 
                 else nbytes)
         pack_t = (read + nbytes) / mem
         send_t = link.seconds(nbytes)
-        apply_t = 2 * nbytes / mem
+        apply_t = (4 if rollback else 2) * nbytes / mem
+        s_mem = ("mem", cluster.memory_domain(cluster.sender_gpu(s)))
+        w_mem = ("mem", cluster.memory_domain(cluster.worker_gpu(w)))
+        host = cluster.link_domain(s, w)
         slot = heapq.heappop(sender_slots[s])
-        packed = max(pack_free[s], slot) + pack_t
-        pack_free[s] = packed
+        packed = max(pack_free[s], slot, shared[s_mem]) + pack_t
+        pack_free[s] = shared[s_mem] = packed
         wslot = heapq.heappop(worker_slots[w])
-        sent = max(packed, send_free[s], recv_free[w], wslot) + send_t
+        sent = max(packed, send_free[s], recv_free[w], wslot,
+                   shared[("link", host)] if host is not None else 0.0) + send_t
         send_free[s] = recv_free[w] = sent
+        if host is not None:
+            shared[("link", host)] = sent
         heapq.heappush(sender_slots[s], sent)
-        applied = max(sent, apply_free[w]) + apply_t
-        apply_free[w] = applied
+        applied = max(sent, apply_free[w], shared[w_mem]) + apply_t
+        apply_free[w] = shared[w_mem] = applied
         heapq.heappush(worker_slots[w], applied)
         finish = max(finish, applied)
         busy[("out", s)] += send_t

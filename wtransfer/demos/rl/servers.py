@@ -95,7 +95,7 @@ class HTTPPolicyServer:
 
     def __init__(self, *, model: str, seed: int, backend: str, data_parallel_size: int = 1,
                  update_staging: str = "auto", tensor_parallel_size: int = 1,
-                 start_timeout_s: float = 120):
+                 start_timeout_s: float = 120, update_rollback: str = "auto"):
         self.model = model
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -104,6 +104,7 @@ class HTTPPolicyServer:
             [sys.executable, "-m", "wtransfer", "serve", "--model", model, "--seed", str(seed),
              "--port", str(port), "--dev-mode", "--batch-invariant",
              "--weight-transfer-backend", backend, "--update-staging", update_staging,
+             "--update-rollback", update_rollback,
              "--data-parallel-size", str(data_parallel_size),
              "--tensor-parallel-size", str(tensor_parallel_size)],
             stdout=subprocess.DEVNULL, stderr=self._log)
