@@ -35,6 +35,17 @@ class IntegrityError(WTransferError):
     """Received bytes failed verification (checksum mismatch or incomplete update)."""
 
 
+class DeltaBaseError(IntegrityError):
+    """A receiver refused a delta update before writing anything: it does not hold the base
+    the delta applies onto (it restarted, rolled back, failed an update, or another sender
+    wrote it). A delta-enabled sender then sends the update in full by itself."""
+
+
+class SparseDeltaError(DeltaBaseError):
+    """A receiver whose target cannot apply sparse deltas (it offers no view of its weights)
+    refused one: the sender sends changed tensors whole from then on."""
+
+
 class TransferTimeout(WTransferError, TimeoutError):
     """A blocking wait ran past its deadline (the peer is gone, slow, or never showed up)."""
 
@@ -74,6 +85,14 @@ class RemoteIntegrityError(PeerError, IntegrityError):
     """The peer found corrupt or missing bytes (a `PeerError` and an `IntegrityError`)."""
 
 
+class RemoteDeltaBaseError(PeerError, DeltaBaseError):
+    """The peer refused a delta for want of its base (a `PeerError` and a `DeltaBaseError`)."""
+
+
+class RemoteSparseDeltaError(PeerError, SparseDeltaError):
+    """The peer cannot apply sparse deltas (a `PeerError` and a `SparseDeltaError`)."""
+
+
 class RemoteTransferTimeout(PeerError, TransferTimeout):
     """A wait on the peer's side ran past its deadline (a `PeerError` and a
     `TransferTimeout`)."""
@@ -88,6 +107,7 @@ _REMOTE: dict[str, type[PeerError]] = {
     "LifecycleError": RemoteLifecycleError, "MetadataError": RemoteMetadataError,
     "SenderReplacedError": RemoteSenderReplacedError,
     "IntegrityError": RemoteIntegrityError, "TransferTimeout": RemoteTransferTimeout,
+    "DeltaBaseError": RemoteDeltaBaseError, "SparseDeltaError": RemoteSparseDeltaError,
     "EngineDeadError": RemoteEngineDeadError,
 }
 
@@ -154,19 +174,23 @@ def remote_error(message: str, kind: str) -> PeerError:
 
 __all__ = [
     "ConfigError",
+    "DeltaBaseError",
     "EngineDeadError",
     "IntegrityError",
     "LifecycleError",
     "MetadataError",
     "PeerError",
     "RemoteConfigError",
+    "RemoteDeltaBaseError",
     "RemoteEngineDeadError",
     "RemoteIntegrityError",
     "RemoteLifecycleError",
     "RemoteMetadataError",
     "RemoteSenderReplacedError",
+    "RemoteSparseDeltaError",
     "RemoteTransferTimeout",
     "SenderReplacedError",
+    "SparseDeltaError",
     "TransferTimeout",
     "WTransferError",
     "error_kind",

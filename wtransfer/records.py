@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
+from wtransfer.delta.header import DeltaHeader
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.manifest import PlanParams
 from wtransfer.packing import DEFAULT_ALIGN
@@ -82,6 +83,10 @@ class WireParams:
     """Checksum every bucket on the sender and verify it on each receiver."""
     timeout_s: float = 60.0
     """Deadline of every blocking wait of the transfer, in seconds."""
+    delta: bool = False
+    """After a first full update, send only the elements whose bits changed since the last
+    update the receivers hold, proven by a base token (`wtransfer.delta`); one sender with an
+    unsharded source."""
 
     def __post_init__(self) -> None:
         check_record_types(self)
@@ -164,6 +169,9 @@ class UpdateInfo:
     sender_id: str | None = None
     """The sending sender's identity (`ReceiverInitInfo.sender_id`): a call from a sender that
     a newer init replaced is refused before any byte is read or written."""
+    delta: DeltaHeader | None = None
+    """A delta-enabled sender's header call (the update's first, carrying nothing else): the
+    update's token and, for a delta, the base it applies onto (`wtransfer.delta`)."""
 
     def __post_init__(self) -> None:
         check_sender_id(self.sender_id)
@@ -183,6 +191,13 @@ class TransferStats:
     """M->N: tensor bytes this trainer rank sent (its part of `bytes`, replicas shared)."""
     worker_bytes: list[int] | None = None
     """M->N: tensor bytes each worker received (what it keeps), in worker order."""
+    wire_bytes: int | None = None
+    """Delta-enabled senders: tensor bytes that moved (`bytes` is the model bytes the update
+    stands for; a delta moves only the changed elements)."""
+    changed_fraction: float | None = None
+    """Delta updates: the fraction of the model's elements whose bits changed."""
+    delta_base_bytes: int = 0
+    """Delta-enabled senders: bytes of the last-sent copy the sender keeps to diff against."""
 
     @property
     def gbps(self) -> float:
@@ -198,7 +213,9 @@ class TransferStats:
                 f"buckets={self.buckets}, seconds={self.seconds:.6f}, "
                 f"gbps={self.gbps:.3f}, gathered_peak_bytes={self.gathered_peak_bytes}"
                 + (f", sent_bytes={self.sent_bytes}, worker_bytes={self.worker_bytes}"
-                   if self.worker_bytes is not None else "") + ")")
+                   if self.worker_bytes is not None else "")
+                + (f", wire_bytes={self.wire_bytes}, changed_fraction={self.changed_fraction}"
+                   if self.wire_bytes is not None else "") + ")")
 
 
 def receiver_init_dict(trainer: TrainerInitInfo, **extra: Any) -> dict[str, Any]:

@@ -130,6 +130,27 @@ def randomize(module: nn.Module, seed: int) -> None:
         t.copy_(fresh)
 
 
+@torch.no_grad()
+def perturb(module: nn.Module, fraction: float, seed: int) -> int:
+    """Flip the lowest bit of about `fraction` of the elements of every tensor of `module`
+    (at least one each; positions drawn from `seed`), in place, as a small training step
+    changes a few elements; returns how many elements changed."""
+    gen = torch.Generator().manual_seed(seed)
+    total = 0
+    for tensor in module.state_dict(keep_vars=True).values():
+        flat = tensor.data.reshape(-1)
+        if flat.numel() == 0:
+            continue
+        index = torch.randperm(flat.numel(), generator=gen)[
+            :max(1, int(fraction * flat.numel()))].to(flat.device)
+        word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+            flat.element_size()]
+        view = flat.view(word)
+        view[index] ^= 1
+        total += int(index.numel())
+    return total
+
+
 def model_metas(name: str) -> list[TensorMeta]:
     """The parameter list called `name`: "mixed" or a key of `MODEL_SHAPES`."""
     if name == "mixed":

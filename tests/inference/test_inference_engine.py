@@ -286,3 +286,9 @@ def test_an_update_abandoned_by_its_sender_cannot_hold_the_engine():
         sender.shutdown()
         engine.shutdown()
     run(main())
+
+
+def test_a_rollback_setting_that_is_not_a_bool_is_refused():
+    """A string such as "off" would be truthy: refused, naming the values allowed."""
+    with pytest.raises(ConfigError, match="update_rollback must be True, False or None"):
+        EngineConfig(model="tiny", update_rollback="off")

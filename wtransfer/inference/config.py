@@ -175,6 +175,9 @@ class EngineConfig:
         if self.update_staging not in (None, "off", "swap", "copy"):
             raise ConfigError(f"EngineConfig.update_staging must be 'off', 'swap', 'copy' or "
                               f"None (auto), got {self.update_staging!r}")
+        if self.update_rollback not in (None, True, False):
+            raise ConfigError(f"EngineConfig.update_rollback must be True, False or None "
+                              f"(auto), got {self.update_rollback!r}")
         for name in ("step_timeout_s", "call_timeout_s"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ConfigError(f"EngineConfig.{name} must be a positive number")

@@ -30,8 +30,10 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
+from wtransfer.delta.header import DeltaHeader
 from wtransfer.errors import (
     ConfigError,
+    DeltaBaseError,
     LifecycleError,
     MetadataError,
     PeerError,
@@ -101,6 +103,11 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         """The label the last update that gave one finished with (None: none yet)."""
         self.last_update_bytes = 0
         self.last_update_seconds = 0.0
+        self.delta_base: str | None = None
+        """The token of the last update that landed, from a delta-enabled sender: the base a
+        delta must name (None after anything else changed the weights)."""
+        self._token: str | None = None
+        """The open update's token (its `DeltaHeader`), held as the base once it lands."""
         self._state = ReceiverState.NEW
         self._session: UpdateSession | None = None
         self.manifests = Manifests()
@@ -137,12 +144,15 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             raise LifecycleError(f"{self.backend_name}: cannot {action} in state "
                                  f"'{self._state.value}': {hint}")
 
-    def _fail(self, reason: str, *, finishing: bool = False) -> None:
+    def _fail(self, reason: str, *, finishing: bool = False, data_moved: bool = True) -> None:
         """Fail the open update: stop the backend writing, roll back if enabled, record why.
-        A staging target's live weights change only in its finish (`finishing`)."""
+        A staging target's live weights change only in its finish (`finishing`); an update
+        refused before its data moved (`data_moved` False) leaves the backend as it is."""
         self._deadline.disarm()
-        with contextlib.suppress(Exception):  # teardown must not mask the original failure
-            self._abort()
+        self.forget_delta_base()
+        if data_moved:
+            with contextlib.suppress(Exception):  # teardown must not mask the original failure
+                self._abort()
         session, self._session = self._session, None
         if session is not None:
             try:
@@ -207,6 +217,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             if self.init_info is not None:
                 self._shutdown()
                 self.init_info = None
+            self.forget_delta_base()  # a new sender: its first update is full
             self._init(info)
             self.init_info = info
             if self._state is ReceiverState.NEW:
@@ -244,6 +255,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 self._session.precheck(self.manifests.last.metas)
             self._start()
             self._before_start = (self._state, self.failure)
+            self._token = None
             self._joined = False
             self.failure = None
             self._state = ReceiverState.UPDATING
@@ -261,10 +273,34 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 self._joined = True
                 if info.abort is not None:
                     raise PeerError(f"sender aborted the update: {info.abort}")
+                if info.delta is not None:
+                    self._open_delta(info.delta, self._session)
+                    return
                 self._receive(info, self._session)
             except BaseException as exc:
-                self._fail(f"{type(exc).__name__}: {exc}")
+                self._fail(f"{type(exc).__name__}: {exc}",
+                           data_moved=not isinstance(exc, DeltaBaseError))
                 raise
+
+    def _open_delta(self, header: DeltaHeader, session: UpdateSession) -> None:
+        """A delta-enabled sender's header call: a delta is refused (`DeltaBaseError`, before
+        anything is written) unless this receiver holds exactly its base; then the update's
+        tensor list is the delta's (`wtransfer.delta.target.DeltaTarget`)."""
+        if self._token is not None:
+            raise MetadataError("an update carries one delta header, before its tensors")
+        if header.base is not None:
+            if header.base != self.delta_base:
+                raise DeltaBaseError(
+                    f"delta refused before any weight changed: it applies onto update "
+                    f"{header.base[:12]}, this receiver holds "
+                    f"{self.delta_base[:12] if self.delta_base else 'no known base'}")
+            session.apply_delta(header.parsed_entries())
+        self._token = header.token
+
+    def forget_delta_base(self) -> None:
+        """The weights changed outside a delta-enabled update (a failure, a rollback, a new
+        sender): no delta applies until a full update lands."""
+        self.delta_base = None
 
     def _refuse_replaced(self, update_info: Any) -> None:
         """`LifecycleError` for an update call of a sender that a newer init replaced, before
@@ -306,6 +342,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 raise
             if weight_version is not None:
                 self.weight_version = weight_version
+            self.delta_base = self._token
             self.last_update_bytes = session.bytes_received
             self.last_update_seconds = time.monotonic() - self._started
             self._session = None

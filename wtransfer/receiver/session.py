@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
+from wtransfer.delta.codec import DeltaEntry
+from wtransfer.delta.target import DeltaTarget
 from wtransfer.errors import IntegrityError, MetadataError
 from wtransfer.packing import (
     DTYPES,
@@ -89,7 +91,9 @@ class UpdateSession:
 
     def __init__(self, target: WeightTarget, device: torch.device | str, *,
                  rollback: dict[str, torch.Tensor] | None = None) -> None:
-        self._target = target
+        self._target: WeightTarget = target
+        self._origin = target
+        """The engine's target (a delta's `_target` wraps it; rollback restores into it)."""
         self._device = torch.device(device)
         self._store = rollback
         """Host buffers by tensor name, owned by the receiver (None: no rollback)."""
@@ -106,6 +110,13 @@ class UpdateSession:
         self.touched = False
         """True once any byte of the target changed: a failure after this leaves weights torn."""
         self.bytes_received = 0
+
+    def apply_delta(self, entries: Sequence[DeltaEntry]) -> None:
+        """This update is a delta (`wtransfer.delta`): its tensor list is `entries` as they
+        travel, applied onto the weights the target holds; rollback copies stay the target's."""
+        if self._announced:
+            raise MetadataError("a delta header must come before the update's tensors")
+        self._target = DeltaTarget(self._origin, entries)
 
     def _save(self, name: str) -> None:
         """Keep `name`'s current value (once per update) before any byte of it changes."""
@@ -124,7 +135,7 @@ class UpdateSession:
         restored = [(name, self._store[name]) for name in sorted(self._saved)]
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)  # the saving copies and the backend's writes
-        self._target.load_weights(restored)
+        self._origin.load_weights(restored)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         self._saved.clear()

@@ -30,6 +30,7 @@ from wtransfer.records import TrainerInitInfo
 from wtransfer.registry import create_receiver, get_backend, trainer_init
 from wtransfer.rpc import RPCClient
 from wtransfer.shapes import build_module, model_metas, randomize
+from wtransfer.testing.delta_cases import DeltaCases
 from wtransfer.trainer.engine import TrainerTransferEngine
 from wtransfer.trainer.source import ModuleSource
 
@@ -50,7 +51,7 @@ def wait_for(predicate: Callable[[], T], timeout_s: float, what: str,
     return value
 
 
-class BackendConformance:
+class BackendConformance(DeltaCases):
     """What every backend must do; a subclass sets `backend` (and maybe the hooks)."""
 
     backend: ClassVar[str]

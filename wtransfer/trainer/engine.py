@@ -41,7 +41,15 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
-from wtransfer.errors import ConfigError, LifecycleError, SenderReplacedError, TransferTimeout
+from wtransfer.delta.sender import DeltaSender, DeltaUpdate
+from wtransfer.errors import (
+    ConfigError,
+    DeltaBaseError,
+    LifecycleError,
+    SenderReplacedError,
+    SparseDeltaError,
+    TransferTimeout,
+)
 from wtransfer.manifest import Manifest, PlanParams
 from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta, bucket_checksum
 from wtransfer.protocol import CallQueue, PausingClient, PendingCall, WeightSyncClient
@@ -78,6 +86,8 @@ class Share:
     """This sender's index among the senders (0 drives the control plane)."""
     count: int
     """How many senders share the plan."""
+    source: WeightSource
+    """What the update sends: the trainer's source, or a delta's changed tensors."""
 
     @property
     def lead(self) -> bool:
@@ -177,6 +187,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self.replaced: str | None = None
         """Why the receivers refused this sender as replaced by a newer one (every later
         `send_weights` raises `SenderReplacedError` at once)."""
+        self.delta = DeltaSender() if self.init_info.delta else None
+        """Delta updates (`TrainerInitInfo.delta`): the last-sent copy and the receivers' base."""
         self.connected = False
         self.closed = False
 
@@ -217,6 +229,9 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         if self.closed or self.connected:
             raise LifecycleError(f"{self.backend_name} sender is "
                                  f"{'shut down' if self.closed else 'already connected'}")
+        if self.delta is not None and self.collective:
+            raise ConfigError("delta=True needs one sender with an unsharded source; a sharded "
+                              "source (or a process group) sends without deltas for now")
         if self.collective:
             self.ranks = Ranks(TrainerGroup(self.process_group,
                                             has_client=self.client is not None,
@@ -256,31 +271,65 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                                   f"pause its engine; {client!r} cannot")
             self._pause = (client, check_pause_mode(pause))
         try:
-            return self._send_update(weight_version)
+            if self.delta is None:
+                return self._send_update(weight_version, None)
+            return self._send_delta(weight_version, self.delta)
         except SenderReplacedError as exc:
             self.replaced = str(exc)  # for good: the receivers serve a newer sender now
             raise
 
-    def _send_update(self, weight_version: str | None) -> TransferStats:
-        """One update, in the order of the module docstring."""
+    def _send_delta(self, weight_version: str | None, delta: DeltaSender) -> TransferStats:
+        """An update of a delta-enabled sender: a delta when the receivers hold its base, in
+        full when they refuse it (before any byte landed) or hold none; the copy to diff
+        against follows what landed."""
+        start = time.perf_counter()
+        try:
+            update = delta.prepare(self.source)
+            try:
+                stats = self._send_update(weight_version, update)
+            except DeltaBaseError as exc:
+                if update.header.base is None:
+                    raise
+                if isinstance(exc, SparseDeltaError):
+                    delta.sparse = False
+                delta.forget()
+                update = delta.prepare(self.source)
+                stats = self._send_update(weight_version, update)
+            delta.landed(update)
+        except BaseException:
+            delta.forget()
+            raise
+        return replace(stats, seconds=time.perf_counter() - start,
+                       delta_base_bytes=delta.copy_bytes)
+
+    def _send_update(self, weight_version: str | None,
+                     delta: DeltaUpdate | None) -> TransferStats:
+        """One update, in the order of the module docstring (with `delta`: its header call
+        first, settled before any byte moves when it is a delta, so a receiver without its base
+        refuses it with nothing written)."""
         start = time.perf_counter()
         self._offered = None
+        source = delta.source if delta is not None else self.source
         calls = (UpdateCalls(self.calls, self.init_info.timeout_s, weight_version,
                              self.sender_id) if self.calls is not None else None)
         try:
             if self.lead and calls is not None:
                 calls.start()  # the engine opens the update while this rank plans it
+                if delta is not None:
+                    calls.update({"delta": record_to_wire(delta.header)})
+                    if delta.header.base is not None:
+                        calls.settle()
             try:
-                layout = self._layout(self.source.metadata())
+                layout = self._layout(source.metadata())
                 packer: BucketPacker | GatheringPacker | NoGather = (
                     NoGather() if self.sends_own_shards
-                    else GatheringPacker(layout.plan, self.source.parts(), layout.owners,
+                    else GatheringPacker(layout.plan, source.parts(), layout.owners,
                                          self.ranks.group.senders)
-                    if self.source.sharded and self.ranks.group is not None
-                    else BucketPacker(layout.plan, self.source.tensors()))
+                    if source.sharded and self.ranks.group is not None
+                    else BucketPacker(layout.plan, source.tensors()))
                 index = self.ranks.sender_index
                 share = Share(layout.manifest, layout.plan, layout.mine, packer,
-                              index if index is not None else -1, self.senders)
+                              index if index is not None else -1, self.senders, source)
                 self.ranks.together(lambda: self._open(share.manifest, calls))
                 self.ranks.together(lambda: self._move(share, calls))
             except BaseException as exc:
@@ -299,6 +348,11 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                                   "tensors": len(layout.manifest),
                                   "buckets": len(layout.plan.buckets), "seconds": seconds,
                                   "gathered_peak_bytes": peak}
+        if delta is not None:
+            model = self.source.metadata()
+            fields.update(bytes=sum(m.nbytes for m in model), tensors=len(model),
+                          wire_bytes=layout.plan.total_bytes,
+                          changed_fraction=delta.changed_fraction)
         return TransferStats(**{**fields, **self._moved()})
 
     def _layout(self, metas: list[TensorMeta]) -> _Layout:
@@ -431,14 +485,14 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         the source's iterator)."""
         if share.count != 1 or not isinstance(share.packer, BucketPacker):
             return None, share
-        held = self.source.held()
+        held = share.source.held()
         tensors = held if held is not None else share.packer.walk()
         if usable(tensors):
             if held is not None:
                 share.packer.release()
             return tensors, share
         if held is None:
-            share = replace(share, packer=BucketPacker(share.plan, self.source.tensors()))
+            share = replace(share, packer=BucketPacker(share.plan, share.source.tensors()))
         return None, share
 
     def shutdown(self) -> None:

@@ -93,6 +93,8 @@ class ShardWeights:
             raise LifecycleError("rollback_weights needs staged updates "
                                  "(update_staging='swap')")
         self.staging.rollback()
+        if self.receiver is not None:
+            self.receiver.forget_delta_base()  # the weights are no update's any more
 
     def info(self) -> dict[str, Any]:
         """This worker's update state and bytes."""

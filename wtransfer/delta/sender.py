@@ -1,0 +1,139 @@
+"""The trainer side of delta updates: a last-sent copy to diff against, and each update's
+tensor list (see `wtransfer.delta`)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from wtransfer.delta.codec import (
+    DENSE,
+    DeltaEntry,
+    bits,
+    changed,
+    encode_sparse,
+    index_dtype_for,
+    sparse_limit,
+)
+from wtransfer.delta.header import DeltaHeader
+from wtransfer.packing import TensorMeta
+from wtransfer.trainer.source import WeightSource
+
+
+class EncodedSource(WeightSource):
+    """A delta's tensor list as a source: each changed tensor whole or as its sparse payload,
+    already materialized (`held` offers them to backends that read tensors in place)."""
+
+    def __init__(self, items: list[tuple[TensorMeta, torch.Tensor]],
+                 device: torch.device | None) -> None:
+        self._items = items
+        self._device = device
+
+    def metadata(self) -> list[TensorMeta]:
+        """The entries as they travel."""
+        return [meta for meta, _ in self._items]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each entry's tensor (the changed tensor itself, or its payload)."""
+        for meta, tensor in self._items:
+            yield meta.name, tensor
+
+    def held(self) -> list[torch.Tensor]:
+        """Every entry's tensor, in order."""
+        return [tensor for _, tensor in self._items]
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the trainer's tensors live."""
+        return self._device
+
+
+@dataclass(frozen=True)
+class DeltaUpdate:
+    """One update of a delta-enabled sender: its header and what to send."""
+
+    header: DeltaHeader
+    source: WeightSource
+    """The trainer's own source (a full update) or the delta's `EncodedSource`."""
+    changed_fraction: float | None
+    """A delta's fraction of changed elements; None for a full update."""
+
+
+class DeltaSender:
+    """The last-sent copy of every tensor (on `copy_device`: host memory by default) and the
+    token of the update the receivers hold, if any (`base`)."""
+
+    def __init__(self, copy_device: torch.device | str = "cpu") -> None:
+        self.copy_device = torch.device(copy_device)
+        self.base: str | None = None
+        """The token of the last update that landed: the base the next delta applies onto."""
+        self.sparse = True
+        """Whether the receivers take sparse payloads (False once one refused them: then a
+        delta sends each changed tensor whole)."""
+        self._last: dict[str, torch.Tensor] = {}
+        self._metas: list[TensorMeta] = []
+        self._pending: str | None = None
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of the last-sent copy."""
+        return sum(t.numel() * t.element_size() for t in self._last.values())
+
+    def prepare(self, source: WeightSource) -> DeltaUpdate:
+        """This update: a delta when the receivers hold a base of the same tensor list, else
+        a full update (the copy is refreshed once it landed: `landed`)."""
+        token = secrets.token_hex(16)
+        self._pending = token
+        metas = source.metadata()
+        if self.base is None or metas != self._metas:
+            self._metas = metas
+            return DeltaUpdate(DeltaHeader(token=token), source, None)
+        items: list[tuple[TensorMeta, torch.Tensor]] = []
+        entries: list[DeltaEntry] = []
+        total_changed = 0
+        for meta, (name, tensor) in zip(metas, source.tensors(), strict=True):
+            last = self._last[name]
+            now = tensor.detach()
+            here = now.to(self.copy_device) if now.device != self.copy_device else now
+            index_dtype = index_dtype_for(meta.numel)
+            limit = sparse_limit(meta.numel, index_dtype, meta.itemsize) if self.sparse else 0
+            index = changed(here, last, limit)
+            if index is not None:
+                count = int(index.numel())
+                if count == 0:
+                    continue
+                values = bits(here)[index]
+                last[index] = values
+                payload = encode_sparse(values, index, index_dtype).to(now.device)
+                entry = DeltaEntry(meta.name, count, index_dtype)
+                items.append((entry.wire_meta(meta), payload))
+            else:
+                fresh = bits(here)
+                count = int(torch.count_nonzero(fresh != last))
+                last.copy_(fresh)
+                entry = DeltaEntry(meta.name, count, DENSE)
+                items.append((meta, now))
+            total_changed += count
+            entries.append(entry)
+        total = sum(m.numel for m in metas)
+        header = DeltaHeader(token=token, base=self.base,
+                             entries=[e.to_wire() for e in entries])
+        return DeltaUpdate(header, EncodedSource(items, source.device),
+                           total_changed / total if total else 0.0)
+
+    def landed(self, update: DeltaUpdate) -> None:
+        """`update` landed on every receiver: its token is the base from now on (after a full
+        update, the copy is taken of what it sent)."""
+        if update.header.base is None:
+            self._last = {}
+            for name, tensor in update.source.tensors():
+                self._last[name] = bits(tensor).to(self.copy_device, copy=True)
+        self.base = update.header.token
+
+    def forget(self) -> None:
+        """An update failed (or was refused): the receivers hold no known base; the next
+        update is full."""
+        self.base = None

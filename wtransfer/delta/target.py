@@ -1,0 +1,141 @@
+"""The receiver side of a delta: `DeltaTarget` takes a delta's tensor list and applies each
+entry onto the weights the target holds (see `wtransfer.delta`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from wtransfer.delta.codec import BITS_VIEW, DeltaEntry, decode_sparse
+from wtransfer.errors import MetadataError, SparseDeltaError
+from wtransfer.packing import DTYPES, TensorMeta
+from wtransfer.receiver.target import WeightTarget
+from wtransfer.records import Box, TensorLayout
+
+
+class DeltaTarget(WeightTarget):
+    """`inner` as a delta's receiver sees it: a dense entry is the tensor itself (loaded as
+    any update loads it); a sparse entry is a uint8 payload whose changed elements are written
+    into the weights `inner` holds, in place: through its byte view, its regions (a worker
+    that keeps a shard of the tensor writes the elements inside it), or a copy of the tensor
+    loaded back whole."""
+
+    def __init__(self, inner: WeightTarget, entries: Sequence[DeltaEntry]) -> None:
+        self.inner = inner
+        self._entries = {e.name: e for e in entries}
+        self._held: dict[str, TensorMeta] = {}
+        kept = inner.keeps()
+        self._kept: dict[str, TensorLayout] | None = kept
+        problems, unable = [], []
+        for entry in entries:
+            held = inner.held(entry.name)
+            if held is None:
+                problems.append(f"unknown tensor {entry.name!r}")
+                continue
+            self._held[entry.name] = held
+            if not entry.dense and not self._writable(entry.name, held):
+                unable.append(entry.name)
+        if problems:
+            raise MetadataError("delta refused before any weight changed: "
+                                + "; ".join(problems[:5]))
+        if unable:
+            raise SparseDeltaError(f"this engine's target ({type(inner).__name__}) offers no "
+                                   f"view of {unable[:3]} to apply sparse deltas onto; the "
+                                   "sender sends changed tensors whole")
+
+    def _writable(self, name: str, held: TensorMeta) -> bool:
+        """Whether a sparse entry of `name` can be applied (probing without writing)."""
+        if self._kept is not None:
+            layout = self._kept.get(name)
+            return layout is None or all(self.inner.region(name, box) is not None
+                                         for box in layout.boxes)
+        return (self.inner.direct_bytes(name) is not None
+                or self.inner.region(name, Box.whole(held.shape)) is not None
+                or self.inner.snapshot(name) is not None)
+
+    @property
+    def stages(self) -> bool:
+        """As `inner`."""
+        return self.inner.stages
+
+    def metadata(self) -> list[TensorMeta]:
+        """Every entry as it travels."""
+        return [self._wire(name) for name in self._entries]
+
+    def _wire(self, name: str) -> TensorMeta:
+        return self._entries[name].wire_meta(self._held[name])
+
+    def held(self, name: str) -> TensorMeta | None:
+        """How entry `name` travels; None for a tensor the delta does not name."""
+        return self._wire(name) if name in self._entries else None
+
+    def direct_bytes(self, name: str) -> torch.Tensor | None:
+        """A dense entry's storage (as `inner` offers it); None for a sparse one (its payload
+        is decoded, not stored)."""
+        entry = self._entries.get(name)
+        return self.inner.direct_bytes(name) if entry is not None and entry.dense else None
+
+    def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """`inner`'s copy of the tensor (a rollback restores it through `inner`)."""
+        return self.inner.snapshot(name, out)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Dense entries load into `inner`; sparse ones are decoded and applied."""
+        dense: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in weights:
+            entry = self._entries[name]
+            if entry.dense:
+                dense.append((name, tensor))
+            else:
+                self._apply(entry, tensor)
+        if dense:
+            self.inner.load_weights(dense)
+
+    def _apply(self, entry: DeltaEntry, payload: torch.Tensor) -> None:
+        held = self._held[entry.name]
+        index, values = decode_sparse(payload, entry, held)
+        width = BITS_VIEW[DTYPES[held.dtype].itemsize]
+        if self._kept is not None:
+            layout = self._kept.get(entry.name)
+            boxes = layout.boxes if layout is not None else ()  # keeps none of it
+            for box in boxes:
+                region = self.inner.region(entry.name, box)
+                assert region is not None  # checked at construction
+                _write_in_box(region.view(width), box, held.shape, index, values)
+            return
+        flat = self.inner.direct_bytes(entry.name)
+        if flat is not None:
+            flat.view(width).index_copy_(0, index.to(flat.device), values.to(flat.device))
+            return
+        region = self.inner.region(entry.name, Box.whole(held.shape))
+        if region is not None:
+            _write_in_box(region.view(width), Box.whole(held.shape), held.shape, index, values)
+            return
+        copy = self.inner.snapshot(entry.name)
+        assert copy is not None  # checked at construction
+        copy.reshape(-1).view(width).index_copy_(0, index, values.to(copy.device))
+        self.inner.load_weights([(entry.name, copy)])
+
+    def fingerprint(self) -> dict[str, str]:
+        """As `inner`."""
+        return self.inner.fingerprint()
+
+
+def _write_in_box(region: torch.Tensor, box: Box, shape: Sequence[int], index: torch.Tensor,
+                  values: torch.Tensor) -> None:
+    """Write the elements at global flat `index` that lie in `box` into `region` (the box's
+    view, in the elements' integer dtype)."""
+    coords, rest = [], index
+    for dim in reversed(shape):
+        coords.append(rest % dim)
+        rest = rest // dim
+    coords.reverse()
+    inside = torch.ones_like(index, dtype=torch.bool)
+    for coord, start, length in zip(coords, box.offsets, box.lengths, strict=True):
+        inside &= (coord >= start) & (coord < start + length)
+    local = tuple((coord[inside] - start).to(region.device)
+                  for coord, start in zip(coords, box.offsets, strict=True))
+    if local and local[0].numel():
+        region[local] = values[inside].to(region.device)
