@@ -133,16 +133,19 @@ def randomize(module: nn.Module, seed: int) -> None:
 @torch.no_grad()
 def perturb(module: nn.Module, fraction: float, seed: int) -> int:
     """Flip the lowest bit of about `fraction` of the elements of every tensor of `module`
-    (at least one each; positions drawn from `seed`), in place, as a small training step
-    changes a few elements; returns how many elements changed."""
+    (at least one each; distinct positions drawn from `seed`: a few fewer than `fraction` in
+    tensors of a million elements or more), in place, as a small training step changes a few
+    elements; returns how many elements changed."""
     gen = torch.Generator().manual_seed(seed)
     total = 0
     for tensor in module.state_dict(keep_vars=True).values():
         flat = tensor.data.reshape(-1)
         if flat.numel() == 0:
             continue
-        index = torch.randperm(flat.numel(), generator=gen)[
-            :max(1, int(fraction * flat.numel()))].to(flat.device)
+        count = max(1, int(fraction * flat.numel()))
+        index = (torch.randperm(flat.numel(), generator=gen)[:count] if flat.numel() < 1 << 20
+                 else torch.unique(torch.randint(flat.numel(), (count,), generator=gen))
+                 ).to(flat.device)
         word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
             flat.element_size()]
         view = flat.view(word)
