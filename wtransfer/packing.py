@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeGuard
 
@@ -296,18 +298,50 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 _MEMCPY_BYTES = 1 << 20
+
+HOST_COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
+"""Threads one host-memory copy is split over: one on a small machine (the other side of the
+pipeline needs the other cores), up to 8 on a large host (one memcpy thread moves a fraction
+of its memory bandwidth)."""
+_HOST_CHUNK = 8 << 20
+_host_pool: ThreadPoolExecutor | None = None
+
+
+def _host_copy(pairs: list[tuple[int, int, int]]) -> None:
+    """memmove each (dst, src, nbytes), over `HOST_COPY_THREADS` threads in chunks when the
+    total is large (ctypes drops the GIL for each call)."""
+    global _host_pool
+    total = sum(n for _, _, n in pairs)
+    if HOST_COPY_THREADS == 1 or total < 2 * _HOST_CHUNK:
+        for dst, src, n in pairs:
+            ctypes.memmove(dst, src, n)
+        return
+    chunks = [(dst + at, src + at, min(_HOST_CHUNK, n - at))
+              for dst, src, n in pairs for at in range(0, n, _HOST_CHUNK)]
+    if _host_pool is None:
+        _host_pool = ThreadPoolExecutor(HOST_COPY_THREADS, thread_name_prefix="wtransfer-copy")
+    share = -(-len(chunks) // HOST_COPY_THREADS)
+
+    def run(part: list[tuple[int, int, int]]) -> None:
+        for dst, src, n in part:
+            ctypes.memmove(dst, src, n)
+
+    for done in [_host_pool.submit(run, chunks[i:i + share])
+                 for i in range(0, len(chunks), share)]:
+        done.result()
 """On CUDA, copies of at least this many bytes go out one by one as device memcpys."""
 
 
 def copy_bytes(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
     """Copy each flat uint8 `srcs[i]` into the flat uint8 `dsts[i]` of the same length.
 
-    CPU to CPU is one plain memcpy each through ctypes, which drops the GIL: the transfer
-    pipeline already overlaps sender and receiver, and torch's intra-op threads would spin on
-    the cores the other side needs. On one CUDA device the small copies go out as a single
-    multi-tensor launch (hundreds of small tensors cost one launch, not hundreds), and each
-    large one as its own device-to-device memcpy, which runs at copy bandwidth (the
-    multi-tensor kernel copies byte by byte, several times slower on gigabytes).
+    CPU to CPU is plain memcpy through ctypes, which drops the GIL: the transfer pipeline
+    already overlaps sender and receiver, and torch's intra-op threads would spin on the cores
+    the other side needs; on a large host a big copy is split over `HOST_COPY_THREADS`. On
+    one CUDA device the small copies go out as a single multi-tensor launch (hundreds of small
+    tensors cost one launch, not hundreds), and each large one as its own device-to-device
+    memcpy, which runs at copy bandwidth (the multi-tensor kernel copies byte by byte, several
+    times slower on gigabytes).
     """
     for d, s in zip(dsts, srcs, strict=True):
         if d.numel() != s.numel():
@@ -315,8 +349,8 @@ def copy_bytes(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> No
     if not dsts:
         return
     if all(d.is_cpu and s.is_cpu for d, s in zip(dsts, srcs, strict=True)):
-        for d, s in zip(dsts, srcs, strict=True):
-            ctypes.memmove(d.data_ptr(), s.data_ptr(), d.numel())
+        _host_copy([(d.data_ptr(), s.data_ptr(), d.numel())
+                    for d, s in zip(dsts, srcs, strict=True)])
     elif len({t.device for t in (*dsts, *srcs)}) == 1:
         small = [(d, s) for d, s in zip(dsts, srcs, strict=True) if d.numel() < _MEMCPY_BYTES]
         if small:

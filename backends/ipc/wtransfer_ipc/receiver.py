@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -18,6 +19,8 @@ from wtransfer_ipc.info import IPCInitInfo, IPCUpdateInfo, ZeroCopyUpdate
 from wtransfer_ipc.sender_process import ProcessWatch
 from wtransfer_ipc.shm import SharedBuffer, creator_alive, sweep
 from wtransfer_ipc.zero_copy import ZeroCopyImports
+
+log = logging.getLogger("wtransfer.ipc.receiver")
 
 
 class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
@@ -72,6 +75,10 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
             for buf in opened:  # the creator died before it could drop the names
                 if not creator_alive(buf.name):
                     buf.remove_name()
+                if self.device.type == "cuda" and not buf.pin():
+                    log.warning("ipc: could not page-lock shared-memory staging %s; copies "
+                                "to %s go through pageable memory (slower)", buf.name,
+                                self.device)
             return [b.tensor for b in opened if b.tensor is not None]
         same = staging["sender_pid"] == os.getpid()
         return [open_buffer(rec, token=staging["token"], index=i, same_process=same,
