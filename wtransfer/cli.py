@@ -72,6 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                       data_parallel_size=args.data_parallel_size,
                                       tensor_parallel_size=args.tensor_parallel_size,
                                       enable_expert_parallel=args.enable_expert_parallel,
+                                      dtype=args.dtype, quantization=args.quantization,
                                       dp_sync_interval=args.dp_sync_interval,
                                       batch_invariant=args.batch_invariant, seed=args.seed,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
@@ -226,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="land updates in a shadow copy while generating and commit at a "
                             "step boundary by swapping storages or copying (auto: swap when "
                             "the extra copy fits in half the free memory)")
+    serve.add_argument("--dtype", default=None,
+                       help="parameter dtype, e.g. bfloat16 (default: the model config's)")
+    serve.add_argument("--quantization", choices=["fp8"], default=None,
+                       help="store the attention and MLP projections as FP8 with 128x128 "
+                            "block scales; trainers send them in the checkpoint dtype or "
+                            "already quantized (wtransfer.quant.source.Fp8Source)")
     serve.add_argument("--update-rollback", choices=["auto", "on", "off"], default="auto",
                        help="restore the old weights when an update fails (auto: when the "
                             "model fits in half the available host memory)")

@@ -43,7 +43,7 @@ def test_changed_finds_exactly_the_elements_whose_bits_differ(dtype, numel):
     index_dtype = index_dtype_for(numel)
     values = bits(new)[want]
     payload = encode_sparse(values, want, index_dtype)
-    entry = DeltaEntry("t", want.numel(), index_dtype)
+    entry = DeltaEntry("t", want.numel(), index_dtype, dtype_name(dtype))
     assert entry.wire_meta(meta).nbytes == payload.numel()
     index, got = decode_sparse(payload, entry, meta)
     assert torch.equal(index, want) and torch.equal(got, values)
@@ -56,7 +56,7 @@ def test_a_payload_at_an_odd_byte_of_a_bucket_decodes():
     payload = encode_sparse(values, index, "int32")
     bucket = torch.zeros(payload.numel() + 1, dtype=torch.uint8)
     bucket[1:] = payload
-    got_index, got = decode_sparse(bucket[1:], DeltaEntry("t", 3, "int32"), meta)
+    got_index, got = decode_sparse(bucket[1:], DeltaEntry("t", 3, "int32", "float32"), meta)
     assert torch.equal(got_index, index) and torch.equal(got, values)
 
 
@@ -64,7 +64,7 @@ def test_malformed_payloads_are_refused():
     meta = TensorMeta("t", "bfloat16", (10,))
     good = encode_sparse(torch.tensor([1, 2], dtype=torch.int16), torch.tensor([2, 5]),
                          "uint16")
-    entry = DeltaEntry("t", 2, "uint16")
+    entry = DeltaEntry("t", 2, "uint16", "bfloat16")
     with pytest.raises(MetadataError, match="payload of 7 bytes, expected 8"):
         decode_sparse(good[:7], entry, meta)
     outside = encode_sparse(torch.tensor([1, 2], dtype=torch.int16), torch.tensor([2, 10]),
@@ -76,21 +76,21 @@ def test_malformed_payloads_are_refused():
     with pytest.raises(MetadataError, match="indices must ascend within"):
         decode_sparse(twice, entry, meta)
     with pytest.raises(MetadataError, match="11 changed elements of a tensor of 10"):
-        DeltaEntry("t", 11, "uint16").wire_meta(meta)
+        DeltaEntry("t", 11, "uint16", "bfloat16").wire_meta(meta)
     with pytest.raises(MetadataError, match="unknown index dtype"):
-        DeltaEntry("t", 1, "int8")
+        DeltaEntry("t", 1, "int8", "bfloat16")
     with pytest.raises(MetadataError, match="malformed delta entry"):
-        DeltaEntry.from_wire(["t", "1", "int32"])
+        DeltaEntry.from_wire(["t", "1", "int32", "bfloat16"])
 
 
 def test_headers_are_checked():
     with pytest.raises(MetadataError, match="32 lowercase hex digits"):
         DeltaHeader(token="nothex")
     with pytest.raises(MetadataError, match="carries no delta entries"):
-        DeltaHeader(token="a" * 32, entries=[["t", 1, "int32"]])
+        DeltaHeader(token="a" * 32, entries=[["t", 1, "int32", "bfloat16"]])
     with pytest.raises(MetadataError, match="names a tensor twice"):
-        DeltaHeader(token="a" * 32, base="b" * 32,
-                    entries=[["t", 1, "int32"], ["t", 2, "int32"]]).parsed_entries()
+        DeltaHeader(token="a" * 32, base="b" * 32, entries=[
+            ["t", 1, "int32", "bfloat16"], ["t", 2, "int32", "bfloat16"]]).parsed_entries()
 
 
 def test_sparse_goes_while_the_payload_is_at_most_half_the_tensor():

@@ -48,11 +48,12 @@ def sparse_nbytes(count: int, index_dtype: str, itemsize: int) -> int:
 @dataclass(frozen=True)
 class DeltaEntry:
     """One changed tensor of a delta: `count` elements differ; sent sparse (`index_dtype`
-    names its indices) or whole (`index_dtype` == `DENSE`)."""
+    names its indices) or whole (`index_dtype` == `DENSE`), in the sender's `dtype`."""
 
     name: str
     count: int
     index_dtype: str
+    dtype: str
 
     def __post_init__(self) -> None:
         if self.index_dtype != DENSE and self.index_dtype not in INDEX_DTYPES:
@@ -60,6 +61,8 @@ class DeltaEntry:
                                 f"{self.index_dtype!r}")
         if not isinstance(self.count, int) or self.count < 0:
             raise MetadataError(f"delta entry {self.name!r}: bad count {self.count!r}")
+        if self.dtype not in DTYPES:
+            raise MetadataError(f"delta entry {self.name!r}: unknown dtype {self.dtype!r}")
 
     @property
     def dense(self) -> bool:
@@ -67,28 +70,29 @@ class DeltaEntry:
         return self.index_dtype == DENSE
 
     def wire_meta(self, held: TensorMeta) -> TensorMeta:
-        """How this entry travels, for a tensor held as `held`: the tensor itself when dense,
-        else a uint8 payload of the sparse size."""
+        """How this entry travels, for a tensor of `held`'s shape: the tensor itself (in the
+        sender's dtype) when dense, else a uint8 payload of the sparse size."""
         if self.dense:
-            return held
+            return TensorMeta(self.name, self.dtype, held.shape)
         if self.count > held.numel:
             raise MetadataError(f"delta entry {self.name!r}: {self.count} changed elements "
                                 f"of a tensor of {held.numel}")
         return TensorMeta(self.name, "uint8",
-                          (sparse_nbytes(self.count, self.index_dtype, held.itemsize),))
+                          (sparse_nbytes(self.count, self.index_dtype,
+                                         DTYPES[self.dtype].itemsize),))
 
     def to_wire(self) -> list[object]:
-        """Plain form: ``[name, count, index_dtype]``."""
-        return [self.name, self.count, self.index_dtype]
+        """Plain form: ``[name, count, index_dtype, dtype]``."""
+        return [self.name, self.count, self.index_dtype, self.dtype]
 
     @classmethod
     def from_wire(cls, item: object) -> DeltaEntry:
         """Parse `to_wire`'s form (`MetadataError` for anything else)."""
-        if (not isinstance(item, (list, tuple)) or len(item) != 3
-                or not isinstance(item[0], str) or not isinstance(item[2], str)
+        if (not isinstance(item, (list, tuple)) or len(item) != 4
+                or not all(isinstance(item[i], str) for i in (0, 2, 3))
                 or not isinstance(item[1], int) or isinstance(item[1], bool)):
             raise MetadataError(f"malformed delta entry {item!r:.120}")
-        return cls(item[0], item[1], item[2])
+        return cls(item[0], item[1], item[2], item[3])
 
 
 WORD_FROM = 1 << 16

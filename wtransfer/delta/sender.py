@@ -108,13 +108,13 @@ class DeltaSender:
                 values = bits(here)[index]
                 last[index] = values
                 payload = encode_sparse(values, index, index_dtype).to(now.device)
-                entry = DeltaEntry(meta.name, count, index_dtype)
+                entry = DeltaEntry(meta.name, count, index_dtype, meta.dtype)
                 items.append((entry.wire_meta(meta), payload))
             else:
                 fresh = bits(here)
                 count = int(torch.count_nonzero(fresh != last))
                 last.copy_(fresh)
-                entry = DeltaEntry(meta.name, count, DENSE)
+                entry = DeltaEntry(meta.name, count, DENSE, meta.dtype)
                 items.append((meta, now))
             total_changed += count
             entries.append(entry)

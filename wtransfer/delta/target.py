@@ -34,25 +34,50 @@ class DeltaTarget(WeightTarget):
                 problems.append(f"unknown tensor {entry.name!r}")
                 continue
             self._held[entry.name] = held
-            if not entry.dense and not self._writable(entry.name, held):
+            if not entry.dense and (entry.dtype != held.dtype
+                                    or not self._writable(entry.name, held)):
                 unable.append(entry.name)
         if problems:
             raise MetadataError("delta refused before any weight changed: "
                                 + "; ".join(problems[:5]))
         if unable:
-            raise SparseDeltaError(f"this engine's target ({type(inner).__name__}) offers no "
-                                   f"view of {unable[:3]} to apply sparse deltas onto; the "
+            raise SparseDeltaError(f"this engine's target ({type(inner).__name__}) cannot apply "
+                                   f"sparse deltas to {unable[:3]} (it offers no view of them, "
+                                   "or holds them in another dtype than the sender's); the "
                                    "sender sends changed tensors whole")
+
+    def _boxes(self, name: str) -> tuple[Box, ...] | None:
+        """The boxes a sharded worker keeps of `name` when it offers a region of each (None:
+        the tensor is applied whole)."""
+        layout = self._kept.get(name) if self._kept is not None else None
+        if self._kept is None or (layout is not None and layout.is_whole):
+            return None
+        boxes = layout.boxes if layout is not None else ()  # keeps none of it
+        if all(self.inner.region(name, box) is not None for box in boxes):
+            return boxes
+        return None
 
     def _writable(self, name: str, held: TensorMeta) -> bool:
         """Whether a sparse entry of `name` can be applied (probing without writing)."""
-        if self._kept is not None:
-            layout = self._kept.get(name)
-            return layout is None or all(self.inner.region(name, box) is not None
-                                         for box in layout.boxes)
+        layout = self._kept.get(name) if self._kept is not None else None
+        if self._boxes(name) is not None:
+            return True
+        if layout is not None and not layout.is_whole:
+            return False  # a shard without regions: nothing to apply it onto
         return (self.inner.direct_bytes(name) is not None
                 or self.inner.region(name, Box.whole(held.shape)) is not None
                 or self.inner.snapshot(name) is not None)
+
+    def check(self, metas: Sequence[TensorMeta]) -> None:
+        """Dense entries as `inner` checks any tensor it is sent; sparse ones against their
+        payload sizes."""
+        dense = [m for m in metas if m.name in self._entries and self._entries[m.name].dense]
+        self.inner.check(dense)
+        rest = [m for m in metas if m not in dense]
+        problems = [m.name for m in rest if self.held(m.name) != m]
+        if problems:
+            raise MetadataError(f"delta refused before any weight changed: {problems[:3]} do "
+                                "not match the delta's entries")
 
     @property
     def stages(self) -> bool:
@@ -97,9 +122,8 @@ class DeltaTarget(WeightTarget):
         held = self._held[entry.name]
         index, values = decode_sparse(payload, entry, held)
         width = BITS_VIEW[DTYPES[held.dtype].itemsize]
-        if self._kept is not None:
-            layout = self._kept.get(entry.name)
-            boxes = layout.boxes if layout is not None else ()  # keeps none of it
+        boxes = self._boxes(entry.name)
+        if boxes is not None:
             for box in boxes:
                 region = self.inner.region(entry.name, box)
                 assert region is not None  # checked at construction

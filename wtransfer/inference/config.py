@@ -130,6 +130,11 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None
     """Parameter dtype; default: the model config's."""
+    quantization: str | None = None
+    """"fp8": the attention and MLP projections stored as float8_e4m3fn with 128 x 128 block
+    scales (`wtransfer.quant.fp8`), dequantized in the forward; fed by a trainer in the
+    checkpoint's dtype (quantized as each tensor lands) or already quantized (`Fp8Source`).
+    Dense models, one worker per replica (no tensor parallelism yet)."""
     seed: int = 0
     weight_transfer_backend: str = "ipc"
     block_size: int = 16
@@ -175,6 +180,12 @@ class EngineConfig:
         if self.update_staging not in (None, "off", "swap", "copy"):
             raise ConfigError(f"EngineConfig.update_staging must be 'off', 'swap', 'copy' or "
                               f"None (auto), got {self.update_staging!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ConfigError(f"EngineConfig.quantization must be 'fp8' or None, got "
+                              f"{self.quantization!r}")
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise ConfigError("quantization='fp8' runs one worker per replica for now; use "
+                              "tensor_parallel_size=1 (data parallelism works)")
         if self.update_rollback not in (None, True, False):
             raise ConfigError(f"EngineConfig.update_rollback must be True, False or None "
                               f"(auto), got {self.update_rollback!r}")

@@ -20,6 +20,7 @@ from wtransfer.errors import ConfigError, EngineDeadError, LifecycleError
 from wtransfer.inference.block_manager import BlockManager
 from wtransfer.inference.commands import Emit
 from wtransfer.inference.config import EngineConfig
+from wtransfer.inference.fp8_linear import quantize_model
 from wtransfer.inference.model import ALONE, load_model, shard_model
 from wtransfer.inference.parallel import Parallel, layouts
 from wtransfer.inference.params import SamplingParams
@@ -30,6 +31,7 @@ from wtransfer.inference.staging import StagingMode
 from wtransfer.inference.stall import StallMeter
 from wtransfer.inference.tp.shard import ShardWeights
 from wtransfer.inference.tp.workers import TPWorkers
+from wtransfer.packing import dtype_name
 from wtransfer.receiver.engine import ReceiverState, WeightTransferEngine
 from wtransfer.records import PauseMode, check_pause_mode, check_version
 from wtransfer.wire import parse_record
@@ -65,6 +67,12 @@ class Replica:
         device = torch.device(config.device)
         full = load_model(config.model, device="cpu" if tp > 1 else config.device,
                           dtype=config.dtype, seed=config.seed)
+        checkpoint_dtype = dtype_name(full.model.embed_tokens.weight.dtype)
+        if config.quantization == "fp8":
+            if full.config.num_experts:
+                raise ConfigError("quantization='fp8' serves dense models for now; "
+                                  f"{config.model!r} has experts")
+            quantize_model(full)
         mode = self._staging_mode(full, device)
         rollback = mode == "off" and self._rollback_enabled(full)
         self.workers: TPWorkers | None = None
@@ -83,7 +91,9 @@ class Replica:
         self.weights = ShardWeights(self.model, layouts(full.config, par, full.state_dict()),
                                     backend=config.weight_transfer_backend,
                                     device=config.device, worker_index=worker_index,
-                                    staging=mode, rollback=rollback)
+                                    staging=mode, rollback=rollback,
+                                    checkpoint_dtype=checkpoint_dtype
+                                    if config.quantization == "fp8" else None)
         """Rank 0's weights, its shadow and its receiver."""
         del full
         self.staging = self.weights.staging

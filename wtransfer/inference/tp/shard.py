@@ -16,7 +16,9 @@ from torch import nn
 from wtransfer.errors import LifecycleError
 from wtransfer.inference.shard_target import ShardTarget
 from wtransfer.inference.staging import StagedWeights, StagingMode
+from wtransfer.quant.target import Fp8Target
 from wtransfer.receiver.engine import ReceiverState, WeightTransferEngine
+from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import TensorLayout, check_version
 from wtransfer.registry import create_receiver
 
@@ -26,7 +28,7 @@ class ShardWeights:
 
     def __init__(self, model: nn.Module, layouts: dict[str, TensorLayout], *, backend: str,
                  device: str, worker_index: int, staging: StagingMode,
-                 rollback: bool) -> None:
+                 rollback: bool, checkpoint_dtype: str | None = None) -> None:
         self.model = model
         self.layouts = layouts
         self.backend = backend
@@ -35,8 +37,11 @@ class ShardWeights:
         """This worker's index among the engine's receiving workers."""
         self.staging = StagedWeights(model, staging) if staging != "off" else None
         self.rollback = rollback and self.staging is None
-        self.target = ShardTarget(model, layouts, self.staging)
-        """What the receiver writes (the shadow when staging)."""
+        self.target: WeightTarget = ShardTarget(model, layouts, self.staging)
+        """What the receiver writes (the shadow when staging; through `Fp8Target` for an FP8
+        model, `checkpoint_dtype` given: what its trainer holds)."""
+        if checkpoint_dtype is not None:
+            self.target = Fp8Target(self.target, checkpoint_dtype)
         self.live = ShardTarget(model, layouts)
         """The live weights (what a fingerprint reads)."""
         self.receiver: WeightTransferEngine[Any, Any] | None = None

@@ -1,0 +1,171 @@
+"""An FP8 engine (`quantization="fp8"`) fed by a BF16 trainer: re-quantized as tensors land,
+or quantized on the trainer (`Fp8Source`); both give the bytes a fresh FP8 engine holds."""
+
+import asyncio
+
+import pytest
+import torch
+from engine_helpers import collect, run
+from wtransfer_ipc import IPCTrainerInitInfo
+from wtransfer_nccl import NCCLTrainerInitInfo
+
+import wtransfer
+from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient, SamplingParams
+from wtransfer.inference.model import load_model
+from wtransfer.packing import TensorMeta
+from wtransfer.quant.fp8 import FP8, dequantize, quantize
+from wtransfer.quant.source import Fp8Source
+from wtransfer.shapes import perturb
+from wtransfer.trainer.source import WeightSource
+
+PROMPT = [5, 17, 33, 2, 9]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+
+
+def fp8_engine(seed, **fields):
+    return AsyncEngine(EngineConfig(model="tiny", seed=seed, dtype="bfloat16",
+                                    quantization="fp8", **fields))
+
+
+def info(backend, **fields):
+    if backend == "nccl":
+        return NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=60,
+                                   bucket_bytes=1 << 16, **fields)
+    return IPCTrainerInitInfo(bucket_bytes=1 << 16, timeout_s=60, **fields)
+
+
+def test_quantize_is_exact_per_block_and_deterministic():
+    w = torch.randn(300, 200, dtype=torch.bfloat16)
+    w[:128, :128] = 0  # an all-zero block: scale 1, values 0
+    q, scale = quantize(w)
+    assert q.dtype == FP8 and q.shape == w.shape and scale.shape == (3, 2)
+    assert scale[0, 0] == 1 and not q[:128, :128].float().any()
+    block = w[128:256, 128:200].float()
+    assert scale[1, 1] == block.abs().max() / 448
+    err = (dequantize(q, scale, torch.float32) - w.float()).abs()
+    assert (err <= w.float().abs() * 2 ** -3 + scale.max() * 2 ** -9).all()  # e4m3: 3 bits
+    again, again_scale = quantize(w.clone())
+    assert torch.equal(again.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(again_scale, scale)
+
+
+@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+def test_both_ways_of_feeding_an_fp8_engine_give_a_fresh_fp8_engines_weights(backend):
+    """(a) BF16 sent, quantized by the engine; (b) quantized on the trainer, about half the
+    projection bytes on the wire: both leave the engine with exactly the FP8 weights and scales
+    of a fresh FP8 engine built from the same BF16 weights, generating the same tokens."""
+    async def main():
+        engine, fresh = fp8_engine(seed=1, weight_transfer_backend=backend), fp8_engine(seed=5)
+        trainer = load_model("tiny", seed=5, dtype="bfloat16")
+        try:
+            want = await fresh.fingerprint()
+            assert await engine.fingerprint() != want
+            moved = {}
+            for way, source in (("a", wtransfer.ModuleSource(trainer)),
+                                ("b", Fp8Source(wtransfer.ModuleSource(trainer)))):
+                sender = await asyncio.to_thread(
+                    wtransfer.trainer_init, info(backend), client=LocalEngineClient(engine),
+                    source=source)
+                moved[way] = (await asyncio.to_thread(sender.send_weights, way)).bytes
+                await asyncio.to_thread(sender.shutdown)
+                assert await engine.fingerprint() == want, way
+                done = await collect(engine, f"r{way}", PROMPT, GREEDY)
+                ref = await collect(fresh, f"r{way}", PROMPT, GREEDY)
+                assert done.outputs[0].token_ids == ref.outputs[0].token_ids
+            state = trainer.state_dict()
+            projections = sum(t.numel() for n, t in state.items() if n.endswith("proj.weight"))
+            unique = {t.data_ptr(): t for t in state.values()}.values()  # tied weights once
+            assert moved["a"] == sum(t.numel() * t.element_size() for t in unique)
+            assert moved["a"] - moved["b"] >= projections * 0.9  # 2 -> 1 byte, plus scales
+        finally:
+            engine.shutdown()
+            fresh.shutdown()
+
+    run(main(), deadline_s=240)
+
+
+def test_a_staged_fp8_update_mid_flight_and_deltas_after_quantizing():
+    """Requests keep streaming while an FP8 update stages (swap); after it, deltas of the
+    quantized weights move only the changed FP8 values and scales, bit-exact."""
+    async def main():
+        engine = fp8_engine(seed=1, update_staging="swap")
+        trainer = load_model("tiny", seed=5, dtype="bfloat16")
+        try:
+            running = asyncio.create_task(collect(engine, "long", PROMPT,
+                                                  SamplingParams(max_tokens=64, temperature=0)))
+            sender = await asyncio.to_thread(
+                wtransfer.trainer_init, info("ipc", delta=True),
+                client=LocalEngineClient(engine), source=Fp8Source(wtransfer.ModuleSource(trainer)))
+            first = await asyncio.to_thread(sender.send_weights, "q0")
+            out = await running
+            spans = out.outputs[0].weight_versions
+            assert [s.version for s in spans][-1] == "q0"
+            for step in range(1, 4):
+                perturb(trainer, 0.002, seed=step)
+                stats = await asyncio.to_thread(sender.send_weights, f"q{step}")
+                assert stats.wire_bytes < first.bytes / 4
+                want = fp8_engine(seed=0)
+                try:
+                    fresh_sender = await asyncio.to_thread(
+                        wtransfer.trainer_init, info("ipc"), client=LocalEngineClient(want),
+                        source=wtransfer.ModuleSource(trainer))
+                    await asyncio.to_thread(fresh_sender.send_weights)
+                    await asyncio.to_thread(fresh_sender.shutdown)
+                    assert await engine.fingerprint() == await want.fingerprint(), step
+                finally:
+                    want.shutdown()
+            await asyncio.to_thread(sender.shutdown)
+        finally:
+            engine.shutdown()
+
+    run(main(), deadline_s=240)
+
+
+class _Without(WeightSource):
+    """An `Fp8Source` with some tensors left out, or one of them replaced."""
+
+    def __init__(self, inner, drop=(), replace=None):
+        self.inner, self.drop, self.replace = inner, set(drop), replace or {}
+
+    def metadata(self):
+        return [TensorMeta.of(n, self.replace[n]) if n in self.replace else m
+                for m in self.inner.metadata() for n in [m.name] if n not in self.drop]
+
+    def tensors(self):
+        for name, tensor in self.inner.tensors():
+            if name not in self.drop:
+                yield name, self.replace.get(name, tensor)
+
+
+def test_malformed_scales_and_a_weight_without_its_scales_are_refused_before_any_write():
+    async def main():
+        engine = fp8_engine(seed=1, update_staging="off", update_rollback=True)
+        trainer = load_model("tiny", seed=5, dtype="bfloat16")
+        name = "model.layers.0.mlp.up_proj.weight_scale_inv"
+        try:
+            before = await engine.fingerprint()
+            client = LocalEngineClient(engine)
+            bad = _Without(Fp8Source(wtransfer.ModuleSource(trainer)),
+                           replace={name: torch.ones(3, 3)})
+            with wtransfer.trainer_init(info("ipc"), client=client, source=bad) as sender, \
+                    pytest.raises(MetadataError, match=r"up_proj.weight_scale_inv.*float32"):
+                await asyncio.to_thread(sender.send_weights)
+            assert await engine.fingerprint() == before
+            missing = _Without(Fp8Source(wtransfer.ModuleSource(trainer)), drop={name})
+            with wtransfer.trainer_init(info("ipc"), client=client, source=missing) as sender, \
+                    pytest.raises(MetadataError, match="without their scales"):
+                await asyncio.to_thread(sender.send_weights)
+            assert await engine.fingerprint() == before
+            assert not (await engine.weight_info())["torn"]
+        finally:
+            engine.shutdown()
+
+    run(main(), deadline_s=240)
+
+
+def test_fp8_settings_that_are_not_served_are_refused():
+    with pytest.raises(ConfigError, match="quantization must be 'fp8' or None"):
+        EngineConfig(model="tiny", quantization="int4")
+    with pytest.raises(ConfigError, match="tensor_parallel_size=1"):
+        EngineConfig(model="tiny", quantization="fp8", tensor_parallel_size=2)

@@ -1,0 +1,107 @@
+"""`Fp8Target`: what an FP8 engine's receiver writes through. It takes each quantized weight
+either as the trainer holds it (the checkpoint's dtype: quantized here, with the scheme the
+engine serves, as soon as the tensor is complete) or already quantized (FP8 with its scales,
+from an `Fp8Source`: stored as it arrives); every other tensor passes through."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from wtransfer.errors import MetadataError
+from wtransfer.packing import TensorMeta
+from wtransfer.quant.fp8 import SCALE_SUFFIX, is_quantized, quantize
+from wtransfer.receiver.target import WeightTarget
+from wtransfer.records import Box, TensorLayout
+
+
+class Fp8Target(WeightTarget):
+    """`inner` (whose quantized weights are FP8, each with ``<name>_scale_inv``) fed by a
+    trainer that sends them in the checkpoint's dtype or already quantized."""
+
+    def __init__(self, inner: WeightTarget, checkpoint_dtype: str) -> None:
+        self.inner = inner
+        self.checkpoint_dtype = checkpoint_dtype
+        self.quantized = {m.name for m in inner.metadata()
+                          if m.dtype == "float8_e4m3fn" and is_quantized(m.name, m.shape)}
+
+    @property
+    def stages(self) -> bool:
+        """As `inner`."""
+        return self.inner.stages
+
+    def metadata(self) -> list[TensorMeta]:
+        """What the engine stores (FP8 weights and their scales; the rest as it is)."""
+        return self.inner.metadata()
+
+    def check(self, metas: Sequence[TensorMeta]) -> None:
+        """A quantized weight may come in the checkpoint's dtype; the rest as stored; an FP8
+        weight only together with its scales (they belong to it)."""
+        names = {m.name for m in metas}
+        stored, alone = [], []
+        for meta in metas:
+            if meta.name in self.quantized and meta.dtype == self.checkpoint_dtype:
+                held = self.inner.held(meta.name)
+                if held is None or held.shape != meta.shape:
+                    raise MetadataError(f"update refused before any weight changed: "
+                                        f"{meta.name!r} sent {meta.dtype}{list(meta.shape)}, "
+                                        f"engine holds {held.shape if held else 'nothing'}")
+                continue
+            if meta.name in self.quantized and meta.name + SCALE_SUFFIX not in names:
+                alone.append(meta.name)
+            stored.append(meta)
+        if alone:
+            raise MetadataError(f"update refused before any weight changed: FP8 weights "
+                                f"without their scales ({SCALE_SUFFIX}): {alone[:3]}; send "
+                                "both (Fp8Source)")
+        self.inner.check(stored)
+
+    def held(self, name: str) -> TensorMeta | None:
+        """As `inner`."""
+        return self.inner.held(name)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Quantize quantized weights that arrive unquantized; store everything else."""
+        out: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in weights:
+            if name in self.quantized and tensor.dtype != torch.float8_e4m3fn:
+                q, scale = quantize(tensor)
+                out += [(name, q), (name + SCALE_SUFFIX, scale)]
+            else:
+                out.append((name, tensor))
+        self.inner.load_weights(out)
+
+    def direct_bytes(self, name: str) -> torch.Tensor | None:
+        """None for quantized weights and their scales (a weight may arrive in another dtype and
+        is quantized with them: each goes through `load_weights`); `inner`'s view of the
+        rest."""
+        return None if self._paired(name) else self.inner.direct_bytes(name)
+
+    def _paired(self, name: str) -> bool:
+        return name in self.quantized or name.removesuffix(SCALE_SUFFIX) in self.quantized
+
+    def keeps(self) -> dict[str, TensorLayout] | None:
+        """As `inner`."""
+        return self.inner.keeps()
+
+    def region(self, name: str, box: Box) -> torch.Tensor | None:
+        """None for quantized weights (see `direct_bytes`); `inner`'s region of the rest."""
+        return None if self._paired(name) else self.inner.region(name, box)
+
+    def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """As `inner` (what it stores: FP8 weights, scales)."""
+        return self.inner.snapshot(name, out)
+
+    def finish(self) -> None:
+        """As `inner`."""
+        self.inner.finish()
+
+    def abort(self) -> None:
+        """As `inner`."""
+        self.inner.abort()
+
+    def fingerprint(self) -> dict[str, str]:
+        """As `inner` (the FP8 weights and their scales)."""
+        return self.inner.fingerprint()
