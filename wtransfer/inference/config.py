@@ -130,6 +130,10 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None
     """Parameter dtype; default: the model config's."""
+    max_loras: int = 0
+    """LoRA adapter slots (`wtransfer.inference.lora`); 0: no adapters."""
+    max_lora_rank: int = 16
+    """The largest adapter rank a slot holds."""
     quantization: str | None = None
     """"fp8": the attention and MLP projections stored as float8_e4m3fn with 128 x 128 block
     scales (`wtransfer.quant.fp8`), dequantized in the forward; fed by a trainer in the
@@ -186,6 +190,11 @@ class EngineConfig:
         if self.quantization is not None and self.tensor_parallel_size > 1:
             raise ConfigError("quantization='fp8' runs one worker per replica for now; use "
                               "tensor_parallel_size=1 (data parallelism works)")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ConfigError("EngineConfig.max_loras must be >= 0 and max_lora_rank >= 1")
+        if self.max_loras and (self.tensor_parallel_size > 1 or self.quantization):
+            raise ConfigError("LoRA adapters (max_loras > 0) are served by unquantized engines "
+                              "with tensor_parallel_size=1 for now")
         if self.update_rollback not in (None, True, False):
             raise ConfigError(f"EngineConfig.update_rollback must be True, False or None "
                               f"(auto), got {self.update_rollback!r}")
@@ -195,5 +204,6 @@ class EngineConfig:
 
     @property
     def prefix_caching(self) -> bool:
-        """Whether the prefix cache is used (never in batch-invariant mode)."""
-        return self.enable_prefix_caching and not self.batch_invariant
+        """Whether the prefix cache is used (never in batch-invariant mode, nor with adapters:
+        the same tokens under another adapter have other keys and values)."""
+        return self.enable_prefix_caching and not self.batch_invariant and not self.max_loras

@@ -34,6 +34,9 @@ class SamplingParams:
     seed: int | None = None
     """Per-request seed: the same request gives the same tokens whatever else is running."""
     stop_token_ids: list[int] = field(default_factory=list)
+    lora: str | None = None
+    """The LoRA adapter to generate with (by the name it was loaded under); None: the base
+    model."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= MAX_TOKENS:
@@ -57,3 +60,5 @@ class SamplingParams:
                               f"{MAX_STOP_TOKENS} ids, got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ConfigError("sampling_params.stop_token_ids must be non-negative")
+        if self.lora is not None and not (0 < len(self.lora) <= 64):
+            raise ConfigError(f"sampling_params.lora must name an adapter, got {self.lora!r:.80}")

@@ -21,6 +21,7 @@ from wtransfer.inference.block_manager import BlockManager
 from wtransfer.inference.commands import Emit
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.fp8_linear import quantize_model
+from wtransfer.inference.lora import AdapterTable, LoRATarget, enable_lora
 from wtransfer.inference.model import ALONE, load_model, shard_model
 from wtransfer.inference.parallel import Parallel, layouts
 from wtransfer.inference.params import SamplingParams
@@ -73,6 +74,10 @@ class Replica:
                 raise ConfigError("quantization='fp8' serves dense models for now; "
                                   f"{config.model!r} has experts")
             quantize_model(full)
+        self.adapters = AdapterTable(config.max_loras) if config.max_loras else None
+        """Which LoRA adapter is in which slot (None: the engine serves none)."""
+        self.lora_rows = (enable_lora(full, config.max_loras, config.max_lora_rank)
+                          if config.max_loras else None)
         mode = self._staging_mode(full, device)
         rollback = mode == "off" and self._rollback_enabled(full)
         self.workers: TPWorkers | None = None
@@ -93,7 +98,8 @@ class Replica:
                                     device=config.device, worker_index=worker_index,
                                     staging=mode, rollback=rollback,
                                     checkpoint_dtype=checkpoint_dtype
-                                    if config.quantization == "fp8" else None)
+                                    if config.quantization == "fp8" else None,
+                                    adapters=self.adapters, lora_rank=config.max_lora_rank)
         """Rank 0's weights, its shadow and its receiver."""
         del full
         self.staging = self.weights.staging
@@ -108,7 +114,8 @@ class Replica:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.model.config.max_position_embeddings)
         self.runner = ModelRunner(self.model, config, before_forward=(
-            self.workers.step if self.workers is not None else None))
+            self.workers.step if self.workers is not None else None),
+            lora=(self.lora_rows, self._slot_of) if self.lora_rows is not None else None)
         self.weight_version = "default"
         self.steps = 0
         self.tokens_generated = 0
@@ -164,7 +171,7 @@ class Replica:
         self.steps += 1
         self.stall.step(started, bool(self.scheduler.running))
         for seq, (token, logprob) in zip(batch, results, strict=True):
-            seq.append(token, logprob, self.weight_version)
+            seq.append(token, logprob, self._version_of(seq))
             seq.num_computed = len(seq) - 1
             self.blocks.commit(seq)
             self.tokens_generated += 1
@@ -201,6 +208,11 @@ class Replica:
             raise ConfigError(f"token ids must be ints in [0, {vocab}); got {bad[:5]}")
         if request_id in self._sequences:
             raise ConfigError(f"request id {request_id!r} is already running")
+        if params.lora is not None:
+            if self.adapters is None:
+                raise ConfigError(f"lora {params.lora!r}: this engine serves no adapters; "
+                                  "start it with max_loras > 0")
+            self.adapters.slot(params.lora)  # an unknown adapter is refused here
         seq = Sequence(request_id, prompt, params)
         self.scheduler.add(seq)
         self._sequences[request_id] = seq
@@ -331,8 +343,7 @@ class Replica:
         if weight_version is not None:
             check_version(weight_version)  # before the update closes, not after
         self._everywhere("finish_weight_update", weight_version)
-        if weight_version is not None:
-            self.weight_version = weight_version
+        self._label(weight_version)
         self.stall.close()
 
     def finish_staged(self, weight_version: str | None) -> None:
@@ -350,9 +361,7 @@ class Replica:
         if self.workers is not None:
             self.workers.sync("commit", previous=self.weight_version)
         self.weights.commit(self.weight_version)
-        if weight_version is not None:
-            self.weight_version = weight_version
-        self._after_weights_changed()
+        self._label(weight_version, reprefill=True)
         self.commit_ms = (time.perf_counter() - started) * 1e3
         self.stall.close()
 
@@ -365,6 +374,9 @@ class Replica:
         if self.update_open:
             raise LifecycleError("an update is staging into the shadow that holds the previous "
                                  "version; finish or fail it first")
+        if self.adapters is not None and self.adapters.live:
+            raise LifecycleError("rollback_weights with LoRA adapters loaded is not supported "
+                                 "yet (their slots would go back, their labels not)")
         previous = self.staging.previous
         self.weights.rollback_weights()  # checks first: the workers only follow a good one
         if self.workers is not None:
@@ -372,10 +384,39 @@ class Replica:
         self.weight_version = previous or self.weight_version
         self._after_weights_changed()
 
-    def _after_weights_changed(self) -> None:
-        if self.config.update_reprefill:
+    def _label(self, weight_version: str | None, *, reprefill: bool = False) -> None:
+        """The update landed: label what it changed (the base weights, or only the adapters
+        it carried) and, with `reprefill`, re-prefill the requests it affects."""
+        adapters = self.adapters.commit(weight_version) if self.adapters is not None else []
+        target = self.weights.target
+        base = not adapters or (isinstance(target, LoRATarget) and target.take_base_written())
+        if base and weight_version is not None:
+            self.weight_version = weight_version
+        if reprefill:
+            self._after_weights_changed(None if base else set(adapters))
+
+    def _version_of(self, seq: Sequence) -> str:
+        """The version a token of `seq` is computed with: its adapter's, else the base's."""
+        lora = seq.params.lora
+        if lora is None or self.adapters is None:
+            return self.weight_version
+        return self.adapters.live[lora].version
+
+    def _slot_of(self, seq: Sequence) -> int:
+        """The adapter slot `seq` runs with (-1: the base model)."""
+        return self.adapters.slot(seq.params.lora) if self.adapters is not None else -1
+
+    def _after_weights_changed(self, adapters: set[str] | None = None) -> None:
+        """Re-prefill the requests in flight (only those on `adapters`, when given)."""
+        if not self.config.update_reprefill:
+            return
+        if adapters is None:
             self.scheduler.preempt_all()
             self.blocks.reset_prefix_cache()
+            return
+        for seq in sorted(self.scheduler.running, key=lambda s: s.arrival, reverse=True):
+            if seq.params.lora in adapters:
+                self.scheduler.preempt(seq)
 
     def update_weight_version(self, version: str) -> None:
         """Relabel the current weights."""

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from wtransfer.inference.config import EngineConfig
+from wtransfer.inference.lora import LoRARows
 from wtransfer.inference.model import AttentionBatch, Qwen3ForCausalLM, Segment
 from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.sequence import Sequence
@@ -42,10 +43,13 @@ class ModelRunner:
     plan to `before_forward` (the workers compute the same plan on their shards)."""
 
     def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig,
-                 before_forward: Callable[[StepPlan], None] | None = None) -> None:
+                 before_forward: Callable[[StepPlan], None] | None = None,
+                 lora: tuple[LoRARows, Callable[[Sequence], int]] | None = None) -> None:
         self.model = model
         self.config = config
         self.before_forward = before_forward
+        self.lora = lora
+        """The model's adapter rows and each sequence's slot (None: no adapters)."""
         cfg = model.config
         param = next(model.parameters())
         slots = config.num_kv_blocks * config.block_size
@@ -88,6 +92,13 @@ class ModelRunner:
         plan = self.plan(seqs)
         if self.before_forward is not None:
             self.before_forward(plan)
+        if self.lora is not None:
+            rows, slot_of = self.lora
+            slots = [slot_of(seq) for seq in seqs]
+            rows.rows = torch.tensor([slot for slot, (row, end, *_) in
+                                      zip(slots, plan.segments, strict=True)
+                                      for _ in range(row, end)], device=self.device)
+            rows.used = sorted({s for s in slots if s >= 0})
         return self.execute(plan)
 
     def run(self, seqs: Seq[Sequence]) -> list[tuple[int, float]]:

@@ -17,6 +17,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -57,7 +58,7 @@ _STATUS: dict[type[WTransferError], int] = {
 _HTTP_NAMES = {401: "Unauthorized", 404: "NotFound", 405: "MethodNotAllowed"}
 HEALTH_TIMEOUT_S = 2.0
 """How long /health waits for the engine thread before answering from what it knows."""
-_GENERATE_FIELDS = ("token_ids", "sampling_params", "request_id", "stream")
+_GENERATE_FIELDS = ("token_ids", "sampling_params", "request_id", "stream", "lora")
 DEV_ROUTES = ("/pause", "/resume", "/is_paused", "/abort_requests",
               "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
               "/finish_weight_update", "/rollback_weights", "/update_weight_version",
@@ -235,6 +236,12 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
             raise ConfigError("token_ids must be a non-empty list of non-negative ints")
         params = parse_record(SamplingParams, field(body, "sampling_params", dict, {}),
                               where="sampling_params")
+        lora = field(body, "lora", str, None)
+        if lora is not None:
+            if params.lora not in (None, lora):
+                raise ConfigError(f"lora {lora!r} and sampling_params.lora {params.lora!r} "
+                                  "differ; give one")
+            params = replace(params, lora=lora)
         rid = field(body, "request_id", str, None)
         stream = field(body, "stream", bool, False)
         counters["requests"] += 1

@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from wtransfer.errors import LifecycleError
+from wtransfer.inference.lora import AdapterTable, LoRATarget
 from wtransfer.inference.shard_target import ShardTarget
 from wtransfer.inference.staging import StagedWeights, StagingMode
 from wtransfer.quant.target import Fp8Target
@@ -28,7 +29,8 @@ class ShardWeights:
 
     def __init__(self, model: nn.Module, layouts: dict[str, TensorLayout], *, backend: str,
                  device: str, worker_index: int, staging: StagingMode,
-                 rollback: bool, checkpoint_dtype: str | None = None) -> None:
+                 rollback: bool, checkpoint_dtype: str | None = None,
+                 adapters: AdapterTable | None = None, lora_rank: int = 0) -> None:
         self.model = model
         self.layouts = layouts
         self.backend = backend
@@ -42,6 +44,8 @@ class ShardWeights:
         model, `checkpoint_dtype` given: what its trainer holds)."""
         if checkpoint_dtype is not None:
             self.target = Fp8Target(self.target, checkpoint_dtype)
+        if adapters is not None:
+            self.target = LoRATarget(self.target, adapters, lora_rank)
         self.live = ShardTarget(model, layouts)
         """The live weights (what a fingerprint reads)."""
         self.receiver: WeightTransferEngine[Any, Any] | None = None

@@ -1,0 +1,176 @@
+"""LoRA adapters moved alone, in memory, into our engine: tokens with an adapter equal a
+reference model with the adapter merged (fp32), base-model requests are untouched, an adapter
+update mid-flight splits only that adapter's requests' spans, and bad adapters are refused."""
+
+import asyncio
+
+import pytest
+import torch
+from engine_helpers import collect, run, until
+from wtransfer_ipc import IPCTrainerInitInfo
+from wtransfer_nccl import NCCLTrainerInitInfo
+
+import wtransfer
+from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient, SamplingParams
+from wtransfer.inference.model import load_model
+from wtransfer.trainer.lora import LoRASource
+
+PROMPT = [3, 14, 15, 92, 6]
+PROJECTIONS = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")
+
+
+def peft_adapter(base, rank, seed, modules=PROJECTIONS):
+    """Random factors in PEFT's naming and layout for `modules` of every layer."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, weight in base.named_parameters():
+        module = name.removesuffix(".weight")
+        if module.rsplit(".", 1)[-1] in modules:
+            out[f"base_model.model.{module}.lora_A.default.weight"] = (
+                torch.randn(rank, weight.shape[1], generator=gen) * 0.3)
+            out[f"base_model.model.{module}.lora_B.default.weight"] = (
+                torch.randn(weight.shape[0], rank, generator=gen) * 0.3)
+    return out
+
+
+def merged(seed, adapter, alpha, rank):
+    model = load_model("tiny", seed=seed)
+    state = model.state_dict()
+    with torch.no_grad():
+        for key, a in adapter.items():
+            if ".lora_A." in key:
+                module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
+                b = adapter[key.replace(".lora_A.", ".lora_B.")]
+                state[module + ".weight"].add_(alpha / rank * b @ a)
+    return model
+
+
+def info(backend):
+    if backend == "nccl":
+        return NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=60,
+                                   bucket_bytes=1 << 16)
+    return IPCTrainerInitInfo(bucket_bytes=1 << 16, timeout_s=60)
+
+
+async def push(engine, source, version, backend="ipc"):
+    sender = await asyncio.to_thread(wtransfer.trainer_init, info(backend),
+                                     client=LocalEngineClient(engine), source=source)
+    try:
+        return await asyncio.to_thread(sender.send_weights, version)
+    finally:
+        await asyncio.to_thread(sender.shutdown)
+
+
+async def tokens(engine, lora=None, rid="r"):
+    out = await collect(engine, rid, PROMPT, SamplingParams(max_tokens=16, temperature=0,
+                                                            lora=lora))
+    return out.outputs[0]
+
+
+@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+def test_adapter_tokens_equal_the_merged_model_and_only_adapter_bytes_move(backend):
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny", seed=1, max_loras=2, max_lora_rank=8,
+                                          weight_transfer_backend=backend))
+        plain = AsyncEngine(EngineConfig(model="tiny", seed=1))
+        reference = AsyncEngine(EngineConfig(model="tiny", seed=9))
+        base = load_model("tiny", seed=1)
+        adapter = peft_adapter(base, rank=4, seed=0)
+        try:
+            stats = await push(engine, LoRASource("math", adapter, lora_alpha=8), "m1", backend)
+            assert stats.bytes == sum(t.numel() * 4 for t in adapter.values()) + 4
+            await push(reference, wtransfer.ModuleSource(merged(1, adapter, 8, 4)), "merged")
+            with_adapter = await tokens(engine, "math")
+            assert with_adapter.token_ids == (await tokens(reference)).token_ids
+            assert [s.version for s in with_adapter.weight_versions] == ["m1"]
+            on_base = await tokens(engine)
+            assert on_base.token_ids == (await tokens(plain)).token_ids
+            assert on_base.token_ids != with_adapter.token_ids
+            assert [s.version for s in on_base.weight_versions] == ["default"]
+        finally:
+            for e in (engine, plain, reference):
+                e.shutdown()
+
+    run(main(), deadline_s=240)
+
+
+def test_an_adapter_update_mid_flight_splits_only_its_requests():
+    """Staged: a new version of "math" lands while a "math" request and a base request
+    stream; the math request's spans split at the commit and its tail equals the merged new
+    adapter; the base request keeps one span and its tokens; a second adapter takes another
+    slot and leaves "math" as it is."""
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny", seed=1, max_loras=2, max_lora_rank=8,
+                                          update_staging="swap", batch_invariant=True))
+        base = load_model("tiny", seed=1)
+        first, second = peft_adapter(base, 4, seed=0), peft_adapter(base, 4, seed=1)
+        try:
+            await push(engine, LoRASource("math", first, lora_alpha=8), "m1")
+            progress = {}
+            long = SamplingParams(max_tokens=400, temperature=0, lora="math")
+            on_math = asyncio.create_task(collect(engine, "math", PROMPT, long, progress))
+            on_base = asyncio.create_task(collect(engine, "base", PROMPT, SamplingParams(
+                max_tokens=400, temperature=0), progress))
+            await until(lambda: len(progress) == 2 and min(progress.values()) >= 3,
+                        "both requests to start")
+            await push(engine, LoRASource("math", second, lora_alpha=8), "m2")
+            math_out, base_out = (await on_math).outputs[0], (await on_base).outputs[0]
+            old, new = math_out.weight_versions
+            assert (old.version, new.version) == ("m1", "m2") and old.end == new.start
+            assert [s.version for s in base_out.weight_versions] == ["default"]
+            plain = AsyncEngine(EngineConfig(model="tiny", seed=1, batch_invariant=True))
+            ref = AsyncEngine(EngineConfig(model="tiny", seed=9, batch_invariant=True))
+            try:
+                assert base_out.token_ids == (await collect(plain, "b", PROMPT, SamplingParams(
+                    max_tokens=400, temperature=0))).outputs[0].token_ids
+                await push(ref, wtransfer.ModuleSource(merged(1, second, 8, 4)), "merged")
+                k = old.end
+                tail = await collect(ref, "t", PROMPT + math_out.token_ids[:k], SamplingParams(
+                    max_tokens=400 - k, temperature=0))
+                assert tail.outputs[0].token_ids == math_out.token_ids[k:]
+            finally:
+                plain.shutdown()
+                ref.shutdown()
+            before = (await tokens(engine, "math")).token_ids
+            await push(engine, LoRASource("code", first, lora_alpha=4), "c1")
+            assert (await tokens(engine, "math")).token_ids == before
+            assert (await tokens(engine, "code")).weight_versions[0].version == "c1"
+            assert await engine.get_weight_version() == "default"  # adapters only
+        finally:
+            engine.shutdown()
+
+    run(main(), deadline_s=240)
+
+
+def test_adapters_that_do_not_fit_are_refused_before_use():
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny", seed=1, max_loras=1, max_lora_rank=4))
+        base = load_model("tiny", seed=1)
+        try:
+            before = await engine.fingerprint()
+            with pytest.raises(MetadataError, match=r"rank 1\.\.4 \(max_lora_rank\)"):
+                await push(engine, LoRASource("big", peft_adapter(base, 8, 0), lora_alpha=8),
+                           "x")
+            odd = {"base_model.model.model.norm.lora_A.default.weight": torch.zeros(2, 64),
+                   "base_model.model.model.norm.lora_B.default.weight": torch.zeros(64, 2)}
+            with pytest.raises(MetadataError, match="has no LoRA slots here"):
+                await push(engine, LoRASource("odd", odd, lora_alpha=2), "x")
+            assert await engine.fingerprint() == before
+            with pytest.raises(ConfigError, match="unknown LoRA adapter 'nope'"):
+                await tokens(engine, "nope")
+            await push(engine, LoRASource("one", peft_adapter(base, 2, 0), lora_alpha=2), "1")
+            with pytest.raises(ConfigError, match="all max_loras=1 slots hold adapters"):
+                await push(engine, LoRASource("two", peft_adapter(base, 2, 1), lora_alpha=2),
+                           "2")
+            assert (await tokens(engine, "one")).weight_versions[0].version == "1"
+        finally:
+            engine.shutdown()
+        with pytest.raises(ConfigError, match="serves no adapters"):
+            plain = AsyncEngine(EngineConfig(model="tiny"))
+            try:
+                await tokens(plain, "one")
+            finally:
+                plain.shutdown()
+
+    run(main(), deadline_s=240)
