@@ -43,6 +43,7 @@ class Collective:
     def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float,
                  device: torch.device) -> None:
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        self.device = device
         wait = timedelta(seconds=timeout_s)
         if device.type == "cuda":  # the CPU build of torch has no NCCL group
             nccl: Any = getattr(dist, "ProcessGroupNCCL")  # noqa: B009
@@ -66,6 +67,10 @@ class Collective:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum over the group, in place."""
         self._run("all-reduce", self.pg.allreduce([tensor]))
+
+    def barrier(self) -> None:
+        """Return once every rank reached this point."""
+        self.all_reduce(torch.zeros(1, device=self.device))
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape everywhere), in rank order."""

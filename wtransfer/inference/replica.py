@@ -359,7 +359,7 @@ class Replica:
         are re-prefilled so every later token is computed with the new weights."""
         started = time.perf_counter()
         if self.workers is not None:
-            self.workers.sync("commit", previous=self.weight_version)
+            self.workers.sync_done("commit", previous=self.weight_version)
         self.weights.commit(self.weight_version)
         self._label(weight_version, reprefill=True)
         self.commit_ms = (time.perf_counter() - started) * 1e3
@@ -380,7 +380,7 @@ class Replica:
         previous = self.staging.previous
         self.weights.rollback_weights()  # checks first: the workers only follow a good one
         if self.workers is not None:
-            self.workers.sync("rollback")
+            self.workers.sync_done("rollback")
         self.weight_version = previous or self.weight_version
         self._after_weights_changed()
 

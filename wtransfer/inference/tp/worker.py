@@ -103,11 +103,13 @@ class Worker:
                 self.runner.execute(StepPlan.from_wire(message))
             elif op == "commit":
                 self.weights.commit(str(message["previous"]))
+                self.collective.barrier()  # done: rank 0 goes on (sync_done)
             elif op == "rollback":
                 try:
                     self.weights.rollback_weights()
                 except WTransferError as exc:  # rank 0 checked first; say it, keep stepping
                     log.error("tensor-parallel worker %d: rollback failed: %s", self.rank, exc)
+                self.collective.barrier()
             elif op == "fingerprint":
                 state = self.model.state_dict()
                 for name in sorted(state):

@@ -114,6 +114,13 @@ class TPWorkers:
         self.collective.broadcast_record({"op": op, **fields})
         self._last_sync = time.monotonic()
 
+    def sync_done(self, op: str, **fields: Any) -> None:
+        """`sync(op)` and wait until every worker has done it ("commit", "rollback"): a
+        weight-transfer command sent after it (the next update's start levels the shadow)
+        reaches workers whose weights already changed."""
+        self.sync(op, **fields)
+        self.collective.barrier()
+
     def keepalive(self) -> None:
         """An idle engine tells its workers it is there (op "idle") a few times per
         `step_timeout_s`: they wait on the next message within that deadline, so that a dead
