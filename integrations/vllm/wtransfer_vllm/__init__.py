@@ -12,6 +12,7 @@ in process, `ServerClient` over `vllm serve`.
 from typing import Any
 
 from wtransfer_vllm.clients import AsyncLLMClient, ServerClient
+from wtransfer_vllm.lora import adapter_id, lora_request
 from wtransfer_vllm.names import BACKEND_PREFIX, WORKER_EXTENSION, vllm_backend_name
 
 
@@ -25,4 +26,4 @@ def engine_kwargs(backend: str, *, staged: bool = False) -> dict[str, Any]:
 
 
 __all__ = ["BACKEND_PREFIX", "WORKER_EXTENSION", "AsyncLLMClient", "ServerClient",
-           "engine_kwargs", "vllm_backend_name"]
+           "adapter_id", "engine_kwargs", "lora_request", "vllm_backend_name"]

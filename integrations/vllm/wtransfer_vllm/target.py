@@ -24,6 +24,7 @@ from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.fingerprint import tensor_digest
 from wtransfer.packing import DTYPES, TensorMeta
 from wtransfer.receiver.target import WeightTarget
+from wtransfer_vllm.lora import Adapters, is_adapter_tensor
 
 log = logging.getLogger("wtransfer.vllm")
 
@@ -88,6 +89,8 @@ class VLLMTarget(WeightTarget):
         self._received: dict[str, str] = {}
         """Digests of what the open update delivered so far."""
         self._reloading = False
+        self.adapters = Adapters(model)
+        """LoRA adapters an update carries (`wtransfer_vllm.lora`): registered at finish."""
 
     def metadata(self) -> list[TensorMeta]:
         """The checkpoint's tensors."""
@@ -100,8 +103,11 @@ class VLLMTarget(WeightTarget):
     def check(self, metas: Sequence[TensorMeta]) -> None:
         """Names and shapes must match the checkpoint; a floating-point tensor may come in
         another floating-point dtype (vLLM's loader casts), any other dtype must match."""
+        self.adapters.check(m for m in metas if is_adapter_tensor(m.name))
         problems = []
         for meta in metas:
+            if is_adapter_tensor(meta.name):
+                continue
             have = self._manifest.get(meta.name)
             if have is None:
                 problems.append(f"unknown tensor {meta.name!r}")
@@ -123,9 +129,15 @@ class VLLMTarget(WeightTarget):
         )
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        batch = [(name, tensor.clone()) for name, tensor in weights]
-        for name, tensor in batch:
+        batch = []
+        for name, tensor in weights:
             self._received[name] = tensor_digest(tensor)
+            if is_adapter_tensor(name):
+                self.adapters.take(name, tensor)
+            else:
+                batch.append((name, tensor.clone()))
+        if not batch:
+            return
         if not self._reloading:
             initialize_layerwise_reload(self.model)
             self._reloading = True
@@ -140,6 +152,7 @@ class VLLMTarget(WeightTarget):
         if self._reloading:
             finalize_layerwise_reload(self.model, self.model_config)
             self._reloading = False
+        self.adapters.register()
         self._committed.update(self._received)
         self._received = {}
 
@@ -148,6 +161,7 @@ class VLLMTarget(WeightTarget):
         incomplete, so the model is whole again (layers already completed keep their new
         weights: the receiver reports the update as torn)."""
         self._received = {}
+        self.adapters.drop()
         if not self._reloading:
             return
         from vllm.model_executor.model_loader.reload import layerwise

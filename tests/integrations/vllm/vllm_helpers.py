@@ -57,7 +57,7 @@ class LoopThread:
 class InProcessVLLM:
     """An AsyncLLM serving `model_dir` with wtransfer backend `backend` (None: none)."""
 
-    def __init__(self, model_dir, backend=None, staged=False):
+    def __init__(self, model_dir, backend=None, staged=False, **engine_args):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -66,29 +66,32 @@ class InProcessVLLM:
 
         async def start():
             return AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir),
-                                                             **ENGINE_ARGS, **extra))
+                                                             **ENGINE_ARGS, **extra,
+                                                             **engine_args))
 
         self.llm = self.thread.run(start())
         self.client = (wtransfer_vllm.AsyncLLMClient(self.llm, loop=self.thread.loop)
                        if backend else None)
 
-    async def _generate(self, prompt, max_tokens, request_id, started=None, after_tokens=0):
+    async def _generate(self, prompt, max_tokens, request_id, started=None, after_tokens=0,
+                        lora_request=None):
         from vllm import SamplingParams
 
         last = None
         async for out in self.llm.generate({"prompt_token_ids": prompt},
                                            SamplingParams(max_tokens=max_tokens, temperature=0),
-                                           request_id=request_id):
+                                           request_id=request_id, lora_request=lora_request):
             last = out
             if started is not None and len(out.outputs[0].token_ids) >= after_tokens:
                 started.set()
         return last.outputs[0]
 
-    def greedy(self, prompts=PROMPTS, max_tokens=12):
-        """Greedy tokens of each prompt."""
+    def greedy(self, prompts=PROMPTS, max_tokens=12, lora_request=None):
+        """Greedy tokens of each prompt (with the adapter of `lora_request`, if given)."""
         async def all_of_them():
             outs = await asyncio.gather(*[self._generate(p, max_tokens, f"g{time.monotonic_ns()}"
-                                                         f"-{i}") for i, p in enumerate(prompts)])
+                                                         f"-{i}", lora_request=lora_request)
+                                          for i, p in enumerate(prompts)])
             return [list(o.token_ids) for o in outs]
 
         return self.thread.run(all_of_them())
