@@ -46,6 +46,11 @@ class SparseDeltaError(DeltaBaseError):
     refused one: the sender sends changed tensors whole from then on."""
 
 
+class DeltaUnsupportedError(DeltaBaseError):
+    """A receiver whose target takes full updates only refused a delta: the sender stops
+    diffing and sends every later update in full."""
+
+
 class TransferTimeout(WTransferError, TimeoutError):
     """A blocking wait ran past its deadline (the peer is gone, slow, or never showed up)."""
 
@@ -93,6 +98,10 @@ class RemoteSparseDeltaError(PeerError, SparseDeltaError):
     """The peer cannot apply sparse deltas (a `PeerError` and a `SparseDeltaError`)."""
 
 
+class RemoteDeltaUnsupportedError(PeerError, DeltaUnsupportedError):
+    """The peer takes full updates only (a `PeerError` and a `DeltaUnsupportedError`)."""
+
+
 class RemoteTransferTimeout(PeerError, TransferTimeout):
     """A wait on the peer's side ran past its deadline (a `PeerError` and a
     `TransferTimeout`)."""
@@ -108,6 +117,7 @@ _REMOTE: dict[str, type[PeerError]] = {
     "SenderReplacedError": RemoteSenderReplacedError,
     "IntegrityError": RemoteIntegrityError, "TransferTimeout": RemoteTransferTimeout,
     "DeltaBaseError": RemoteDeltaBaseError, "SparseDeltaError": RemoteSparseDeltaError,
+    "DeltaUnsupportedError": RemoteDeltaUnsupportedError,
     "EngineDeadError": RemoteEngineDeadError,
 }
 
@@ -175,6 +185,7 @@ def remote_error(message: str, kind: str) -> PeerError:
 __all__ = [
     "ConfigError",
     "DeltaBaseError",
+    "DeltaUnsupportedError",
     "EngineDeadError",
     "IntegrityError",
     "LifecycleError",
@@ -182,6 +193,7 @@ __all__ = [
     "PeerError",
     "RemoteConfigError",
     "RemoteDeltaBaseError",
+    "RemoteDeltaUnsupportedError",
     "RemoteEngineDeadError",
     "RemoteIntegrityError",
     "RemoteLifecycleError",

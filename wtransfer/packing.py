@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -305,6 +306,7 @@ pipeline needs the other cores), up to 8 on a large host (one memcpy thread move
 of its memory bandwidth)."""
 _HOST_CHUNK = 8 << 20
 _host_pool: ThreadPoolExecutor | None = None
+_host_pool_lock = threading.Lock()
 
 
 def _host_copy(pairs: list[tuple[int, int, int]]) -> None:
@@ -318,8 +320,10 @@ def _host_copy(pairs: list[tuple[int, int, int]]) -> None:
         return
     chunks = [(dst + at, src + at, min(_HOST_CHUNK, n - at))
               for dst, src, n in pairs for at in range(0, n, _HOST_CHUNK)]
-    if _host_pool is None:
-        _host_pool = ThreadPoolExecutor(HOST_COPY_THREADS, thread_name_prefix="wtransfer-copy")
+    with _host_pool_lock:
+        if _host_pool is None:
+            _host_pool = ThreadPoolExecutor(HOST_COPY_THREADS,
+                                            thread_name_prefix="wtransfer-copy")
     share = -(-len(chunks) // HOST_COPY_THREADS)
 
     def run(part: list[tuple[int, int, int]]) -> None:

@@ -169,3 +169,76 @@ def test_fp8_settings_that_are_not_served_are_refused():
         EngineConfig(model="tiny", quantization="int4")
     with pytest.raises(ConfigError, match="tensor_parallel_size=1"):
         EngineConfig(model="tiny", quantization="fp8", tensor_parallel_size=2)
+
+
+class _FailsHalfway(WeightSource):
+    """The trainer's tensors, failing after the first few (a trainer dying mid-update)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def metadata(self):
+        return self.inner.metadata()
+
+    def tensors(self):
+        for index, item in enumerate(self.inner.tensors()):
+            if index == 24:  # after buckets of quantized weights landed
+                raise RuntimeError("the trainer failed mid-update")
+            yield item
+
+
+def test_a_failed_bf16_update_rolls_back_the_fp8_weights_and_their_scales():
+    """In place with rollback: the engine quantized some BF16 weights (new values and new
+    scales) before the trainer failed; both are restored, so the engine is its old self."""
+    async def main():
+        engine = fp8_engine(seed=1, update_staging="off", update_rollback=True)
+        trainer = load_model("tiny", seed=5, dtype="bfloat16")
+        try:
+            before = await engine.fingerprint()
+            source = _FailsHalfway(wtransfer.ModuleSource(trainer))
+            with wtransfer.trainer_init(info("ipc"), client=LocalEngineClient(engine),
+                                        source=source) as sender, \
+                    pytest.raises(RuntimeError, match="failed mid-update"):
+                await asyncio.to_thread(sender.send_weights)
+            assert await engine.fingerprint() == before
+            assert not (await engine.weight_info())["torn"]
+        finally:
+            engine.shutdown()
+
+    run(main(), deadline_s=240)
+
+
+def test_a_delta_where_an_fp8_weight_changes_whole_and_its_scales_do_not_lands():
+    """Negating a weight keeps every block's amax (scales unchanged, left out of the delta)
+    while every FP8 value changes (sent dense): the delta lands bit-exact."""
+    async def main():
+        engine = fp8_engine(seed=1, update_staging="swap")
+        trainer = load_model("tiny", seed=5, dtype="bfloat16")
+        try:
+            sender = await asyncio.to_thread(
+                wtransfer.trainer_init, info("ipc", delta=True), client=LocalEngineClient(engine),
+                source=Fp8Source(wtransfer.ModuleSource(trainer)))
+            first = await asyncio.to_thread(sender.send_weights, "0")
+            with torch.no_grad():
+                trainer.model.layers[0].mlp.up_proj.weight.neg_()
+            stats = await asyncio.to_thread(sender.send_weights, "1")
+            assert stats.wire_bytes < first.bytes / 2
+            await asyncio.to_thread(sender.shutdown)
+            want = fp8_engine(seed=0)
+            try:
+                await push_full(want, trainer)
+                assert await engine.fingerprint() == await want.fingerprint()
+            finally:
+                want.shutdown()
+        finally:
+            engine.shutdown()
+
+    run(main(), deadline_s=240)
+
+
+async def push_full(engine, trainer):
+    sender = await asyncio.to_thread(wtransfer.trainer_init, info("ipc"),
+                                     client=LocalEngineClient(engine),
+                                     source=wtransfer.ModuleSource(trainer))
+    await asyncio.to_thread(sender.send_weights)
+    await asyncio.to_thread(sender.shutdown)

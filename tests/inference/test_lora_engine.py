@@ -160,7 +160,7 @@ def test_adapters_that_do_not_fit_are_refused_before_use():
             with pytest.raises(ConfigError, match="unknown LoRA adapter 'nope'"):
                 await tokens(engine, "nope")
             await push(engine, LoRASource("one", peft_adapter(base, 2, 0), lora_alpha=2), "1")
-            with pytest.raises(ConfigError, match="all max_loras=1 slots hold adapters"):
+            with pytest.raises(MetadataError, match=r"need 1 free slot\(s\); max_loras=1"):
                 await push(engine, LoRASource("two", peft_adapter(base, 2, 1), lora_alpha=2),
                            "2")
             assert (await tokens(engine, "one")).weight_versions[0].version == "1"
@@ -172,5 +172,37 @@ def test_adapters_that_do_not_fit_are_refused_before_use():
                 await tokens(plain, "one")
             finally:
                 plain.shutdown()
+
+    run(main(), deadline_s=240)
+
+
+def test_a_base_update_then_an_adapter_update_keeps_each_label_and_in_place_is_refused():
+    """The base version stays the base update's after an adapter-only update; a delta-enabled
+    sender of an adapter sends it whole every time; an engine updating in place refuses
+    adapter updates (a failure would leave a live slot half written)."""
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny", seed=1, max_loras=2, max_lora_rank=8,
+                                          update_staging="swap"))
+        in_place = AsyncEngine(EngineConfig(model="tiny", seed=1, max_loras=2, max_lora_rank=8,
+                                            update_staging="off"))
+        base = load_model("tiny", seed=1)
+        try:
+            await push(engine, wtransfer.ModuleSource(load_model("tiny", seed=2)), "v1")
+            source = LoRASource("math", peft_adapter(base, 4, seed=0), lora_alpha=8)
+            sender = await asyncio.to_thread(
+                wtransfer.trainer_init, IPCTrainerInitInfo(delta=True, timeout_s=60),
+                client=LocalEngineClient(engine), source=source)
+            for step in range(2):
+                stats = await asyncio.to_thread(sender.send_weights, f"m{step}")
+                assert stats.wire_bytes == stats.bytes  # adapters always travel whole
+            await asyncio.to_thread(sender.shutdown)
+            assert await engine.get_weight_version() == "v1"
+            assert (await tokens(engine)).weight_versions[0].version == "v1"
+            assert (await tokens(engine, "math")).weight_versions[0].version == "m1"
+            with pytest.raises(MetadataError, match="update_staging='swap' or 'copy'"):
+                await push(in_place, source, "x")
+        finally:
+            engine.shutdown()
+            in_place.shutdown()
 
     run(main(), deadline_s=240)

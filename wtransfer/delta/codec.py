@@ -118,6 +118,8 @@ def changed(current: torch.Tensor, last: torch.Tensor, limit: int) -> torch.Tens
     rows = (now.view(-1, lanes).index_select(0, words)
             != last.view(-1, lanes).index_select(0, words)).reshape(-1)
     within = torch.nonzero(rows).squeeze(1)
+    if within.numel() > limit:
+        return None
     return words[within // lanes] * lanes + within % lanes
 
 

@@ -73,6 +73,8 @@ class DeltaSender:
         self.sparse = True
         """Whether the receivers take sparse payloads (False once one refused them: then a
         delta sends each changed tensor whole)."""
+        self.disabled: str | None = None
+        """Why every update goes full without diffing (the receivers take no deltas)."""
         self._last: dict[str, torch.Tensor] = {}
         self._metas: list[TensorMeta] = []
         self._pending: str | None = None
@@ -88,6 +90,9 @@ class DeltaSender:
         token = secrets.token_hex(16)
         self._pending = token
         metas = source.metadata()
+        if self.disabled is not None or not source.delta_ok:
+            self._last, self.base = {}, None
+            return DeltaUpdate(DeltaHeader(token=token), source, None)
         if self.base is None or metas != self._metas:
             self._metas = metas
             return DeltaUpdate(DeltaHeader(token=token), source, None)
@@ -127,6 +132,8 @@ class DeltaSender:
     def landed(self, update: DeltaUpdate) -> None:
         """`update` landed on every receiver: its token is the base from now on (after a full
         update, the copy is taken of what it sent)."""
+        if self.disabled is not None or not update.source.delta_ok:
+            return
         if update.header.base is None:
             self._last = {}
             for name, tensor in update.source.tensors():

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from wtransfer.delta.codec import BITS_VIEW, DeltaEntry, decode_sparse
-from wtransfer.errors import MetadataError, SparseDeltaError
+from wtransfer.errors import DeltaUnsupportedError, MetadataError, SparseDeltaError
 from wtransfer.packing import DTYPES, TensorMeta
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import Box, TensorLayout
@@ -22,6 +22,9 @@ class DeltaTarget(WeightTarget):
     loaded back whole."""
 
     def __init__(self, inner: WeightTarget, entries: Sequence[DeltaEntry]) -> None:
+        if not inner.takes_deltas:
+            raise DeltaUnsupportedError(f"this engine's target ({type(inner).__name__}) takes "
+                                        "full updates only; the sender sends in full")
         self.inner = inner
         self._entries = {e.name: e for e in entries}
         self._held: dict[str, TensorMeta] = {}
@@ -72,7 +75,10 @@ class DeltaTarget(WeightTarget):
         """Dense entries as `inner` checks any tensor it is sent; sparse ones against their
         payload sizes."""
         dense = [m for m in metas if m.name in self._entries and self._entries[m.name].dense]
-        self.inner.check(dense)
+        named = {m.name for m in metas}
+        held = [self.inner.held(c) for m in dense for c in self.inner.companions(m.name)
+                if c not in named]  # an unchanged companion: the base's, as held
+        self.inner.check(dense + [h for h in held if h is not None])
         rest = [m for m in metas if m not in dense]
         problems = [m.name for m in rest if self.held(m.name) != m]
         if problems:
@@ -104,6 +110,10 @@ class DeltaTarget(WeightTarget):
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """`inner`'s copy of the tensor (a rollback restores it through `inner`)."""
         return self.inner.snapshot(name, out)
+
+    def companions(self, name: str) -> list[str]:
+        """As `inner`."""
+        return self.inner.companions(name)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -193,6 +193,16 @@ class LoRATarget(WeightTarget):
                 alphas.add(adapter)
                 continue
             problems += self._check_factor(meta, parsed["module"], parsed["ab"], ranks, adapter)
+        if ranks and not self.stages:
+            problems.append("adapter updates land in the staging shadow (a failed one must not "
+                            "leave a live adapter half written): start the engine with "
+                            "update_staging='swap' or 'copy'")
+        new = [a for a in ranks if a not in self.table.live and a not in self.table.staged]
+        taken = {a.slot for a in (*self.table.live.values(), *self.table.staged.values())}
+        if len(new) > self.table.slots - len(taken):
+            problems.append(f"adapters {new} need {len(new)} free slot(s); max_loras="
+                            f"{self.table.slots} and {sorted(self.table.live)} hold "
+                            f"{len(taken)}")
         for adapter, seen in ranks.items():
             if len(seen) != 1:
                 problems.append(f"adapter {adapter!r} mixes ranks {sorted(seen)}")

@@ -389,7 +389,8 @@ class Replica:
         it carried) and, with `reprefill`, re-prefill the requests it affects."""
         adapters = self.adapters.commit(weight_version) if self.adapters is not None else []
         target = self.weights.target
-        base = not adapters or (isinstance(target, LoRATarget) and target.take_base_written())
+        written = target.take_base_written() if isinstance(target, LoRATarget) else True
+        base = not adapters or written
         if base and weight_version is not None:
             self.weight_version = weight_version
         if reprefill:

@@ -90,6 +90,10 @@ class Fp8Target(WeightTarget):
         """None for quantized weights (see `direct_bytes`); `inner`'s region of the rest."""
         return None if self._paired(name) else self.inner.region(name, box)
 
+    def companions(self, name: str) -> list[str]:
+        """A quantized weight's scales (writing it in the checkpoint dtype rewrites them)."""
+        return [name + SCALE_SUFFIX] if name in self.quantized else []
+
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """As `inner` (what it stores: FP8 weights, scales)."""
         return self.inner.snapshot(name, out)

@@ -267,6 +267,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             self._refuse_replaced(update_info)
             self._require(ReceiverState.UPDATING, action="update weights")
             assert self._session is not None
+            header = False
+            """Whether the failure came from the delta header (no data moved yet)."""
             try:
                 info: UpdateT = parse_record(self.update_info_cls, update_info,
                                              where=f"{self.backend_name} update info")
@@ -274,12 +276,12 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 if info.abort is not None:
                     raise PeerError(f"sender aborted the update: {info.abort}")
                 if info.delta is not None:
+                    header = True
                     self._open_delta(info.delta, self._session)
                     return
                 self._receive(info, self._session)
             except BaseException as exc:
-                self._fail(f"{type(exc).__name__}: {exc}",
-                           data_moved=not isinstance(exc, DeltaBaseError))
+                self._fail(f"{type(exc).__name__}: {exc}", data_moved=not header)
                 raise
 
     def _open_delta(self, header: DeltaHeader, session: UpdateSession) -> None:

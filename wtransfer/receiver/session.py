@@ -119,7 +119,13 @@ class UpdateSession:
         self._target = DeltaTarget(self._origin, entries)
 
     def _save(self, name: str) -> None:
-        """Keep `name`'s current value (once per update) before any byte of it changes."""
+        """Keep `name`'s current value (once per update) before any byte of it changes, and
+        of what writing it also changes (`WeightTarget.companions`)."""
+        for companion in self._target.companions(name):
+            self._save_one(companion)
+        self._save_one(name)
+
+    def _save_one(self, name: str) -> None:
         if self._store is not None and name not in self._saved:
             saved = self._target.snapshot(name, self._store.get(name))
             if saved is None:

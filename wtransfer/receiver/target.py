@@ -39,6 +39,18 @@ class WeightTarget(ABC):
         weights whole, so it is never torn and needs no rollback copies."""
         return False
 
+    @property
+    def takes_deltas(self) -> bool:
+        """Whether a delta (an update of only the changed tensors, or elements) can land here;
+        False for a target that must get whole modules (vLLM reloads a fused layer from what
+        one update sent): a delta-enabled sender then sends full updates."""
+        return True
+
+    def companions(self, name: str) -> list[str]:
+        """Tensors a write of `name` also changes (an FP8 weight's scales): kept for rollback
+        with it, and checked with it."""
+        return []
+
     @abstractmethod
     def metadata(self) -> list[TensorMeta]:
         """Every tensor this target accepts, under the names a sender must use."""

@@ -45,6 +45,7 @@ from wtransfer.delta.sender import DeltaSender, DeltaUpdate
 from wtransfer.errors import (
     ConfigError,
     DeltaBaseError,
+    DeltaUnsupportedError,
     LifecycleError,
     SenderReplacedError,
     SparseDeltaError,
@@ -242,6 +243,9 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                                            if f is not None]
         merged = self._merge(fragments)
         self.sender_id = str(fragments[0]["sender_id"])  # the lead's: the receivers' sender
+        if self.delta is not None and self.sends_own_shards:
+            raise ConfigError("delta=True does not combine with m2n (each rank's own shards) "
+                              "yet; set m2n=False or delta=False")
         merged = {**merged, "sender_id": self.sender_id, "backend": self.backend_name,
                   "plan": record_to_wire(self.plan_params)}
         self._on_senders(lambda: self._init_receivers(merged))
@@ -292,6 +296,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                     raise
                 if isinstance(exc, SparseDeltaError):
                     delta.sparse = False
+                if isinstance(exc, DeltaUnsupportedError):
+                    delta.disabled = str(exc)
                 delta.forget()
                 update = delta.prepare(self.source)
                 stats = self._send_update(weight_version, update)
@@ -318,7 +324,11 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                 if delta is not None:
                     calls.update({"delta": record_to_wire(delta.header)})
                     if delta.header.base is not None:
-                        calls.settle()
+                        try:
+                            calls.settle()
+                        except BaseException as exc:  # receivers that took it: fail it now
+                            self._abort_remote(exc, calls)
+                            raise
             try:
                 layout = self._layout(source.metadata())
                 packer: BucketPacker | GatheringPacker | NoGather = (

@@ -49,6 +49,11 @@ class LoRASource(WeightSource):
         self._alpha = torch.tensor([float(lora_alpha)], dtype=torch.float32)
         self.name = name
 
+    @property
+    def delta_ok(self) -> bool:
+        """False: an adapter's slot is rewritten from all of its tensors each update."""
+        return False
+
     def metadata(self) -> list[TensorMeta]:
         """Every factor under its wire name, then the adapter's alpha."""
         return ([TensorMeta.of(n, t) for n, t in self._items]

@@ -40,6 +40,13 @@ class WeightSource(ABC):
         `metadata()`, without gathering anything; only sharded sources need it."""
         raise NotImplementedError(f"{type(self).__name__} is not a sharded source")
 
+    @property
+    def delta_ok(self) -> bool:
+        """Whether a delta of this source (only its changed tensors or elements) says the same
+        as the source itself; False for one whose every update must travel whole (a LoRA
+        adapter's slot is rewritten from all of its tensors)."""
+        return True
+
     def held(self) -> list[torch.Tensor] | None:
         """Every tensor, in the order of `metadata()` and matching it by construction, as the
         source holds it (to be read in place, never written), or None when the source cannot

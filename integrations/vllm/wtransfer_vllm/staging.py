@@ -28,6 +28,11 @@ class HostStaging(WeightTarget):
     `finish` loads them into the vLLM model (`VLLMTarget`), in arrival order."""
 
     @property
+    def takes_deltas(self) -> bool:
+        """False, as the vLLM model it loads into at finish (`VLLMTarget.takes_deltas`)."""
+        return False
+
+    @property
     def stages(self) -> bool:
         """Writes land in host buffers until `finish` loads them into the model."""
         return True

@@ -92,6 +92,12 @@ class VLLMTarget(WeightTarget):
         self.adapters = Adapters(model)
         """LoRA adapters an update carries (`wtransfer_vllm.lora`): registered at finish."""
 
+    @property
+    def takes_deltas(self) -> bool:
+        """False: vLLM's layerwise reload rebuilds a fused module from what one update sent,
+        so an update of only the changed tensors would leave the others uninitialized."""
+        return False
+
     def metadata(self) -> list[TensorMeta]:
         """The checkpoint's tensors."""
         return list(self._manifest.values())

@@ -77,5 +77,16 @@ def test_an_adapter_sent_in_memory_serves_like_the_same_adapter_from_disk(tmp_pa
                 pytest.raises(MetadataError, match=r"rank must be 1\.\.8"):
             sender.send_weights()
         assert vllm.greedy() == plain
+
+        # vLLM reloads whole fused modules: it takes no deltas, and a delta sender goes full
+        with wtransfer.trainer_init(init_info("ipc", bucket_bytes=64 << 10, delta=True),
+                                    client=vllm.client,
+                                    source=wtransfer.ModuleSource(base)) as sender:
+            for _ in range(3):
+                stats = sender.send_weights()
+                assert stats.wire_bytes == stats.bytes
+            assert sender.delta.disabled is not None and "full updates only" in \
+                sender.delta.disabled
+        assert vllm.greedy() == plain
     finally:
         vllm.close()
