@@ -138,6 +138,15 @@ class _Without(WeightSource):
                 yield name, self.replace.get(name, tensor)
 
 
+async def fails_untouched(engine, source, before, error, match):
+    """An update of `source` fails with `error` and the engine holds `before`, not torn."""
+    with wtransfer.trainer_init(info("ipc"), client=LocalEngineClient(engine),
+                                source=source) as sender, pytest.raises(error, match=match):
+        await asyncio.to_thread(sender.send_weights)
+    assert await engine.fingerprint() == before
+    assert not (await engine.weight_info())["torn"]
+
+
 def test_malformed_scales_and_a_weight_without_its_scales_are_refused_before_any_write():
     async def main():
         engine = fp8_engine(seed=1, update_staging="off", update_rollback=True)
@@ -145,19 +154,12 @@ def test_malformed_scales_and_a_weight_without_its_scales_are_refused_before_any
         name = "model.layers.0.mlp.up_proj.weight_scale_inv"
         try:
             before = await engine.fingerprint()
-            client = LocalEngineClient(engine)
             bad = _Without(Fp8Source(wtransfer.ModuleSource(trainer)),
                            replace={name: torch.ones(3, 3)})
-            with wtransfer.trainer_init(info("ipc"), client=client, source=bad) as sender, \
-                    pytest.raises(MetadataError, match=r"up_proj.weight_scale_inv.*float32"):
-                await asyncio.to_thread(sender.send_weights)
-            assert await engine.fingerprint() == before
+            await fails_untouched(engine, bad, before, MetadataError,
+                                  r"up_proj.weight_scale_inv.*float32")
             missing = _Without(Fp8Source(wtransfer.ModuleSource(trainer)), drop={name})
-            with wtransfer.trainer_init(info("ipc"), client=client, source=missing) as sender, \
-                    pytest.raises(MetadataError, match="without their scales"):
-                await asyncio.to_thread(sender.send_weights)
-            assert await engine.fingerprint() == before
-            assert not (await engine.weight_info())["torn"]
+            await fails_untouched(engine, missing, before, MetadataError, "without their scales")
         finally:
             engine.shutdown()
 
@@ -195,13 +197,8 @@ def test_a_failed_bf16_update_rolls_back_the_fp8_weights_and_their_scales():
         trainer = load_model("tiny", seed=5, dtype="bfloat16")
         try:
             before = await engine.fingerprint()
-            source = _FailsHalfway(wtransfer.ModuleSource(trainer))
-            with wtransfer.trainer_init(info("ipc"), client=LocalEngineClient(engine),
-                                        source=source) as sender, \
-                    pytest.raises(RuntimeError, match="failed mid-update"):
-                await asyncio.to_thread(sender.send_weights)
-            assert await engine.fingerprint() == before
-            assert not (await engine.weight_info())["torn"]
+            await fails_untouched(engine, _FailsHalfway(wtransfer.ModuleSource(trainer)), before,
+                                  RuntimeError, "failed mid-update")
         finally:
             engine.shutdown()
 
