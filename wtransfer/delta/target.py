@@ -28,6 +28,8 @@ class DeltaTarget(WeightTarget):
         self.inner = inner
         self._entries = {e.name: e for e in entries}
         self._held: dict[str, TensorMeta] = {}
+        self._copies: dict[str, torch.Tensor] = {}
+        """Copies of the tensors applied through a copy loaded back whole."""
         kept = inner.keeps()
         self._kept: dict[str, TensorLayout] | None = kept
         problems, unable = [], []
@@ -67,9 +69,13 @@ class DeltaTarget(WeightTarget):
             return True
         if layout is not None and not layout.is_whole:
             return False  # a shard without regions: nothing to apply it onto
-        return (self.inner.direct_bytes(name) is not None
-                or self.inner.region(name, Box.whole(held.shape)) is not None
-                or self.inner.snapshot(name) is not None)
+        if (self.inner.direct_bytes(name) is not None
+                or self.inner.region(name, Box.whole(held.shape)) is not None):
+            return True
+        copy = self.inner.snapshot(name)  # kept: `_apply` writes into it, one copy in all
+        if copy is not None:
+            self._copies[name] = copy
+        return copy is not None
 
     def check(self, metas: Sequence[TensorMeta]) -> None:
         """Dense entries as `inner` checks any tensor it is sent; sparse ones against their
@@ -147,8 +153,7 @@ class DeltaTarget(WeightTarget):
         if region is not None:
             _write_in_box(region.view(width), Box.whole(held.shape), held.shape, index, values)
             return
-        copy = self.inner.snapshot(entry.name)
-        assert copy is not None  # checked at construction
+        copy = self._copies.pop(entry.name)  # taken at construction (`_writable`)
         copy.reshape(-1).view(width).index_copy_(0, index, values.to(copy.device))
         self.inner.load_weights([(entry.name, copy)])
 

@@ -262,7 +262,6 @@ class LoRATarget(WeightTarget):
                     region[0, :rank].copy_(tensor)
                 else:
                     region[0, :, :rank].copy_(tensor)
-            self._set_scales(slot)
         if base:
             self._base_written = True
             self.inner.load_weights(base)
@@ -287,13 +286,12 @@ class LoRATarget(WeightTarget):
                 self._slot_region(f"{module}.{factor}", held, slot).zero_()
 
     def _set_scales(self, slot: int) -> None:
-        """alpha / r on every module of the slot, once both are known."""
-        if slot in self._alpha and slot in self._ranks:
-            scale = self._alpha[slot] / self._ranks[slot]
-            for module in self._modules:
-                held = self.inner.held(f"{module}.lora_scale")
-                assert held is not None
-                self._slot_region(f"{module}.lora_scale", held, slot).fill_(scale)
+        """alpha / r on every module of the slot (`check` made sure both arrived)."""
+        scale = self._alpha[slot] / self._ranks[slot]
+        for module in self._modules:
+            held = self.inner.held(f"{module}.lora_scale")
+            assert held is not None
+            self._slot_region(f"{module}.lora_scale", held, slot).fill_(scale)
 
     def keeps(self) -> dict[str, TensorLayout] | None:
         """As `inner`."""
@@ -318,7 +316,10 @@ class LoRATarget(WeightTarget):
         return None if name.startswith("lora/") else self.inner.snapshot(name, out)
 
     def finish(self) -> None:
-        """As `inner`; the next update clears slots again."""
+        """Every written slot's scales, then `inner`'s finish; the next update clears slots
+        again."""
+        for slot in self._alpha:
+            self._set_scales(slot)
         self._cleared = set()
         self._alpha, self._ranks = {}, {}
         self.inner.finish()

@@ -267,8 +267,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             self._refuse_replaced(update_info)
             self._require(ReceiverState.UPDATING, action="update weights")
             assert self._session is not None
-            header = False
-            """Whether the failure came from the delta header (no data moved yet)."""
+            header = False  # a failure of the delta header: no data moved yet
             try:
                 info: UpdateT = parse_record(self.update_info_cls, update_info,
                                              where=f"{self.backend_name} update info")
