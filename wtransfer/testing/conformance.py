@@ -150,6 +150,7 @@ class BackendConformance(DeltaCases):
         for child in children:
             assert RPCClient(child.address, timeout_s=self.timeout_s).fingerprint() == want
 
+    @pytest.mark.stress
     def test_repeated_updates_land_and_memory_stays_flat(self, procs: ExitStack) -> None:
         """50 updates all land; the receiver's RSS does not grow."""
         model = self.trainer_model()
@@ -166,6 +167,7 @@ class BackendConformance(DeltaCases):
         growth = rss[-1] - rss[4]
         assert growth < 16 * MiB, f"receiver RSS grew {growth / MiB:.1f} MiB over 45 updates"
 
+    @pytest.mark.stress
     def test_twenty_senders_in_a_row_shut_down_promptly_and_leak_nothing(
         self, procs: ExitStack
     ) -> None:
@@ -262,8 +264,10 @@ class BackendConformance(DeltaCases):
             other.start_weight_update()
             with pytest.raises(errors.LifecycleError, match="an update is open"):
                 sender.send_weights()
+            # while the refused sender is still connected: once it closes, a receiver that
+            # watches its sender may fail the open update as abandoned
+            assert other.status()["state"] == "updating"
         assert other.fingerprint() == before
-        assert other.status()["state"] == "updating"
         other.close()
 
     def test_a_replaced_sender_is_refused_before_any_byte_and_the_new_one_lands(
