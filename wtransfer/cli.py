@@ -35,7 +35,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                        trainer_ranks=args.trainer_ranks,
                        tensor_parallel_size=args.tensor_parallel_size,
                        ray_engines=args.engines if args.ray else 0,
-                       ray_address=args.ray_address, update_staging=args.update_staging)
+                       ray_address=args.ray_address, update_staging=args.update_staging,
+                       lora=args.lora, delta=args.delta)
 
 
 def cmd_transfer_demo(args: argparse.Namespace) -> int:
@@ -78,6 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                       max_num_batched_tokens=args.max_num_batched_tokens,
                                       num_kv_blocks=args.num_kv_blocks,
                                       max_num_seqs=args.max_num_seqs,
+                                      max_loras=args.max_loras,
+                                      max_lora_rank=args.max_lora_rank,
                                       update_rollback={"auto": None, "on": True,
                                                        "off": False}[args.update_rollback],
                                       update_staging=None if args.update_staging == "auto"
@@ -121,6 +124,8 @@ def serve_banner(args: argparse.Namespace, weight_info: dict[str, object],
                           "off (generate, /health and /metrics only; --dev-mode adds the RL "
                           "routes)"),
         f"  update staging: {staged}",
+        *([f"  LoRA: {args.max_loras} adapter slot(s) of rank <= {args.max_lora_rank} "
+           "(requests name one in sampling_params.lora)"] if args.max_loras else []),
         f"  update rollback: {rollback}",
         f"  api key: {'required' if api_key else 'none'}",
     ])
@@ -175,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--engine", choices=["wtransfer", "vllm"], default="wtransfer",
                     help="serve the policy with our engine or an in-process vLLM (needs vllm "
                          "and wtransfer-vllm: make test-vllm builds .venv-vllm)")
+    rl.add_argument("--lora", action="store_true",
+                    help="train a LoRA adapter on the frozen policy and send only the adapter "
+                         "(the server serves it unmerged, max_loras=1)")
+    rl.add_argument("--delta", action="store_true",
+                    help="after the first update send only the elements that changed (the "
+                         "table's changed column shows the fraction)")
     rl.add_argument("--ray", action="store_true",
                     help="serve the policy from engine actors on Ray (needs the ray extra)")
     rl.add_argument("--ray-address", default=None,
@@ -233,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="store the attention and MLP projections as FP8 with 128x128 "
                             "block scales; trainers send them in the checkpoint dtype or "
                             "already quantized (wtransfer.quant.source.Fp8Source)")
+    serve.add_argument("--max-loras", type=int, default=0,
+                       help="LoRA adapter slots; trainers send adapters alone "
+                            "(wtransfer.trainer.lora.LoRASource), needs staged updates")
+    serve.add_argument("--max-lora-rank", type=int, default=16,
+                       help="the largest adapter rank a slot holds")
     serve.add_argument("--update-rollback", choices=["auto", "on", "off"], default="auto",
                        help="restore the old weights when an update fails (auto: when the "
                             "model fits in half the available host memory)")

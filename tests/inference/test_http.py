@@ -169,7 +169,7 @@ def test_dev_endpoints_and_their_errors(dev):
     assert h.get("/weight_info").json() == {  # auto staging: decided at start-up
         "weight_version": "v8", "num_workers": 1, "update_state": "none", "torn": False,
         "failure": None, "rollback": False, "update_staging": "swap", "update_stall_ms": 0.0,
-        "update_commit_ms": 0.0, "previous_version": None,
+        "update_commit_ms": 0.0, "previous_version": None, "adapters": {},
         "workers": [{"worker": 0, "update_state": "none", "update_bytes": 0,
                      "last_update_bytes": 0, "kept_bytes": 427520, "torn": False,
                      "failure": None}]}

@@ -78,8 +78,17 @@ def test_adapter_tokens_equal_the_merged_model_and_only_adapter_bytes_move(backe
         base = load_model("tiny", seed=1)
         adapter = peft_adapter(base, rank=4, seed=0)
         try:
-            stats = await push(engine, LoRASource("math", adapter, lora_alpha=8), "m1", backend)
+            source = LoRASource("math", adapter, lora_alpha=8)
+            stats = await push(engine, source, "m1", backend)
             assert stats.bytes == sum(t.numel() * 4 for t in adapter.values()) + 4
+            served = await engine.fingerprint()  # the adapter as sent, read out of its slot
+            sent = wtransfer.fingerprint(source.tensors())
+            assert {k: served.get(k) for k in sent} == sent
+            other = wtransfer.fingerprint(LoRASource("math", peft_adapter(base, 4, seed=5),
+                                                     lora_alpha=8).tensors())
+            assert not any(served.get(k) == v for k, v in other.items()
+                           if not k.endswith("lora_alpha"))
+            assert (await engine.weight_info())["adapters"] == {"math": "m1"}
             await push(reference, wtransfer.ModuleSource(merged(1, adapter, 8, 4)), "merged")
             with_adapter = await tokens(engine, "math")
             assert with_adapter.token_ids == (await tokens(reference)).token_ids

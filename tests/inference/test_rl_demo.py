@@ -6,6 +6,7 @@ import pytest
 
 from wtransfer.demos.rl.demo import run_rl_demo
 from wtransfer.demos.rl.task import ChainParityTask
+from wtransfer.errors import ConfigError
 
 
 def test_reduced_demo_validates_and_labels_every_update(tmp_path, capsys):
@@ -35,6 +36,39 @@ def test_reduced_demo_trained_by_two_fsdp2_ranks(tmp_path, capsys):
     assert code == 0, printed
     assert "trained by 2 FSDP2 ranks" in printed
     assert "mid-flight keep requests checked against a fresh engine: 6, mismatches: 0" in printed
+
+
+def test_reduced_demo_trains_and_sends_only_a_lora_adapter(tmp_path, capsys):
+    from wtransfer.demos.rl.lora import ADAPTER, LORA_ALPHA, LORA_RANK, add_adapters
+    from wtransfer.inference.model import load_model
+    from wtransfer.trainer.lora import LoRASource
+
+    code = run_rl_demo(steps=2, local=True, prompts_per_step=4, group=4, run_dir=str(tmp_path),
+                       lora=True)
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    policy = load_model("tiny", seed=0)
+    layers = policy.config.num_hidden_layers
+    assert add_adapters(policy, LORA_RANK, LORA_ALPHA, seed=0) == 7 * layers
+    adapter = LoRASource(ADAPTER, policy, lora_alpha=LORA_ALPHA)
+    adapter_kib = sum(m.nbytes for m in adapter.metadata()) / 1024
+    assert [s["moved_kib"] for s in metrics["steps"]] == [adapter_kib, adapter_kib]
+    assert [s["version"] for s in metrics["steps"]] == ["step-0", "step-1"]
+    assert f"only it moves: {adapter_kib:.1f} KiB per update" in printed
+    assert "mid-flight keep requests checked against a fresh engine: 6, mismatches: 0" in printed
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"engine": "vllm"}, "--lora runs with our engine"),
+    ({"trainer_ranks": 2}, "drop --trainer-ranks"),
+    ({"update_staging": "off"}, "--lora needs staged updates"),
+])
+def test_lora_demo_options_it_cannot_run_are_refused_before_anything_starts(options, message,
+                                                                           tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        run_rl_demo(steps=1, lora=True, run_dir=str(tmp_path), **options)
+    assert not any(tmp_path.iterdir())  # nothing ran
 
 
 def test_chain_parity_reward_is_exact():

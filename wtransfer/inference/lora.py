@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.fingerprint import tensor_digest
 from wtransfer.packing import TensorMeta
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import Box, TensorLayout
@@ -32,7 +33,9 @@ from wtransfer.records import Box, TensorLayout
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _WIRE = re.compile(r"lora/(?P<adapter>[^/]+)/(?:(?P<module>.+)\.lora_(?P<ab>[AB])\.weight"
                    r"|(?P<alpha>lora_alpha))")
-_TARGETS = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")
+TARGET_MODULES = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj"
+                            r"|mlp\.(gate|up|down)_proj)")
+"""The modules that take adapters: every layer's attention and MLP projections."""
 
 
 class LoRARows:
@@ -41,6 +44,9 @@ class LoRARows:
     def __init__(self) -> None:
         self.rows: torch.Tensor | None = None
         self.used: list[int] = []
+        self.uniform: int | None = None
+        """The one slot every row uses, when they all use the same adapter (then a layer
+        adds it to the whole batch, without selecting rows)."""
 
 
 class LoRALinear(nn.Linear):
@@ -65,6 +71,10 @@ class LoRALinear(nn.Linear):
         rows = self._rows.rows
         if rows is None:
             return y
+        uniform = self._rows.uniform
+        if uniform is not None:
+            return y + self.lora_scale[uniform] * F.linear(F.linear(x, self.lora_A[uniform]),
+                                                           self.lora_B[uniform])
         for slot in self._rows.used:
             pick = rows == slot
             delta = F.linear(F.linear(x[pick], self.lora_A[slot]), self.lora_B[slot])
@@ -77,7 +87,7 @@ def enable_lora(model: nn.Module, slots: int, rank: int) -> LoRARows:
     the rows holder the runner sets before each forward."""
     rows = LoRARows()
     for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear and module.bias is None and _TARGETS.fullmatch(name):
+        if type(module) is nn.Linear and module.bias is None and TARGET_MODULES.fullmatch(name):
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, LoRALinear(module, slots, rank, rows))
     return rows
@@ -85,10 +95,14 @@ def enable_lora(model: nn.Module, slots: int, rank: int) -> LoRARows:
 
 @dataclass
 class Adapter:
-    """A served adapter: its slot and version label."""
+    """A served adapter: its slot, version label, and what its last update wrote (rank,
+    alpha, target modules), from which its fingerprint is read back out of the slot."""
 
     slot: int
     version: str
+    rank: int = 0
+    alpha: float = 0.0
+    modules: tuple[str, ...] = field(default_factory=tuple)
 
 
 class AdapterTable:
@@ -155,6 +169,8 @@ class LoRATarget(WeightTarget):
         self._cleared: set[int] = set()
         self._alpha: dict[int, float] = {}
         self._ranks: dict[int, int] = {}
+        self._written: dict[int, set[str]] = {}
+        """Per slot: the modules the open update wrote factors of."""
         self._base_written = False
 
     def take_base_written(self) -> bool:
@@ -255,6 +271,7 @@ class LoRATarget(WeightTarget):
                 factor = "lora_" + parsed["ab"]
                 rank = int(tensor.shape[0] if factor == "lora_A" else tensor.shape[-1])
                 self._ranks[slot] = rank
+                self._written.setdefault(slot, set()).add(parsed["module"])
                 held = self.inner.held(f"{parsed['module']}.{factor}")
                 assert held is not None
                 region = self._slot_region(f"{parsed['module']}.{factor}", held, slot)
@@ -316,18 +333,22 @@ class LoRATarget(WeightTarget):
         return None if name.startswith("lora/") else self.inner.snapshot(name, out)
 
     def finish(self) -> None:
-        """Every written slot's scales, then `inner`'s finish; the next update clears slots
-        again."""
+        """Every written slot's scales and record (rank, alpha, modules), then `inner`'s
+        finish; the next update clears slots again."""
         for slot in self._alpha:
             self._set_scales(slot)
+        for adapter in self.table.staged.values():
+            if adapter.slot in self._alpha:
+                adapter.rank, adapter.alpha = self._ranks[adapter.slot], self._alpha[adapter.slot]
+                adapter.modules = tuple(sorted(self._written.get(adapter.slot, ())))
         self._cleared = set()
-        self._alpha, self._ranks = {}, {}
+        self._alpha, self._ranks, self._written = {}, {}, {}
         self.inner.finish()
 
     def abort(self) -> None:
         """What the failed update staged is not served."""
         self._cleared = set()
-        self._alpha, self._ranks = {}, {}
+        self._alpha, self._ranks, self._written = {}, {}, {}
         self._base_written = False
         self.table.drop()
         self.inner.abort()
@@ -335,3 +356,24 @@ class LoRATarget(WeightTarget):
     def fingerprint(self) -> dict[str, str]:
         """As `inner` (base weights and every slot)."""
         return self.inner.fingerprint()
+
+
+def adapter_fingerprint(model: nn.Module, table: AdapterTable) -> dict[str, str]:
+    """Digest of every live adapter as its trainer sent it, read back out of its slot:
+    ``lora/<adapter>/<module>.lora_A.weight`` [r, in], ``...lora_B.weight`` [out, r] and
+    ``lora/<adapter>/lora_alpha``, so that ``fingerprint(LoRASource(...).tensors())`` on the
+    trainer equals these entries when the engine serves exactly that adapter."""
+    modules = dict(model.named_modules())
+    out: dict[str, str] = {}
+    with torch.no_grad():
+        for name, adapter in sorted(table.live.items()):
+            for module_name in adapter.modules:
+                module = modules[module_name]
+                assert isinstance(module, LoRALinear)
+                a = module.lora_A[adapter.slot, :adapter.rank].contiguous()
+                b = module.lora_B[adapter.slot, :, :adapter.rank].contiguous()
+                out[f"lora/{name}/{module_name}.lora_A.weight"] = tensor_digest(a)
+                out[f"lora/{name}/{module_name}.lora_B.weight"] = tensor_digest(b)
+            out[f"lora/{name}/lora_alpha"] = tensor_digest(
+                torch.tensor([adapter.alpha], dtype=torch.float32))
+    return out

@@ -21,7 +21,7 @@ from wtransfer.inference.block_manager import BlockManager
 from wtransfer.inference.commands import Emit
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.fp8_linear import quantize_model
-from wtransfer.inference.lora import AdapterTable, LoRATarget, enable_lora
+from wtransfer.inference.lora import AdapterTable, LoRATarget, adapter_fingerprint, enable_lora
 from wtransfer.inference.model import ALONE, load_model, shard_model
 from wtransfer.inference.parallel import Parallel, layouts
 from wtransfer.inference.params import SamplingParams
@@ -428,10 +428,14 @@ class Replica:
         return self.weight_version
 
     def fingerprint(self) -> dict[str, str]:
-        """Per-tensor digest of the served weights (full tensors, assembled from every rank)."""
+        """Per-tensor digest of the served weights (full tensors, assembled from every rank),
+        and of every live LoRA adapter under its wire names (`adapter_fingerprint`)."""
         if self.workers is not None:
             return self.workers.fingerprint(self.model.state_dict())
-        return self.target.fingerprint()
+        digests = self.target.fingerprint()
+        if self.adapters is not None:
+            digests.update(adapter_fingerprint(self.model, self.adapters))
+        return digests
 
     def keep_workers_alive(self) -> None:
         """Called while the engine idles: tensor-parallel workers hear from rank 0 within
@@ -466,6 +470,8 @@ class Replica:
                 "update_stall_ms": self.stall.last_ms,
                 "update_commit_ms": self.commit_ms,
                 "previous_version": self.staging.previous if self.staging else None,
+                "adapters": ({name: a.version for name, a in sorted(self.adapters.live.items())}
+                             if self.adapters is not None else {}),
                 "workers": self.workers_info()}
 
     def stats(self) -> dict[str, Any]:

@@ -99,6 +99,7 @@ class ModelRunner:
                                       zip(slots, plan.segments, strict=True)
                                       for _ in range(row, end)], device=self.device)
             rows.used = sorted({s for s in slots if s >= 0})
+            rows.uniform = slots[0] if slots[0] >= 0 and len(set(slots)) == 1 else None
         return self.execute(plan)
 
     def run(self, seqs: Seq[Sequence]) -> list[tuple[int, float]]:

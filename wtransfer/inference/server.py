@@ -368,6 +368,7 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, body_of: BodyOf) -> None:
                 "update_stall_ms": info["update_stall_ms"],
                 "update_commit_ms": info["update_commit_ms"],
                 "previous_version": info["previous_version"],
+                "adapters": info["adapters"],
                 "workers": info["workers"]}
 
     @app.get("/weight_fingerprint")

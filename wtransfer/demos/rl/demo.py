@@ -3,10 +3,12 @@
 The trainer (this process) improves a tiny decoder with a GRPO-style objective on a verifiable
 task while an inference server (`wtransfer serve --dev-mode` in a child process, or an
 in-process engine with --local) keeps generating. Generation of step k+1 overlaps training on
-step k; after each step the trainer pauses the server with keep, sends the weights
-(`weight_version=f"step-{k}"`) and resumes. At the end two checks decide the exit code:
-mid-flight keep requests (clear_cache, batch-invariant) must match a fresh engine holding the
-final weights token for token, and the trainer's and server's fingerprints must be equal.
+step k; after each step the trainer sends the weights (`weight_version=f"step-{k}"`): staged
+while the engine generates, or in place with the server paused (keep) around it. With
+`lora=True` the policy is a trained LoRA adapter on a frozen base and only the adapter moves
+(`wtransfer.demos.rl.lora`). At the end two checks decide the exit code: mid-flight keep
+requests (clear_cache, batch-invariant) must match a fresh engine holding the final weights
+token for token, and the server must hold the trainer's weights bit for bit (fingerprints).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +26,11 @@ from typing import Any
 import torch
 
 from wtransfer.demos.rl.grpo import Rollout
+from wtransfer.demos.rl.lora import ADAPTER, LORA_RANK, LoRAEngineReference, LoRATrainer
 from wtransfer.demos.rl.servers import HTTPPolicyServer, LocalPolicyServer, Stream
 from wtransfer.demos.rl.task import ChainParityTask
 from wtransfer.demos.rl.trainers import LocalTrainer, ShardedTrainer
 from wtransfer.errors import ConfigError
-from wtransfer.fingerprint import fingerprint
 from wtransfer.inference import MODEL_CONFIGS
 from wtransfer.registry import get_backend, list_backends
 
@@ -48,6 +50,11 @@ class StepRecord:
     reward: float
     transfer_ms: float
     gbps: float
+    moved_kib: float
+    """Tensor bytes the update moved (the adapter alone with LoRA, the changes with deltas),
+    in KiB."""
+    changed: float | None
+    """With deltas: the fraction of elements that changed (None: a full update)."""
     paused_ms: float | None
     """The pause around the update, as the trainer saw it (None: a staged update, no pause)."""
     stall_ms: float | None
@@ -60,12 +67,12 @@ class StepRecord:
     """The server's weight version after the step's update."""
 
 
-def _init_info(backend: str, workers: int) -> Any:
+def _init_info(backend: str, workers: int, delta: bool) -> Any:
     cls = get_backend(backend).sender_class().init_info_cls
     if backend == "nccl":
         return cls(master_address="127.0.0.1", world_size=1 + workers,
-                   bucket_bytes=1 << 20)
-    return cls(bucket_bytes=1 << 20)
+                   bucket_bytes=1 << 20, delta=delta)
+    return cls(bucket_bytes=1 << 20, delta=delta)
 
 
 def _rollouts(prompts: list[list[int]], choices: list[dict[str, Any]], group: int,
@@ -92,6 +99,8 @@ def _ms(value: float | None, width: int) -> str:
 
 def _print_row(r: StepRecord) -> None:
     print(f"{r.step:>5} {r.reward:>7.3f} {r.transfer_ms:>12.2f} {r.gbps:>7.3f} "
+          f"{r.moved_kib:>10.1f} "
+          f"{f'{r.changed:.1%}' if r.changed is not None else '-':>8} "
           f"{_ms(r.paused_ms, 10)} {_ms(r.stall_ms, 9)} {r.inflight:>9} {r.straddled:>10} "
           f"{r.train_ms:>9.1f}",
           flush=True)
@@ -110,10 +119,29 @@ def _check_options(*, backend: str, **counts: int) -> None:
         raise ConfigError(f"backend {backend!r} cannot run here: {info.reason}")
 
 
+def _check_lora(*, engine: str, ray_engines: int, trainer_ranks: int,
+                tensor_parallel_size: int, update_staging: str) -> None:
+    """`ConfigError` for a --lora run this demo cannot make, before anything starts."""
+    if engine != "wtransfer" or ray_engines:
+        raise ConfigError("--lora runs with our engine (drop --engine vllm / --ray); vLLM "
+                          "takes adapters in memory through wtransfer_vllm.lora (docs/lora.md)")
+    if trainer_ranks > 1 or tensor_parallel_size > 1:
+        raise ConfigError("--lora trains in one process and serves unsharded: drop "
+                          "--trainer-ranks / --tensor-parallel-size")
+    if update_staging == "off":
+        raise ConfigError("--lora needs staged updates (an adapter lands in the shadow): "
+                          "drop --update-staging off")
+
+
+def _holds(served: dict[str, str], expected: dict[str, str]) -> bool:
+    """Whether the engine's fingerprint holds every expected tensor bit for bit."""
+    return all(served.get(name) == digest for name, digest in expected.items())
+
+
 def _policy_server(engine: str, local: bool, model: str, backend: str,
                    data_parallel_size: int, ray_engines: int = 0,
                    ray_address: str | None = None, update_staging: str = "auto",
-                   tensor_parallel_size: int = 1) -> Any:
+                   tensor_parallel_size: int = 1, max_loras: int = 0) -> Any:
     """The server the demo generates from (and prints which)."""
     if ray_engines:
         from wtransfer.demos.rl.ray_server import RayPolicyServer
@@ -138,21 +166,24 @@ def _policy_server(engine: str, local: bool, model: str, backend: str,
     make = LocalPolicyServer if local else HTTPPolicyServer
     print(f"wtransfer demo: async GRPO on chain-parity, backend={backend}, server={where}{dp}")
     return make(model=model, seed=0, backend=backend, data_parallel_size=data_parallel_size,
-                update_staging=update_staging, tensor_parallel_size=tensor_parallel_size)
+                update_staging=update_staging, tensor_parallel_size=tensor_parallel_size,
+                max_loras=max_loras, max_lora_rank=LORA_RANK)
 
 
-def _validate(server: Any, trainer: dict[str, torch.Tensor],
-              streams: list[tuple[list[int], Stream]]) -> tuple[bool, list[str]]:
+def _validate(server: Any, trainer: Any, streams: list[tuple[list[int], Stream]],
+              version: Callable[[], str], lora: bool) -> tuple[bool, list[str]]:
     """Post-pause tokens of the mid-flight requests against an engine holding the final
-    weights (`server.reference`); then fingerprints."""
+    weights (`server.reference`, or the base plus the adapter with `lora`); then
+    fingerprints."""
     problems: list[str] = []
-    reference = server.reference(trainer)
+    reference = (LoRAEngineReference(server.model, trainer) if lora
+                 else server.reference(trainer.state_dict()))
     checked = 0
     for prompt, handle in streams:
         choice = handle.result.result(timeout=120)
         spans = choice["weight_versions"]
         if len(spans) == 1 and spans[0]["end"] == VALIDATION_TOKENS and \
-                spans[0]["version"] != server.weight_version():
+                spans[0]["version"] != version():
             continue  # it finished before the pause landed: nothing straddled, nothing to check
         if len(spans) != 2:
             problems.append(f"expected 2 weight-version spans, got {spans}")
@@ -166,7 +197,7 @@ def _validate(server: Any, trainer: dict[str, torch.Tensor],
     reference.close()
     if not checked:
         problems.append("no validation request was still running when the last pause landed")
-    if fingerprint(trainer) != server.client.fingerprint():
+    if not _holds(server.client.fingerprint(), trainer.expected_fingerprint()):
         problems.append("trainer and server fingerprints differ")
     print(f"  mid-flight keep requests checked against a fresh engine: {checked}, "
           f"mismatches: {sum('post-pause' in p for p in problems)}")
@@ -213,15 +244,19 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
                 data_parallel_size: int = 1, engine: str = "wtransfer",
                 trainer_ranks: int = 1, ray_engines: int = 0,
                 ray_address: str | None = None, update_staging: str = "auto",
-                tensor_parallel_size: int = 1) -> int:
+                tensor_parallel_size: int = 1, lora: bool = False, delta: bool = False) -> int:
     """Run the demo; returns the exit code (0 when both validations passed). `engine` is
     "wtransfer" (our engine) or "vllm" (an in-process vLLM AsyncLLM); with `trainer_ranks` > 1
     the policy is trained by that many FSDP2 ranks (this process and helper processes); with
     `ray_engines` > 0 it is served by that many engine actors on Ray (`ray_address`, or a
-    local cluster)."""
+    local cluster); with `lora` only a LoRA adapter is trained and sent; with `delta` each
+    update after the first sends only the elements that changed (`WireParams.delta`)."""
     _check_options(steps=steps, backend=backend, data_parallel_size=data_parallel_size,
                    tensor_parallel_size=tensor_parallel_size,
                    trainer_ranks=trainer_ranks, prompts_per_step=prompts_per_step, group=group)
+    if lora:
+        _check_lora(engine=engine, ray_engines=ray_engines, trainer_ranks=trainer_ranks,
+                    tensor_parallel_size=tensor_parallel_size, update_staging=update_staging)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     started = time.perf_counter()
@@ -229,24 +264,37 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
     out_dir.mkdir(parents=True, exist_ok=True)
     model = VLLM_MODEL if engine == "vllm" else MODEL
     server = _policy_server(engine, local, model, backend, data_parallel_size, ray_engines,
-                            ray_address, update_staging, tensor_parallel_size)
+                            ray_address, update_staging, tensor_parallel_size,
+                            max_loras=1 if lora else 0)
     try:
         if ray_engines:  # addresses as Ray sees this node; one worker per engine actor
             from wtransfer.ray import trainer_init_info
 
-            info = trainer_init_info(backend, server.client, bucket_bytes=1 << 20)
+            info = trainer_init_info(backend, server.client, bucket_bytes=1 << 20, delta=delta)
         else:
-            info = _init_info(backend, data_parallel_size * tensor_parallel_size)
-        trainer = (LocalTrainer(model, lr, info, server.client) if trainer_ranks == 1 else
+            info = _init_info(backend, data_parallel_size * tensor_parallel_size, delta)
+        trainer = (LoRATrainer(model, lr, info, server.client) if lora else
+                   LocalTrainer(model, lr, info, server.client) if trainer_ranks == 1 else
                    ShardedTrainer(model, lr, info, server.client, ranks=trainer_ranks,
                                   backend=backend))
         if trainer_ranks > 1:
             print(f"  the policy is trained by {trainer_ranks} FSDP2 ranks (gloo); rank 0 "
                   "sends, every rank gathers bucket by bucket")
+        sample: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 1.0}
+        version: Callable[[], str] = server.weight_version
+        if isinstance(trainer, LoRATrainer):
+            first = trainer.send("lora-init")  # B is zero: the base model's tokens
+            whole = sum(t.numel() * t.element_size() for t in trainer.base_state().values())
+            print(f"  LoRA: a rank-{LORA_RANK} adapter {ADAPTER!r} on {trainer.projections} "
+                  f"projections is trained and only it moves: {first.bytes / 1024:.1f} KiB "
+                  f"per update (the model: {whole / 1024:.0f} KiB)")
+            sample["lora"] = ADAPTER
+
+            def version() -> str:  # the adapter's label (the base keeps its own)
+                return str(server.weight_info()["adapters"][ADAPTER])
         task = ChainParityTask(MODEL_CONFIGS[model].vocab_size)
-        if fingerprint(trainer.state_dict()) != server.client.fingerprint():
+        if not _holds(server.client.fingerprint(), trainer.expected_fingerprint()):
             raise RuntimeError("trainer and server do not start from the same policy")
-        sample = {"max_tokens": max_tokens, "temperature": 1.0}
 
         def submit() -> tuple[list[list[int]], list[Any]]:
             prompts = task.prompts(prompts_per_step, rng)
@@ -258,7 +306,9 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
         print("  updates: " + (f"staged ({server.staging}): no pause, the engine commits at "
                                "a step boundary" if staged
                                else "in place, the engine paused (keep) around each"))
-        print(f"{'step':>5} {'reward':>7} {'transfer ms':>12} {'GB/s':>7} {'paused ms':>10} "
+        print(f"{'step':>5} {'reward':>7} {'transfer ms':>12} {'GB/s':>7} {'moved KiB':>10} "
+              f"{'changed':>8} "
+              f"{'paused ms':>10} "
               f"{'stall ms':>9} {'in-flight':>9} {'straddled':>10} {'train ms':>9}")
         records: list[StepRecord] = []
         streams: list[tuple[list[int], Stream]] = []
@@ -272,7 +322,8 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
             trainer.step(rollouts, group)
             train_ms = (time.perf_counter() - t0) * 1e3
             if step == steps - 1:  # mid-flight validation requests straddle the last update
-                greedy = {"max_tokens": VALIDATION_TOKENS, "temperature": 0.0}
+                greedy = {"max_tokens": VALIDATION_TOKENS, "temperature": 0.0,
+                          **({"lora": ADAPTER} if lora else {})}
                 streams = [(p, server.stream(p, greedy)) for p in task.prompts(6, rng)]
                 deadline = time.monotonic() + 120
                 while any(h.tokens < 3 for _, h in streams):
@@ -290,14 +341,16 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
                 server.resume()
                 paused_ms = (time.perf_counter() - t0) * 1e3
             straddled = sum(len(r.versions) > 1 for r in rollouts)
+            moved = stats.wire_bytes if stats.wire_bytes is not None else stats.bytes
             record = StepRecord(step, statistics.fmean(r.reward for r in rollouts),
-                                stats.seconds * 1e3, stats.gbps, paused_ms, server.stall_ms(),
-                                inflight, straddled, train_ms, server.weight_version())
+                                stats.seconds * 1e3, stats.gbps, moved / 1024,
+                                stats.changed_fraction, paused_ms,
+                                server.stall_ms(), inflight, straddled, train_ms, version())
             records.append(record)
             _print_row(record)
         for f in pending[1]:
             f.result(timeout=300)
-        ok, problems = _validate(server, trainer.state_dict(), streams)
+        ok, problems = _validate(server, trainer, streams, version, lora)
         trainer.close()
     finally:
         server.close()
@@ -314,6 +367,8 @@ def _report(records: list[StepRecord], ok: bool, problems: list[str], out_dir: P
         "median_gbps": statistics.median(r.gbps for r in records),
         "median_paused_ms": _median(r.paused_ms for r in records),
         "median_stall_ms": _median(r.stall_ms for r in records),
+        "median_moved_kib": statistics.median(r.moved_kib for r in records),
+        "median_changed": _median(r.changed for r in records),
         "straddled_rollouts": sum(r.straddled for r in records),
         "wall_s": wall_s, "validation_passed": ok, "problems": problems,
     }
@@ -330,6 +385,9 @@ def _report(records: list[StepRecord], ok: bool, problems: list[str], out_dir: P
           f"{summary['median_gbps']:.3f}")
     paused, stall = _median(r.paused_ms for r in records), _median(r.stall_ms for r in records)
     print(f"  {'median paused ms / stall ms':<34} {_ms(paused, 0)} / {_ms(stall, 0)}")
+    changed = summary["median_changed"]
+    print(f"  {'median KiB moved per update':<34} {summary['median_moved_kib']:.1f}"
+          + (f" ({changed:.1%} of the elements changed)" if changed is not None else ""))
     print(f"  {'rollouts that straddled an update':<34} {summary['straddled_rollouts']}")
     print(f"  {'wall time':<34} {wall_s:.1f} s")
     print(f"  {'validation':<34} {'PASSED' if ok else 'FAILED: ' + '; '.join(problems[:3])}")

@@ -48,11 +48,13 @@ class FreshEngineReference:
         core = self.engine.core
         assert isinstance(core, EngineCore)  # data_parallel_size is 1
         core.call(core.model.load_state_dict, state).result(timeout=60)
+        self.params: dict[str, Any] = {}
+        """Sampling parameters every continuation adds (e.g. the adapter to use)."""
 
     async def _generate(self, prompt: list[int], max_tokens: int) -> list[int]:
         last = None
-        async for out in self.engine.generate(prompt, SamplingParams(max_tokens=max_tokens,
-                                                                     temperature=0.0)):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **self.params)
+        async for out in self.engine.generate(prompt, params):
             last = out
         assert last is not None
         return last.outputs[0].token_ids
@@ -95,7 +97,8 @@ class HTTPPolicyServer:
 
     def __init__(self, *, model: str, seed: int, backend: str, data_parallel_size: int = 1,
                  update_staging: str = "auto", tensor_parallel_size: int = 1,
-                 start_timeout_s: float = 120, update_rollback: str = "auto"):
+                 start_timeout_s: float = 120, update_rollback: str = "auto",
+                 max_loras: int = 0, max_lora_rank: int = 16):
         self.model = model
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -106,7 +109,8 @@ class HTTPPolicyServer:
              "--weight-transfer-backend", backend, "--update-staging", update_staging,
              "--update-rollback", update_rollback,
              "--data-parallel-size", str(data_parallel_size),
-             "--tensor-parallel-size", str(tensor_parallel_size)],
+             "--tensor-parallel-size", str(tensor_parallel_size),
+             "--max-loras", str(max_loras), "--max-lora-rank", str(max_lora_rank)],
             stdout=subprocess.DEVNULL, stderr=self._log)
         self.http = httpx.Client(base_url=self.url, timeout=300,
                                  limits=httpx.Limits(max_connections=256))
@@ -215,12 +219,14 @@ class LocalPolicyServer:
 
     def __init__(self, *, model: str, seed: int, backend: str,
                  data_parallel_size: int = 1, update_staging: str = "auto",
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, max_loras: int = 0,
+                 max_lora_rank: int = 16) -> None:
         self.model = model
         self.engine = AsyncEngine(EngineConfig(
             model=model, seed=seed, batch_invariant=True, weight_transfer_backend=backend,
             max_num_seqs=256, data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_size=tensor_parallel_size, max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
             update_staging=None if update_staging == "auto" else update_staging))
         self.client: WeightSyncClient = LocalEngineClient(self.engine)
         self._loop = asyncio.new_event_loop()

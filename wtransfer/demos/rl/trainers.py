@@ -21,13 +21,14 @@ import torch
 
 from wtransfer import wire
 from wtransfer.demos.rl.grpo import Rollout, grpo_step
+from wtransfer.fingerprint import fingerprint
 from wtransfer.inference import load_model
 from wtransfer.launch.processes import local_store
 from wtransfer.packing import is_dtensor
 from wtransfer.protocol import WeightSyncClient
 from wtransfer.records import TransferStats
 from wtransfer.registry import get_backend, trainer_init
-from wtransfer.trainer.source import ModuleSource
+from wtransfer.trainer.source import ModuleSource, WeightSource
 
 TIMEOUT_S = 300.0
 
@@ -38,11 +39,15 @@ class LocalTrainer:
     def __init__(self, model: str, lr: float, info: Any, client: WeightSyncClient | None
                  ) -> None:
         self.model = self._policy(model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.sender = trainer_init(info, client=client, source=ModuleSource(self.model))
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=lr)
+        self.sender = trainer_init(info, client=client, source=self._source())
 
     def _policy(self, model: str) -> Any:
         return load_model(model, seed=0)
+
+    def _source(self) -> WeightSource:
+        return ModuleSource(self.model)
 
     def step(self, rollouts: list[Rollout], group: int) -> None:
         """One GRPO step on `rollouts` (`group` per prompt)."""
@@ -55,6 +60,10 @@ class LocalTrainer:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full weights (for validation)."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def expected_fingerprint(self) -> dict[str, str]:
+        """What the engine's fingerprint holds when it serves exactly this policy."""
+        return fingerprint(self.state_dict())
 
     def close(self) -> None:
         """Release the sender."""

@@ -157,6 +157,7 @@ def _merge_weight_info(per_rank: list[Any]) -> dict[str, Any]:
             "update_stall_ms": _worst_stall([info["update_stall_ms"] for info in per_rank]),
             "update_commit_ms": max(info["update_commit_ms"] for info in per_rank),
             "previous_version": per_rank[0]["previous_version"],
+            "adapters": _agree("adapters")([info["adapters"] for info in per_rank]),
             "workers": [w for info in per_rank for w in info["workers"]],
             "ranks": per_rank}
 
