@@ -30,8 +30,8 @@ def fp8_engine(seed, **fields):
 
 def info(backend, **fields):
     if backend == "nccl":
-        return NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=60,
-                                   bucket_bytes=1 << 16, **fields)
+        return NCCLTrainerInitInfo(**{"master_address": "127.0.0.1", "world_size": 2,
+                                      "timeout_s": 60, "bucket_bytes": 1 << 16, **fields})
     return IPCTrainerInitInfo(bucket_bytes=1 << 16, timeout_s=60, **fields)
 
 
@@ -83,6 +83,44 @@ def test_both_ways_of_feeding_an_fp8_engine_give_a_fresh_fp8_engines_weights(bac
             fresh.shutdown()
 
     run(main(), deadline_s=240)
+
+
+@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+def test_two_fp8_workers_fed_both_ways_hold_one_fp8_engines_weights(backend):
+    """tensor_parallel_size=2: each worker keeps its rows (columns) of every FP8 projection
+    and the matching block scales; fed BF16 (quantized by the engine) or quantized on the
+    trainer, the weights assembled from both workers equal a fresh one-worker FP8 engine's,
+    and greedy tokens equal a fresh two-worker FP8 engine's built from the same weights."""
+    async def main():
+        def engine(seed, tp, **fields):
+            return AsyncEngine(EngineConfig(model="tiny-fp8", seed=seed, dtype="bfloat16",
+                                            quantization="fp8", tensor_parallel_size=tp,
+                                            **fields))
+
+        split = engine(1, 2, weight_transfer_backend=backend, update_staging="swap")
+        one, fresh = engine(5, 1), engine(5, 2)
+        trainer = load_model("tiny-fp8", seed=5, dtype="bfloat16")
+        try:
+            want = await one.fingerprint()
+            assert await fresh.fingerprint() == want  # two workers' parts, assembled
+            assert await split.fingerprint() != want
+            for way, source in (("a", wtransfer.ModuleSource(trainer)),
+                                ("b", Fp8Source(wtransfer.ModuleSource(trainer)))):
+                fields = {"world_size": 3} if backend == "nccl" else {}
+                sender = await asyncio.to_thread(
+                    wtransfer.trainer_init, info(backend, **fields),
+                    client=LocalEngineClient(split), source=source)
+                await asyncio.to_thread(sender.send_weights, way)
+                await asyncio.to_thread(sender.shutdown)
+                assert await split.fingerprint() == want, way
+                done = await collect(split, f"r{way}", PROMPT, GREEDY)
+                ref = await collect(fresh, f"r{way}", PROMPT, GREEDY)
+                assert done.outputs[0].token_ids == ref.outputs[0].token_ids
+        finally:
+            for e in (split, one, fresh):
+                e.shutdown()
+
+    run(main(), deadline_s=300)
 
 
 def test_a_staged_fp8_update_mid_flight_and_deltas_after_quantizing():
@@ -169,8 +207,8 @@ def test_malformed_scales_and_a_weight_without_its_scales_are_refused_before_any
 def test_fp8_settings_that_are_not_served_are_refused():
     with pytest.raises(ConfigError, match="quantization must be 'fp8' or None"):
         EngineConfig(model="tiny", quantization="int4")
-    with pytest.raises(ConfigError, match="tensor_parallel_size=1"):
-        EngineConfig(model="tiny", quantization="fp8", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="whole 128x128 blocks; per worker: .*q_proj rows"):
+        AsyncEngine(EngineConfig(model="tiny", quantization="fp8", tensor_parallel_size=2))
 
 
 class _FailsHalfway(WeightSource):

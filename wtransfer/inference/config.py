@@ -107,6 +107,10 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
                             intermediate_size=128, tie_word_embeddings=False,
                             max_position_embeddings=2048, num_experts=4,
                             num_experts_per_tok=2, moe_intermediate_size=32),
+    "tiny-fp8": ModelConfig(vocab_size=256, hidden_size=128, num_hidden_layers=2,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                            intermediate_size=512, tie_word_embeddings=False,
+                            max_position_embeddings=2048),
     "small": ModelConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                          intermediate_size=384, tie_word_embeddings=True,
@@ -117,7 +121,8 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
                               max_position_embeddings=40960, torch_dtype="bfloat16"),
 }
 """Named random-weight models: "tiny" for tests, "tiny-moe" (Qwen3-MoE, 4 experts, 2 per
-token), "tiny32" where an engine needs head_dim >= 32 (vLLM's CPU attention), Qwen3-0.6B shapes
+token), "tiny32" where an engine needs head_dim >= 32 (vLLM's CPU attention), "tiny-fp8" whose
+tensor-parallel halves are whole 128 x 128 blocks (FP8 with 2 workers), Qwen3-0.6B shapes
 for benchmarks."""
 
 
@@ -187,9 +192,6 @@ class EngineConfig:
         if self.quantization not in (None, "fp8"):
             raise ConfigError(f"EngineConfig.quantization must be 'fp8' or None, got "
                               f"{self.quantization!r}")
-        if self.quantization is not None and self.tensor_parallel_size > 1:
-            raise ConfigError("quantization='fp8' runs one worker per replica for now; use "
-                              "tensor_parallel_size=1 (data parallelism works)")
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ConfigError("EngineConfig.max_loras must be >= 0 and max_lora_rank >= 1")
         if self.max_loras and (self.tensor_parallel_size > 1 or self.quantization):

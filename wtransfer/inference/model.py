@@ -20,7 +20,8 @@ from torch import nn
 
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.inference.config import MODEL_CONFIGS, ModelConfig
-from wtransfer.inference.parallel import Parallel, check_shardable, layouts
+from wtransfer.inference.fp8_linear import Fp8Linear, quantize_model
+from wtransfer.inference.parallel import Parallel, check_fp8_shardable, check_shardable, layouts
 from wtransfer.packing import DTYPES
 
 ALONE = Parallel()
@@ -336,14 +337,18 @@ _EXPERT = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight")
 
 def shard_model(full: Qwen3ForCausalLM, par: Parallel) -> Qwen3ForCausalLM:
     """Rank `par.rank`'s shard of the whole model `full` (same names, sharded shapes: the
-    slices `wtransfer.inference.parallel.layouts` gives)."""
-    shard = Qwen3ForCausalLM(full.config, par)
+    slices `wtransfer.inference.parallel.layouts` gives). A quantized `full` (FP8
+    projections) gives a quantized shard: its part of each FP8 weight and of its scales."""
+    shard = Qwen3ForCausalLM(full.config, par).to(full.model.embed_tokens.weight.dtype)
+    if any(isinstance(m, Fp8Linear) for m in full.modules()):
+        check_fp8_shardable(full.config, par.size)
+        quantize_model(shard)  # the same modules, sharded shapes; the values come next
     state = full.state_dict()
     kept = layouts(full.config, par, state)
     with torch.no_grad():
         for name, tensor in shard.state_dict(keep_vars=True).items():
             tensor.data.copy_(kept[name].take(state[name]))
-    return shard.to(next(full.parameters()).dtype).eval()
+    return shard.eval()
 
 
 def _init_random(model: nn.Module, seed: int) -> None:

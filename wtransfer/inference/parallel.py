@@ -31,6 +31,7 @@ from wtransfer import wire
 from wtransfer.errors import ConfigError, EngineDeadError
 from wtransfer.inference.config import ModelConfig
 from wtransfer.packing import dtype_name
+from wtransfer.quant.fp8 import BLOCK, SCALE_SUFFIX
 from wtransfer.records import Box, TensorLayout
 
 
@@ -73,9 +74,13 @@ class Collective:
         self.all_reduce(torch.zeros(1, device=self.device))
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `tensor` (same shape everywhere), in rank order."""
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._run("all-gather", self.pg.allgather([parts], [tensor.contiguous()]))
+        """Every rank's `tensor` (same shape everywhere), in rank order (FP8 moves as its
+        bytes: gloo has no float8 type)."""
+        sent = tensor.contiguous()
+        if sent.element_size() == 1 and sent.is_floating_point():
+            return [p.view(sent.dtype) for p in self.all_gather(sent.view(torch.uint8))]
+        parts = [torch.empty_like(sent) for _ in range(self.size)]
+        self._run("all-gather", self.pg.allgather([parts], [sent]))
         return parts
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
@@ -143,6 +148,24 @@ def check_shardable(cfg: ModelConfig, par: Parallel) -> None:
         raise ConfigError("enable_expert_parallel needs an MoE model (num_experts > 0)")
 
 
+def check_fp8_shardable(cfg: ModelConfig, size: int) -> None:
+    """`ConfigError` unless each of `size` workers keeps whole 128 x 128 blocks of every FP8
+    projection (its rows of q/k/v/gate/up, its columns of o/down): then its scales are a
+    slice of the full tensor's, and quantizing its part alone gives the same bytes."""
+    if size == 1:
+        return
+    cuts = {"q_proj rows (heads x head_dim)": cfg.num_attention_heads // size * cfg.head_dim,
+            "k_proj/v_proj rows (KV heads x head_dim)":
+                cfg.num_key_value_heads // size * cfg.head_dim,
+            "gate/up rows, down columns (intermediate_size)": cfg.intermediate_size // size}
+    odd = {k: v for k, v in cuts.items() if v % BLOCK}
+    if odd:
+        raise ConfigError(f"quantization='fp8' with tensor_parallel_size={size} needs every "
+                          f"worker's part of a projection to be whole {BLOCK}x{BLOCK} blocks; "
+                          f"per worker: {odd} (not multiples of {BLOCK}); use fewer workers or "
+                          "no quantization")
+
+
 def _rows(name: str, dtype: str, shape: tuple[int, ...], dim: int, start: int, end: int
           ) -> TensorLayout:
     offsets = [0] * len(shape)
@@ -165,6 +188,8 @@ def layouts(cfg: ModelConfig, par: Parallel, full: dict[str, torch.Tensor]
             continue
         leaf = name.rsplit(".", 2)
         kind = ".".join(leaf[-2:])
+        if kind.endswith(SCALE_SUFFIX):
+            continue  # after every weight: its scales follow its cut
         if kind == "q_proj.weight":
             a, b = par.span(cfg.num_attention_heads)
             out[name] = _rows(name, dtype, shape, 0, a * hd, b * hd)
@@ -196,4 +221,20 @@ def layouts(cfg: ModelConfig, par: Parallel, full: dict[str, torch.Tensor]
                          _rows(name, dtype, shape, 2, *par.span(cfg.moe_intermediate_size)))
         else:  # norms, the router: every rank holds them whole
             out[name] = TensorLayout.whole(name, dtype, shape, replica=par.rank)
+    for name, tensor in full.items():
+        if par.size > 1 and name.endswith(SCALE_SUFFIX):
+            out[name] = _scale_layout(name, tuple(tensor.shape), out[name.removesuffix(
+                SCALE_SUFFIX)])
     return out
+
+
+def _scale_layout(name: str, shape: tuple[int, ...], weight: TensorLayout) -> TensorLayout:
+    """The block scales of an FP8 weight kept as `weight`: the same cut, in 128-blocks (a cut
+    at a multiple of 128, which `check_fp8_shardable` makes sure of)."""
+    box = weight.boxes[0]
+    cut = [d for d in range(2) if box.lengths[d] != weight.shape[d]]
+    if not cut:
+        return TensorLayout.whole(name, "float32", shape, replica=weight.replica)
+    dim = cut[0]
+    start = box.offsets[dim] // BLOCK
+    return _rows(name, "float32", shape, dim, start, start + -(-box.lengths[dim] // BLOCK))

@@ -23,7 +23,7 @@ from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.fp8_linear import quantize_model
 from wtransfer.inference.lora import AdapterTable, LoRATarget, adapter_fingerprint, enable_lora
 from wtransfer.inference.model import ALONE, load_model, shard_model
-from wtransfer.inference.parallel import Parallel, layouts
+from wtransfer.inference.parallel import Parallel, check_fp8_shardable, layouts
 from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.runner import ModelRunner
 from wtransfer.inference.scheduler import PauseState, Scheduler
@@ -73,6 +73,7 @@ class Replica:
             if full.config.num_experts:
                 raise ConfigError("quantization='fp8' serves dense models for now; "
                                   f"{config.model!r} has experts")
+            check_fp8_shardable(full.config, tp)  # before any worker starts
             quantize_model(full)
         self.adapters = AdapterTable(config.max_loras) if config.max_loras else None
         """Which LoRA adapter is in which slot (None: the engine serves none)."""

@@ -31,10 +31,12 @@ import zmq
 from wtransfer import wire
 from wtransfer.errors import WTransferError, error_reply, ok_reply
 from wtransfer.inference.config import EngineConfig
+from wtransfer.inference.fp8_linear import quantize_model
 from wtransfer.inference.model import load_model, shard_model
 from wtransfer.inference.parallel import Collective, Parallel, layouts
 from wtransfer.inference.runner import ModelRunner, StepPlan
 from wtransfer.inference.tp.shard import ShardWeights
+from wtransfer.packing import dtype_name
 from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.tp")
@@ -61,6 +63,9 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         full = load_model(config.model, device="cpu", dtype=config.dtype, seed=config.seed)
+        checkpoint_dtype = dtype_name(full.model.embed_tokens.weight.dtype)
+        if config.quantization == "fp8":
+            quantize_model(full)
         socket.send(wire.encode({"kind": "loaded"}))
         size = config.tensor_parallel_size
         self.collective = Collective(dist.PrefixStore("wtransfer-tp/", store), rank, size,
@@ -71,7 +76,8 @@ class Worker:
             self.model, layouts(full.config, par, full.state_dict()),
             backend=config.weight_transfer_backend, device=str(self.device),
             worker_index=first_worker + rank, staging=staging,  # type: ignore[arg-type]
-            rollback=rollback)
+            rollback=rollback,
+            checkpoint_dtype=checkpoint_dtype if config.quantization == "fp8" else None)
         del full
         self.runner = ModelRunner(self.model, config)
         self._parent = os.getppid()
