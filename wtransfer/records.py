@@ -116,11 +116,23 @@ class TrainerInitInfo(WireParams):
     """Tensors of at least this many bytes skip staging and move on their own, where the
     backend can (nccl, ucx); 0 packs everything; None lets the backend choose. The receivers
     get the resolved value in their init info's `plan`."""
+    delta_copy_device: str = "cpu"
+    """With `delta`: where the sender keeps its last-sent copy of the weights to diff against
+    (one model's size, reported as `TransferStats.delta_base_bytes`): "cpu" (host memory) or
+    a device such as "cuda:0" (the compare runs there: faster, at the price of device
+    memory). Checked, never sent."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.direct_threshold is not None and self.direct_threshold < 0:
             raise ConfigError(f"direct_threshold must be >= 0, got {self.direct_threshold}")
+        try:
+            device = torch.device(self.delta_copy_device)
+        except (RuntimeError, ValueError):
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"delta_copy_device must be 'cpu' or a CUDA device such as "
+                              f"'cuda:0', got {self.delta_copy_device!r:.80}")
 
     def __init_subclass__(cls, *, abstract: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

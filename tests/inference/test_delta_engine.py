@@ -10,6 +10,7 @@ from wtransfer_ipc import IPCTrainerInitInfo
 from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
+from wtransfer.errors import ConfigError
 from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient
 from wtransfer.inference.model import load_model
 from wtransfer.shapes import perturb
@@ -62,3 +63,46 @@ def test_delta_updates_land_bit_exact_in_every_engine_layout(staging, tp, backen
             engine.shutdown()
 
     run(main(), deadline_s=300)
+
+
+def test_the_last_sent_copy_lives_where_delta_copy_device_says():
+    with pytest.raises(ConfigError, match="delta_copy_device must be 'cpu' or a CUDA device"):
+        IPCTrainerInitInfo(delta=True, delta_copy_device="tpu")
+    with pytest.raises(ConfigError, match="delta_copy_device must be 'cpu' or a CUDA device"):
+        IPCTrainerInitInfo(delta=True, delta_copy_device="meta")
+
+
+@pytest.mark.gpu
+def test_a_last_sent_copy_on_the_gpu_diffs_there_and_lands_bit_exact():
+    """delta_copy_device="cuda:0" holds the copy (one model's size) in device memory, where
+    "cpu" does not; either way the deltas after the first update stay small and the engine
+    holds the trainer's weights."""
+    import torch
+
+    async def grown(copy_device):
+        engine = AsyncEngine(EngineConfig(model="tiny", device="cuda:0", update_staging="swap"))
+        trainer = load_model("tiny", seed=3, device="cuda:0")
+        sender = await asyncio.to_thread(
+            wtransfer.trainer_init, IPCTrainerInitInfo(bucket_bytes=1 << 16, timeout_s=60,
+                                                       delta=True, delta_copy_device=copy_device),
+            client=LocalEngineClient(engine), source=wtransfer.ModuleSource(trainer))
+        try:
+            before = torch.cuda.memory_allocated(0)
+            for step in range(4):
+                if step:
+                    perturb(trainer, 0.01, seed=step)
+                stats = await asyncio.to_thread(sender.send_weights, str(step))
+                if step:
+                    assert stats.wire_bytes < stats.bytes / 10, step
+                assert await engine.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+            return torch.cuda.memory_allocated(0) - before, stats.delta_base_bytes
+        finally:
+            await asyncio.to_thread(sender.shutdown)
+            engine.shutdown()
+
+    async def main():
+        on_gpu, copy_bytes = await grown("cuda:0")
+        on_host, _ = await grown("cpu")
+        assert on_gpu - on_host >= copy_bytes > 0
+
+    run(main(), deadline_s=240)

@@ -188,7 +188,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self.replaced: str | None = None
         """Why the receivers refused this sender as replaced by a newer one (every later
         `send_weights` raises `SenderReplacedError` at once)."""
-        self.delta = DeltaSender() if self.init_info.delta else None
+        self.delta = DeltaSender(self.init_info.delta_copy_device) if self.init_info.delta \
+            else None
         """Delta updates (`TrainerInitInfo.delta`): the last-sent copy and the receivers' base."""
         self.connected = False
         self.closed = False
