@@ -207,7 +207,7 @@ def test_malformed_scales_and_a_weight_without_its_scales_are_refused_before_any
 def test_fp8_settings_that_are_not_served_are_refused():
     with pytest.raises(ConfigError, match="quantization must be 'fp8' or None"):
         EngineConfig(model="tiny", quantization="int4")
-    with pytest.raises(ConfigError, match="whole 128x128 blocks; per worker: .*q_proj rows"):
+    with pytest.raises(ConfigError, match=r"whole 128x128 blocks; per worker: .*q_proj rows"):
         AsyncEngine(EngineConfig(model="tiny", quantization="fp8", tensor_parallel_size=2))
 
 
