@@ -63,15 +63,37 @@ class Fp8Target(WeightTarget):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Quantize quantized weights that arrive unquantized; store everything else."""
+        """Quantize quantized weights that arrive unquantized (a tensor-parallel worker only
+        its part: `_quantize_part`); store everything else."""
         out: list[tuple[str, torch.Tensor]] = []
         for name, tensor in weights:
             if name in self.quantized and tensor.dtype != torch.float8_e4m3fn:
-                q, scale = quantize(tensor)
-                out += [(name, q), (name + SCALE_SUFFIX, scale)]
+                if not self._quantize_part(name, tensor):
+                    q, scale = quantize(tensor)
+                    out += [(name, q), (name + SCALE_SUFFIX, scale)]
             else:
                 out.append((name, tensor))
         self.inner.load_weights(out)
+
+    def _quantize_part(self, name: str, full: torch.Tensor) -> bool:
+        """A worker that keeps one box of `name` (whole 128 x 128 blocks: the engine checks
+        that at start-up) quantizes that part alone and writes it and its scales in place:
+        the same bytes as quantizing the full tensor, at 1/N of the work, and an M->N update
+        fills only this part of `full`. False when the worker holds `name` whole."""
+        kept = self.inner.keeps()
+        layout = kept.get(name) if kept is not None else None
+        scales = kept.get(name + SCALE_SUFFIX) if kept is not None else None
+        if layout is None or scales is None or layout.is_whole or len(layout.boxes) != 1:
+            return False
+        q, scale = quantize(layout.take(full))
+        weight_view = self.inner.region(name, layout.boxes[0])
+        scale_view = self.inner.region(name + SCALE_SUFFIX, scales.boxes[0])
+        if weight_view is None or scale_view is None or scale_view.shape != scale.shape:
+            raise MetadataError(f"{name!r}: this worker's part does not hold whole "
+                                f"{list(scale.shape)} blocks of scales")
+        weight_view.copy_(q)
+        scale_view.copy_(scale)
+        return True
 
     def direct_bytes(self, name: str) -> torch.Tensor | None:
         """None for quantized weights and their scales (a weight may arrive in another dtype and
