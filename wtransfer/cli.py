@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(the server serves it unmerged, max_loras=1)")
     rl.add_argument("--delta", action="store_true",
                     help="after the first update send only the elements that changed (the "
-                         "table's changed column shows the fraction)")
+                         "table's changed column shows the fraction; LoRA adapters always "
+                         "travel whole)")
     rl.add_argument("--ray", action="store_true",
                     help="serve the policy from engine actors on Ray (needs the ray extra)")
     rl.add_argument("--ray-address", default=None,

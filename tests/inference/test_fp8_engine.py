@@ -209,6 +209,8 @@ def test_fp8_settings_that_are_not_served_are_refused():
         EngineConfig(model="tiny", quantization="int4")
     with pytest.raises(ConfigError, match=r"whole 128x128 blocks; per worker: .*q_proj rows"):
         AsyncEngine(EngineConfig(model="tiny", quantization="fp8", tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 must divide"):
+        AsyncEngine(EngineConfig(model="tiny-fp8", quantization="fp8", tensor_parallel_size=3))
 
 
 class _FailsHalfway(WeightSource):

@@ -14,7 +14,9 @@ import wtransfer
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient, SamplingParams
 from wtransfer.inference.model import load_model
+from wtransfer.packing import TensorMeta
 from wtransfer.trainer.lora import LoRASource
+from wtransfer.trainer.source import WeightSource
 
 PROMPT = [3, 14, 15, 92, 6]
 PROJECTIONS = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")
@@ -152,6 +154,19 @@ def test_an_adapter_update_mid_flight_splits_only_its_requests():
     run(main(), deadline_s=240)
 
 
+class AlphaOnly(WeightSource):
+    """An adapter's alpha without its factors (a hand-made source)."""
+
+    def __init__(self, name):
+        self.alpha = (f"lora/{name}/lora_alpha", torch.tensor([2.0]))
+
+    def metadata(self):
+        return [TensorMeta.of(*self.alpha)]
+
+    def tensors(self):
+        yield self.alpha
+
+
 def test_adapters_that_do_not_fit_are_refused_before_use():
     async def main():
         engine = AsyncEngine(EngineConfig(model="tiny", seed=1, max_loras=1, max_lora_rank=4))
@@ -165,6 +180,8 @@ def test_adapters_that_do_not_fit_are_refused_before_use():
                    "base_model.model.model.norm.lora_B.default.weight": torch.zeros(64, 2)}
             with pytest.raises(MetadataError, match="has no LoRA slots here"):
                 await push(engine, LoRASource("odd", odd, lora_alpha=2), "x")
+            with pytest.raises(MetadataError, match=r"\['bare'\] come with lora_alpha but no"):
+                await push(engine, AlphaOnly("bare"), "x")
             assert await engine.fingerprint() == before
             with pytest.raises(ConfigError, match="unknown LoRA adapter 'nope'"):
                 await tokens(engine, "nope")

@@ -60,14 +60,15 @@ def test_reduced_demo_trains_and_sends_only_a_lora_adapter(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"engine": "vllm"}, "--lora runs with our engine"),
-    ({"trainer_ranks": 2}, "drop --trainer-ranks"),
-    ({"update_staging": "off"}, "--lora needs staged updates"),
+    ({"lora": True, "engine": "vllm"}, "--lora runs with our engine"),
+    ({"lora": True, "trainer_ranks": 2}, "drop --trainer-ranks"),
+    ({"lora": True, "update_staging": "off"}, "--lora needs staged updates"),
+    ({"delta": True, "trainer_ranks": 2}, "--delta sends from one unsharded trainer"),
 ])
-def test_lora_demo_options_it_cannot_run_are_refused_before_anything_starts(options, message,
-                                                                           tmp_path):
+def test_demo_options_it_cannot_run_are_refused_before_anything_starts(options, message,
+                                                                      tmp_path):
     with pytest.raises(ConfigError, match=message):
-        run_rl_demo(steps=1, lora=True, run_dir=str(tmp_path), **options)
+        run_rl_demo(steps=1, run_dir=str(tmp_path), **options)
     assert not any(tmp_path.iterdir())  # nothing ran
 
 

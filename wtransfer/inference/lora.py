@@ -213,6 +213,10 @@ class LoRATarget(WeightTarget):
             problems.append("adapter updates land in the staging shadow (a failed one must not "
                             "leave a live adapter half written): start the engine with "
                             "update_staging='swap' or 'copy'")
+        bare = sorted(alphas - set(ranks))
+        if bare:
+            problems.append(f"adapters {bare} come with lora_alpha but no lora_A / lora_B "
+                            "factors")
         new = [a for a in ranks if a not in self.table.live and a not in self.table.staged]
         taken = {a.slot for a in (*self.table.live.values(), *self.table.staged.values())}
         if len(new) > self.table.slots - len(taken):

@@ -154,6 +154,7 @@ def check_fp8_shardable(cfg: ModelConfig, size: int) -> None:
     slice of the full tensor's, and quantizing its part alone gives the same bytes."""
     if size == 1:
         return
+    check_shardable(cfg, Parallel(0, size))  # what does not divide at all, said as such
     cuts = {"q_proj rows (heads x head_dim)": cfg.num_attention_heads // size * cfg.head_dim,
             "k_proj/v_proj rows (KV heads x head_dim)":
                 cfg.num_key_value_heads // size * cfg.head_dim,

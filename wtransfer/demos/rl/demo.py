@@ -257,6 +257,9 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
     if lora:
         _check_lora(engine=engine, ray_engines=ray_engines, trainer_ranks=trainer_ranks,
                     tensor_parallel_size=tensor_parallel_size, update_staging=update_staging)
+    if delta and trainer_ranks > 1:
+        raise ConfigError("--delta sends from one unsharded trainer: drop --trainer-ranks "
+                          "(deltas from FSDP2 shards are not supported yet)")
     torch.manual_seed(seed)
     rng = random.Random(seed)
     started = time.perf_counter()

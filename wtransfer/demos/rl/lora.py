@@ -112,5 +112,6 @@ class LoRAEngineReference(FreshEngineReference):
         served = asyncio.run(self.engine.fingerprint())
         want = trainer.expected_fingerprint()
         if any(served.get(k) != v for k, v in want.items()):
+            self.engine.shutdown()
             raise RuntimeError("the reference engine does not hold the trainer's policy")
         self.params = {"lora": ADAPTER}
