@@ -312,7 +312,11 @@ class HTTPClient(SingleEngineClient):
         if response.status_code >= 400:
             raise from_reply(_error_fields(response), f"{method} {path} -> "
                                                       f"{response.status_code}")
-        return response.json() if response.content else None
+        if not response.content:
+            return None
+        if "json" in response.headers.get("content-type", ""):
+            return response.json()
+        return response.text  # a plain-text answer (vLLM's adapter routes give one)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """POST /init_weight_transfer_engine."""

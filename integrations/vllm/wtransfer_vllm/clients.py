@@ -144,7 +144,20 @@ class AsyncLLMClient(SingleEngineClient):
 class ServerClient(HTTPClient):
     """A `WeightSyncClient` (plus pause/resume/versions) for ``vllm serve`` started with
     ``VLLM_SERVER_DEV_MODE=1``, ``--weight-transfer-config '{"backend": "wtransfer-<name>"}'``
-    and ``--worker-extension-cls wtransfer_vllm.worker.WorkerExtension``."""
+    and ``--worker-extension-cls wtransfer_vllm.worker.WorkerExtension``.
+
+    LoRA adapters sent in memory (`wtransfer.trainer.lora.LoRASource`): after the update that
+    brought a new adapter lands, the client names it to the server's model list (its
+    ``/v1/load_lora_adapter`` route, path ``wtransfer://<name>``: the worker builds it from the
+    received tensors), so requests name it as their ``model`` (`generate(..., lora=name)`).
+    That route needs ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._listed: set[str] = set()
+        """Adapters the server's model list knows."""
+        self._arriving: set[str] = set()
+        """Adapters the open update carries that the list does not know yet."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """POST /init_weight_transfer_engine (the record as msgpack in one JSON field)."""
@@ -152,8 +165,52 @@ class ServerClient(HTTPClient):
                       json_body={"init_info": wrap(init_info)})
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """POST /update_weights (the record as msgpack in one JSON field)."""
+        """POST /update_weights (the record as msgpack in one JSON field); notes the adapters
+        its tensor list names."""
+        for entry in update_info.get("tensors") or ():
+            name = entry[0] if isinstance(entry, list | tuple) and entry else None
+            if isinstance(name, str) and name.startswith("lora/"):
+                adapter = name.split("/", 2)[1]
+                if adapter not in self._listed:
+                    self._arriving.add(adapter)
         self._request("POST", "/update_weights", json_body={"update_info": wrap(update_info)})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """POST /finish_weight_update; then name each new adapter of the update to the
+        server's model list."""
+        try:
+            super().finish_weight_update(weight_version)
+        except BaseException:
+            self._arriving = set()
+            raise
+        arriving, self._arriving = sorted(self._arriving), set()
+        for adapter in arriving:
+            self.list_adapter(adapter)
+
+    def list_adapter(self, name: str) -> None:
+        """Name in-memory adapter `name` to the server's model list (once; the update that
+        carried it must have landed)."""
+        try:
+            self._request("POST", "/v1/load_lora_adapter", json_body={
+                "lora_name": name, "lora_path": f"wtransfer://{name}"})
+        except WTransferError as exc:
+            text = str(exc)
+            if "has already been loaded" not in text:
+                if "404" in text or "Not Found" in text:
+                    raise ConfigError(f"adapter {name!r} landed, but vllm serve cannot list it: "
+                                      "start it with --enable-lora and "
+                                      "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1") from None
+                raise
+        self._listed.add(name)
+
+    def generate(self, token_ids: list[int], *, lora: str | None = None,
+                 **sampling: Any) -> dict[str, Any]:
+        """POST /inference/v1/generate (non-streaming), with adapter `lora` (its name as the
+        request's model) or the base model."""
+        body: dict[str, Any] = {"token_ids": token_ids, "sampling_params": sampling}
+        if lora is not None:
+            body["model"] = lora
+        return dict(self._request("POST", "/inference/v1/generate", json_body=body))
 
     def num_workers(self) -> int:
         """GET /get_world_size: vLLM workers across data-parallel replicas."""

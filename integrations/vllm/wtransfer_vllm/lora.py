@@ -1,8 +1,18 @@
 """LoRA adapters into vLLM from memory: a vLLM engine started with ``enable_lora=True`` takes
-`wtransfer.trainer.lora.LoRASource` updates (``lora/<name>/...`` tensors) and registers each
-adapter with the worker's LoRA manager from the received tensors, no file written. A request
-then names it with `lora_request(name)` (its id is derived from the name, its path names no
-file: vLLM finds the adapter already registered and never reads a path)."""
+`wtransfer.trainer.lora.LoRASource` updates (``lora/<name>/...`` tensors) and keeps each
+adapter's tensors in the worker, no file written. Its path is ``wtransfer://<name>``: the
+worker's adapter loader (`install_path_loader`) builds the adapter from the held tensors for
+any request naming that path, whatever id the request carries, so it serves
+
+* in-process engines: a request names it with `lora_request(name)` (an id derived from the
+  name);
+* ``vllm serve``: the server's model list learns the name once through its
+  ``/v1/load_lora_adapter`` route with that path (`ServerClient` does it after the update
+  that brought the adapter), and requests name it as their ``model``.
+
+A new version of an adapter unloads every loaded copy of it (under any id), so the next
+request loads the new tensors; vLLM dropping adapters (after a weight update, or to make room)
+costs a rebuild from memory, never a disk read."""
 
 from __future__ import annotations
 
@@ -25,12 +35,66 @@ def adapter_id(name: str) -> int:
     return (zlib.crc32(name.encode()) & 0x7FFFFFFF) or 1
 
 
+PATH_PREFIX = "wtransfer://"
+"""The path of an in-memory adapter: ``wtransfer://<name>``."""
+
+
 def lora_request(name: str) -> Any:
     """The `vllm.lora.request.LoRARequest` that generates with in-memory adapter `name`."""
     from vllm.lora.request import LoRARequest
 
     return LoRARequest(lora_name=name, lora_int_id=adapter_id(name),
-                       lora_path=f"wtransfer://{name}")
+                       lora_path=PATH_PREFIX + name)
+
+
+_HELD: dict[str, tuple[dict[str, torch.Tensor], float]] = {}
+"""Every adapter this worker process received, by name: its factors and alpha."""
+_LOADED: dict[str, set[int]] = {}
+"""The vLLM adapter ids each held adapter was loaded under."""
+
+
+def install_path_loader() -> None:
+    """Once per process: vLLM's worker adapter loader builds ``wtransfer://<name>`` adapters
+    from the held tensors (any other path loads as vLLM does)."""
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    if getattr(WorkerLoRAManager, "_wtransfer_loader", False):
+        return
+    from_disk = WorkerLoRAManager._load_adapter
+
+    def load(self: Any, request: Any) -> Any:
+        path = str(request.lora_path or "")
+        if not path.startswith(PATH_PREFIX):
+            return from_disk(self, request)
+        name = path.removeprefix(PATH_PREFIX)
+        if name not in _HELD:
+            raise ConfigError(f"LoRA adapter {name!r} ({path}) has not been sent to this "
+                              f"engine; held: {sorted(_HELD)}")
+        _LOADED.setdefault(name, set()).add(int(request.lora_int_id))
+        return build_adapter(name, int(request.lora_int_id), self.lora_config.lora_dtype)
+
+    WorkerLoRAManager._load_adapter = load
+    WorkerLoRAManager._wtransfer_loader = True
+
+
+def build_adapter(name: str, lora_id: int, dtype: Any) -> Any:
+    """A fresh `LoRAModel` of held adapter `name` under vLLM id `lora_id` (vLLM merges packed
+    modules in place when it is added, so each load gets its own tensors)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    tensors, alpha = _HELD[name]
+    peft: dict[str, torch.Tensor] = {}
+    modules, rank = set(), 0
+    for wire_name, tensor in tensors.items():
+        parsed = _WIRE.fullmatch(wire_name)
+        assert parsed is not None
+        peft[f"base_model.model.{parsed['module']}.lora_{parsed['ab']}.weight"] = tensor.clone()
+        modules.add(parsed["module"].rsplit(".", 1)[-1])
+        rank = tensor.shape[0] if parsed["ab"] == "A" else tensor.shape[-1]
+    helper = PEFTHelper.from_dict({"r": int(rank), "lora_alpha": alpha,
+                                   "target_modules": sorted(modules)})
+    return LoRAModel.from_lora_tensors(lora_id, peft, helper, device="cpu", dtype=dtype)
 
 
 def is_adapter_tensor(name: str) -> bool:
@@ -44,8 +108,7 @@ class Adapters:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._open: dict[str, dict[str, torch.Tensor]] = {}
-        self._held: dict[str, tuple[dict[str, torch.Tensor], float]] = {}
-        """Every adapter received, by name: its factors and alpha."""
+        install_path_loader()
 
     def _manager(self) -> Any:
         manager = getattr(self.model, "lora_manager", None)
@@ -85,12 +148,9 @@ class Adapters:
             "cpu", copy=True)
 
     def register(self) -> list[str]:
-        """Register every adapter of the update with vLLM (a new version replaces the old
-        one, which vLLM re-activates from the new tensors at its next use); returns them.
-
-        vLLM drops every registered adapter after each weight update (`reset_lora_state`:
-        it would load them from disk again); the adapters received here are registered
-        again right after (`_keep_across_updates`), so they outlive base-model updates."""
+        """Hold every adapter of the update (a new version replaces the old one) and unload
+        every copy of it vLLM has loaded, under any id: the next request that names it loads
+        the new tensors through `install_path_loader`. Returns the adapters."""
         opened, self._open = self._open, {}
         if not opened:
             return []
@@ -99,46 +159,10 @@ class Adapters:
             alpha = tensors.pop(f"lora/{adapter}/lora_alpha", None)
             if alpha is None:
                 raise ConfigError(f"adapter {adapter!r} came without lora/{adapter}/lora_alpha")
-            self._held[adapter] = (tensors, float(alpha[0]))
-            manager.remove_adapter(adapter_id(adapter))
-            manager.add_adapter(self._build(adapter, manager))
-        self._keep_across_updates(manager)
+            _HELD[adapter] = (tensors, float(alpha[0]))
+            for lora_id in _LOADED.pop(adapter, set()) | {adapter_id(adapter)}:
+                manager.remove_adapter(lora_id)
         return sorted(opened)
-
-    def _build(self, adapter: str, manager: Any) -> Any:
-        """A fresh `LoRAModel` of a held adapter (vLLM merges packed modules in place when
-        it is added, so each registration gets its own)."""
-        from vllm.lora.lora_model import LoRAModel
-        from vllm.lora.peft_helper import PEFTHelper
-
-        tensors, alpha = self._held[adapter]
-        peft: dict[str, torch.Tensor] = {}
-        modules, rank = set(), 0
-        for name, tensor in tensors.items():
-            parsed = _WIRE.fullmatch(name)
-            assert parsed is not None
-            peft[f"base_model.model.{parsed['module']}.lora_{parsed['ab']}.weight"] = (
-                tensor.clone())  # vLLM scales packed factors in place when it merges them
-            modules.add(parsed["module"].rsplit(".", 1)[-1])
-            rank = tensor.shape[0] if parsed["ab"] == "A" else tensor.shape[-1]
-        helper = PEFTHelper.from_dict({"r": int(rank), "lora_alpha": alpha,
-                                       "target_modules": sorted(modules)})
-        return LoRAModel.from_lora_tensors(adapter_id(adapter), peft, helper, device="cpu",
-                                           dtype=manager.lora_config.lora_dtype)
-
-    def _keep_across_updates(self, manager: Any) -> None:
-        """Once: after vLLM removes every adapter, register the held ones again."""
-        if getattr(manager, "_wtransfer_keeps", None) is self:
-            return
-        remove_all = manager.remove_all_adapters
-
-        def remove_all_then_restore() -> None:
-            remove_all()
-            for adapter in self._held:
-                manager.add_adapter(self._build(adapter, manager))
-
-        manager.remove_all_adapters = remove_all_then_restore
-        manager._wtransfer_keeps = self
 
     def drop(self) -> None:
         """The update failed: nothing of it is registered."""

@@ -12,7 +12,7 @@ import torch
 import wtransfer_vllm
 from safetensors.torch import save_file
 from vllm.lora.request import LoRARequest
-from vllm_helpers import InProcessVLLM, init_info, save_qwen3
+from vllm_helpers import InProcessVLLM, VLLMServer, init_info, save_qwen3
 
 import wtransfer
 from wtransfer.errors import MetadataError
@@ -90,3 +90,37 @@ def test_an_adapter_sent_in_memory_serves_like_the_same_adapter_from_disk(tmp_pa
         assert vllm.greedy() == plain
     finally:
         vllm.close()
+
+
+def test_vllm_serve_names_an_in_memory_adapter_like_one_from_disk(tmp_path):
+    """`vllm serve --enable-lora`: after an adapter-only update, `ServerClient` names the
+    adapter to the server's model list and requests that name it as their model get the
+    tokens of the same adapter loaded from disk; a new version (sent under the same name)
+    serves from the next request, like a second adapter holding it; the base is untouched."""
+    base = save_qwen3(tmp_path / "base", seed=0)
+    adapter, newer = peft_adapter(base, rank=4, seed=3), peft_adapter(base, rank=4, seed=4)
+    save_peft(tmp_path / "disk-adapter", adapter, rank=4, alpha=8)
+    server = VLLMServer(tmp_path / "base", "ipc", tmp_path / "serve.log", extra_args=[
+        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+        "--lora-modules", f"disk={tmp_path / 'disk-adapter'}"],
+        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+
+    def send(name, factors):
+        with wtransfer.trainer_init(init_info("ipc", bucket_bytes=64 << 10),
+                                    client=server.client,
+                                    source=LoRASource(name, factors, lora_alpha=8)) as sender:
+            return sender.send_weights(weight_version=f"{name}-v")
+
+    try:
+        plain, from_disk = server.greedy(), server.greedy(lora="disk")
+        assert from_disk != plain
+        stats = send("math", adapter)
+        assert stats.bytes == sum(t.numel() * 4 for t in adapter.values()) + 4
+        assert server.greedy(lora="math") == from_disk
+        assert server.greedy() == plain
+        send("math", newer)
+        send("other", newer)  # a second adapter: more than --max-loras, some are evicted
+        assert server.greedy(lora="math") == server.greedy(lora="other") != from_disk
+        assert server.greedy(lora="disk") == from_disk and server.greedy() == plain
+    finally:
+        server.close()

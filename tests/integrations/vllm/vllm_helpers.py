@@ -115,10 +115,11 @@ class InProcessVLLM:
 class VLLMServer:
     """`vllm serve` (dev mode: weight-transfer routes) with a wtransfer backend."""
 
-    def __init__(self, model_dir, backend, log_path):
+    def __init__(self, model_dir, backend, log_path, extra_args=(), env=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+               **(env or {})}
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             # the `vllm serve` command of vllm-cpu 0.32.0 looks for a distribution called
@@ -128,7 +129,7 @@ class VLLMServer:
              "--dtype", "float32", "--max-model-len", "512", "--enable-scale-out",
              "--weight-transfer-config",
              json.dumps({"backend": wtransfer_vllm.vllm_backend_name(backend)}),
-             "--worker-extension-cls", wtransfer_vllm.WORKER_EXTENSION],
+             "--worker-extension-cls", wtransfer_vllm.WORKER_EXTENSION, *extra_args],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
         def healthy():
             assert self.proc.poll() is None, log_path.read_text()[-3000:]
@@ -140,11 +141,11 @@ class VLLMServer:
         wait_for(healthy, 300, "vllm serve to start", interval_s=0.5)
         self.client = wtransfer_vllm.ServerClient(self.url, timeout_s=120)
 
-    def greedy(self, prompts=PROMPTS, max_tokens=12):
-        """Greedy tokens of each prompt through /inference/v1/generate."""
+    def greedy(self, prompts=PROMPTS, max_tokens=12, lora=None):
+        """Greedy tokens of each prompt through /inference/v1/generate (with adapter `lora`)."""
         tokens = []
         for prompt in prompts:
-            body = self.client.generate(prompt, max_tokens=max_tokens, temperature=0)
+            body = self.client.generate(prompt, lora=lora, max_tokens=max_tokens, temperature=0)
             tokens.append(list(body["choices"][0]["token_ids"]))
         return tokens
 
