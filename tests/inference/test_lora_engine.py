@@ -232,3 +232,42 @@ def test_a_base_update_then_an_adapter_update_keeps_each_label_and_in_place_is_r
             in_place.shutdown()
 
     run(main(), deadline_s=240)
+
+
+def test_an_adapter_on_an_fp8_engine_serves_like_its_dequantized_weights_with_the_adapter():
+    """max_loras with quantization="fp8": the FP8 projections keep their bytes and the adapter
+    (bf16, the checkpoint's dtype) lands in its slots; greedy tokens equal an unquantized
+    engine holding the FP8 weights dequantized plus the same adapter, and differ from the FP8
+    base; the adapter reads back bit for bit."""
+    from wtransfer.quant.fp8 import dequantize, is_quantized, quantize
+
+    async def main():
+        lora = dict(max_loras=1, max_lora_rank=8, update_staging="swap", dtype="bfloat16")
+        fp8 = AsyncEngine(EngineConfig(model="tiny", seed=1, quantization="fp8", **lora))
+        plain = AsyncEngine(EngineConfig(model="tiny", seed=9, **lora))
+        base = load_model("tiny", seed=1, dtype="bfloat16")
+        try:
+            with torch.no_grad():  # what the FP8 engine computes with, as bf16 weights
+                for name, weight in base.named_parameters():
+                    if is_quantized(name, tuple(weight.shape)):
+                        weight.copy_(dequantize(*quantize(weight), torch.bfloat16))
+            await push(plain, wtransfer.ModuleSource(base), "dequantized")
+            fp8_base = await engine_tokens(fp8)
+            factors = {k: v.to(torch.bfloat16) for k, v in peft_adapter(base, 4, 0).items()}
+            source = LoRASource("math", factors, lora_alpha=8)
+            for engine in (fp8, plain):
+                await push(engine, source, "m1")
+            with_adapter = await engine_tokens(fp8, "math")
+            assert with_adapter == await engine_tokens(plain, "math") != fp8_base
+            sent = wtransfer.fingerprint(source.tensors())
+            served = await fp8.fingerprint()
+            assert {k: served.get(k) for k in sent} == sent
+        finally:
+            fp8.shutdown()
+            plain.shutdown()
+
+    run(main(), deadline_s=240)
+
+
+async def engine_tokens(engine, lora=None):
+    return (await tokens(engine, lora)).token_ids

@@ -194,9 +194,9 @@ class EngineConfig:
                               f"{self.quantization!r}")
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ConfigError("EngineConfig.max_loras must be >= 0 and max_lora_rank >= 1")
-        if self.max_loras and (self.tensor_parallel_size > 1 or self.quantization):
-            raise ConfigError("LoRA adapters (max_loras > 0) are served by unquantized engines "
-                              "with tensor_parallel_size=1 for now")
+        if self.max_loras and self.tensor_parallel_size > 1:
+            raise ConfigError("LoRA adapters (max_loras > 0) are served with "
+                              "tensor_parallel_size=1 for now")
         if self.update_rollback not in (None, True, False):
             raise ConfigError(f"EngineConfig.update_rollback must be True, False or None "
                               f"(auto), got {self.update_rollback!r}")

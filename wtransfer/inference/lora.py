@@ -1,10 +1,11 @@
 """LoRA adapters served unmerged (`EngineConfig(max_loras=K, max_lora_rank=R)`).
 
-Each attention and MLP projection becomes a `LoRALinear`: its base weight plus K adapter slots
-(``lora_A`` [K, R, in], ``lora_B`` [K, out, R], ``lora_scale`` [K]), zero where no adapter is
-loaded. A request names its adapter (`SamplingParams.lora`); every row of a step carries its
-sequence's slot (`LoRARows`, set by the runner before each forward) and a layer adds
-``scale * B (A x)`` of that slot to the rows that use it. The slots are ordinary tensors of the
+Each attention and MLP projection becomes a `LoRALinear` (a `LoRAFp8Linear` on an FP8 engine:
+its FP8 weight and scales stay as they are): its base weight plus K adapter slots (``lora_A``
+[K, R, in], ``lora_B`` [K, out, R], ``lora_scale`` [K], in the checkpoint's dtype), zero where
+no adapter is loaded. A request names its adapter (`SamplingParams.lora`); every row of a
+step carries its sequence's slot (`LoRARows`, set by the runner before each forward) and a
+layer adds ``scale * B (A x)`` of that slot to the rows that use it. The slots are ordinary tensors of the
 module, so staged updates (a shadow of every tensor), rollback and fingerprints cover them.
 
 On the wire an adapter is its own tensors (`wtransfer.trainer.lora.LoRASource`):
@@ -26,6 +27,7 @@ from torch import nn
 
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.fingerprint import tensor_digest
+from wtransfer.inference.fp8_linear import Fp8Linear
 from wtransfer.packing import TensorMeta
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import Box, TensorLayout
@@ -49,25 +51,29 @@ class LoRARows:
         adds it to the whole batch, without selecting rows)."""
 
 
-class LoRALinear(nn.Linear):
-    """A bias-free projection with `slots` adapter slots of rank up to `rank`."""
+class LoRASlots(nn.Module):
+    """`slots` adapter slots of rank up to `rank` on a bias-free projection (`LoRALinear`,
+    `LoRAFp8Linear`): ``lora_A`` [K, R, in], ``lora_B`` [K, out, R], ``lora_scale`` [K] in
+    the checkpoint's dtype, and the rows holder saying which slot each row uses."""
 
-    def __init__(self, base: nn.Linear, slots: int, rank: int, rows: LoRARows) -> None:
-        super().__init__(base.in_features, base.out_features, bias=False,
-                         device=base.weight.device, dtype=base.weight.dtype)
-        self.weight = base.weight
-        device, dtype = base.weight.device, base.weight.dtype
-        self.lora_A = nn.Parameter(torch.zeros(slots, rank, base.in_features, device=device,
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
+    lora_scale: nn.Parameter
+    _rows: LoRARows
+
+    def _add_slots(self, shape: tuple[int, int], slots: int, rank: int, rows: LoRARows,
+                   device: torch.device, dtype: torch.dtype) -> None:
+        out_features, in_features = shape
+        self.lora_A = nn.Parameter(torch.zeros(slots, rank, in_features, device=device,
                                                dtype=dtype), requires_grad=False)
-        self.lora_B = nn.Parameter(torch.zeros(slots, base.out_features, rank, device=device,
+        self.lora_B = nn.Parameter(torch.zeros(slots, out_features, rank, device=device,
                                                dtype=dtype), requires_grad=False)
         self.lora_scale = nn.Parameter(torch.zeros(slots, device=device, dtype=dtype),
                                        requires_grad=False)
         self._rows = rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """W x, plus each row's adapter: scale * B (A x)."""
-        y = F.linear(x, self.weight)
+    def _with_adapters(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (the base projection of `x`) plus each row's adapter: scale * B (A x)."""
         rows = self._rows.rows
         if rows is None:
             return y
@@ -82,14 +88,57 @@ class LoRALinear(nn.Linear):
         return y
 
 
-def enable_lora(model: nn.Module, slots: int, rank: int) -> LoRARows:
-    """Make every attention and MLP projection of `model` a `LoRALinear` (in place); returns
-    the rows holder the runner sets before each forward."""
+class LoRALinear(LoRASlots, nn.Linear):
+    """A bias-free projection with adapter slots (see `LoRASlots`)."""
+
+    def __init__(self, base: nn.Linear, slots: int, rank: int, rows: LoRARows) -> None:
+        nn.Linear.__init__(self, base.in_features, base.out_features, bias=False,
+                           device=base.weight.device, dtype=base.weight.dtype)
+        self.weight = base.weight
+        self._add_slots(tuple(base.weight.shape), slots, rank, rows,  # type: ignore[arg-type]
+                        base.weight.device, base.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """W x, plus each row's adapter."""
+        return self._with_adapters(x, F.linear(x, self.weight))
+
+
+class LoRAFp8Linear(LoRASlots, Fp8Linear):
+    """An FP8 projection (`Fp8Linear`: its weight and block scales) with adapter slots in the
+    checkpoint's dtype `dtype` (see `LoRASlots`)."""
+
+    def __init__(self, base: Fp8Linear, slots: int, rank: int, rows: LoRARows,
+                 dtype: torch.dtype) -> None:
+        out_features, in_features = base.weight.shape
+        Fp8Linear.__init__(self, out_features, in_features, device=base.weight.device)
+        self.weight, self.weight_scale_inv = base.weight, base.weight_scale_inv
+        self._add_slots((out_features, in_features), slots, rank, rows, base.weight.device,
+                        dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The dequantized W x, plus each row's adapter."""
+        return self._with_adapters(x, Fp8Linear.forward(self, x))
+
+
+def enable_lora(model: nn.Module, slots: int, rank: int,
+                dtype: torch.dtype | None = None) -> LoRARows:
+    """Give every attention and MLP projection of `model` adapter slots (in place: a
+    `LoRALinear`, or a `LoRAFp8Linear` for an FP8 one, whose slots take `dtype`, the
+    checkpoint's); returns the rows holder the runner sets before each forward."""
     rows = LoRARows()
     for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear and module.bias is None and TARGET_MODULES.fullmatch(name):
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent), leaf, LoRALinear(module, slots, rank, rows))
+        if not TARGET_MODULES.fullmatch(name):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        if type(module) is Fp8Linear:
+            if dtype is None:
+                raise ConfigError("adapters on an FP8 model need the checkpoint dtype")
+            swapped: nn.Module = LoRAFp8Linear(module, slots, rank, rows, dtype)
+        elif type(module) is nn.Linear and module.bias is None:
+            swapped = LoRALinear(module, slots, rank, rows)
+        else:
+            continue
+        setattr(model.get_submodule(parent), leaf, swapped)
     return rows
 
 
@@ -373,7 +422,7 @@ def adapter_fingerprint(model: nn.Module, table: AdapterTable) -> dict[str, str]
         for name, adapter in sorted(table.live.items()):
             for module_name in adapter.modules:
                 module = modules[module_name]
-                assert isinstance(module, LoRALinear)
+                assert isinstance(module, LoRASlots)
                 a = module.lora_A[adapter.slot, :adapter.rank].contiguous()
                 b = module.lora_B[adapter.slot, :, :adapter.rank].contiguous()
                 out[f"lora/{name}/{module_name}.lora_A.weight"] = tensor_digest(a)

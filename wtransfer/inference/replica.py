@@ -77,7 +77,8 @@ class Replica:
             quantize_model(full)
         self.adapters = AdapterTable(config.max_loras) if config.max_loras else None
         """Which LoRA adapter is in which slot (None: the engine serves none)."""
-        self.lora_rows = (enable_lora(full, config.max_loras, config.max_lora_rank)
+        self.lora_rows = (enable_lora(full, config.max_loras, config.max_lora_rank,
+                                      full.model.embed_tokens.weight.dtype)
                           if config.max_loras else None)
         mode = self._staging_mode(full, device)
         rollback = mode == "off" and self._rollback_enabled(full)
