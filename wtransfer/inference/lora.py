@@ -5,8 +5,9 @@ its FP8 weight and scales stay as they are): its base weight plus K adapter slot
 [K, R, in], ``lora_B`` [K, out, R], ``lora_scale`` [K], in the checkpoint's dtype), zero where
 no adapter is loaded. A request names its adapter (`SamplingParams.lora`); every row of a
 step carries its sequence's slot (`LoRARows`, set by the runner before each forward) and a
-layer adds ``scale * B (A x)`` of that slot to the rows that use it. The slots are ordinary tensors of the
-module, so staged updates (a shadow of every tensor), rollback and fingerprints cover them.
+layer adds ``scale * B (A x)`` of that slot to the rows that use it. The slots are ordinary
+tensors of the module, so staged updates (a shadow of every tensor), rollback and fingerprints
+cover them.
 
 On the wire an adapter is its own tensors (`wtransfer.trainer.lora.LoRASource`):
 ``lora/<adapter>/<module>.lora_A.weight`` [r, in], ``lora/<adapter>/<module>.lora_B.weight``
