@@ -65,6 +65,43 @@ def test_delta_updates_land_bit_exact_in_every_engine_layout(staging, tp, backen
     run(main(), deadline_s=300)
 
 
+def test_a_sender_whose_deltas_stay_dense_sends_in_full_then_probes_again():
+    """Every element changes every step (a float32 model under a large learning rate): after
+    DENSE_STREAK dense deltas the sender stops comparing and keeps no copy for FULL_RUN
+    updates, then probes with a delta again; once changes are sparse it stays on deltas.
+    The engine holds the trainer's weights after every update."""
+    from wtransfer.delta.sender import DENSE_STREAK, FULL_RUN
+    from wtransfer.shapes import randomize
+
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny", update_staging="swap"))
+        trainer = load_model("tiny", seed=3)
+        sender = await asyncio.to_thread(wtransfer.trainer_init, info("ipc", 1),
+                                         client=LocalEngineClient(engine),
+                                         source=wtransfer.ModuleSource(trainer))
+        seen = []
+        try:
+            for step in range(1 + DENSE_STREAK + FULL_RUN + 3):
+                sparse = step > DENSE_STREAK + FULL_RUN + 1
+                if sparse:
+                    perturb(trainer, 0.01, seed=step)
+                else:
+                    randomize(trainer, seed=100 + step)
+                stats = await asyncio.to_thread(sender.send_weights, str(step))
+                seen.append(("delta" if stats.changed_fraction is not None else "full",
+                             stats.delta_base_bytes > 0))
+                assert await engine.fingerprint() == wtransfer.fingerprint(
+                    trainer.state_dict()), step
+        finally:
+            await asyncio.to_thread(sender.shutdown)
+            engine.shutdown()
+        assert seen == ([("full", True)] + [("delta", True)] * DENSE_STREAK
+                        + [("full", False)] * (FULL_RUN - 1) + [("full", True)]
+                        + [("delta", True)] * 3), seen
+
+    run(main(), deadline_s=240)
+
+
 def test_the_last_sent_copy_lives_where_delta_copy_device_says():
     with pytest.raises(ConfigError, match="delta_copy_device must be 'cpu' or a CUDA device"):
         IPCTrainerInitInfo(delta=True, delta_copy_device="tpu")

@@ -22,6 +22,16 @@ from wtransfer.delta.header import DeltaHeader
 from wtransfer.packing import TensorMeta
 from wtransfer.trainer.source import WeightSource
 
+DENSE_FRACTION = 0.5
+"""A delta that changed more than this fraction of the elements is a dense one: it moved
+about the model's bytes and paid a comparison and a copy on top."""
+DENSE_STREAK = 3
+"""After this many dense deltas in a row the sender stops diffing (`FULL_RUN`)."""
+FULL_RUN = 8
+"""Updates then sent in full without comparing (what a sender without deltas pays); all but
+the last keep no last-sent copy, the last takes one again, so the update after it probes with
+a delta."""
+
 
 class EncodedSource(WeightSource):
     """A delta's tensor list as a source: each changed tensor whole or as its sparse payload,
@@ -60,6 +70,8 @@ class DeltaUpdate:
     """The trainer's own source (a full update) or the delta's `EncodedSource`."""
     changed_fraction: float | None
     """A delta's fraction of changed elements; None for a full update."""
+    keeps_copy: bool = True
+    """Whether the sender takes a last-sent copy of this (full) update once it landed."""
 
 
 class DeltaSender:
@@ -78,6 +90,10 @@ class DeltaSender:
         self._last: dict[str, torch.Tensor] = {}
         self._metas: list[TensorMeta] = []
         self._pending: str | None = None
+        self.dense_streak = 0
+        """Dense deltas in a row (see `DENSE_STREAK`)."""
+        self.full_left = 0
+        """Updates still to send in full without diffing (see `FULL_RUN`)."""
 
     @property
     def copy_bytes(self) -> int:
@@ -93,6 +109,11 @@ class DeltaSender:
         if self.disabled is not None or not source.delta_ok:
             self._last, self.base = {}, None
             return DeltaUpdate(DeltaHeader(token=token), source, None)
+        if self.full_left:  # most bytes changed every step lately: send as if without deltas
+            self.full_left -= 1
+            self._last, self.base = {}, None
+            return DeltaUpdate(DeltaHeader(token=token), source, None,
+                               keeps_copy=not self.full_left)
         if self.base is None or metas != self._metas:
             self._metas = metas
             return DeltaUpdate(DeltaHeader(token=token), source, None)
@@ -124,15 +145,21 @@ class DeltaSender:
             total_changed += count
             entries.append(entry)
         total = sum(m.numel for m in metas)
+        fraction = total_changed / total if total else 0.0
+        self.dense_streak = self.dense_streak + 1 if fraction > DENSE_FRACTION else 0
+        if self.dense_streak >= DENSE_STREAK:
+            self.dense_streak, self.full_left = 0, FULL_RUN
         header = DeltaHeader(token=token, base=self.base,
                              entries=[e.to_wire() for e in entries])
-        return DeltaUpdate(header, EncodedSource(items, source.device),
-                           total_changed / total if total else 0.0)
+        return DeltaUpdate(header, EncodedSource(items, source.device), fraction)
 
     def landed(self, update: DeltaUpdate) -> None:
         """`update` landed on every receiver: its token is the base from now on (after a full
         update, the copy is taken of what it sent)."""
         if self.disabled is not None or not update.source.delta_ok:
+            return
+        if not update.keeps_copy:
+            self._last = {}
             return
         if update.header.base is None:
             self._last = {}
