@@ -68,7 +68,8 @@ def test_delta_updates_land_bit_exact_in_every_engine_layout(staging, tp, backen
 def test_a_sender_whose_deltas_stay_dense_sends_in_full_then_probes_again():
     """Every element changes every step (a float32 model under a large learning rate): after
     DENSE_STREAK dense deltas the sender stops comparing and keeps no copy for FULL_RUN
-    updates, then probes with a delta again; once changes are sparse it stays on deltas.
+    updates, then probes with a delta (one dense probe starts another run); once changes are
+    sparse it stays on deltas.
     The engine holds the trainer's weights after every update."""
     from wtransfer.delta.sender import DENSE_STREAK, FULL_RUN
     from wtransfer.shapes import randomize
@@ -81,8 +82,8 @@ def test_a_sender_whose_deltas_stay_dense_sends_in_full_then_probes_again():
                                          source=wtransfer.ModuleSource(trainer))
         seen = []
         try:
-            for step in range(1 + DENSE_STREAK + FULL_RUN + 3):
-                sparse = step > DENSE_STREAK + FULL_RUN + 1
+            for step in range(1 + DENSE_STREAK + 2 * (FULL_RUN + 1) + 2):
+                sparse = step > DENSE_STREAK + 2 * FULL_RUN + 1  # from the second probe on
                 if sparse:
                     perturb(trainer, 0.01, seed=step)
                 else:
@@ -95,8 +96,9 @@ def test_a_sender_whose_deltas_stay_dense_sends_in_full_then_probes_again():
         finally:
             await asyncio.to_thread(sender.shutdown)
             engine.shutdown()
-        assert seen == ([("full", True)] + [("delta", True)] * DENSE_STREAK
-                        + [("full", False)] * (FULL_RUN - 1) + [("full", True)]
+        run = [("full", False)] * (FULL_RUN - 1) + [("full", True)]
+        assert seen == ([("full", True)] + [("delta", True)] * DENSE_STREAK + run
+                        + [("delta", True)] + run  # one dense probe: another run
                         + [("delta", True)] * 3), seen
 
     run(main(), deadline_s=240)

@@ -23,14 +23,14 @@ from wtransfer.packing import TensorMeta
 from wtransfer.trainer.source import WeightSource
 
 DENSE_FRACTION = 0.5
-"""A delta that changed more than this fraction of the elements is a dense one: it moved
-about the model's bytes and paid a comparison and a copy on top."""
+"""A delta that moved more than this fraction of the model's bytes is a dense one: it saved
+little on the wire and paid a comparison and a copy on top."""
 DENSE_STREAK = 3
 """After this many dense deltas in a row the sender stops diffing (`FULL_RUN`)."""
 FULL_RUN = 8
 """Updates then sent in full without comparing (what a sender without deltas pays); all but
 the last keep no last-sent copy, the last takes one again, so the update after it probes with
-a delta."""
+a delta (one dense probe starts another run)."""
 
 
 class EncodedSource(WeightSource):
@@ -111,6 +111,8 @@ class DeltaSender:
             return DeltaUpdate(DeltaHeader(token=token), source, None)
         if self.full_left:  # most bytes changed every step lately: send as if without deltas
             self.full_left -= 1
+            if not self.full_left:  # the probe after this update: one dense delta is enough
+                self.dense_streak = DENSE_STREAK - 1
             self._last, self.base = {}, None
             return DeltaUpdate(DeltaHeader(token=token), source, None,
                                keeps_copy=not self.full_left)
@@ -119,7 +121,7 @@ class DeltaSender:
             return DeltaUpdate(DeltaHeader(token=token), source, None)
         items: list[tuple[TensorMeta, torch.Tensor]] = []
         entries: list[DeltaEntry] = []
-        total_changed = 0
+        total_changed = moved = 0
         for meta, (name, tensor) in zip(metas, source.tensors(), strict=True):
             last = self._last[name]
             now = tensor.detach()
@@ -136,17 +138,21 @@ class DeltaSender:
                 payload = encode_sparse(values, index, index_dtype).to(now.device)
                 entry = DeltaEntry(meta.name, count, index_dtype, meta.dtype)
                 items.append((entry.wire_meta(meta), payload))
+                moved += payload.numel() * payload.element_size()
             else:
                 fresh = bits(here)
                 count = int(torch.count_nonzero(fresh != last))
                 last.copy_(fresh)
                 entry = DeltaEntry(meta.name, count, DENSE, meta.dtype)
                 items.append((meta, now))
+                moved += meta.nbytes
             total_changed += count
             entries.append(entry)
         total = sum(m.numel for m in metas)
         fraction = total_changed / total if total else 0.0
-        self.dense_streak = self.dense_streak + 1 if fraction > DENSE_FRACTION else 0
+        model_bytes = sum(m.nbytes for m in metas)
+        self.dense_streak = (self.dense_streak + 1 if moved > DENSE_FRACTION * model_bytes
+                             else 0)
         if self.dense_streak >= DENSE_STREAK:
             self.dense_streak, self.full_left = 0, FULL_RUN
         header = DeltaHeader(token=token, base=self.base,
