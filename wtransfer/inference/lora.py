@@ -96,7 +96,7 @@ class LoRALinear(LoRASlots, nn.Linear):
         nn.Linear.__init__(self, base.in_features, base.out_features, bias=False,
                            device=base.weight.device, dtype=base.weight.dtype)
         self.weight = base.weight
-        self._add_slots(tuple(base.weight.shape), slots, rank, rows,  # type: ignore[arg-type]
+        self._add_slots((base.out_features, base.in_features), slots, rank, rows,
                         base.weight.device, base.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from wtransfer.demos.rl.grpo import Rollout
-from wtransfer.demos.rl.lora import ADAPTER, LORA_RANK, LoRAEngineReference, LoRATrainer
+from wtransfer.demos.rl.lora import ADAPTER, LORA_RANK, LoRATrainer
 from wtransfer.demos.rl.servers import HTTPPolicyServer, LocalPolicyServer, Stream
 from wtransfer.demos.rl.task import ChainParityTask
 from wtransfer.demos.rl.trainers import LocalTrainer, ShardedTrainer
@@ -171,13 +171,12 @@ def _policy_server(engine: str, local: bool, model: str, backend: str,
 
 
 def _validate(server: Any, trainer: Any, streams: list[tuple[list[int], Stream]],
-              version: Callable[[], str], lora: bool) -> tuple[bool, list[str]]:
+              version: Callable[[], str]) -> tuple[bool, list[str]]:
     """Post-pause tokens of the mid-flight requests against an engine holding the final
-    weights (`server.reference`, or the base plus the adapter with `lora`); then
+    weights (`trainer.reference`: the base plus the adapter for a LoRA trainer); then
     fingerprints."""
     problems: list[str] = []
-    reference = (LoRAEngineReference(server.model, trainer) if lora
-                 else server.reference(trainer.state_dict()))
+    reference = trainer.reference(server)
     checked = 0
     for prompt, handle in streams:
         choice = handle.result.result(timeout=120)
@@ -353,7 +352,7 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
             _print_row(record)
         for f in pending[1]:
             f.result(timeout=300)
-        ok, problems = _validate(server, trainer, streams, version, lora)
+        ok, problems = _validate(server, trainer, streams, version)
         trainer.close()
     finally:
         server.close()

@@ -81,7 +81,7 @@ class LoRATrainer(LocalTrainer):
         return policy
 
     def _source(self) -> WeightSource:
-        return LoRASource(ADAPTER, self.model, lora_alpha=LORA_ALPHA)
+        return self.adapter()
 
     def adapter(self) -> LoRASource:
         """The adapter as it is now (what the sender sends)."""
@@ -95,6 +95,10 @@ class LoRATrainer(LocalTrainer):
         """The base weights and the adapter under its wire names (both equal on the engine
         when it serves exactly this policy)."""
         return {**fingerprint(self.base_state()), **fingerprint(self.adapter().tensors())}
+
+    def reference(self, server: Any) -> LoRAEngineReference:
+        """A fresh engine holding the base weights and this adapter."""
+        return LoRAEngineReference(server.model, self)
 
 
 class LoRAEngineReference(FreshEngineReference):

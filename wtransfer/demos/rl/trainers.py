@@ -65,6 +65,10 @@ class LocalTrainer:
         """What the engine's fingerprint holds when it serves exactly this policy."""
         return fingerprint(self.state_dict())
 
+    def reference(self, server: Any) -> Any:
+        """The fresh engine `server` offers for greedy continuations of this policy."""
+        return server.reference(self.state_dict())
+
     def close(self) -> None:
         """Release the sender."""
         self.sender.shutdown()
