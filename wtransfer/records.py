@@ -71,12 +71,18 @@ def check_sender_id(value: str | None) -> None:
         raise ConfigError(f"sender_id must be 8-64 lowercase hex digits, got {value!r:.80}")
 
 
+DEFAULT_BUCKET_BYTES = 64 << 20
+"""Staging bucket capacity where neither the trainer nor its backend chose one."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class WireParams:
     """Transfer parameters the trainer chooses; they travel once, at init, to every receiver."""
 
-    bucket_bytes: int = 64 << 20
-    """Capacity of one staging bucket in bytes; staging memory is num_buffers x this per side."""
+    bucket_bytes: int | None = None
+    """Capacity of one staging bucket in bytes; staging memory is num_buffers x this per side.
+    None: the backend's choice, `DEFAULT_BUCKET_BYTES` except where its staging says otherwise
+    (ipc staging in CUDA memory: `wtransfer_ipc.CUDA_BUCKET_BYTES`)."""
     num_buffers: int = 2
     """Staging buffers per side; 2 lets packing bucket k+1 overlap moving bucket k."""
     checksum: bool = False
@@ -90,7 +96,8 @@ class WireParams:
 
     def __post_init__(self) -> None:
         check_record_types(self)
-        if not DEFAULT_ALIGN <= self.bucket_bytes <= MAX_BUCKET_BYTES:
+        if self.bucket_bytes is not None and not (DEFAULT_ALIGN <= self.bucket_bytes
+                                                  <= MAX_BUCKET_BYTES):
             raise ConfigError(f"bucket_bytes must be between {DEFAULT_ALIGN} and "
                               f"{MAX_BUCKET_BYTES}, got {self.bucket_bytes}")
         if not 1 <= self.num_buffers <= 16:
@@ -146,6 +153,8 @@ class TrainerInitInfo(WireParams):
 class ReceiverInitInfo(WireParams):
     """Base of every backend's receiver-side init info (what the sender tells receivers)."""
 
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Capacity of one staging bucket in bytes (the sender's, resolved)."""
     backend: str | None = None
     """The backend the sender speaks (`trainer_init` names it): an engine of another backend
     refuses the init by saying so, rather than by the fields it does not know."""

@@ -9,6 +9,7 @@ from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.launch.models import build
 from wtransfer.manifest import Manifest
 from wtransfer.packing import BucketPlan, metas_to_wire
+from wtransfer.records import DEFAULT_BUCKET_BYTES
 from wtransfer.testing.conformance import BackendConformance
 from wtransfer.wire import digest
 
@@ -126,4 +127,25 @@ def test_free_events_that_do_not_fit_the_receiver_are_refused_at_init():
                                 source=wtransfer.ModuleSource(source)) as sender:
         sender.send_weights()
     assert wtransfer.fingerprint(held.state_dict()) == wtransfer.fingerprint(source.state_dict())
+    engine.shutdown()
+
+
+def test_a_sender_without_a_bucket_size_takes_the_default_and_tells_the_receivers():
+    """`bucket_bytes=None` (the default) becomes `DEFAULT_BUCKET_BYTES` for shared-memory
+    staging, and the receivers are told that size; an explicit size is kept."""
+    source, held = build("mixed", seed=1, device="cpu"), build("mixed", seed=2, device="cpu")
+    assert IPCTrainerInitInfo().bucket_bytes is None
+    engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(held))
+    with wtransfer.trainer_init(IPCTrainerInitInfo(), client=wtransfer.LocalClient(engine),
+                                source=wtransfer.ModuleSource(source)) as sender:
+        sender.send_weights()
+        assert sender.bucket_bytes == DEFAULT_BUCKET_BYTES
+        assert engine.init_info is not None
+        assert engine.init_info.bucket_bytes == DEFAULT_BUCKET_BYTES
+    assert wtransfer.fingerprint(held.state_dict()) == wtransfer.fingerprint(source.state_dict())
+    with wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=1 << 20),
+                                client=wtransfer.LocalClient(engine),
+                                source=wtransfer.ModuleSource(source)) as sender:
+        assert sender.bucket_bytes == 1 << 20
+        assert engine.init_info is not None and engine.init_info.bucket_bytes == 1 << 20
     engine.shutdown()

@@ -39,6 +39,41 @@ def test_qwen3_1_7b_shaped_bf16_round_trip_between_two_processes_on_one_gpu():
               f"{stats.seconds * 1e3:.1f} ms = {stats.gbps:.1f} GB/s (checksummed)")
 
 
+@pytest.mark.gpu
+def test_packed_cuda_staging_without_a_bucket_size_takes_gigabyte_buckets():
+    """A packed update through CUDA staging with no `bucket_bytes` uses `CUDA_BUCKET_BYTES`
+    buckets (a 3.4 GB model: 4 of them), or the model's size where that is less; a zero-copy
+    sender keeps the general default for what it cannot share."""
+    from wtransfer_ipc import CUDA_BUCKET_BYTES
+
+    from wtransfer.records import DEFAULT_BUCKET_BYTES
+
+    model = build("qwen3-1.7b", seed=1, device="cuda:0", fill="constant")
+    with spawn_receiver("ipc", model="qwen3-1.7b", seed=2, device="cuda:0",
+                        fill="constant") as child:
+        client = RPCClient(child.address, timeout_s=120)
+        info = IPCTrainerInitInfo(zero_copy=False, timeout_s=120)
+        with wtransfer.trainer_init(info, client=client,
+                                    source=wtransfer.ModuleSource(model)) as sender:
+            stats = sender.send_weights()
+            assert sender.bucket_bytes == CUDA_BUCKET_BYTES
+        assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+        assert stats.buckets == -(-stats.bytes // CUDA_BUCKET_BYTES) == 4
+    small = build_module(mixed_metas(2), seed=3, device="cuda:0")
+    total = sum(t.numel() * t.element_size() for t in small.state_dict().values())
+    for info, expected in [(IPCTrainerInitInfo(zero_copy=False), -(-total >> 20) << 20),
+                           (IPCTrainerInitInfo(), DEFAULT_BUCKET_BYTES)]:
+        held = build_module(mixed_metas(2), seed=4, device="cuda:0")
+        engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(held), device="cuda:0")
+        with wtransfer.trainer_init(info, client=wtransfer.LocalClient(engine),
+                                    source=wtransfer.ModuleSource(small)) as sender:
+            assert sender.bucket_bytes == expected
+            sender.send_weights()
+        assert wtransfer.fingerprint(held.state_dict()) == \
+            wtransfer.fingerprint(small.state_dict())
+        engine.shutdown()
+
+
 def send_changed_weights_through_two_slots(trainer, client, *, trainer_busy: bool) -> None:
     """Three updates of changed weights, each more buckets than two staging slots hold (every
     slot reused); each lands bit-exact. With `trainer_busy` the trainer's GPU spins before it

@@ -55,6 +55,7 @@ from wtransfer.manifest import Manifest, PlanParams
 from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta, bucket_checksum
 from wtransfer.protocol import CallQueue, PausingClient, PendingCall, WeightSyncClient
 from wtransfer.records import (
+    DEFAULT_BUCKET_BYTES,
     PauseMode,
     TrainerInitInfo,
     TransferStats,
@@ -165,6 +166,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                                               where=f"{self.backend_name} trainer init info")
         self.client = client
         self.source = source
+        if self.init_info.bucket_bytes is None:
+            self.init_info = replace(self.init_info, bucket_bytes=self._default_bucket_bytes())
         self.process_group = process_group
         self.collective = process_group is not None or client is None or source.sharded
         """Whether every trainer rank sends together (see the module docstring)."""
@@ -219,7 +222,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
     @property
     def plan_params(self) -> PlanParams:
         """How this sender lays tensor lists out in buckets (the receivers get the same)."""
-        return PlanParams(bucket_bytes=self.init_info.bucket_bytes,
+        return PlanParams(bucket_bytes=self.bucket_bytes,
                           direct_threshold=self.direct_threshold)
 
     def _on_senders(self, step: Callable[[], Any]) -> Any:
@@ -545,6 +548,16 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         if info.checksum or self.source.sharded:
             return 0
         return default if info.direct_threshold is None else info.direct_threshold
+
+    @property
+    def bucket_bytes(self) -> int:
+        """This sender's staging bucket capacity (the init info's, or the backend's choice)."""
+        assert self.init_info.bucket_bytes is not None  # resolved in __init__
+        return self.init_info.bucket_bytes
+
+    def _default_bucket_bytes(self) -> int:
+        """The bucket capacity where the init info names none (override per staging)."""
+        return DEFAULT_BUCKET_BYTES
 
     def _staging_device(self, override: str | None) -> torch.device:
         """Where staging lives: the init info's `device` when given, else the source's."""

@@ -5,7 +5,7 @@ buffer by each receiver and reused across updates); CPU tensors through POSIX sh
 """
 
 import wtransfer
-from wtransfer_ipc.info import IPCInitInfo, IPCTrainerInitInfo, IPCUpdateInfo
+from wtransfer_ipc.info import CUDA_BUCKET_BYTES, IPCInitInfo, IPCTrainerInitInfo, IPCUpdateInfo
 
 BACKEND = wtransfer.Backend(
     name="ipc",
@@ -14,4 +14,4 @@ BACKEND = wtransfer.Backend(
     summary="CUDA IPC / POSIX shared memory, same host",
 )
 
-__all__ = ["BACKEND", "IPCInitInfo", "IPCTrainerInitInfo", "IPCUpdateInfo"]
+__all__ = ["BACKEND", "CUDA_BUCKET_BYTES", "IPCInitInfo", "IPCTrainerInitInfo", "IPCUpdateInfo"]

@@ -9,6 +9,12 @@ from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.records import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 
 TRANSPORTS = ("shm", "cuda")
+CUDA_BUCKET_BYTES = 1 << 30
+"""The ipc sender's bucket capacity for staging in CUDA memory where the init info names none.
+Handing one bucket from the trainer's process to an engine's on the same GPU costs about
+0.1-0.25 ms whatever its size (the two processes' GPU work takes turns; measured on one H200,
+docs/benchmarks.md), so 64 MiB buckets of a 16 GB model spend more time handing over than
+copying; 1 GiB buckets cost 2 GiB of GPU memory at the default two buffers."""
 STAGING_FIELDS = ("transport", "buffers", "sender_pid", "token")
 """The fields that describe one sender's staging buffers."""
 
@@ -20,7 +26,7 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = "ipc"
     device: str | None = None
     """Where staging buffers live ("cpu" -> shared memory, "cuda:N" -> CUDA IPC); default: the
-    device of the source's tensors."""
+    device of the source's tensors. CUDA staging buckets default to `CUDA_BUCKET_BYTES`."""
     zero_copy: bool = True
     """CUDA sources: share the source tensors' own storage (exported once, again only when a
     storage changes) and let each receiver copy every tensor straight into its parameter: one

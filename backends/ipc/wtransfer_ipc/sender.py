@@ -18,10 +18,12 @@ from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
 from wtransfer.trainer.source import WeightSource
 from wtransfer.transport.window import CallChannel
 from wtransfer_ipc.cuda import await_event, export_buffer, exported_event, withdraw_event
-from wtransfer_ipc.info import STAGING_FIELDS, IPCTrainerInitInfo
+from wtransfer_ipc.info import CUDA_BUCKET_BYTES, STAGING_FIELDS, IPCTrainerInitInfo
 from wtransfer_ipc.sender_process import own_start_time
 from wtransfer_ipc.shm import SharedBuffer
 from wtransfer_ipc.zero_copy import ZeroCopyExports, shareable
+
+_MIB = 1 << 20
 
 
 class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
@@ -55,19 +57,34 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         """The source's exported storages, when zero-copy updates apply (CUDA, no checksums,
         one unsharded sender)."""
 
+    def _default_bucket_bytes(self) -> int:
+        """Packed updates through CUDA staging: `CUDA_BUCKET_BYTES`, or the source's size
+        rounded up to a MiB where that is less (each bucket's hand-over costs a fixed time
+        however small it is). Zero-copy updates and shared memory: the general default (a
+        zero-copy sender packs only what it cannot share)."""
+        if self._staging_device(self.init_info.device).type != "cuda" or self._zero_copy_on():
+            return super()._default_bucket_bytes()
+        total = sum(meta.nbytes for meta in self.source.metadata())
+        return min(CUDA_BUCKET_BYTES, max(1, -(-total // _MIB)) * _MIB)
+
+    def _zero_copy_on(self) -> bool:
+        """Whether updates go zero-copy where the tensors allow (see `zero_copy`)."""
+        info = self.init_info
+        return info.zero_copy and not info.checksum and not self.source.sharded
+
     def _connect(self) -> dict[str, Any]:
         info = self.init_info
         token = secrets.token_hex(8)
         if self.device.type == "cuda":
-            if info.zero_copy and not info.checksum and not self.source.sharded:
+            if self._zero_copy_on():
                 self._zero_copy = ZeroCopyExports(token)
-            self._staging = [torch.empty(info.bucket_bytes, dtype=torch.uint8,
+            self._staging = [torch.empty(self.bucket_bytes, dtype=torch.uint8,
                                          device=self.device) for _ in range(info.num_buffers)]
             buffers: list[Any] = [export_buffer(b, token, i) for i, b in enumerate(self._staging)]
             self._packed = [exported_event(self.device) for _ in self._staging]
             transport = "cuda"
         else:
-            self._shm = SharedBuffer.create_set(info.num_buffers, info.bucket_bytes)
+            self._shm = SharedBuffer.create_set(info.num_buffers, self.bucket_bytes)
             self._staging = [b.tensor for b in self._shm if b.tensor is not None]
             buffers = [b.name for b in self._shm]
             transport = "shm"

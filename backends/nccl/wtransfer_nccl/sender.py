@@ -81,7 +81,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                               f"{self.senders + workers}, or leave it out")
         self.world_size = self.senders + workers
         self.m2n = self._choose_m2n()
-        self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
+        self._staging = [torch.empty(self.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]
         port = info.master_port
         if self.lead:  # host before any peer is told where: a port taken fails here, clearly
@@ -187,7 +187,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                            info.timeout_s, self.device)
         everyone = read_layouts(store, range(self.world_size), info.timeout_s)
         self._planner = Planner(everyone[:self.senders], everyone[self.senders:],
-                                info.bucket_bytes)
+                                self.bucket_bytes)
         return group
 
     def _outgoing(self, share: Share) -> Outgoing:

@@ -51,7 +51,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         port = self._ucx.listen(info.listen_port)
         if info.rma and not info.checksum and not self.source.sharded:
             self._exports = ExportedTensors(self._ucx.context)
-        self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
+        self._staging = [torch.empty(self.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]
         return receiver_init_dict(info, trainer_address=info.listen_address,
                                   trainer_port=port, session=self._session)

@@ -68,7 +68,7 @@ class InlineSender(TrainerTransferEngine[InlineTrainerInitInfo]):
     init_info_cls = InlineTrainerInitInfo
 
     def _connect(self) -> dict[str, Any]:
-        self._staging = [torch.empty(self.init_info.bucket_bytes, dtype=torch.uint8)
+        self._staging = [torch.empty(self.bucket_bytes, dtype=torch.uint8)
                          for _ in range(self.init_info.num_buffers)]
         return receiver_init_dict(self.init_info)
 
