@@ -1,24 +1,35 @@
 # Every one-GPU table of docs/benchmarks.md in one device call each (nvidia-h200), from the
 # repository root on the device with the wheels the image lacks carried in .whl/:
+#     bash benchmarks/gpu_one.sh suite    # every gpu-marked test, four at a time (one GPU)
 #     bash benchmarks/gpu_one.sh paths    # staged commit, delta compare, MoE on CUDA, ipc ratios
+#     bash benchmarks/gpu_one.sh ipc      # the ipc ratios alone (three runs)
 #     bash benchmarks/gpu_one.sh peers    # checkpoint-engine side by side
+# The UCX wheels (ucxx-cu13, libucxx-cu13, libucx-cu13<1.22, rmm-cu13, librmm-cu13,
+# rapids-logger) go in .whl/ucx/ (about 53 MB); without them the ucx tests fail to start.
 # Results and logs go to $OUT.
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site NCCL_NVLS_ENABLE=0 WTRANSFER_BENCH_DIR=$OUT
 ts() { date +%H:%M:%S; }
 echo "$(ts) setup"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl > /tmp/wheels.log 2>&1 || tail -5 /tmp/wheels.log
+    .whl/*.whl $(ls .whl/ucx/*.whl 2>/dev/null) > /tmp/wheels.log 2>&1 || tail -5 /tmp/wheels.log
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/ipc -e backends/nccl \
-    > /tmp/install.log 2>&1 || tail -5 /tmp/install.log
+    -e backends/ucx > /tmp/install.log 2>&1 || tail -5 /tmp/install.log
 case "$1" in
-paths)
-    echo "$(ts) this wave's paths"
-    timeout 200 python3 benchmarks/gpu_paths.py --model qwen3-8b --repeats 5 \
-        2>&1 | tee $OUT/paths.txt | tail -12; echo "rc $?"
-    for run in 1 2 3; do
+suite)
+    echo "$(ts) gpu-marked tests, 4 workers (a hang prints every thread's stack after 120 s)"
+    timeout 400 python3 -m pytest -m gpu -q -n 4 --dist loadscope -p no:cacheprovider \
+        --durations=15 -o faulthandler_timeout=120 tests > $OUT/suite.txt 2>&1; echo "rc $?"
+    grep -E "passed|failed|FAILED|ERROR|s call" $OUT/suite.txt | tail -40 ;;
+paths|ipc)
+    if [ "$1" = paths ]; then
+        echo "$(ts) this wave's paths"
+        timeout 200 python3 benchmarks/gpu_paths.py --model qwen3-8b --repeats 5 \
+            2>&1 | tee $OUT/paths.txt | tail -12; echo "rc $?"
+    fi
+    for run in 1 2 3; do  # bucket 0: the default (packed through CUDA staging: 1 GiB)
         echo "$(ts) ipc zero-copy and packed, run $run"
         WTRANSFER_BENCH_DIR=$OUT/ipc-$run timeout 110 python3 benchmarks/transfer.py \
-            --backend ipc --device cuda:0 --models qwen3-8b --bucket-mb 1024 --repeats 5 \
+            --backend ipc --device cuda:0 --models qwen3-8b --bucket-mb 0,64 --repeats 5 \
             > $OUT/ipc-$run.txt 2>&1; echo "rc $?"
         tail -8 $OUT/ipc-$run.txt
     done ;;
@@ -26,6 +37,6 @@ peers)
     echo "$(ts) checkpoint-engine side by side"
     timeout 560 python3 benchmarks/peers.py --model qwen3-8b 2>&1 | tee $OUT/peers.txt \
         | tail -25; echo "rc $?" ;;
-*) echo "usage: gpu_one.sh paths|peers"; exit 2 ;;
+*) echo "usage: gpu_one.sh suite|paths|ipc|peers"; exit 2 ;;
 esac
 echo "$(ts) done"

@@ -231,12 +231,14 @@ def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
     if backend == "ucx" and reads:  # each worker reads every tensor out of the trainer
         paths.append(("one-sided reads", 0, trainer_info(backend, len(devices), rma=True)))
     for mb in buckets_mb:
-        extra: dict[str, Any] = {"zero_copy": False} if backend == "ipc" else {}
+        extra: dict[str, Any] = ({"zero_copy": False} if backend == "ipc" else
+                                 {"rma": False} if backend == "ucx" else {})
         if direct_mb is not None and backend != "ipc":
             extra["direct_threshold"] = int(direct_mb * (1 << 20))
         # nccl and ucx may move tensors on their own (direct) besides packed buckets
         label = "packed" if backend == "ipc" else "send_weights"
-        paths.append((label, mb, trainer_info(backend, len(devices), bucket_bytes=mb << 20,
+        paths.append((label, mb, trainer_info(backend, len(devices),
+                                               bucket_bytes=(mb << 20) or None,
                                                num_buffers=num_buffers, **extra)))
     with receivers(backend, name, devices) as client:
         for path, mb, info in paths:
@@ -373,7 +375,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="ipc", choices=["ipc", "nccl", "ucx"])
     parser.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b")
-    parser.add_argument("--bucket-mb", default="64,256")
+    parser.add_argument("--bucket-mb", default="64,256",
+                        help="bucket sizes in MiB, comma-separated; 0: the backend's default")
     parser.add_argument("--device", default="cpu", help="the trainer's device")
     parser.add_argument("--receiver-devices", default=None,
                         help="one receiver process per device, comma-separated (default: "

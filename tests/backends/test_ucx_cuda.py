@@ -13,19 +13,46 @@ ucx = pytest.importorskip("wtransfer_ucx.transport", reason="UCXX is not install
 
 @pytest.mark.gpu
 class TestUCXConformanceCUDA(BackendConformance):
-    """Every conformance case with both sides' tensors on cuda:0, in separate processes."""
+    """Every conformance case with both sides' tensors on cuda:0, in separate processes,
+    moved by tagged buckets (`rma=False`)."""
 
     backend = "ucx"
     device = "cuda:0"
     timeout_s = 20.0
 
+    def init_fields(self, workers: int) -> dict[str, object]:
+        return {"rma": False}
+
 
 @pytest.mark.gpu
 class TestUCXRemoteReadsConformanceCUDA(TestUCXConformanceCUDA):
-    """The same cases moved by one-sided reads out of the trainer's memory (`rma=True`)."""
+    """The same cases with the default `rma=None`, which on one host with CUDA tensors moves
+    them by one-sided reads out of the trainer's memory."""
 
     def init_fields(self, workers: int) -> dict[str, object]:
-        return {"rma": True}
+        return {}
+
+
+@pytest.mark.gpu
+def test_reads_are_chosen_for_cuda_tensors_on_one_host_and_tagged_buckets_elsewhere():
+    """`rma=None`: one-sided reads for CUDA tensors with a loopback listen address; tagged
+    buckets when the listen address may take other hosts, or when asked; each choice says
+    why, and every update lands bit-exact."""
+    from wtransfer_ucx import UCXTrainerInitInfo
+
+    model = build("demo", seed=1, device="cuda:0")
+    cases = [({}, True, "one-sided reads: CUDA tensors, cuda_ipc, every worker on this host"),
+             ({"listen_address": "0.0.0.0"}, False, "may take workers on other hosts"),
+             ({"rma": False}, False, "tagged buckets (rma=False)")]
+    for fields, reads, why in cases:
+        with spawn_receiver("ucx", model="demo", seed=2, device="cuda:0") as child:
+            client = RPCClient(child.address, timeout_s=60)
+            info = UCXTrainerInitInfo(timeout_s=60, **fields)
+            with wtransfer.trainer_init(info, client=client,
+                                        source=wtransfer.ModuleSource(model)) as sender:
+                sender.send_weights()
+                assert sender.reads.on is reads and why in sender.reads.reason
+            assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
 
 
 @pytest.mark.gpu

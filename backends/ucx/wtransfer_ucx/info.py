@@ -21,17 +21,20 @@ class UCXTrainerInitInfo(TrainerInitInfo):
     device: str | None = None
     """Staging device; default the source's (CUDA buffers move device to device when UCX was
     built with CUDA support)."""
-    rma: bool = False
+    rma: bool | None = None
     """Let each engine worker read every tensor straight out of the trainer's memory into its
     parameter (UCX remote memory access through UCXX's handles; see
     `wtransfer_ucx.remote_reads`): one control call per update and no staging on either
-    side. Applies with one unsharded sender, no checksums and contiguous tensors (otherwise
-    tagged buckets move the update). As fast as tagged buckets or faster where measured
-    (host memory over TCP: 0.90 against 0.83 of one raw send, Qwen3-0.6B; Qwen3-8B on one H200:
-    11.0 against 30.9 ms, 0.75 of one raw send; across two H200s with NVLink: 0.91, as tagged).
-    Opt-in: every worker must reach the trainer's memory through a transport that reads it
-    (cuda_ipc on one host, RDMA with GPUDirect across hosts; UCX emulates the rest about 100x
-    slower), and it has not been measured across hosts (see docs/benchmarks.md)."""
+    side; otherwise tagged buckets move the update. Reads apply with one unsharded sender,
+    no checksums and contiguous tensors. None (default): reads where they are known to be
+    fast, that is the trainer's tensors are on CUDA, this UCX loaded its cuda_ipc transport,
+    and `listen_address` is a loopback address (every worker that reaches it runs on this
+    host, where cuda_ipc reads the trainer's GPU memory); tagged buckets elsewhere.
+    Measured: Qwen3-8B on one H200 11.0 ms against 30.9 ms tagged (0.75 of one raw send);
+    across two H200s with NVLink 0.91, as tagged; host memory over TCP 0.90 against 0.83.
+    True across hosts only where RDMA with GPUDirect reaches the trainer's GPU: without a
+    transport that reads remote memory UCX emulates the reads about 100x slower (not
+    measured across hosts). `UCXSender.reads` says which way the updates go, and why."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

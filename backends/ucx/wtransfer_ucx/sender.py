@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +27,29 @@ from wtransfer_ucx.transport import (
     tag,
 )
 
+log = logging.getLogger("wtransfer.ucx.sender")
+
+
+@dataclass(frozen=True)
+class ReadsChoice:
+    """Whether a sender's updates go as one-sided reads (`on`) and why (`reason`)."""
+
+    on: bool
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def is_loopback(address: str) -> bool:
+    """Whether `address` (a listen address: a name or an IP) is this host's loopback."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
 
 class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
     """Packs bucket k+1 while bucket k is on the wire to every worker (one endpoint each)."""
@@ -44,12 +70,37 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         self._exports: ExportedTensors | None = None
         """The source's tensors registered for the workers' one-sided reads, when those
         apply (`UCXTrainerInitInfo.rma`)."""
+        self.reads = ReadsChoice(False, "not connected yet")
+        """Whether updates go as one-sided reads, and why (chosen at init)."""
+
+    def _choose_reads(self) -> ReadsChoice:
+        """`UCXTrainerInitInfo.rma` applied to this sender (see there)."""
+        info, ucx = self.init_info, self._ucx
+        assert ucx is not None
+        if info.checksum or self.source.sharded:
+            return ReadsChoice(False, "tagged buckets: checksums and sharded sources need them")
+        if info.rma is not None:
+            return ReadsChoice(info.rma, f"{'one-sided reads' if info.rma else 'tagged buckets'}"
+                                         f" (rma={info.rma})")
+        if self.device.type != "cuda":
+            return ReadsChoice(False, "tagged buckets: the trainer's tensors are in host "
+                                      "memory (rma=None reads only GPU memory)")
+        if not ucx.cuda_ipc:
+            return ReadsChoice(False, "tagged buckets: this UCX has no cuda_ipc transport")
+        if not is_loopback(info.listen_address):
+            return ReadsChoice(False, f"tagged buckets: listen_address "
+                                      f"{info.listen_address!r} may take workers on other "
+                                      "hosts (rma=True reads where RDMA reaches this GPU)")
+        return ReadsChoice(True, "one-sided reads: CUDA tensors, cuda_ipc, every worker on "
+                                 "this host (loopback listen_address)")
 
     def _connect(self) -> dict[str, Any]:
         info = self.init_info
         self._ucx = acquire_worker()
         port = self._ucx.listen(info.listen_port)
-        if info.rma and not info.checksum and not self.source.sharded:
+        self.reads = self._choose_reads()
+        log.info("ucx: %s", self.reads)
+        if self.reads.on:
             self._exports = ExportedTensors(self._ucx.context)
         self._staging = [torch.empty(self.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]

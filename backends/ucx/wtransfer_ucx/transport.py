@@ -53,12 +53,16 @@ class UCXWorker:
 
         self.api = ucx_api
         features = (ucx_api.Feature.TAG, ucx_api.Feature.RMA)
+        options = context_options()
         try:
-            self.context = ucx_api.UCXContext(config_dict=context_options(),
-                                              feature_flags=features)
+            self.context = ucx_api.UCXContext(config_dict=options, feature_flags=features)
+            loaded = bool(options)  # the cuda_ipc option was taken: cuda_ipc is loaded
         except ucx_api.UCXInvalidParamError:  # this UCX has no cuda_ipc (no CUDA here)
             self.context = ucx_api.UCXContext(feature_flags=features)
+            loaded = False
         self.worker = ucx_api.UCXWorker(self.context)
+        self.cuda_ipc = loaded or "cuda_ipc" in self.transports()
+        """Whether this UCX loaded its cuda_ipc transport (reads of GPU memory on one host)."""
         self.worker.start_progress_thread(polling_mode=True)
         self.progressing = True
         self.endpoints: list[Any] = []
