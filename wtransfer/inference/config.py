@@ -119,11 +119,15 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
                               num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                               intermediate_size=3072, tie_word_embeddings=True,
                               max_position_embeddings=40960, torch_dtype="bfloat16"),
+    "qwen3-8b": ModelConfig(vocab_size=151936, hidden_size=4096, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                            intermediate_size=12288, tie_word_embeddings=False,
+                            max_position_embeddings=40960, torch_dtype="bfloat16"),
 }
 """Named random-weight models: "tiny" for tests, "tiny-moe" (Qwen3-MoE, 4 experts, 2 per
 token), "tiny32" where an engine needs head_dim >= 32 (vLLM's CPU attention), "tiny-fp8" whose
-tensor-parallel halves are whole 128 x 128 blocks (FP8 with 2 workers), Qwen3-0.6B shapes
-for benchmarks."""
+tensor-parallel halves are whole 128 x 128 blocks (FP8 with 2 workers), Qwen3-0.6B and
+Qwen3-8B shapes for benchmarks (the 8B one on a GPU: 16 GB of random weights)."""
 
 
 @dataclass(frozen=True, kw_only=True)
