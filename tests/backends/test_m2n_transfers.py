@@ -145,13 +145,15 @@ def test_every_update_lands_and_a_killed_trainer_rank_leaves_the_weights_as_they
         client.close()
 
 
-def test_fsdp_ranks_feed_an_fp8_engine_each_worker_only_its_blocks(serve):
+@pytest.mark.parametrize("model", ["tiny-fp8", "tiny-moe-fp8"])
+def test_fsdp_ranks_feed_an_fp8_engine_each_worker_only_its_blocks(serve, model):
     """M->N into two FP8 workers: each receives only its rows (columns) of every projection in
     the trainer's dtype, straight from the ranks' shards, and quantizes them itself (whole
-    128x128 blocks); the weights assembled from both equal a fresh FP8 engine's."""
-    engine = serve("--model", "tiny-fp8", "--quantization", "fp8", "--tensor-parallel-size", "2")
+    128x128 blocks; of every expert, its gate and up rows and down columns); the weights
+    assembled from both equal a fresh FP8 engine's."""
+    engine = serve("--model", model, "--quantization", "fp8", "--tensor-parallel-size", "2")
     with TrainerRanks(2, backend="nccl", addresses=[engine.url], senders=2,
-                      model="llm:tiny-fp8", seed=5, init_fields=fields(),
+                      model=f"llm:{model}", seed=5, init_fields=fields(),
                       fingerprint=True) as trainers:
         outs = [trainers.wait_for(r, "sent", 180) for r in range(2)]
         assert trainers.wait(60) == [0, 0]
@@ -159,9 +161,9 @@ def test_fsdp_ranks_feed_an_fp8_engine_each_worker_only_its_blocks(serve):
     assert all(o["gathered_peak_bytes"] == 0 for o in outs)
     assert sum(o["sent_bytes"] for o in outs) == sum(w["last_update_bytes"] for w in workers)
     assert all(w["last_update_bytes"] < outs[0]["bytes"] for w in workers)
-    fresh = serve("--model", "tiny-fp8", "--quantization", "fp8", "--seed", "5")
+    fresh = serve("--model", model, "--quantization", "fp8", "--seed", "5")
     assert (wtransfer.HTTPClient(engine.url).fingerprint()
             == wtransfer.HTTPClient(fresh.url).fingerprint())
-    split = serve("--model", "tiny-fp8", "--quantization", "fp8", "--seed", "5",
+    split = serve("--model", model, "--quantization", "fp8", "--seed", "5",
                   "--tensor-parallel-size", "2")
     assert [engine.greedy(p) for p in PROMPTS] == [split.greedy(p) for p in PROMPTS]

@@ -2,6 +2,7 @@
 or quantized on the trainer (`Fp8Source`); both give the bytes a fresh FP8 engine holds."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,10 +12,17 @@ from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
 from wtransfer.errors import ConfigError, MetadataError
-from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient, SamplingParams
+from wtransfer.inference import (
+    MODEL_CONFIGS,
+    AsyncEngine,
+    EngineConfig,
+    LocalEngineClient,
+    SamplingParams,
+)
 from wtransfer.inference.model import load_model
+from wtransfer.inference.parallel import check_fp8_shardable
 from wtransfer.packing import TensorMeta
-from wtransfer.quant.fp8 import FP8, dequantize, quantize
+from wtransfer.quant.fp8 import FP8, dequantize, is_quantized, quantize
 from wtransfer.quant.source import Fp8Source
 from wtransfer.shapes import perturb
 from wtransfer.trainer.source import WeightSource
@@ -23,8 +31,8 @@ PROMPT = [5, 17, 33, 2, 9]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 
 
-def fp8_engine(seed, **fields):
-    return AsyncEngine(EngineConfig(model="tiny", seed=seed, dtype="bfloat16",
+def fp8_engine(seed, model="tiny", **fields):
+    return AsyncEngine(EngineConfig(model=model, seed=seed, dtype="bfloat16",
                                     quantization="fp8", **fields))
 
 
@@ -48,16 +56,28 @@ def test_quantize_is_exact_per_block_and_deterministic():
     again, again_scale = quantize(w.clone())
     assert torch.equal(again.view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(again_scale, scale)
+    experts = torch.stack([w, -w, w * 3])  # fused experts: each matrix on its own blocks
+    eq, escale = quantize(experts)
+    assert eq.shape == experts.shape and escale.shape == (3, 3, 2)
+    for e in range(3):
+        alone, alone_scale = quantize(experts[e])
+        assert torch.equal(eq[e].view(torch.uint8), alone.view(torch.uint8))
+        assert torch.equal(escale[e], alone_scale)
+    assert torch.equal(dequantize(eq, escale, torch.float32)[1],
+                       dequantize(*quantize(-w), torch.float32))
 
 
-@pytest.mark.parametrize("backend", ["ipc", "nccl"])
-def test_both_ways_of_feeding_an_fp8_engine_give_a_fresh_fp8_engines_weights(backend):
+@pytest.mark.parametrize(("backend", "model"), [("ipc", "tiny"), ("nccl", "tiny"),
+                                                ("ipc", "tiny-moe-fp8")])
+def test_both_ways_of_feeding_an_fp8_engine_give_a_fresh_fp8_engines_weights(backend, model):
     """(a) BF16 sent, quantized by the engine; (b) quantized on the trainer, about half the
     projection bytes on the wire: both leave the engine with exactly the FP8 weights and scales
-    of a fresh FP8 engine built from the same BF16 weights, generating the same tokens."""
+    of a fresh FP8 engine built from the same BF16 weights, generating the same tokens. A
+    mixture-of-experts model's fused experts are quantized expert by expert."""
     async def main():
-        engine, fresh = fp8_engine(seed=1, weight_transfer_backend=backend), fp8_engine(seed=5)
-        trainer = load_model("tiny", seed=5, dtype="bfloat16")
+        engine = fp8_engine(seed=1, model=model, weight_transfer_backend=backend)
+        fresh = fp8_engine(seed=5, model=model)
+        trainer = load_model(model, seed=5, dtype="bfloat16")
         try:
             want = await fresh.fingerprint()
             assert await engine.fingerprint() != want
@@ -74,7 +94,11 @@ def test_both_ways_of_feeding_an_fp8_engine_give_a_fresh_fp8_engines_weights(bac
                 ref = await collect(fresh, f"r{way}", PROMPT, GREEDY)
                 assert done.outputs[0].token_ids == ref.outputs[0].token_ids
             state = trainer.state_dict()
-            projections = sum(t.numel() for n, t in state.items() if n.endswith("proj.weight"))
+            projections = sum(t.numel() for n, t in state.items()
+                              if is_quantized(n, tuple(t.shape)))
+            if model == "tiny-moe-fp8":
+                assert await engine.fingerprint() == want
+                assert any(n.endswith("experts.gate_up_proj_scale_inv") for n in want)
             unique = {t.data_ptr(): t for t in state.values()}.values()  # tied weights once
             assert moved["a"] == sum(t.numel() * t.element_size() for t in unique)
             assert moved["a"] - moved["b"] >= projections * 0.9  # 2 -> 1 byte, plus scales
@@ -85,21 +109,26 @@ def test_both_ways_of_feeding_an_fp8_engine_give_a_fresh_fp8_engines_weights(bac
     run(main(), deadline_s=240)
 
 
-@pytest.mark.parametrize("backend", ["ipc", "nccl"])
-def test_two_fp8_workers_fed_both_ways_hold_one_fp8_engines_weights(backend):
+@pytest.mark.parametrize(("backend", "model", "expert"), [
+    ("ipc", "tiny-fp8", False), ("nccl", "tiny-fp8", False),
+    ("ipc", "tiny-moe-fp8", False), ("nccl", "tiny-moe-fp8", True)])
+def test_two_fp8_workers_fed_both_ways_hold_one_fp8_engines_weights(backend, model, expert):
     """tensor_parallel_size=2: each worker keeps its rows (columns) of every FP8 projection
-    and the matching block scales; fed BF16 (quantized by the engine) or quantized on the
-    trainer, the weights assembled from both workers equal a fresh one-worker FP8 engine's,
-    and greedy tokens equal a fresh two-worker FP8 engine's built from the same weights."""
+    and the matching block scales (of every expert: its gate and up rows and down columns,
+    or with expert parallelism its whole experts); fed BF16 (quantized by the engine) or
+    quantized on the trainer, the weights assembled from both workers equal a fresh
+    one-worker FP8 engine's, and greedy tokens equal a fresh two-worker FP8 engine's built
+    from the same weights."""
     async def main():
         def engine(seed, tp, **fields):
-            return AsyncEngine(EngineConfig(model="tiny-fp8", seed=seed, dtype="bfloat16",
+            return AsyncEngine(EngineConfig(model=model, seed=seed, dtype="bfloat16",
                                             quantization="fp8", tensor_parallel_size=tp,
+                                            enable_expert_parallel=expert and tp > 1,
                                             **fields))
 
         split = engine(1, 2, weight_transfer_backend=backend, update_staging="swap")
         one, fresh = engine(5, 1), engine(5, 2)
-        trainer = load_model("tiny-fp8", seed=5, dtype="bfloat16")
+        trainer = load_model(model, seed=5, dtype="bfloat16")
         try:
             want = await one.fingerprint()
             assert await fresh.fingerprint() == want  # two workers' parts, assembled
@@ -211,6 +240,11 @@ def test_fp8_settings_that_are_not_served_are_refused():
         AsyncEngine(EngineConfig(model="tiny", quantization="fp8", tensor_parallel_size=2))
     with pytest.raises(ConfigError, match="tensor_parallel_size=3 must divide"):
         AsyncEngine(EngineConfig(model="tiny-fp8", quantization="fp8", tensor_parallel_size=3))
+    narrow = replace(MODEL_CONFIGS["tiny-moe-fp8"], moe_intermediate_size=128)
+    with pytest.raises(ConfigError, match=r"per worker: \{'expert gate/up rows, down columns "
+                                          r"\(moe_intermediate_size\)': 64\}"):
+        check_fp8_shardable(narrow, 2)
+    check_fp8_shardable(narrow, 2, expert=True)  # whole experts per worker: whole blocks
 
 
 class _FailsHalfway(WeightSource):

@@ -111,6 +111,11 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
                             num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                             intermediate_size=512, tie_word_embeddings=False,
                             max_position_embeddings=2048),
+    "tiny-moe-fp8": ModelConfig(vocab_size=256, hidden_size=128, num_hidden_layers=2,
+                                num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                intermediate_size=512, tie_word_embeddings=False,
+                                max_position_embeddings=2048, num_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=256),
     "small": ModelConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                          intermediate_size=384, tie_word_embeddings=True,
@@ -126,7 +131,8 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
 }
 """Named random-weight models: "tiny" for tests, "tiny-moe" (Qwen3-MoE, 4 experts, 2 per
 token), "tiny32" where an engine needs head_dim >= 32 (vLLM's CPU attention), "tiny-fp8" whose
-tensor-parallel halves are whole 128 x 128 blocks (FP8 with 2 workers), Qwen3-0.6B and
+tensor-parallel halves are whole 128 x 128 blocks (FP8 with 2 workers), "tiny-moe-fp8" the
+same for a Qwen3-MoE (4 experts, each worker's half of an expert whole blocks), Qwen3-0.6B and
 Qwen3-8B shapes for benchmarks (the 8B one on a GPU: 16 GB of random weights)."""
 
 

@@ -1,6 +1,7 @@
-"""FP8 linear layers for the engine (`EngineConfig(quantization="fp8")`): the scheme of
-`wtransfer.quant.fp8`, dequantized on the fly in the forward (correct on every device, not
-fast: torch's scaled matmul takes per-tensor or row-wise scales, not 128 x 128 blocks)."""
+"""FP8 linear layers and experts for the engine (`EngineConfig(quantization="fp8")`): the
+scheme of `wtransfer.quant.fp8`, dequantized on the fly in the forward (correct on every
+device, not fast: torch's scaled matmul takes per-tensor or row-wise scales, not 128 x 128
+blocks)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from wtransfer.inference.experts import Experts
 from wtransfer.quant.fp8 import FP8, dequantize, is_quantized, quantize, scale_shape
 
 
@@ -38,12 +40,40 @@ class Fp8Linear(nn.Module):
         return F.linear(x, dequantize(self.weight, self.weight_scale_inv, x.dtype))
 
 
+class Fp8Experts(Experts):
+    """A MoE layer's fused experts in FP8: ``gate_up_proj`` and ``down_proj`` as
+    float8_e4m3fn, each with ``<name>_scale_inv`` holding every expert's block scales
+    ([experts, row blocks, column blocks]); an expert is dequantized when tokens reach it."""
+
+    def __init__(self, experts: Experts) -> None:
+        nn.Module.__init__(self)
+        self.first = experts.first
+        q, scale = quantize(experts.gate_up_proj)
+        self.gate_up_proj = nn.Parameter(q, requires_grad=False)
+        self.gate_up_proj_scale_inv = nn.Parameter(scale, requires_grad=False)
+        q, scale = quantize(experts.down_proj)
+        self.down_proj = nn.Parameter(q, requires_grad=False)
+        self.down_proj_scale_inv = nn.Parameter(scale, requires_grad=False)
+
+    def gate_up(self, local: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `local`'s gate and up rows, dequantized in `dtype`."""
+        return dequantize(self.gate_up_proj[local], self.gate_up_proj_scale_inv[local], dtype)
+
+    def down(self, local: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `local`'s down projection, dequantized in `dtype`."""
+        return dequantize(self.down_proj[local], self.down_proj_scale_inv[local], dtype)
+
+
 def quantize_model(model: nn.Module) -> nn.Module:
     """Replace every projection the scheme quantizes (`is_quantized`) by an `Fp8Linear`
-    holding its weight quantized, in place; returns `model`."""
+    holding its weight quantized, and every layer's experts by `Fp8Experts`, in place;
+    returns `model`."""
     for name, module in list(model.named_modules()):
+        parent_name, _, leaf = name.rpartition(".")
         if isinstance(module, nn.Linear) and module.bias is None and \
                 is_quantized(f"{name}.weight", tuple(module.weight.shape)):
-            parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name), leaf, Fp8Linear.of(module))
+        elif type(module) is Experts and \
+                is_quantized(f"{name}.gate_up_proj", tuple(module.gate_up_proj.shape)):
+            setattr(model.get_submodule(parent_name), leaf, Fp8Experts(module))
     return model

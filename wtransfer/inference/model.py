@@ -20,12 +20,16 @@ from torch import nn
 
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.inference.config import MODEL_CONFIGS, ModelConfig
+from wtransfer.inference.experts import Experts
 from wtransfer.inference.fp8_linear import Fp8Linear, quantize_model
-from wtransfer.inference.parallel import Parallel, check_fp8_shardable, check_shardable, layouts
+from wtransfer.inference.parallel import (
+    ALONE,
+    Parallel,
+    check_fp8_shardable,
+    check_shardable,
+    layouts,
+)
 from wtransfer.packing import DTYPES
-
-ALONE = Parallel()
-"""A model that is not split."""
 
 
 @dataclass
@@ -137,21 +141,6 @@ class MLP(nn.Module):
         return self.par.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
-class Experts(nn.Module):
-    """The experts of one MoE layer as two fused tensors, as transformers holds them:
-    ``gate_up_proj`` [experts, 2 x width, hidden] (gate rows, then up rows) and ``down_proj``
-    [experts, hidden, width]; a checkpoint's per-expert tensors load into them."""
-
-    def __init__(self, cfg: ModelConfig, par: Parallel = ALONE) -> None:
-        super().__init__()
-        count = cfg.num_experts // par.size if par.expert else cfg.num_experts
-        width = cfg.moe_intermediate_size if par.expert else cfg.moe_intermediate_size // par.size
-        self.first = par.span(cfg.num_experts)[0] if par.expert else 0
-        """The global index of this rank's first expert."""
-        self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * width, cfg.hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(count, cfg.hidden_size, width))
-
-
 class SparseMoE(nn.Module):
     """Qwen3-MoE's feed-forward: a router picks `num_experts_per_tok` experts per token, their
     SwiGLU outputs are summed with the routing weights (renormalized over the picked experts
@@ -180,8 +169,8 @@ class SparseMoE(nn.Module):
             pick, token = torch.where((chosen == experts.first + local).T)
             if token.numel() == 0:
                 continue
-            gate, up = F.linear(x[token], experts.gate_up_proj[local]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, experts.down_proj[local])
+            gate, up = F.linear(x[token], experts.gate_up(local, x.dtype)).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, experts.down(local, x.dtype))
             out.index_add_(0, token, (y * weights[token, pick, None]).to(out.dtype))
         return self.par.all_reduce(out)
 
@@ -341,7 +330,7 @@ def shard_model(full: Qwen3ForCausalLM, par: Parallel) -> Qwen3ForCausalLM:
     projections) gives a quantized shard: its part of each FP8 weight and of its scales."""
     shard = Qwen3ForCausalLM(full.config, par).to(full.model.embed_tokens.weight.dtype)
     if any(isinstance(m, Fp8Linear) for m in full.modules()):
-        check_fp8_shardable(full.config, par.size)
+        check_fp8_shardable(full.config, par.size, expert=par.expert)
         quantize_model(shard)  # the same modules, sharded shapes; the values come next
     state = full.state_dict()
     kept = layouts(full.config, par, state)

@@ -131,6 +131,10 @@ class Parallel:
         return self.rank * per, (self.rank + 1) * per
 
 
+ALONE = Parallel()
+"""A model that is not split."""
+
+
 def check_shardable(cfg: ModelConfig, par: Parallel) -> None:
     """`ConfigError` naming what does not split evenly over `par.size` workers."""
     if par.size == 1:
@@ -148,17 +152,22 @@ def check_shardable(cfg: ModelConfig, par: Parallel) -> None:
         raise ConfigError("enable_expert_parallel needs an MoE model (num_experts > 0)")
 
 
-def check_fp8_shardable(cfg: ModelConfig, size: int) -> None:
+def check_fp8_shardable(cfg: ModelConfig, size: int, *, expert: bool = False) -> None:
     """`ConfigError` unless each of `size` workers keeps whole 128 x 128 blocks of every FP8
-    projection (its rows of q/k/v/gate/up, its columns of o/down): then its scales are a
-    slice of the full tensor's, and quantizing its part alone gives the same bytes."""
+    projection (its rows of q/k/v/gate/up, its columns of o/down; of every expert, with
+    tensor-parallel experts, or whole experts with `expert` parallelism): then its scales
+    are a slice of the full tensor's, and quantizing its part alone gives the same bytes."""
     if size == 1:
         return
-    check_shardable(cfg, Parallel(0, size))  # what does not divide at all, said as such
+    check_shardable(cfg, Parallel(0, size, expert))  # what does not divide at all, said so
     cuts = {"q_proj rows (heads x head_dim)": cfg.num_attention_heads // size * cfg.head_dim,
             "k_proj/v_proj rows (KV heads x head_dim)":
-                cfg.num_key_value_heads // size * cfg.head_dim,
-            "gate/up rows, down columns (intermediate_size)": cfg.intermediate_size // size}
+                cfg.num_key_value_heads // size * cfg.head_dim}
+    if not all(cfg.is_moe_layer(layer) for layer in range(cfg.num_hidden_layers)):
+        cuts["gate/up rows, down columns (intermediate_size)"] = cfg.intermediate_size // size
+    if cfg.num_experts and not expert:
+        cuts["expert gate/up rows, down columns (moe_intermediate_size)"] = (
+            cfg.moe_intermediate_size // size)
     odd = {k: v for k, v in cuts.items() if v % BLOCK}
     if odd:
         raise ConfigError(f"quantization='fp8' with tensor_parallel_size={size} needs every "
@@ -230,12 +239,17 @@ def layouts(cfg: ModelConfig, par: Parallel, full: dict[str, torch.Tensor]
 
 
 def _scale_layout(name: str, shape: tuple[int, ...], weight: TensorLayout) -> TensorLayout:
-    """The block scales of an FP8 weight kept as `weight`: the same cut, in 128-blocks (a cut
-    at a multiple of 128, which `check_fp8_shardable` makes sure of)."""
-    box = weight.boxes[0]
-    cut = [d for d in range(2) if box.lengths[d] != weight.shape[d]]
-    if not cut:
+    """The block scales of an FP8 weight kept as `weight`: the same boxes, in 128-blocks on
+    the last two dimensions (cuts at multiples of 128, which `check_fp8_shardable` makes
+    sure of) and as they are on the others (the experts)."""
+    if weight.is_whole:
         return TensorLayout.whole(name, "float32", shape, replica=weight.replica)
-    dim = cut[0]
-    start = box.offsets[dim] // BLOCK
-    return _rows(name, "float32", shape, dim, start, start + -(-box.lengths[dim] // BLOCK))
+    matrix = len(shape) - 2
+    boxes = []
+    for box in weight.boxes:
+        offsets, lengths = list(box.offsets), list(box.lengths)
+        for d in range(matrix, len(shape)):
+            offsets[d], lengths[d] = offsets[d] // BLOCK, -(-lengths[d] // BLOCK)
+        boxes.append(Box(offsets=tuple(offsets), lengths=tuple(lengths)))
+    return TensorLayout(name=name, dtype="float32", shape=shape, boxes=tuple(boxes),
+                        concat_dim=weight.concat_dim)

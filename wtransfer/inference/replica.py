@@ -22,8 +22,8 @@ from wtransfer.inference.commands import Emit
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.fp8_linear import quantize_model
 from wtransfer.inference.lora import AdapterTable, LoRATarget, adapter_fingerprint, enable_lora
-from wtransfer.inference.model import ALONE, load_model, shard_model
-from wtransfer.inference.parallel import Parallel, check_fp8_shardable, layouts
+from wtransfer.inference.model import load_model, shard_model
+from wtransfer.inference.parallel import ALONE, Parallel, check_fp8_shardable, layouts
 from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.runner import ModelRunner
 from wtransfer.inference.scheduler import PauseState, Scheduler
@@ -69,11 +69,8 @@ class Replica:
         full = load_model(config.model, device="cpu" if tp > 1 else config.device,
                           dtype=config.dtype, seed=config.seed)
         checkpoint_dtype = dtype_name(full.model.embed_tokens.weight.dtype)
-        if config.quantization == "fp8":
-            if full.config.num_experts:
-                raise ConfigError("quantization='fp8' serves dense models for now; "
-                                  f"{config.model!r} has experts")
-            check_fp8_shardable(full.config, tp)  # before any worker starts
+        if config.quantization == "fp8":  # before any worker starts
+            check_fp8_shardable(full.config, tp, expert=config.enable_expert_parallel)
             quantize_model(full)
         self.adapters = AdapterTable(config.max_loras) if config.max_loras else None
         """Which LoRA adapter is in which slot (None: the engine serves none)."""

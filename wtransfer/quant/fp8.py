@@ -25,43 +25,53 @@ SCALE_SUFFIX = "_scale_inv"
 
 _QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
                         r"\.weight")
+_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj")
+"""A mixture-of-experts layer's fused experts, [experts, rows, cols] (transformers' names)."""
 
 
 def is_quantized(name: str, shape: tuple[int, ...]) -> bool:
     """Whether the FP8 scheme stores checkpoint tensor `name` quantized: the attention and
-    MLP projections of every layer; embeddings, norms, routers and the LM head stay in the
+    MLP projections of every layer, and the fused experts of every MoE layer (each expert's
+    matrix on its own blocks); embeddings, norms, routers and the LM head stay in the
     checkpoint's dtype."""
+    if len(shape) == 3:
+        return _EXPERTS.fullmatch(name) is not None
     return len(shape) == 2 and _QUANTIZED.fullmatch(name) is not None
 
 
-def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """The scales of a weight of `shape`: one per (partial) 128 x 128 block."""
-    rows, cols = shape
-    return -(-rows // BLOCK), -(-cols // BLOCK)
+def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The scales of a weight of `shape` ([..., rows, cols]): one per (partial) 128 x 128
+    block of each matrix."""
+    *lead, rows, cols = shape
+    return (*lead, -(-rows // BLOCK), -(-cols // BLOCK))
 
 
 def _blocks(w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """`w` (float32) padded with zeros to whole blocks, viewed [R, 128, C, 128]."""
-    rows, cols = w.shape
-    r, c = scale_shape((rows, cols))
-    padded = torch.zeros(r * BLOCK, c * BLOCK, dtype=torch.float32, device=w.device)
-    padded[:rows, :cols] = w
-    return padded.view(r, BLOCK, c, BLOCK), rows, cols
+    """`w` (float32, [..., rows, cols]) padded with zeros to whole blocks, viewed
+    [..., R, 128, C, 128]."""
+    *lead, rows, cols = w.shape
+    *_, r, c = scale_shape(tuple(w.shape))
+    padded = torch.zeros(*lead, r * BLOCK, c * BLOCK, dtype=torch.float32, device=w.device)
+    padded[..., :rows, :cols] = w
+    return padded.view(*lead, r, BLOCK, c, BLOCK), rows, cols
 
 
 @torch.no_grad()
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 weight, float32 scales) of a 2-D weight: per block, scale = amax / 448 (1 for an
-    all-zero block) and q = round(w / scale)."""
+    """(FP8 weight, float32 scales) of a weight [..., rows, cols]: per block of each matrix,
+    scale = amax / 448 (1 for an all-zero block) and q = round(w / scale)."""
     blocks, rows, cols = _blocks(weight.detach().float())
-    amax = blocks.abs().amax(dim=(1, 3))
+    amax = blocks.abs().amax(dim=(-3, -1))
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(blocks.shape[0] * BLOCK, -1)[:rows, :cols].contiguous(), scale
+    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    lead = blocks.shape[:-4]
+    q = q.view(*lead, blocks.shape[-4] * BLOCK, blocks.shape[-2] * BLOCK)
+    return q[..., :rows, :cols].contiguous(), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight an FP8 tensor and its block scales stand for, in `dtype`."""
-    rows, cols = q.shape
-    full = scale.repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
-    return (q.float() * full).to(dtype)
+    """The weight an FP8 tensor and its block scales stand for ([..., rows, cols]), in
+    `dtype`."""
+    rows, cols = q.shape[-2:]
+    full = scale.repeat_interleave(BLOCK, -2)[..., :rows, :].repeat_interleave(BLOCK, -1)
+    return (q.float() * full[..., :cols]).to(dtype)

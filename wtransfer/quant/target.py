@@ -76,23 +76,26 @@ class Fp8Target(WeightTarget):
         self.inner.load_weights(out)
 
     def _quantize_part(self, name: str, full: torch.Tensor) -> bool:
-        """A worker that keeps one box of `name` (whole 128 x 128 blocks: the engine checks
-        that at start-up) quantizes that part alone and writes it and its scales in place:
-        the same bytes as quantizing the full tensor, at 1/N of the work, and an M->N update
-        fills only this part of `full`. False when the worker holds `name` whole."""
+        """A worker that keeps boxes of `name` (whole 128 x 128 blocks: the engine checks
+        that at start-up; a tensor-parallel expert layer keeps two, its gate and its up rows)
+        quantizes those parts alone and writes them and their scales in place: the same bytes
+        as quantizing the full tensor, at 1/N of the work, and an M->N update fills only
+        these parts of `full`. False when the worker holds `name` whole."""
         kept = self.inner.keeps()
         layout = kept.get(name) if kept is not None else None
         scales = kept.get(name + SCALE_SUFFIX) if kept is not None else None
-        if layout is None or scales is None or layout.is_whole or len(layout.boxes) != 1:
+        if layout is None or scales is None or layout.is_whole or \
+                len(layout.boxes) != len(scales.boxes):
             return False
-        q, scale = quantize(layout.take(full))
-        weight_view = self.inner.region(name, layout.boxes[0])
-        scale_view = self.inner.region(name + SCALE_SUFFIX, scales.boxes[0])
-        if weight_view is None or scale_view is None or scale_view.shape != scale.shape:
-            raise MetadataError(f"{name!r}: this worker's part does not hold whole "
-                                f"{list(scale.shape)} blocks of scales")
-        weight_view.copy_(q)
-        scale_view.copy_(scale)
+        for box, scale_box in zip(layout.boxes, scales.boxes, strict=True):
+            q, scale = quantize(full[box.slices()])
+            weight_view = self.inner.region(name, box)
+            scale_view = self.inner.region(name + SCALE_SUFFIX, scale_box)
+            if weight_view is None or scale_view is None or scale_view.shape != scale.shape:
+                raise MetadataError(f"{name!r}: this worker's part does not hold whole "
+                                    f"{list(scale.shape)} blocks of scales")
+            weight_view.copy_(q)
+            scale_view.copy_(scale)
         return True
 
     def direct_bytes(self, name: str) -> torch.Tensor | None:
