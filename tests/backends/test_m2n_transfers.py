@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 import wtransfer
+import wtransfer.inference
 from wtransfer.launch.processes import free_port, spawn_receiver
 from wtransfer.launch.trainer_ranks import TrainerRanks
 from wtransfer.rpc import RPCClient
@@ -145,16 +146,19 @@ def test_every_update_lands_and_a_killed_trainer_rank_leaves_the_weights_as_they
         client.close()
 
 
-@pytest.mark.parametrize("model", ["tiny-fp8", "tiny-moe-fp8"])
-def test_fsdp_ranks_feed_an_fp8_engine_each_worker_only_its_blocks(serve, model):
-    """M->N into two FP8 workers: each receives only its rows (columns) of every projection in
-    the trainer's dtype, straight from the ranks' shards, and quantizes them itself (whole
-    128x128 blocks; of every expert, its gate and up rows and down columns); the weights
-    assembled from both equal a fresh FP8 engine's."""
+@pytest.mark.parametrize(("model", "fp8"), [("tiny-fp8", False), ("tiny-moe-fp8", False),
+                                          ("tiny-fp8", True), ("tiny-moe-fp8", True)])
+def test_fsdp_ranks_feed_an_fp8_engine_each_worker_only_its_blocks(serve, model, fp8):
+    """M->N into two FP8 workers: each receives only its rows (columns) of every projection
+    (of every expert, its gate and up rows and down columns) straight from the ranks'
+    shards, in the trainer's dtype, and quantizes them itself (whole 128x128 blocks), or
+    (`fp8`) already quantized by the ranks, each its own shard (blocks cut between two
+    shards included), so about half the bytes move; the weights assembled from both equal
+    a fresh FP8 engine's."""
     engine = serve("--model", model, "--quantization", "fp8", "--tensor-parallel-size", "2")
     with TrainerRanks(2, backend="nccl", addresses=[engine.url], senders=2,
                       model=f"llm:{model}", seed=5, init_fields=fields(),
-                      fingerprint=True) as trainers:
+                      fingerprint=True, fp8=fp8) as trainers:
         outs = [trainers.wait_for(r, "sent", 180) for r in range(2)]
         assert trainers.wait(60) == [0, 0]
     workers = engine.http.get("/weight_info").json()["workers"]
@@ -164,6 +168,25 @@ def test_fsdp_ranks_feed_an_fp8_engine_each_worker_only_its_blocks(serve, model)
     fresh = serve("--model", model, "--quantization", "fp8", "--seed", "5")
     assert (wtransfer.HTTPClient(engine.url).fingerprint()
             == wtransfer.HTTPClient(fresh.url).fingerprint())
+    bf16_bytes = sum(t.numel() * t.element_size() for t in
+                     wtransfer.inference.load_model(model, seed=5).state_dict().values())
+    assert (outs[0]["bytes"] < 0.7 * bf16_bytes) is fp8
     split = serve("--model", model, "--quantization", "fp8", "--seed", "5",
                   "--tensor-parallel-size", "2")
     assert [engine.greedy(p) for p in PROMPTS] == [split.greedy(p) for p in PROMPTS]
+
+
+def test_fsdp_ranks_quantize_their_shards_for_one_sender_that_gathers(serve):
+    """`Fp8Source` over FSDP2 shards with one sending rank: each rank quantizes its own
+    shard with the scales the ranks agreed on, the sender gathers FP8 rows bucket by bucket
+    and broadcasts them; the engine holds a fresh FP8 engine's bytes."""
+    engine = serve("--model", "tiny-fp8", "--quantization", "fp8")
+    with TrainerRanks(2, backend="nccl", addresses=[engine.url], senders=1,
+                      model="llm:tiny-fp8", seed=5, init_fields=fields(world_size=2),
+                      fingerprint=True, fp8=True) as trainers:
+        out = trainers.wait_for(0, "sent", 180)
+        assert trainers.wait(60) == [0, 0]
+    assert 0 < out["gathered_peak_bytes"] <= 2 * BUCKET
+    fresh = serve("--model", "tiny-fp8", "--quantization", "fp8", "--seed", "5")
+    assert (wtransfer.HTTPClient(engine.url).fingerprint()
+            == wtransfer.HTTPClient(fresh.url).fingerprint())

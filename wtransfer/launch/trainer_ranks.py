@@ -62,7 +62,11 @@ def run(args: argparse.Namespace) -> None:
         client = clients[0] if len(clients) == 1 else FanoutClient(clients)
     fields = wire.decode(bytes.fromhex(args.init_hex)) if args.init_hex else {}
     info = wtransfer.get_backend(args.backend).sender_class().init_info_cls(**fields)
-    source = wtransfer.ModuleSource(model)
+    source: Any = wtransfer.ModuleSource(model)
+    if args.fp8:  # the ranks quantize their shards before sending (an FP8 engine's scheme)
+        from wtransfer.quant.source import Fp8Source
+
+        source = Fp8Source(source)
     sender = wtransfer.trainer_init(info, client=client, source=source)
     print(json.dumps({"event": "ready", "rank": args.rank, "pid": os.getpid()}), flush=True)
     for step in range(args.updates):
@@ -85,7 +89,7 @@ class TrainerRanks:
     def __init__(self, ranks: int, *, backend: str, addresses: list[str], senders: int = 1,
                  model: str = "mixed", seed: int = 1, updates: int = 1,
                  init_fields: dict[str, Any] | None = None, fingerprint: bool = False,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, fp8: bool = False) -> None:
         from wtransfer.launch.processes import local_store
 
         self._store = local_store(ranks, timeout_s)  # lives as long as the ranks
@@ -102,6 +106,8 @@ class TrainerRanks:
                 cmd += ["--init-hex", wire.encode(init_fields).hex()]
             if fingerprint:
                 cmd.append("--fingerprint")
+            if fp8:
+                cmd.append("--fp8")
             self.procs.append(subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}))
@@ -184,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--init-hex", default="")
     parser.add_argument("--fingerprint", action="store_true")
+    parser.add_argument("--fp8", action="store_true",
+                        help="send through Fp8Source (quantized on the ranks)")
     run(parser.parse_args(argv))
 
 

@@ -61,12 +61,53 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 weight, float32 scales) of a weight [..., rows, cols]: per block of each matrix,
     scale = amax / 448 (1 for an all-zero block) and q = round(w / scale)."""
     blocks, rows, cols = _blocks(weight.detach().float())
-    amax = blocks.abs().amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = scales_of(blocks.abs().amax(dim=(-3, -1)))
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     lead = blocks.shape[:-4]
     q = q.view(*lead, blocks.shape[-4] * BLOCK, blocks.shape[-2] * BLOCK)
     return q[..., :rows, :cols].contiguous(), scale
+
+
+@torch.no_grad()
+def block_amax(part: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...]
+               ) -> torch.Tensor:
+    """The largest |value| `part` holds in each 128 x 128 block of a weight of `shape`, where
+    `part` is the box of it starting at `offsets` (0 for blocks it does not touch): the
+    element-wise max of every rank's result is the whole weight's amax per block."""
+    out = torch.zeros(scale_shape(shape), dtype=torch.float32, device=part.device)
+    if part.numel() == 0:
+        return out
+    *lead_off, r0, c0 = offsets
+    *_, nr, nc = part.shape
+    top, left = r0 % BLOCK, c0 % BLOCK
+    rb, cb = -(-(top + nr) // BLOCK), -(-(left + nc) // BLOCK)
+    padded = torch.zeros(*part.shape[:-2], rb * BLOCK, cb * BLOCK, dtype=torch.float32,
+                         device=part.device)
+    padded[..., top:top + nr, left:left + nc] = part.detach().float().abs()
+    amax = padded.view(*part.shape[:-2], rb, BLOCK, cb, BLOCK).amax(dim=(-3, -1))
+    index = tuple(slice(o, o + n) for o, n in zip(lead_off, part.shape[:-2], strict=True))
+    out[(*index, slice(r0 // BLOCK, r0 // BLOCK + rb), slice(c0 // BLOCK, c0 // BLOCK + cb))] \
+        = amax
+    return out
+
+
+def scales_of(amax: torch.Tensor) -> torch.Tensor:
+    """Block scales from per-block amax: amax / 448, 1 for an all-zero block."""
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+@torch.no_grad()
+def quantize_box(part: torch.Tensor, offsets: tuple[int, ...], scale: torch.Tensor
+                 ) -> torch.Tensor:
+    """The FP8 values of `part`, the box of a weight starting at `offsets`, given the whole
+    weight's block scales: the same bytes as that box of `quantize(weight)`."""
+    *lead_off, r0, c0 = offsets
+    *_, nr, nc = part.shape
+    index = tuple(slice(o, o + n) for o, n in zip(lead_off, part.shape[:-2], strict=True))
+    rows = (torch.arange(nr, device=part.device) + r0) // BLOCK
+    cols = (torch.arange(nc, device=part.device) + c0) // BLOCK
+    local = scale[index][..., rows[:, None], cols[None, :]]
+    return (part.detach().float() / local).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,13 +1,33 @@
-"""`Fp8Source`: a trainer's source quantized before it is sent (half the bytes move)."""
+"""`Fp8Source`: a trainer's source quantized before it is sent (half the bytes move).
+
+A sharded source (FSDP2, DTensors) is quantized where it lies: each rank takes the largest
+|value| of every 128 x 128 block its shard touches, the ranks agree on each block's amax with
+one all-reduce (max) of those small tables per mesh, and each rank then quantizes its own
+rows with the whole weight's scales: the same bytes as quantizing the gathered weight, with
+nothing gathered (a block cut between two ranks' shards included). The FP8 weight keeps the
+weight's placements; every rank holds the scales whole.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from wtransfer.packing import TensorMeta
-from wtransfer.quant.fp8 import SCALE_SUFFIX, is_quantized, quantize, scale_shape
+from wtransfer.packing import TensorMeta, is_dtensor
+from wtransfer.quant.fp8 import (
+    SCALE_SUFFIX,
+    block_amax,
+    is_quantized,
+    quantize,
+    quantize_box,
+    scale_shape,
+    scales_of,
+)
+from wtransfer.trainer.layouts import dtensor_layout
 from wtransfer.trainer.source import WeightSource
 
 
@@ -45,3 +65,54 @@ class Fp8Source(WeightSource):
     def device(self) -> torch.device | None:
         """As `inner`."""
         return self.inner.device
+
+    @property
+    def sharded(self) -> bool:
+        """As `inner`."""
+        return self.inner.sharded
+
+    def parts(self) -> list[torch.Tensor]:
+        """This rank's part of every tensor of the quantized list, in `metadata()` order: a
+        sharded weight's FP8 values as a DTensor placed like the weight, its scales whole
+        (see the module docstring). Collective: every rank of the source's meshes calls it
+        together (the sender does, once per update)."""
+        metas, held = self.inner.metadata(), self.inner.parts()
+        pending: list[tuple[TensorMeta, Any, torch.Tensor, tuple[int, ...]]] = []
+        amax: dict[Any, list[torch.Tensor]] = {}
+        for meta, part in zip(metas, held, strict=True):
+            if is_quantized(meta.name, meta.shape) and is_dtensor(part):
+                offsets = dtensor_layout(meta.name, part).boxes[0].offsets
+                local = part.to_local()
+                pending.append((meta, part, local, offsets))
+                amax.setdefault(part.device_mesh, []).append(
+                    block_amax(local, offsets, meta.shape))
+        scales = iter(_agree(amax))
+        out: list[torch.Tensor] = []
+        for meta, part in zip(metas, held, strict=True):
+            if not is_quantized(meta.name, meta.shape):
+                out.append(part)
+            elif is_dtensor(part):
+                _, _, local, offsets = pending.pop(0)
+                scale = scales_of(next(scales))
+                q = quantize_box(local, offsets, scale)
+                out.append(DTensor.from_local(q, part.device_mesh, part.placements,
+                                              run_check=False, shape=part.shape,
+                                              stride=part.stride()))
+                out.append(scale)
+            else:
+                out.extend(quantize(part))
+        return out
+
+
+def _agree(amax: dict[Any, list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Every mesh's per-block amax tables, each the max over the mesh's ranks (one
+    all-reduce per mesh dimension of all of a mesh's tables together), in the order given."""
+    out: list[torch.Tensor] = []
+    for mesh, tables in amax.items():
+        flat = torch.cat([t.flatten() for t in tables])
+        for dim in range(mesh.ndim):
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        for table in tables:
+            out.append(flat[: table.numel()].view(table.shape))
+            flat = flat[table.numel():]
+    return out
