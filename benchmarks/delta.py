@@ -7,7 +7,8 @@ A Qwen3-shaped bf16 model is trained by AdamW (its gradient each step: a fixed r
 direction per tensor times a fresh random scale, so the optimizer's moments move as in
 training while the benchmark does not spend its time on a backward pass). After every step
 the same weights go to two receiver processes of the same backend: one by a sender with
-`delta=True`, one by a plain sender (the floor, measured in the same step). Printed per
+`delta=True`, one by a plain sender (the floor, measured in the same step; which of the two
+sends first alternates from step to step). Printed per
 learning rate: the fraction of elements whose bits changed, bytes on the wire, and the median
 update time of each, with their ratio; after the last step both receivers' fingerprints must
 equal the trainer's.
@@ -71,21 +72,31 @@ def bench_lr(backend: str, name: str, lr: float, steps: int, device: str) -> dic
                 grads.fill()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                d = delta.send_weights(str(step))
-                f = full.send_weights(str(step))
+                if step % 2:  # who sends first after the optimizer step alternates: the
+                    f = full.send_weights(str(step))  # first reads freshly written weights
+                    d = delta.send_weights(str(step))
+                else:
+                    d = delta.send_weights(str(step))
+                    f = full.send_weights(str(step))
                 rows["delta_s"].append(d.seconds)
                 rows["full_s"].append(f.seconds)
-                rows["changed"].append(d.changed_fraction or 0.0)
-                rows["wire"].append(float(d.wire_bytes or 0))
-                print(f"  {time.strftime('%H:%M:%S')} lr {lr:g} step {step}: changed "
-                      f"{rows['changed'][-1]:.4%}, wire {rows['wire'][-1] / 1e6:.1f} MB, "
+                if d.changed_fraction is not None:  # a delta (not one of a full run)
+                    rows["changed"].append(d.changed_fraction)
+                rows["wire"].append(float(d.wire_bytes or d.bytes))
+                what = (f"changed {d.changed_fraction:.4%}" if d.changed_fraction is not None
+                        else "sent in full")
+                print(f"  {time.strftime('%H:%M:%S')} lr {lr:g} step {step}: {what}, "
+                      f"wire {rows['wire'][-1] / 1e6:.1f} MB, "
                       f"delta {d.seconds * 1e3:.0f} ms, full {f.seconds * 1e3:.0f} ms",
                       flush=True)
             want = fingerprint(model.state_dict())
             exact = delta_client.fingerprint() == want == full_client.fingerprint()
-    med = {k: statistics.median(v) for k, v in rows.items()}
+    med = {k: statistics.median(v) if v else 0.0 for k, v in rows.items()}
+    mean = {k: statistics.fmean(rows[k]) for k in ("delta_s", "full_s")}
     return {"backend": backend, "model": name, "lr": lr, "steps": steps,
             "changed": med["changed"], "model_mb": first.bytes / 1e6,
+            "delta_mean_ms": mean["delta_s"] * 1e3, "full_mean_ms": mean["full_s"] * 1e3,
+            "mean_speedup": mean["full_s"] / mean["delta_s"],
             "wire_mb": med["wire"] / 1e6, "bytes_ratio": first.bytes / max(med["wire"], 1),
             "delta_ms": med["delta_s"] * 1e3, "full_ms": med["full_s"] * 1e3,
             "speedup": med["full_s"] / med["delta_s"], "bit_exact": exact}
@@ -105,13 +116,16 @@ def main() -> None:
     for backend in args.backends.split(","):
         for lr in (float(x) for x in args.lrs.split(",")):
             rows.append(bench_lr(backend, args.model, lr, args.steps, args.device))
-    print(f"\ndelta vs full updates, {args.model}, AdamW, median of {args.steps} steps "
-          f"({args.device})")
+    print(f"\ndelta vs full updates, {args.model}, AdamW, median (and mean) of "
+          f"{args.steps} steps ({args.device}; changed: median over the steps sent as deltas)")
     print_table(rows, [("backend", "backend", ""), ("lr", "lr", "g"),
                        ("changed", "changed", ".3%"), ("model_mb", "model MB", ".0f"),
                        ("wire_mb", "wire MB", ".1f"), ("bytes_ratio", "fewer bytes", ".1f"),
                        ("delta_ms", "delta ms", ".0f"), ("full_ms", "full ms", ".0f"),
-                       ("speedup", "speedup", ".2f"), ("bit_exact", "bit-exact", "")])
+                       ("speedup", "speedup", ".2f"), ("delta_mean_ms", "delta mean", ".0f"),
+                       ("full_mean_ms", "full mean", ".0f"), ("mean_speedup", "mean speedup",
+                                                               ".2f"),
+                       ("bit_exact", "bit-exact", "")])
     write_json("delta", rows, vars(args))
     if not all(r["bit_exact"] for r in rows):
         raise SystemExit("a receiver's weights differ from the trainer's")

@@ -159,3 +159,41 @@ def test_an_update_naming_an_unknown_tensor_list_is_refused_before_any_weight_ch
     from wtransfer.testing.tensor_lists import assert_an_unknown_list_is_refused
 
     assert_an_unknown_list_is_refused("ucx", UCXTrainerInitInfo(timeout_s=10))
+
+
+@pytest.mark.parametrize(("env", "reads"), [
+    ({}, True), ({"UCX_TLS": "tcp,cuda_copy,cuda_ipc"}, True), ({"UCX_TLS": "all"}, True),
+    ({"UCX_TLS": "tcp,cuda_copy"}, False), ({"UCX_TLS": "^cuda_ipc"}, False),
+    ({"UCX_TLS": "^tcp"}, True), ({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}, False),
+    ({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}, True)])
+def test_reads_of_gpu_memory_count_on_cuda_ipc_only_where_the_environment_leaves_it(
+        monkeypatch, env, reads):
+    """`rma=None` reads GPU memory only through a cuda_ipc that UCX loaded and the
+    environment neither leaves out (`UCX_TLS`) nor keeps from serving reads."""
+    from wtransfer_ucx.transport import cuda_ipc_reads
+
+    for name in ("UCX_TLS", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cuda_ipc_reads(True) is reads
+    assert cuda_ipc_reads(False) is False
+
+
+def test_host_tensors_move_as_tagged_buckets_by_default_and_say_why():
+    """`rma=None` with the trainer's tensors in host memory: tagged buckets, and the sender
+    says so (reads are for GPU memory on one host)."""
+    from wtransfer_ucx import UCXTrainerInitInfo
+
+    import wtransfer
+    from wtransfer.launch.models import build
+
+    source, held = build("mixed", seed=1, device="cpu"), build("mixed", seed=2, device="cpu")
+    engine = wtransfer.create_receiver("ucx", wtransfer.ModuleTarget(held))
+    with wtransfer.trainer_init(UCXTrainerInitInfo(timeout_s=10),
+                                client=wtransfer.LocalClient(engine),
+                                source=wtransfer.ModuleSource(source)) as sender:
+        sender.send_weights()
+        assert not sender.reads.on and "not all on CUDA" in sender.reads.reason
+    assert wtransfer.fingerprint(held.state_dict()) == wtransfer.fingerprint(source.state_dict())
+    engine.shutdown()

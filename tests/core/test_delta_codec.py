@@ -35,9 +35,12 @@ def test_changed_finds_exactly_the_elements_whose_bits_differ(dtype, numel):
     bits(new)[flip] ^= 1
     last = bits(old).clone()
     want = torch.sort(flip).values
-    assert torch.equal(changed(new, last, numel), want)
-    assert changed(new, last, 0) is None  # more than the limit changed
-    assert changed(old, last, 0).numel() == 0
+    index, count = changed(new, last, numel)
+    assert torch.equal(index, want) and count == want.numel()
+    assert changed(new, last, 0) == (None, want.numel())  # more than the limit changed
+    assert changed(new, last, want.numel() - 1) == (None, want.numel())
+    none, zero = changed(old, last, 0)
+    assert none.numel() == 0 and zero == 0
 
     meta = TensorMeta("t", dtype_name(dtype), (numel,))
     index_dtype = index_dtype_for(numel)

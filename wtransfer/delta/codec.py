@@ -99,28 +99,34 @@ WORD_FROM = 1 << 16
 """Tensors of at least this many elements are compared eight bytes at a time first."""
 
 
-def changed(current: torch.Tensor, last: torch.Tensor, limit: int) -> torch.Tensor | None:
-    """Flat int64 indices, ascending, of the elements of `current` whose bits differ from
-    `last` (a `bits` view of the same length, on the same device); None when more than `limit`
-    elements differ for certain (the caller sends the tensor whole). Large tensors are compared
-    as 8-byte words first (a quarter of the comparisons for bf16, and a quarter of the mask
-    to scan), then only the changed words element by element."""
+def changed(current: torch.Tensor, last: torch.Tensor, limit: int
+            ) -> tuple[torch.Tensor | None, int]:
+    """(flat int64 indices, ascending, of the elements of `current` whose bits differ from
+    `last` (a `bits` view of the same length, on the same device), how many they are); the
+    indices are None when more than `limit` differ (the caller sends the tensor whole). Large
+    tensors are compared as 8-byte words first (a quarter of the comparisons for bf16, and a
+    quarter of the mask to scan); the changed words are counted before any index is made, so
+    a tensor that goes whole costs a count, not the indices of most of its elements; then
+    only the changed words are compared element by element."""
     now = bits(current)
     width = now.element_size()
     if (width == 8 or now.numel() < WORD_FROM or (now.numel() * width) % 8
             or now.data_ptr() % 8 or last.data_ptr() % 8):
         index = torch.nonzero(now != last).squeeze(1)
-        return index if index.numel() <= limit else None
-    words = torch.nonzero(now.view(torch.int64) != last.view(torch.int64)).squeeze(1)
-    if words.numel() > limit:
-        return None
+        count = int(index.numel())
+        return (index if count <= limit else None), count
     lanes = 8 // width
+    mask = now.view(torch.int64) != last.view(torch.int64)
+    words_changed = int(torch.count_nonzero(mask))
+    if words_changed * lanes > limit:  # the changed elements may not fit: count them
+        count = int(torch.count_nonzero(now != last))
+        if count > limit:
+            return None, count
+    words = torch.nonzero(mask).squeeze(1)
     rows = (now.view(-1, lanes).index_select(0, words)
             != last.view(-1, lanes).index_select(0, words)).reshape(-1)
     within = torch.nonzero(rows).squeeze(1)
-    if within.numel() > limit:
-        return None
-    return words[within // lanes] * lanes + within % lanes
+    return words[within // lanes] * lanes + within % lanes, int(within.numel())
 
 
 def sparse_limit(numel: int, index_dtype: str, itemsize: int) -> int:

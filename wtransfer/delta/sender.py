@@ -128,9 +128,8 @@ class DeltaSender:
             here = now.to(self.copy_device) if now.device != self.copy_device else now
             index_dtype = index_dtype_for(meta.numel)
             limit = sparse_limit(meta.numel, index_dtype, meta.itemsize) if self.sparse else 0
-            index = changed(here, last, limit)
+            index, count = changed(here, last, limit)
             if index is not None:
-                count = int(index.numel())
                 if count == 0:
                     continue
                 values = bits(here)[index]
@@ -140,9 +139,7 @@ class DeltaSender:
                 items.append((entry.wire_meta(meta), payload))
                 moved += payload.numel() * payload.element_size()
             else:
-                fresh = bits(here)
-                count = int(torch.count_nonzero(fresh != last))
-                last.copy_(fresh)
+                last.copy_(bits(here))
                 entry = DeltaEntry(meta.name, count, DENSE, meta.dtype)
                 items.append((meta, now))
                 moved += meta.nbytes

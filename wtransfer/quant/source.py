@@ -77,23 +77,22 @@ class Fp8Source(WeightSource):
         (see the module docstring). Collective: every rank of the source's meshes calls it
         together (the sender does, once per update)."""
         metas, held = self.inner.metadata(), self.inner.parts()
-        pending: list[tuple[TensorMeta, Any, torch.Tensor, tuple[int, ...]]] = []
-        amax: dict[Any, list[torch.Tensor]] = {}
+        pending: list[tuple[torch.Tensor, tuple[int, ...]]] = []
+        tables: list[tuple[Any, torch.Tensor]] = []
         for meta, part in zip(metas, held, strict=True):
             if is_quantized(meta.name, meta.shape) and is_dtensor(part):
                 offsets = dtensor_layout(meta.name, part).boxes[0].offsets
                 local = part.to_local()
-                pending.append((meta, part, local, offsets))
-                amax.setdefault(part.device_mesh, []).append(
-                    block_amax(local, offsets, meta.shape))
-        scales = iter(_agree(amax))
+                pending.append((local, offsets))
+                tables.append((part.device_mesh, block_amax(local, offsets, meta.shape)))
+        agreed = iter(zip(pending, _agree(tables), strict=True))
         out: list[torch.Tensor] = []
         for meta, part in zip(metas, held, strict=True):
             if not is_quantized(meta.name, meta.shape):
                 out.append(part)
             elif is_dtensor(part):
-                _, _, local, offsets = pending.pop(0)
-                scale = scales_of(next(scales))
+                (local, offsets), amax = next(agreed)
+                scale = scales_of(amax)
                 q = quantize_box(local, offsets, scale)
                 out.append(DTensor.from_local(q, part.device_mesh, part.placements,
                                               run_check=False, shape=part.shape,
@@ -104,15 +103,19 @@ class Fp8Source(WeightSource):
         return out
 
 
-def _agree(amax: dict[Any, list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Every mesh's per-block amax tables, each the max over the mesh's ranks (one
-    all-reduce per mesh dimension of all of a mesh's tables together), in the order given."""
-    out: list[torch.Tensor] = []
-    for mesh, tables in amax.items():
-        flat = torch.cat([t.flatten() for t in tables])
+def _agree(tables: list[tuple[Any, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each (mesh, per-block amax table) as the max over that mesh's ranks, in the order
+    given (one all-reduce per mesh dimension of all of a mesh's tables together; the meshes
+    in order of first appearance, the same on every rank)."""
+    out: list[torch.Tensor] = [table for _, table in tables]
+    meshes: dict[Any, list[int]] = {}
+    for index, (mesh, _) in enumerate(tables):
+        meshes.setdefault(mesh, []).append(index)
+    for mesh, indices in meshes.items():
+        flat = torch.cat([out[i].flatten() for i in indices])
         for dim in range(mesh.ndim):
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-        for table in tables:
-            out.append(flat[: table.numel()].view(table.shape))
-            flat = flat[table.numel():]
+        for i in indices:
+            out[i] = flat[: out[i].numel()].view(out[i].shape)
+            flat = flat[out[i].numel():]
     return out

@@ -90,6 +90,10 @@ class Share:
     """How many senders share the plan."""
     source: WeightSource
     """What the update sends: the trainer's source, or a delta's changed tensors."""
+    parts: list[torch.Tensor] | None = None
+    """A sharded source's parts as this rank holds them, taken on every rank at the same
+    point of every update, before any rank can fail on its own (taking them may be
+    collective: `Fp8Source` agrees on its scales)."""
 
     @property
     def lead(self) -> bool:
@@ -166,11 +170,11 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                                               where=f"{self.backend_name} trainer init info")
         self.client = client
         self.source = source
-        if self.init_info.bucket_bytes is None:
-            self.init_info = replace(self.init_info, bucket_bytes=self._default_bucket_bytes())
         self.process_group = process_group
         self.collective = process_group is not None or client is None or source.sharded
         """Whether every trainer rank sends together (see the module docstring)."""
+        if self.init_info.bucket_bytes is None:
+            self.init_info = replace(self.init_info, bucket_bytes=self._default_bucket_bytes())
         self.ranks = Ranks(None)
         """This rank among the trainer ranks sending together (alone until `connect`)."""
         self._layout_cache: _Layout | None = None
@@ -335,15 +339,17 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                             raise
             try:
                 layout = self._layout(source.metadata())
+                group = self.ranks.group
+                parts = list(source.parts()) if source.sharded and group is not None else None
                 packer: BucketPacker | GatheringPacker | NoGather = (
                     NoGather() if self.sends_own_shards
-                    else GatheringPacker(layout.plan, source.parts(), layout.owners,
-                                         self.ranks.group.senders)
-                    if source.sharded and self.ranks.group is not None
+                    else GatheringPacker(layout.plan, parts, layout.owners, group.senders)
+                    if parts is not None and group is not None
                     else BucketPacker(layout.plan, source.tensors()))
                 index = self.ranks.sender_index
                 share = Share(layout.manifest, layout.plan, layout.mine, packer,
-                              index if index is not None else -1, self.senders, source)
+                              index if index is not None else -1, self.senders, source,
+                              parts)
                 self.ranks.together(lambda: self._open(share.manifest, calls))
                 self.ranks.together(lambda: self._move(share, calls))
             except BaseException as exc:

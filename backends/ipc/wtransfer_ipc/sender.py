@@ -58,11 +58,16 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         one unsharded sender)."""
 
     def _default_bucket_bytes(self) -> int:
-        """Packed updates through CUDA staging: `CUDA_BUCKET_BYTES`, or the source's size
-        rounded up to a MiB where that is less (each bucket's hand-over costs a fixed time
-        however small it is). Zero-copy updates and shared memory: the general default (a
-        zero-copy sender packs only what it cannot share)."""
-        if self._staging_device(self.init_info.device).type != "cuda" or self._zero_copy_on():
+        """Packed updates of one trainer process through CUDA staging: `CUDA_BUCKET_BYTES`,
+        or the source's size rounded up to a MiB where that is less (each bucket's hand-over
+        costs a fixed time however small it is). The general default for shared memory, for
+        a sender whose updates go zero-copy (its tensors are contiguous CUDA tensors: it
+        packs nothing), and for trainer ranks sending together (each would hold up to a
+        bucket of gathered rows besides its staging, on a GPU the training fills)."""
+        held = self.source.held()
+        zero_copy = self._zero_copy_on() and held is not None and shareable(held)
+        if self._staging_device(self.init_info.device).type != "cuda" or zero_copy \
+                or self.collective:
             return super()._default_bucket_bytes()
         total = sum(meta.nbytes for meta in self.source.metadata())
         return min(CUDA_BUCKET_BYTES, max(1, -(-total // _MIB)) * _MIB)

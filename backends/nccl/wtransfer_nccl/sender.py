@@ -219,7 +219,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         info, staging, metas = self.init_info, self._staging, share.manifest.metas
         plan = self._planner.plan(share.manifest)
         me = share.index
-        shards = LocalShards(metas, source_parts(self.source, metas), me)
+        shards = LocalShards(metas, share.parts if share.parts is not None
+                             else source_parts(self.source, metas), me)
         mine = tuple(plan.of_sender(me))
         self._last_moved = {"buckets": len(mine), "sent_bytes": plan.bytes_from(me),
                             "worker_bytes": [plan.bytes_to(w) for w in range(plan.workers)]}

@@ -82,11 +82,14 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         if info.rma is not None:
             return ReadsChoice(info.rma, f"{'one-sided reads' if info.rma else 'tagged buckets'}"
                                          f" (rma={info.rma})")
-        if self.device.type != "cuda":
-            return ReadsChoice(False, "tagged buckets: the trainer's tensors are in host "
-                                      "memory (rma=None reads only GPU memory)")
+        where = self.source.device
+        if where is None or where.type != "cuda":
+            return ReadsChoice(False, "tagged buckets: the trainer's tensors are not all on "
+                                      "CUDA (rma=None reads only GPU memory)")
         if not ucx.cuda_ipc:
-            return ReadsChoice(False, "tagged buckets: this UCX has no cuda_ipc transport")
+            return ReadsChoice(False, "tagged buckets: this UCX has no cuda_ipc transport "
+                                      "that reads GPU memory (see UCX_TLS and "
+                                      "UCX_CUDA_IPC_ENABLE_GET_ZCOPY)")
         if not is_loopback(info.listen_address):
             return ReadsChoice(False, f"tagged buckets: listen_address "
                                       f"{info.listen_address!r} may take workers on other "

@@ -45,6 +45,23 @@ def context_options() -> dict[str, str]:
     return {name: value for name, value in wanted.items() if f"UCX_{name}" not in os.environ}
 
 
+def cuda_ipc_reads(loaded: bool) -> bool:
+    """Whether a UCX that `loaded` its cuda_ipc transport reads GPU memory through it: not
+    when `UCX_TLS` leaves cuda_ipc out, nor when `UCX_CUDA_IPC_ENABLE_GET_ZCOPY` says other
+    than yes (UCX then emulates reads where it finds no NVLink, ~100x slower)."""
+    if not loaded:
+        return False
+    zcopy = os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
+    if zcopy is not None and zcopy.strip().lower() not in ("y", "yes", "1", "on", "true"):
+        return False
+    tls = os.environ.get("UCX_TLS")
+    if tls is None:
+        return True
+    names = {t.strip() for t in tls.lstrip("^").split(",")}
+    named = bool(names & {"cuda_ipc", "cuda", "all"})
+    return not named if tls.startswith("^") else named
+
+
 class UCXWorker:
     """A UCX context and worker progressed by UCXX's own thread (polling mode)."""
 
@@ -61,8 +78,9 @@ class UCXWorker:
             self.context = ucx_api.UCXContext(feature_flags=features)
             loaded = False
         self.worker = ucx_api.UCXWorker(self.context)
-        self.cuda_ipc = loaded or "cuda_ipc" in self.transports()
-        """Whether this UCX loaded its cuda_ipc transport (reads of GPU memory on one host)."""
+        self.cuda_ipc = cuda_ipc_reads(loaded or "cuda_ipc" in self.transports())
+        """Whether this UCX serves reads of GPU memory on one host through cuda_ipc (the
+        peers are assumed to run the same UCX with the same environment)."""
         self.worker.start_progress_thread(polling_mode=True)
         self.progressing = True
         self.endpoints: list[Any] = []
