@@ -313,3 +313,42 @@ async def push_full(engine, trainer):
                                      source=wtransfer.ModuleSource(trainer))
     await asyncio.to_thread(sender.send_weights)
     await asyncio.to_thread(sender.shutdown)
+
+
+def test_sharded_weights_on_two_meshes_each_get_their_own_scales():
+    """`Fp8Source` over DTensors on two device meshes (attention on one, experts on a 2-D
+    other, as trainers that place experts apart do): every FP8 weight comes with its own
+    scales, the same bytes as quantizing the full weight."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from wtransfer.launch.processes import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        model = load_model("tiny-moe-fp8", seed=3, dtype="bfloat16")
+        flat, square = init_device_mesh("cpu", (1,)), init_device_mesh("cpu", (1, 1))
+        want = {}
+        for name, module in model.named_modules():
+            for leaf, param in list(module.named_parameters(recurse=False)):
+                full = f"{name}.{leaf}"
+                if not is_quantized(full, tuple(param.shape)):
+                    continue
+                want[full] = quantize(param.detach())
+                mesh, places = ((square, [Shard(0), Shard(0)]) if "experts" in full
+                                else (flat, [Shard(0)]))
+                setattr(module, leaf, torch.nn.Parameter(
+                    distribute_tensor(param.detach(), mesh, places), requires_grad=False))
+        source = Fp8Source(wtransfer.ModuleSource(model))
+        assert source.sharded
+        names = [m.name for m in source.metadata()]
+        parts = dict(zip(names, source.parts(), strict=True))
+        assert len(want) > 4 and any("experts" in n for n in want)
+        for name, (q, scale) in want.items():
+            got = parts[name].to_local()
+            assert torch.equal(got.view(torch.uint8), q.view(torch.uint8)), name
+            assert torch.equal(parts[name + "_scale_inv"], scale), name
+    finally:
+        dist.destroy_process_group()
