@@ -5,12 +5,13 @@ from an `Fp8Source`: stored as it arrives); every other tensor passes through.""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 
 import torch
 
 from wtransfer.errors import MetadataError
-from wtransfer.packing import TensorMeta
+from wtransfer.packing import DTYPES, TensorMeta
 from wtransfer.quant.fp8 import SCALE_SUFFIX, is_quantized, quantize
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import Box, TensorLayout
@@ -25,6 +26,11 @@ class Fp8Target(WeightTarget):
         self.checkpoint_dtype = checkpoint_dtype
         self.quantized = {m.name for m in inner.metadata()
                           if m.dtype == "float8_e4m3fn" and is_quantized(m.name, m.shape)}
+        self._arriving: set[str] = set()
+        """Quantized weights the update in progress sends in the checkpoint's dtype."""
+        self._scratch: dict[str, torch.Tensor] = {}
+        """Their parts this worker keeps, in the checkpoint's dtype, as boxes land in them
+        (`region`); quantized into the weights at `finish`."""
 
     @property
     def stages(self) -> bool:
@@ -56,6 +62,9 @@ class Fp8Target(WeightTarget):
                                 f"without their scales ({SCALE_SUFFIX}): {alone[:3]}; send "
                                 "both (Fp8Source)")
         self.inner.check(stored)
+        self._arriving = {m.name for m in metas if m.name in self.quantized
+                          and m.dtype == self.checkpoint_dtype}
+        self._scratch = {}
 
     def held(self, name: str) -> TensorMeta | None:
         """As `inner`."""
@@ -87,8 +96,17 @@ class Fp8Target(WeightTarget):
         if layout is None or scales is None or layout.is_whole or \
                 len(layout.boxes) != len(scales.boxes):
             return False
+        self._store_boxes(name, lambda box: full[box.slices()])
+        return True
+
+    def _store_boxes(self, name: str, part: Callable[[Box], torch.Tensor]) -> None:
+        """Quantize each box this worker keeps of `name` (`part(box)`: its values in the
+        checkpoint's dtype) and write it and its scales in place."""
+        kept = self.inner.keeps()
+        assert kept is not None  # only for a worker that keeps boxes
+        layout, scales = kept[name], kept[name + SCALE_SUFFIX]
         for box, scale_box in zip(layout.boxes, scales.boxes, strict=True):
-            q, scale = quantize(full[box.slices()])
+            q, scale = quantize(part(box))
             weight_view = self.inner.region(name, box)
             scale_view = self.inner.region(name + SCALE_SUFFIX, scale_box)
             if weight_view is None or scale_view is None or scale_view.shape != scale.shape:
@@ -96,7 +114,6 @@ class Fp8Target(WeightTarget):
                                     f"{list(scale.shape)} blocks of scales")
             weight_view.copy_(q)
             scale_view.copy_(scale)
-        return True
 
     def direct_bytes(self, name: str) -> torch.Tensor | None:
         """None for quantized weights and their scales (a weight may arrive in another dtype and
@@ -112,8 +129,24 @@ class Fp8Target(WeightTarget):
         return self.inner.keeps()
 
     def region(self, name: str, box: Box) -> torch.Tensor | None:
-        """None for quantized weights (see `direct_bytes`); `inner`'s region of the rest."""
-        return None if self._paired(name) else self.inner.region(name, box)
+        """Where a box of `name` lands (M->N pieces): a quantized weight sent in the
+        checkpoint's dtype into a buffer of just the parts this worker keeps, quantized at
+        `finish` (a worker never holds a full-shaped copy of a weight it keeps a part of);
+        FP8 weights and scales sent as stored, and everything else, into `inner`'s region."""
+        if name not in self._arriving:
+            return self.inner.region(name, box)
+        kept = self.inner.keeps()
+        layout = kept.get(name) if kept is not None else None
+        if layout is None:
+            return None  # assembled whole, then quantized in `load_weights`
+        scratch = self._scratch.get(name)
+        if scratch is None:
+            live = self.inner.region(name, layout.boxes[0])
+            if live is None:
+                return None  # assembled whole, then quantized in `load_weights`
+            scratch = self._scratch[name] = torch.empty(
+                layout.local_shape, dtype=DTYPES[self.checkpoint_dtype], device=live.device)
+        return layout.view(scratch, box)
 
     def companions(self, name: str) -> list[str]:
         """A quantized weight's scales (writing it in the checkpoint dtype rewrites them)."""
@@ -123,12 +156,20 @@ class Fp8Target(WeightTarget):
         """As `inner` (what it stores: FP8 weights, scales)."""
         return self.inner.snapshot(name, out)
 
+    @torch.no_grad()
     def finish(self) -> None:
-        """As `inner`."""
+        """Quantize the parts that landed in the checkpoint's dtype (`region`) into this
+        worker's FP8 weights and scales, box by box; then as `inner`."""
+        kept = self.inner.keeps() if self._scratch else None
+        for name, scratch in self._scratch.items():
+            assert kept is not None
+            self._store_boxes(name, partial(kept[name].view, scratch))
+        self._scratch, self._arriving = {}, set()
         self.inner.finish()
 
     def abort(self) -> None:
-        """As `inner`."""
+        """Drop the parts that landed unquantized; then as `inner`."""
+        self._scratch, self._arriving = {}, set()
         self.inner.abort()
 
     def fingerprint(self) -> dict[str, str]:
