@@ -11,6 +11,7 @@ weight's placements; every rank holds the scales whole.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from wtransfer.quant.fp8 import (
     scale_shape,
     scales_of,
 )
+from wtransfer.records import TensorLayout
 from wtransfer.trainer.layouts import dtensor_layout
 from wtransfer.trainer.source import WeightSource
 
@@ -70,6 +72,22 @@ class Fp8Source(WeightSource):
     def sharded(self) -> bool:
         """As `inner`."""
         return self.inner.sharded
+
+    def layouts(self, replica: int) -> dict[str, TensorLayout]:
+        """As `inner`'s, an FP8 weight placed as its weight and its scales held whole, as
+        `parts` makes them (without quantizing anything or agreeing on scales)."""
+        inner = self.inner.layouts(replica)
+        out: dict[str, TensorLayout] = {}
+        for meta in self.inner.metadata():
+            held = inner[meta.name]
+            if not is_quantized(meta.name, meta.shape):
+                out[meta.name] = held
+                continue
+            out[meta.name] = replace(held, dtype="float8_e4m3fn")
+            name = meta.name + SCALE_SUFFIX
+            out[name] = TensorLayout.whole(name, "float32", scale_shape(meta.shape),
+                                           replica=replica)
+        return out
 
     def parts(self) -> list[torch.Tensor]:
         """This rank's part of every tensor of the quantized list, in `metadata()` order: a

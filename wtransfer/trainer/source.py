@@ -11,6 +11,7 @@ from torch import nn
 
 from wtransfer.errors import ConfigError
 from wtransfer.packing import TensorMeta, is_dtensor, signature
+from wtransfer.records import TensorLayout
 
 
 class WeightSource(ABC):
@@ -39,6 +40,17 @@ class WeightSource(ABC):
         """The tensors as this rank holds them (DTensors for sharded ones), in the order of
         `metadata()`, without gathering anything; only sharded sources need it."""
         raise NotImplementedError(f"{type(self).__name__} is not a sharded source")
+
+    def layouts(self, replica: int) -> dict[str, TensorLayout]:
+        """What this rank holds of each tensor, by name, without moving or computing any:
+        a sharded source's boxes (from its parts' placements), else every tensor whole;
+        `replica` numbers this rank among the ranks holding a tensor whole."""
+        from wtransfer.trainer.layouts import LocalShards  # (it builds on the sources)
+
+        if self.sharded:
+            return LocalShards(self.metadata(), self.parts(), replica).layouts
+        return {m.name: TensorLayout.whole(m.name, m.dtype, m.shape, replica=replica)
+                for m in self.metadata()}
 
     @property
     def delta_ok(self) -> bool:

@@ -36,7 +36,6 @@ from wtransfer_nccl.mton import (
     publish_layouts,
     read_layouts,
     source_parts,
-    whole_layouts,
 )
 
 
@@ -176,13 +175,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
     def _form_m2n(self, store: Any, sender: int) -> Group:
         """Publish this rank's shards, join the group of every trainer rank and worker, and
         read what everyone holds (`wtransfer_nccl.mton`)."""
-        from wtransfer.trainer.layouts import LocalShards
-
         info = self.init_info
-        metas = self.source.metadata()
-        held = (LocalShards(metas, list(self.source.parts()), sender).layouts
-                if self.source.sharded else whole_layouts(metas, replica=sender))
-        publish_layouts(store, sender, held)
+        publish_layouts(store, sender, self.source.layouts(sender))
         group = make_group(self.transport, m2n_store(store), sender, self.world_size,
                            info.timeout_s, self.device)
         everyone = read_layouts(store, range(self.world_size), info.timeout_s)
