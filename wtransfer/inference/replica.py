@@ -23,7 +23,13 @@ from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.fp8_linear import quantize_model
 from wtransfer.inference.lora import AdapterTable, LoRATarget, adapter_fingerprint, enable_lora
 from wtransfer.inference.model import load_model, shard_model
-from wtransfer.inference.parallel import ALONE, Parallel, check_fp8_shardable, layouts
+from wtransfer.inference.parallel import (
+    ALONE,
+    Parallel,
+    check_fp8_shardable,
+    check_shardable,
+    layouts,
+)
 from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.runner import ModelRunner
 from wtransfer.inference.scheduler import PauseState, Scheduler
@@ -69,7 +75,10 @@ class Replica:
         full = load_model(config.model, device="cpu" if tp > 1 else config.device,
                           dtype=config.dtype, seed=config.seed)
         checkpoint_dtype = dtype_name(full.model.embed_tokens.weight.dtype)
-        if config.quantization == "fp8":  # before any worker starts
+        # what cannot be split is refused before any worker starts (a worker that fails on it
+        # would break the group the others are forming, and hide the reason)
+        check_shardable(full.config, Parallel(0, tp, config.enable_expert_parallel))
+        if config.quantization == "fp8":
             check_fp8_shardable(full.config, tp, expert=config.enable_expert_parallel)
             quantize_model(full)
         self.adapters = AdapterTable(config.max_loras) if config.max_loras else None
