@@ -385,11 +385,11 @@ def copy_bytes(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> No
         if small:
             torch._foreach_copy_([d for d, _ in small], [s for _, s in small], non_blocking=True)
         large = [(d, s) for d, s in zip(dsts, srcs, strict=True) if d.numel() >= _MEMCPY_BYTES]
-        if len(large) == 1 or not dsts[0].is_cuda:
+        if len(large) > 1 and dsts[0].is_cuda:
+            _side_copies(large)
+        else:
             for d, s in large:
                 d.copy_(s, non_blocking=True)
-        elif large:
-            _side_copies(large)
     else:
         for d, s in zip(dsts, srcs, strict=True):
             d.copy_(s, non_blocking=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from wtransfer.errors import ConfigError
@@ -93,6 +93,11 @@ _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
 
 
+_TINY_FP8 = ModelConfig(vocab_size=256, hidden_size=128, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                        intermediate_size=512, tie_word_embeddings=False,
+                        max_position_embeddings=2048)
+
 MODEL_CONFIGS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -107,15 +112,9 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
                             intermediate_size=128, tie_word_embeddings=False,
                             max_position_embeddings=2048, num_experts=4,
                             num_experts_per_tok=2, moe_intermediate_size=32),
-    "tiny-fp8": ModelConfig(vocab_size=256, hidden_size=128, num_hidden_layers=2,
-                            num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                            intermediate_size=512, tie_word_embeddings=False,
-                            max_position_embeddings=2048),
-    "tiny-moe-fp8": ModelConfig(vocab_size=256, hidden_size=128, num_hidden_layers=2,
-                                num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                                intermediate_size=512, tie_word_embeddings=False,
-                                max_position_embeddings=2048, num_experts=4,
-                                num_experts_per_tok=2, moe_intermediate_size=256),
+    "tiny-fp8": _TINY_FP8,
+    "tiny-moe-fp8": replace(_TINY_FP8, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=256),
     "small": ModelConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                          intermediate_size=384, tie_word_embeddings=True,

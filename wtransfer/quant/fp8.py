@@ -46,28 +46,6 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*lead, -(-rows // BLOCK), -(-cols // BLOCK))
 
 
-def _blocks(w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """`w` (float32, [..., rows, cols]) padded with zeros to whole blocks, viewed
-    [..., R, 128, C, 128]."""
-    *lead, rows, cols = w.shape
-    *_, r, c = scale_shape(tuple(w.shape))
-    padded = torch.zeros(*lead, r * BLOCK, c * BLOCK, dtype=torch.float32, device=w.device)
-    padded[..., :rows, :cols] = w
-    return padded.view(*lead, r, BLOCK, c, BLOCK), rows, cols
-
-
-@torch.no_grad()
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 weight, float32 scales) of a weight [..., rows, cols]: per block of each matrix,
-    scale = amax / 448 (1 for an all-zero block) and q = round(w / scale)."""
-    blocks, rows, cols = _blocks(weight.detach().float())
-    scale = scales_of(blocks.abs().amax(dim=(-3, -1)))
-    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    lead = blocks.shape[:-4]
-    q = q.view(*lead, blocks.shape[-4] * BLOCK, blocks.shape[-2] * BLOCK)
-    return q[..., :rows, :cols].contiguous(), scale
-
-
 @torch.no_grad()
 def block_amax(part: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...]
                ) -> torch.Tensor:
@@ -89,6 +67,16 @@ def block_amax(part: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, .
     out[(*index, slice(r0 // BLOCK, r0 // BLOCK + rb), slice(c0 // BLOCK, c0 // BLOCK + cb))] \
         = amax
     return out
+
+
+@torch.no_grad()
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 weight, float32 scales) of a weight [..., rows, cols]: per block of each matrix,
+    scale = amax / 448 (1 for an all-zero block) and q = round(w / scale); the whole weight
+    as one box (`block_amax`, `quantize_box`)."""
+    origin = (0,) * weight.dim()
+    scale = scales_of(block_amax(weight, origin, tuple(weight.shape)))
+    return quantize_box(weight, origin, scale), scale
 
 
 def scales_of(amax: torch.Tensor) -> torch.Tensor:
