@@ -1,7 +1,8 @@
 # Every one-GPU table of docs/benchmarks.md in one device call each (nvidia-h200), from the
 # repository root on the device with the wheels the image lacks carried in .whl/:
 #     bash benchmarks/gpu_one.sh suite    # every gpu-marked test, four at a time (one GPU)
-#     bash benchmarks/gpu_one.sh paths    # staged commit, delta compare, MoE on CUDA, FP8, hand-over, ipc
+#     bash benchmarks/gpu_one.sh paths    # staged commit, delta compare, MoE on CUDA, FP8 matmul
+#                                         # and update, hand-over, ipc
 #     bash benchmarks/gpu_one.sh ipc      # the ipc ratios alone (three runs)
 #     bash benchmarks/gpu_one.sh peers    # checkpoint-engine side by side
 # The UCX wheels (ucxx-cu13, libucxx-cu13, libucx-cu13<1.22, rmm-cu13, librmm-cu13,
@@ -25,6 +26,9 @@ paths|ipc)
         echo "$(ts) this wave's paths"
         timeout 200 python3 benchmarks/gpu_paths.py --model qwen3-8b --repeats 5 \
             2>&1 | tee $OUT/paths.txt | tail -12; echo "rc $?"
+        echo "$(ts) FP8 projections: FP8 x FP8 block-scaled against dequantize and bf16"
+        timeout 120 python3 benchmarks/fp8_matmul.py 2>&1 | tee $OUT/fp8_matmul.txt \
+            | tail -22; echo "rc $?"
         echo "$(ts) FP8 engine fed both ways"
         timeout 200 python3 benchmarks/fp8_update.py --model qwen3-8b --device cuda:0 \
             --repeats 3 2>&1 | tee $OUT/fp8.txt | tail -8; echo "rc $?"

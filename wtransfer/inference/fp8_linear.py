@@ -1,7 +1,8 @@
 """FP8 linear layers and experts for the engine (`EngineConfig(quantization="fp8")`): the
-scheme of `wtransfer.quant.fp8`, dequantized on the fly in the forward (correct on every
-device, not fast: torch's scaled matmul takes per-tensor or row-wise scales, not 128 x 128
-blocks)."""
+scheme of `wtransfer.quant.fp8`. On a Hopper GPU a projection multiplies FP8 x FP8 with its
+block scales on the tensor cores (`wtransfer.inference.fp8_matmul`); elsewhere, and for the
+experts, the weight is dequantized on the fly in the forward (correct on every device, not
+fast)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wtransfer.inference.experts import Experts
+from wtransfer.inference.fp8_matmul import block_scaled_linear
 from wtransfer.quant.fp8 import FP8, dequantize, is_quantized, quantize, scale_shape
 
 
@@ -36,7 +38,11 @@ class Fp8Linear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T with W dequantized in x's dtype."""
+        """x @ W^T: FP8 x FP8 with block scales where cuBLAS runs it, else with W dequantized
+        in x's dtype."""
+        out = block_scaled_linear(x, self.weight, self.weight_scale_inv)
+        if out is not None:
+            return out
         return F.linear(x, dequantize(self.weight, self.weight_scale_inv, x.dtype))
 
 
