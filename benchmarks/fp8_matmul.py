@@ -17,6 +17,7 @@ import logging
 import math
 import statistics
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096),
           "down": (4096, 12288)}
 
 
-def timed(fn, repeats: int = 50) -> float:
+def timed(fn: Callable[[], object], repeats: int = 50) -> float:
     """Median milliseconds of `fn()` on the current stream."""
     fn()
     torch.cuda.synchronize()
