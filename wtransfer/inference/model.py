@@ -357,9 +357,14 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str | None = No
     path = Path(name_or_path)
     if name_or_path in MODEL_CONFIGS:
         cfg = MODEL_CONFIGS[name_or_path]
-        model = Qwen3ForCausalLM(cfg)
+        with torch.device("meta"):  # no default init: every parameter is drawn below
+            model = Qwen3ForCausalLM(cfg)
+        model = model.to(dtype=_dtype(dtype or cfg.torch_dtype)).to_empty(device=device)
+        if cfg.tie_word_embeddings:  # to_empty gave each module its own tensor
+            model.lm_head.weight = model.model.embed_tokens.weight
         _init_random(model, seed)
-    elif (path / "config.json").is_file():
+        return model.eval()
+    if (path / "config.json").is_file():
         cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
         model = Qwen3ForCausalLM(cfg)
         files = sorted(path.glob("*.safetensors"))
@@ -372,10 +377,13 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str | None = No
     else:
         raise ConfigError(f"unknown model {name_or_path!r}: not one of {sorted(MODEL_CONFIGS)} "
                           "and not a directory holding config.json + *.safetensors")
-    target = dtype or cfg.torch_dtype
-    if target not in DTYPES:
-        raise ConfigError(f"unknown dtype {target!r}")
-    return model.to(device=device, dtype=DTYPES[target]).eval()
+    return model.to(device=device, dtype=_dtype(dtype or cfg.torch_dtype)).eval()
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}")
+    return DTYPES[name]
 
 
 def save_pretrained(model: Qwen3ForCausalLM, directory: str | Path) -> Path:
