@@ -19,7 +19,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from wtransfer.quant.fp8 import BLOCK, FP8, FP8_MAX
+from wtransfer.quant.fp8 import BLOCK, FP8, FP8_MAX, scales_of
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, inner = x.shape
     rows = -(-tokens // _TOKEN_ALIGN) * _TOKEN_ALIGN
     groups = F.pad(x.float(), (0, 0, 0, rows - tokens)).view(rows, inner // BLOCK, BLOCK)
-    scale = groups.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+    scale = scales_of(groups.abs().amax(dim=-1))
     q = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, inner)
     return q, scale.t().contiguous().t()
 
