@@ -3,6 +3,7 @@
     python benchmarks/transfer.py --backend ipc --models qwen3-0.6b,qwen3-1.7b --bucket-mb 64,256
     python benchmarks/transfer.py --backend nccl --models qwen3-0.6b --bucket-mb 64,256
     python benchmarks/transfer.py --backend nccl --trainer-ranks 2 --engine-tp 2 --models small
+    python benchmarks/transfer.py --backend ipc --trainer-ranks 2 --engine-tp 2 --models small
 
 The packed path is the real two-process transfer: trainer here, receiver in a child process,
 RPC control plane. Per backend, the floor and the naive baseline are:
@@ -311,27 +312,29 @@ def bench_sharded(backend: str, name: str, buckets_mb: list[int], ranks: int, se
     return rows
 
 
-def bench_m2n(name: str, buckets_mb: list[int], ranks: int, tp: int,
+def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: int,
               repeats: int) -> list[dict[str, Any]]:
     """FSDP2 trainer ranks (gloo, CPU) into our engine with `tp` workers (`wtransfer serve`),
-    over nccl (gloo): today's path (each bucket gathered to one sender, broadcast whole to
-    every worker, which keeps its part) against M->N (every rank sends each worker only what
-    it keeps, from its own shards), on the same engine in one run. Bytes each worker received
-    are the engine's own count (`/weight_info` workers' `last_update_bytes`)."""
+    over nccl (gloo) or ipc (shared memory): today's path (each bucket gathered to one
+    sender, sent whole to every worker, which keeps its part) against M->N (nccl: every rank
+    sends each worker only what it keeps, from its own shards; ipc: every rank stages its
+    own shards, and each worker copies only what it keeps), on the same engine in one run.
+    Bytes each worker received are the engine's own count (`/weight_info` workers'
+    `last_update_bytes`)."""
     from statistics import median
 
     from wtransfer.demos.rl.servers import HTTPPolicyServer
     from wtransfer.launch.trainer_ranks import TrainerRanks
 
     rows = []
-    server = HTTPPolicyServer(model=name, seed=2, backend="nccl", tensor_parallel_size=tp,
+    server = HTTPPolicyServer(model=name, seed=2, backend=backend, tensor_parallel_size=tp,
                               update_staging="off", start_timeout_s=600)
     try:
         for mb in buckets_mb:
             for path, senders, m2n in (("gather+broadcast", 1, False), ("M->N", ranks, True)):
-                fields = {"bucket_bytes": mb << 20, "timeout_s": 600,
-                          "master_address": "127.0.0.1", "m2n": m2n}
-                with TrainerRanks(ranks, backend="nccl", addresses=[server.url],
+                fields = {"bucket_bytes": mb << 20, "timeout_s": 600, "m2n": m2n,
+                          **({"master_address": "127.0.0.1"} if backend == "nccl" else {})}
+                with TrainerRanks(ranks, backend=backend, addresses=[server.url],
                                   senders=senders, model=f"llm:{name}", updates=repeats + 1,
                                   init_fields=fields, timeout_s=600) as trainers:
                     trainers.wait_for(0, "sent", 3600, count=repeats + 1)
@@ -398,15 +401,15 @@ def main() -> None:
                              "process: one sender versus --senders")
     parser.add_argument("--senders", type=int, default=2)
     parser.add_argument("--engine-tp", type=int, default=0,
-                        help="with --trainer-ranks (nccl): into our engine with this many "
+                        help="with --trainer-ranks (nccl, ipc): into our engine with this many "
                              "tensor-parallel workers, gather+broadcast versus M->N")
     args = parser.parse_args()
     if args.trainer_ranks and args.engine_tp:
         m2n_rows: list[dict] = []
         for name in args.models.split(","):
-            m2n_rows += bench_m2n(name, [int(x) for x in args.bucket_mb.split(",")],
+            m2n_rows += bench_m2n(args.backend, name, [int(x) for x in args.bucket_mb.split(",")],
                                   args.trainer_ranks, args.engine_tp, args.repeats)
-        print(f"\nnccl (gloo) trainer ranks={args.trainer_ranks} (FSDP2) -> engine "
+        print(f"\n{args.backend} trainer ranks={args.trainer_ranks} (FSDP2) -> engine "
               f"TP={args.engine_tp}, repeats={args.repeats} (median seconds; vs gather = "
               "gather+broadcast time / this; MB per worker as the engine counted them)")
         print_table(m2n_rows, [("model", "model", ""), ("path", "path", ""),
@@ -417,8 +420,8 @@ def main() -> None:
                                ("kept_mb", "kept MB/worker", ""),
                                ("sent_mb", "sent MB/rank", ""),
                                ("peak_mb", "gathered peak MiB", ".1f")])
-        path = write_json(f"transfer-m2n-ranks{args.trainer_ranks}-tp{args.engine_tp}",
-                          m2n_rows, vars(args))
+        path = write_json(f"transfer-m2n-{args.backend}-ranks{args.trainer_ranks}"
+                          f"-tp{args.engine_tp}", m2n_rows, vars(args))
         print(f"wrote {path}")
         return
     if args.trainer_ranks:

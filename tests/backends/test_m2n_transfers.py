@@ -1,5 +1,6 @@
-"""M->N transfers over nccl (gloo on CPU), real processes: FSDP2 trainer ranks send each
-engine worker only the parts it keeps, straight from their own shards, all ranks at once.
+"""M->N transfers over nccl (gloo on CPU) and ipc (shared memory), real processes: FSDP2
+trainer ranks send each engine worker only the parts it keeps, straight from their own
+shards, all ranks at once.
 
 What is checked is what a user would notice: every worker holds the trainer's weights
 bit-exact (fingerprints of the full tensors), each received exactly the bytes it keeps (not
@@ -26,18 +27,19 @@ BUCKET = 16 << 10
 """Smaller than most tensors of the tiny models: pieces are cut across pair buckets."""
 
 
-def fields(**extra):
-    return {"master_address": "127.0.0.1", "bucket_bytes": BUCKET, "timeout_s": 30.0, **extra}
+def fields(backend="nccl", **extra):
+    where = {"master_address": "127.0.0.1"} if backend == "nccl" else {}
+    return {**where, "bucket_bytes": BUCKET, "timeout_s": 30.0, **extra}
 
 
 class Serve:
     """`wtransfer serve` in a subprocess."""
 
-    def __init__(self, *flags):
+    def __init__(self, *flags, backend="nccl"):
         self.url = f"http://127.0.0.1:{free_port()}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "wtransfer", "serve", "--port", self.url.rsplit(":", 1)[1],
-             "--weight-transfer-backend", "nccl", "--batch-invariant", "--dev-mode", *flags],
+             "--weight-transfer-backend", backend, "--batch-invariant", "--dev-mode", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
         def healthy():
@@ -69,8 +71,8 @@ class Serve:
 def serve():
     servers = []
 
-    def start(*flags):
-        servers.append(Serve(*flags))
+    def start(*flags, backend="nccl"):
+        servers.append(Serve(*flags, backend=backend))
         return servers[-1]
 
     yield start
@@ -81,14 +83,18 @@ def serve():
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10]]
 
 
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
 @pytest.mark.parametrize(("ranks", "model", "flags"), [
     (2, "tiny", ["--tensor-parallel-size", "2"]),
     (4, "tiny-moe", ["--tensor-parallel-size", "2", "--enable-expert-parallel"]),
 ])
-def test_fsdp_ranks_send_each_worker_only_what_it_keeps(serve, ranks, model, flags):
-    engine = serve("--model", model, *flags)
-    with TrainerRanks(ranks, backend="nccl", addresses=[engine.url], senders=ranks,
-                      model=f"llm:{model}", seed=5, init_fields=fields(),
+def test_fsdp_ranks_send_each_worker_only_what_it_keeps(serve, backend, ranks, model, flags):
+    """nccl sends each worker its own pair buckets; ipc stages each box once, in the
+    staging of one rank holding it, and each worker copies out only what it keeps: either
+    way each worker takes in exactly the bytes it keeps, and nothing is gathered."""
+    engine = serve("--model", model, *flags, backend=backend)
+    with TrainerRanks(ranks, backend=backend, addresses=[engine.url], senders=ranks,
+                      model=f"llm:{model}", seed=5, init_fields=fields(backend),
                       fingerprint=True) as trainers:
         outs = [trainers.wait_for(r, "sent", 180) for r in range(ranks)]
         assert trainers.wait(60) == [0] * ranks
@@ -100,31 +106,36 @@ def test_fsdp_ranks_send_each_worker_only_what_it_keeps(serve, ranks, model, fla
     model_bytes = outs[0]["bytes"]
     assert [w["last_update_bytes"] for w in workers] == kept  # what each keeps, not the model
     assert all(k < model_bytes for k in kept)
-    assert all(o["worker_bytes"] == kept for o in outs)
-    assert sum(o["sent_bytes"] for o in outs) == sum(kept)  # every rank sent its own part
-    assert all(o["sent_bytes"] > 0 for o in outs)
+    if backend == "nccl":  # a message per (rank, worker): each worker's bytes sent to it
+        assert all(o["worker_bytes"] == kept for o in outs)
+        assert sum(o["sent_bytes"] for o in outs) == sum(kept)
+    else:  # shared staging: every byte of the model staged once, by one rank
+        assert sum(o["sent_bytes"] for o in outs) == model_bytes
+    assert all(o["sent_bytes"] > 0 for o in outs)  # every rank sent its own part
     assert all(o["gathered_peak_bytes"] == 0 for o in outs)  # nothing was gathered
     got = [engine.greedy(p) for p in PROMPTS]
     fresh = serve("--model", model, "--seed", "5")  # the trainer's weights, built directly
     assert got == [fresh.greedy(p) for p in PROMPTS]
 
 
-def test_every_update_lands_and_a_killed_trainer_rank_leaves_the_weights_as_they_were():
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_every_update_lands_and_a_killed_trainer_rank_leaves_the_weights_as_they_were(backend):
     """Into a whole-tensor receiver (each tensor assembled from both ranks' boxes): two
     updates land; then a rank SIGKILLed mid-transfer fails every side within its deadline,
     the receiver holds the last weights, and a fresh pair of ranks lands a full update."""
-    with spawn_receiver("nccl", model="mixed", seed=2, rollback=True) as receiver:
+    with spawn_receiver(backend, model="mixed", seed=2, rollback=True) as receiver:
         client = RPCClient(receiver.address, timeout_s=30)
-        with TrainerRanks(2, backend="nccl", addresses=[receiver.address], senders=2,
-                          updates=2, init_fields=fields(), fingerprint=True) as trainers:
+        with TrainerRanks(2, backend=backend, addresses=[receiver.address], senders=2,
+                          updates=2, init_fields=fields(backend), fingerprint=True) as trainers:
             outs = [trainers.wait_for(r, "sent", 180, count=2) for r in range(2)]
             assert trainers.wait(60) == [0, 0]
         assert client.fingerprint() == outs[0]["fingerprint"]
-        assert outs[0]["worker_bytes"] == [outs[0]["bytes"]]  # a whole receiver keeps all
+        if backend == "nccl":
+            assert outs[0]["worker_bytes"] == [outs[0]["bytes"]]  # a whole receiver keeps all
         assert outs[0]["sent_bytes"] + outs[1]["sent_bytes"] == outs[0]["bytes"]
         before = client.fingerprint()
-        with TrainerRanks(2, backend="nccl", addresses=[receiver.address], senders=2,
-                          updates=1000, seed=7, init_fields=fields(timeout_s=5.0),
+        with TrainerRanks(2, backend=backend, addresses=[receiver.address], senders=2,
+                          updates=1000, seed=7, init_fields=fields(backend, timeout_s=5.0),
                           timeout_s=10.0, fingerprint=True) as trainers:
             trainers.wait_for(1, "ready", 120)
             os.kill(trainers.procs[1].pid, signal.SIGKILL)
@@ -138,33 +149,39 @@ def test_every_update_lands_and_a_killed_trainer_rank_leaves_the_weights_as_they
         if status["weight_version"] != f"sharded-{len(landed)}":  # (the rank was killed
             # after the receiver finished an update but before rank 0 heard every verdict)
             assert client.fingerprint() == (landed[-1]["fingerprint"] if landed else before)
-        with TrainerRanks(2, backend="nccl", addresses=[receiver.address], senders=2,
-                          seed=9, init_fields=fields(), fingerprint=True) as trainers:
+        with TrainerRanks(2, backend=backend, addresses=[receiver.address], senders=2,
+                          seed=9, init_fields=fields(backend), fingerprint=True) as trainers:
             out = trainers.wait_for(0, "sent", 180)
             assert trainers.wait(60) == [0, 0]
         assert client.fingerprint() == out["fingerprint"] != before
         client.close()
 
 
-@pytest.mark.parametrize(("model", "fp8"), [("tiny-fp8", False), ("tiny-moe-fp8", False),
-                                          ("tiny-fp8", True), ("tiny-moe-fp8", True)])
-def test_fsdp_ranks_feed_an_fp8_engine_each_worker_only_its_blocks(serve, model, fp8):
+@pytest.mark.parametrize(("backend", "model", "fp8"), [
+    ("nccl", "tiny-fp8", False), ("nccl", "tiny-moe-fp8", False), ("nccl", "tiny-fp8", True),
+    ("nccl", "tiny-moe-fp8", True), ("ipc", "tiny-fp8", False), ("ipc", "tiny-moe-fp8", True)])
+def test_fsdp_ranks_feed_an_fp8_engine_each_worker_only_its_blocks(serve, backend, model, fp8):
     """M->N into two FP8 workers: each receives only its rows (columns) of every projection
     (of every expert, its gate and up rows and down columns) straight from the ranks'
     shards, in the trainer's dtype, and quantizes them itself (whole 128x128 blocks), or
     (`fp8`) already quantized by the ranks, each its own shard (blocks cut between two
     shards included), so about half the bytes move; the weights assembled from both equal
     a fresh FP8 engine's."""
-    engine = serve("--model", model, "--quantization", "fp8", "--tensor-parallel-size", "2")
-    with TrainerRanks(2, backend="nccl", addresses=[engine.url], senders=2,
-                      model=f"llm:{model}", seed=5, init_fields=fields(),
+    engine = serve("--model", model, "--quantization", "fp8", "--tensor-parallel-size", "2",
+                   backend=backend)
+    with TrainerRanks(2, backend=backend, addresses=[engine.url], senders=2,
+                      model=f"llm:{model}", seed=5, init_fields=fields(backend),
                       fingerprint=True, fp8=fp8) as trainers:
         outs = [trainers.wait_for(r, "sent", 180) for r in range(2)]
         assert trainers.wait(60) == [0, 0]
     workers = engine.http.get("/weight_info").json()["workers"]
     assert all(o["gathered_peak_bytes"] == 0 for o in outs)
-    assert sum(o["sent_bytes"] for o in outs) == sum(w["last_update_bytes"] for w in workers)
-    assert all(w["last_update_bytes"] < outs[0]["bytes"] for w in workers)
+    received = [w["last_update_bytes"] for w in workers]
+    if backend == "nccl":  # each worker's pair buckets
+        assert sum(o["sent_bytes"] for o in outs) == sum(received)
+    else:  # staged once; each worker copied its part
+        assert sum(o["sent_bytes"] for o in outs) == outs[0]["bytes"]
+    assert all(r < outs[0]["bytes"] for r in received)
     fresh = serve("--model", model, "--quantization", "fp8", "--seed", "5")
     assert (wtransfer.HTTPClient(engine.url).fingerprint()
             == wtransfer.HTTPClient(fresh.url).fingerprint())

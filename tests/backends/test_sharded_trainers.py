@@ -18,11 +18,11 @@ BUCKET = 64 << 10
 
 
 def init_fields(backend, senders, workers, **extra):
-    fields = {"bucket_bytes": BUCKET, "timeout_s": 20.0, **extra}
+    fields = {"bucket_bytes": BUCKET, "timeout_s": 20.0, "m2n": False, **extra}  # the
+    # gathering path (M->N has tests of its own: test_m2n_transfers.py)
     if backend == "nccl":  # a direct threshold the 512 KiB embedding passes: a sharded source
         fields.update(master_address="127.0.0.1", world_size=senders + workers,  # must not use it
-                      direct_threshold=32 << 10, m2n=False)  # the gathering path (M->N has
-        # tests of its own: test_m2n_transfers.py)
+                      direct_threshold=32 << 10)
     return fields
 
 

@@ -190,39 +190,44 @@ class UpdateSession:
                 self._regions[name] = _Regions(expected)
 
     def consume_pieces(self, staging: torch.Tensor, nbytes: int, pieces: Sequence[Piece],
-                       checksum: int | None = None) -> None:
+                       checksum: int | None = None, *, crop: bool = False) -> None:
         """Load one M->N bucket: each piece a box of an announced tensor at its offset in the
-        first `nbytes` of uint8 `staging` (see the module docstring)."""
+        first `nbytes` of uint8 `staging` (see the module docstring). With `crop`, the
+        bucket is one every worker reads (shared staging) and only the parts of each box
+        that this worker keeps are copied; without it, every piece must lie in what it keeps."""
         data = self._checked_bucket(staging, nbytes, checksum)
         loads: list[tuple[str, torch.Tensor]] = []
+        received = 0
         for piece in pieces:
-            meta, regions = self._piece_meta(piece, nbytes)
-            box = piece.box
-            self._save(meta.name)
+            meta = self._checked_piece(piece, nbytes)
             src = data[piece.offset: piece.offset + piece.nbytes].view(
-                DTYPES[meta.dtype]).view(box.lengths)
-            dest = self._target.region(meta.name, box)
-            if dest is None:
-                if regions.full is None:
-                    regions.full = torch.empty(meta.shape, dtype=DTYPES[meta.dtype],
-                                               device=self._device)
-                dest = regions.full[box.slices()]
-            self.touched = True
-            dest.copy_(src, non_blocking=True)
-            regions.boxes.append(box)
-            regions.received += box.numel
-            if regions.received == regions.expected:
-                del self._pending[meta.name]
-                del self._regions[meta.name]
-                if regions.full is not None:
-                    loads.append((meta.name, regions.full))
+                DTYPES[meta.dtype]).view(piece.box.lengths)
+            for box in self._kept_parts(meta.name, piece.box) if crop else [piece.box]:
+                regions = self._regions_of(meta.name, box, inside_kept=not crop)
+                self._save(meta.name)
+                dest = self._target.region(meta.name, box)
+                if dest is None:
+                    if regions.full is None:
+                        regions.full = torch.empty(meta.shape, dtype=DTYPES[meta.dtype],
+                                                   device=self._device)
+                    dest = regions.full[box.slices()]
+                self.touched = True
+                dest.copy_(src[_within(box, piece.box)] if crop else src, non_blocking=True)
+                regions.boxes.append(box)
+                regions.received += box.numel
+                received += box.numel * meta.itemsize
+                if regions.received == regions.expected:
+                    del self._pending[meta.name]
+                    del self._regions[meta.name]
+                    if regions.full is not None:
+                        loads.append((meta.name, regions.full))
         if loads:
             self._target.load_weights(loads)
-        self.bytes_received += sum(p.nbytes for p in pieces)
+        self.bytes_received += received
 
-    def _piece_meta(self, piece: Piece, nbytes: int) -> tuple[TensorMeta, _Regions]:
-        """The announced tensor of `piece`, after checking its bounds, that it lies in what
-        this worker keeps, and that none of its elements arrived before."""
+    def _checked_piece(self, piece: Piece, nbytes: int) -> TensorMeta:
+        """The announced tensor of `piece`, after checking that the piece fits it and the
+        `nbytes`-byte bucket."""
         if not 0 <= piece.tensor < len(self._metas):
             raise MetadataError(f"piece names tensor #{piece.tensor} but only "
                                 f"{len(self._metas)} were announced")
@@ -233,19 +238,33 @@ class UpdateSession:
             raise MetadataError(f"piece of {meta.name!r} (box {piece.box}, bytes "
                                 f"[{piece.offset}, {piece.offset + piece.nbytes})) does not "
                                 f"fit the tensor {list(meta.shape)} or the {nbytes}-byte bucket")
-        regions = self._regions.get(meta.name)
+        return meta
+
+    def _kept_parts(self, name: str, box: Box) -> list[Box]:
+        """The parts of `box` of tensor `name` that this worker keeps."""
+        if self._kept is None:
+            return [box]
+        layout = self._kept.get(name)
+        if layout is None:
+            return []
+        return [part for kept in layout.boxes if (part := box.intersect(kept)) is not None]
+
+    def _regions_of(self, name: str, box: Box, *, inside_kept: bool) -> _Regions:
+        """What arrived so far of tensor `name`, after checking that none of `box` did (and,
+        with `inside_kept`, that `box` lies in what this worker keeps)."""
+        regions = self._regions.get(name)
         if regions is None:
-            raise MetadataError(f"tensor {meta.name!r}: this worker keeps none of it left "
-                                f"to receive, yet box {piece.box} arrived")
-        layout = self._kept.get(meta.name) if self._kept is not None else None
-        if layout is not None and not any(
-                piece.box.intersect(b) == piece.box for b in layout.boxes):
-            raise MetadataError(f"tensor {meta.name!r}: box {piece.box} lies outside what this "
+            raise MetadataError(f"tensor {name!r}: this worker keeps none of it left "
+                                f"to receive, yet box {box} arrived")
+        layout = self._kept.get(name) if self._kept is not None else None
+        if inside_kept and layout is not None and not any(
+                box.intersect(b) == box for b in layout.boxes):
+            raise MetadataError(f"tensor {name!r}: box {box} lies outside what this "
                                 "worker keeps")
-        if any(piece.box.intersect(b) is not None for b in regions.boxes):
-            raise MetadataError(f"tensor {meta.name!r}: elements of box {piece.box} arrived "
+        if any(box.intersect(b) is not None for b in regions.boxes):
+            raise MetadataError(f"tensor {name!r}: elements of box {box} arrived "
                                 "twice")
-        return meta, regions
+        return regions
 
     def _checked_bucket(self, staging: torch.Tensor, nbytes: int,
                         checksum: int | None) -> torch.Tensor:
@@ -418,3 +437,9 @@ class UpdateSession:
             names = sorted(self._pending)
             raise IntegrityError(f"update incomplete: {len(names)} announced tensor(s) never "
                                  f"arrived whole, e.g. {names[:3]}")
+
+
+def _within(part: Box, box: Box) -> tuple[slice, ...]:
+    """Index of `part` (inside `box`) in a tensor holding just `box`."""
+    return tuple(slice(p - b, p - b + n)
+                 for p, b, n in zip(part.offsets, box.offsets, part.lengths, strict=True))

@@ -432,14 +432,14 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         share = out.share
         if out.opening is not None and share.lead:
             calls.update(out.opening)
+        units = share.buckets if out.units is None else out.units
         if isinstance(out.channel, CallChannel):  # each bucket's call, then finish
-            send_buckets(share.buckets, share.packer, self._through_calls(out.channel, calls),
+            send_buckets(units, share.packer, self._through_calls(out.channel, calls),
                          check=calls.check, all_posted=lambda: self._finish_early(calls))
         else:
             self._finish_early(calls)  # every update call of this rank is issued
             if out.channel is not None:
-                send_buckets(share.buckets if out.units is None else out.units, share.packer,
-                             out.channel, check=calls.check)
+                send_buckets(units, share.packer, out.channel, check=calls.check)
         try:
             calls.settle()
         except BaseException:
@@ -529,6 +529,21 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+    def _m2n_wanted(self, requested: bool | None) -> bool:
+        """Whether updates go M->N (every rank sends its own shards to the workers that keep
+        them): when asked, or by default (`requested` None) when the source is sharded and
+        every trainer rank has a client; asked without every rank having one is refused."""
+        group = self.ranks.group
+        everyone = group is None or len(group.senders) == group.size
+        if requested and not everyone:
+            assert group is not None
+            raise ConfigError(f"m2n=True sends every trainer rank's own shards, but only "
+                              f"{len(group.senders)} of {group.size} ranks have a client; "
+                              "give every rank a client (only the first makes control calls)")
+        if requested is None:
+            return everyone and self.source.sharded
+        return requested
 
     @property
     def sends_own_shards(self) -> bool:

@@ -20,8 +20,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from wtransfer.errors import ConfigError, MetadataError
-from wtransfer.packing import TensorMeta, dtype_name, is_dtensor
+from wtransfer.packing import DTYPES, TensorMeta, dtype_name, is_dtensor
 from wtransfer.records import Box, TensorLayout
+from wtransfer.transport.mton import PairBucket
 
 
 def dtensor_layout(name: str, tensor: Any) -> TensorLayout:
@@ -78,6 +79,28 @@ class LocalShards:
     def region(self, index: int, name: str, box: Box) -> torch.Tensor:
         """The local view of global region `box` of tensor `index` (named `name`)."""
         return self.layouts[name].view(self._locals[index], box)
+
+    def pack(self, bucket: PairBucket, metas: list[TensorMeta],
+             staging: torch.Tensor) -> torch.Tensor:
+        """Copy an M->N pair bucket's boxes out of these shards to their offsets in uint8
+        `staging`; the bucket's bytes (the first `bucket.nbytes` of it)."""
+        for piece in bucket.pieces:
+            meta = metas[piece.tensor]
+            out = staging[piece.offset: piece.offset + piece.nbytes].view(
+                DTYPES[meta.dtype]).view(piece.box.lengths)
+            out.copy_(self.region(piece.tensor, meta.name, piece.box), non_blocking=True)
+        return staging[:bucket.nbytes]
+
+
+def held_parts(source: Any, metas: list[TensorMeta]) -> list[torch.Tensor]:
+    """The tensors of `source` as this rank holds them, in `metas`' order: its shards, its
+    own tensors, or (a source that can promise neither) each one it yields."""
+    if source.sharded:
+        return list(source.parts())
+    held = source.held()
+    if held is not None:
+        return list(held)
+    return [tensor for _, tensor in source.tensors()]
 
 
 class NoGather:

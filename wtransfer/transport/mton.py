@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from wtransfer.errors import MetadataError
+from wtransfer.manifest import Manifest
 from wtransfer.packing import DEFAULT_ALIGN, DTYPES, TensorMeta
 from wtransfer.records import Box, TensorLayout
 from wtransfer.wire import digest
@@ -96,11 +97,8 @@ class TransferPlan:
     def from_wire(cls, data: Any) -> TransferPlan:
         """Parse a plan; `MetadataError` when malformed or its digest does not match."""
         try:
-            buckets = tuple(
-                PairBucket(int(s), int(w), int(r), int(n), tuple(
-                    Piece(int(t), Box(offsets=tuple(o), lengths=tuple(ln)), int(off), int(nb))
-                    for t, o, ln, off, nb in pieces))
-                for s, w, r, n, pieces in data["buckets"])
+            buckets = tuple(PairBucket(int(s), int(w), int(r), int(n), _pieces(pieces))
+                            for s, w, r, n, pieces in data["buckets"])
             plan = cls(int(data["senders"]), int(data["workers"]), buckets, str(data["digest"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise MetadataError(f"malformed M->N plan: {exc}") from None
@@ -110,9 +108,28 @@ class TransferPlan:
 
 
 def _buckets_wire(buckets: Sequence[PairBucket]) -> list[Any]:
-    return [[b.sender, b.worker, b.round, b.nbytes,
-             [[p.tensor, list(p.box.offsets), list(p.box.lengths), p.offset, p.nbytes]
-              for p in b.pieces]] for b in buckets]
+    return [[b.sender, b.worker, b.round, b.nbytes, pieces_to_wire(b.pieces)]
+            for b in buckets]
+
+
+def pieces_to_wire(pieces: Sequence[Piece]) -> list[Any]:
+    """Pieces in plain form: ``[[tensor, offsets, lengths, offset, nbytes], ...]``."""
+    return [[p.tensor, list(p.box.offsets), list(p.box.lengths), p.offset, p.nbytes]
+            for p in pieces]
+
+
+def _pieces(data: Any) -> tuple[Piece, ...]:
+    return tuple(Piece(int(t), Box(offsets=tuple(int(i) for i in o),
+                                   lengths=tuple(int(n) for n in ln)), int(off), int(nb))
+                 for t, o, ln, off, nb in data)
+
+
+def pieces_from_wire(data: Any) -> tuple[Piece, ...]:
+    """Parse `pieces_to_wire`'s form; `MetadataError` when malformed."""
+    try:
+        return _pieces(data)
+    except (TypeError, ValueError) as exc:
+        raise MetadataError(f"malformed M->N pieces: {exc}") from None
 
 
 def _split(box: Box, itemsize: int, limit: int) -> list[Box]:
@@ -268,3 +285,30 @@ def layouts_from_wire(data: Any, where: str) -> dict[str, TensorLayout]:
         return out
     except (TypeError, ValueError) as exc:
         raise MetadataError(f"malformed layouts from {where}: {exc}") from None
+
+
+def whole_layouts(metas: Sequence[TensorMeta], replica: int = 0) -> dict[str, TensorLayout]:
+    """Every tensor of `metas` held whole."""
+    return {m.name: TensorLayout.whole(m.name, m.dtype, m.shape, replica=replica)
+            for m in metas}
+
+
+class Planner:
+    """The plan of each tensor list (the last one kept: a trainer sends the same every step)
+    between fixed layouts of the trainer ranks (`sources`) and of the workers (`dests`; None:
+    one destination that keeps every tensor whole, as for staging every worker reads)."""
+
+    def __init__(self, sources: list[dict[str, TensorLayout]],
+                 dests: list[dict[str, TensorLayout]] | None, bucket_bytes: int) -> None:
+        self.sources = sources
+        self.dests = dests
+        self.bucket_bytes = bucket_bytes
+        self._last: tuple[Manifest, TransferPlan] | None = None
+
+    def plan(self, manifest: Manifest) -> TransferPlan:
+        """The plan moving `manifest`'s tensors."""
+        if self._last is None or self._last[0] is not manifest:
+            dests = self.dests if self.dests is not None else [whole_layouts(manifest.metas)]
+            self._last = (manifest, plan_transfers(manifest.metas, self.sources, dests,
+                                                   self.bucket_bytes))
+        return self._last[1]

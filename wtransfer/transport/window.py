@@ -84,9 +84,10 @@ class CallChannel:
     packed again only once the call that carried it was answered."""
 
     slots: int
-    stage: Callable[[Bucket, int], torch.Tensor]
-    """Pack a bucket into a slot; returns the packed bytes."""
-    describe: Callable[[Bucket, int, torch.Tensor, int | None], dict[str, Any]]
+    stage: Callable[[Any, int], torch.Tensor]
+    """Pack a bucket (a `Bucket`, or an M->N `PairBucket`) into a slot; returns the packed
+    bytes."""
+    describe: Callable[[Any, int, torch.Tensor, int | None], dict[str, Any]]
     """The update info that hands over bucket `bucket` packed in slot `slot` (its bytes and,
     with checksums on, their checksum): ``describe(bucket, slot, data, checksum)``."""
 

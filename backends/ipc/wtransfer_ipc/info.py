@@ -33,6 +33,12 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     device-to-device copy per byte and one control message per update, ordered by a CUDA IPC
     event. Falls back to packed buckets for what cannot be shared (CPU or non-contiguous
     tensors, checksums, several senders, sharded sources)."""
+    m2n: bool | None = None
+    """Each trainer rank packs only its own shards (no gathering), each box once, into its own
+    staging, and each worker copies out of every rank's staging only the parts it keeps
+    (`wtransfer_ipc.mton`): every trainer rank needs a client then. None (default): when the
+    source is sharded and every trainer rank has a client; False: gather each bucket to a
+    sender, and every worker reads all of it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +61,9 @@ class IPCInitInfo(ReceiverInitInfo):
     waiting on its host; the trainer waits for it (polled, with the deadline) before packing
     the buffer again. Without it a worker waits for its reads before answering."""
 
+    m2n: bool = False
+    """The trainer ranks stage boxes of their own shards (`IPCUpdateInfo.pieces`), and each
+    worker copies only what it keeps of them (`wtransfer_ipc.mton`)."""
     sender_start: int | None = None
     """When the (lead) sender's process started, in clock ticks since boot (``/proc``): with
     `sender_pid` it names that process, so an engine that sees it can fail an open update as
@@ -155,5 +164,8 @@ class IPCUpdateInfo(UpdateInfo):
     the receiver's stream waits on it before reading."""
     sender: int = 0
     """With several senders: whose staging buffers hold the bucket."""
+    pieces: list[Any] | None = None
+    """An M->N bucket instead of `slices`: ``[[tensor_index, offsets, lengths, offset,
+    nbytes], ...]``, each a box of a tensor staged at `offset` (`wtransfer_ipc.mton`)."""
     zero_copy: ZeroCopyUpdate | None = None
     """The whole update straight from the sender's storage (one call per update)."""

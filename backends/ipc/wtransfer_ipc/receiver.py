@@ -14,6 +14,7 @@ from wtransfer.packing import Slice, TensorMeta
 from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
+from wtransfer.transport.mton import pieces_from_wire
 from wtransfer_ipc.cuda import SenderEvents, drain, open_buffer
 from wtransfer_ipc.info import IPCInitInfo, IPCUpdateInfo, ZeroCopyUpdate
 from wtransfer_ipc.sender_process import ProcessWatch
@@ -86,15 +87,24 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
                 for i, rec in enumerate(staging["buffers"])]
 
     def _receive(self, info: IPCUpdateInfo, session: UpdateSession) -> None:
+        m2n = self._init_info().m2n
         manifest = self._listed(info)
         if manifest is not None:
             session.announce(manifest.metas)
+            if m2n:  # only what this worker keeps arrives of each tensor
+                session.keep_only(self.target.keeps())
             if info.zero_copy is not None:
                 self._receive_zero_copy(info.zero_copy, manifest.metas, session)
                 return
         elif info.zero_copy is not None:
             raise MetadataError("a zero-copy update must carry its tensor list (or its digest)")
-        if not info.slices:
+        if info.slices and m2n:
+            raise MetadataError("this transfer is M->N: its buckets carry 'pieces', not "
+                                "'slices'; initialize the transfer again")
+        if info.pieces and not m2n:
+            raise MetadataError("'pieces' arrived in a transfer that is not M->N; initialize "
+                                "the transfer again")
+        if not info.slices and not info.pieces:
             return
         if not 0 <= info.sender < len(self._staging):
             raise MetadataError(f"sender index {info.sender} out of range "
@@ -109,15 +119,24 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
                 raise MetadataError("'event' orders reads of CUDA staging; this sender's "
                                     "staging is shared memory")
             self._events.wait(info.event, staging.device)
-        slices = [Slice.from_wire(s) for s in info.slices]
+        if info.pieces:
+            pieces = pieces_from_wire(info.pieces)
+
+            def consume() -> None:
+                session.consume_pieces(staging, info.nbytes, pieces, info.checksum, crop=True)
+        else:
+            slices = [Slice.from_wire(s) for s in info.slices]
+
+            def consume() -> None:
+                session.consume(staging, info.nbytes, slices, info.checksum)
         if self._free is not None:  # the trainer's stream waits for these reads
             self._unfinished = staging.device
             try:
-                session.consume(staging, info.nbytes, slices, info.checksum)
+                consume()
             finally:  # even reads queued before a failure must finish before a rewrite
                 self._events.record(self._free[info.buffer], staging.device)
         else:
-            session.consume(staging, info.nbytes, slices, info.checksum)
+            consume()
             if staging.is_cuda or self.device.type == "cuda":  # done reading: slot is free
                 drain(staging.device if staging.is_cuda else self.device, self._timeout_s())
 
@@ -149,8 +168,11 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         self._unfinished = None
 
     def _timeout_s(self) -> float:
+        return self._init_info().timeout_s
+
+    def _init_info(self) -> IPCInitInfo:
         assert self.init_info is not None  # an update runs only after init
-        return self.init_info.timeout_s
+        return self.init_info
 
     def _shutdown(self) -> None:
         self._zero_copy.close()

@@ -15,8 +15,11 @@ from wtransfer.packing import Bucket
 from wtransfer.protocol import WeightSyncClient
 from wtransfer.records import receiver_init_dict
 from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
+from wtransfer.trainer.layouts import LocalShards, held_parts
 from wtransfer.trainer.source import WeightSource
+from wtransfer.transport.mton import PairBucket, Planner
 from wtransfer.transport.window import CallChannel
+from wtransfer_ipc import mton
 from wtransfer_ipc.cuda import await_event, export_buffer, exported_event, withdraw_event
 from wtransfer_ipc.info import CUDA_BUCKET_BYTES, STAGING_FIELDS, IPCTrainerInitInfo
 from wtransfer_ipc.sender_process import own_start_time
@@ -37,6 +40,9 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
     def __init__(self, init_info: IPCTrainerInitInfo, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
+        self.m2n = False
+        """Whether each rank stages only its own shards (`wtransfer_ipc.mton`; decided at
+        connect, declared first: the base constructor asks for the bucket size)."""
         super().__init__(init_info, client=client, source=source, process_group=process_group)
         self.device = self._staging_device(self.init_info.device)
         if self.device.type not in ("cpu", "cuda"):
@@ -56,6 +62,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         self._zero_copy: ZeroCopyExports | None = None
         """The source's exported storages, when zero-copy updates apply (CUDA, no checksums,
         one unsharded sender)."""
+        self._planner: Planner | None = None
+        self._last_moved: dict[str, Any] = {}
 
     def _default_bucket_bytes(self) -> int:
         """Packed updates of one trainer process through CUDA staging: `CUDA_BUCKET_BYTES`,
@@ -75,10 +83,20 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
     def _zero_copy_on(self) -> bool:
         """Whether updates go zero-copy where the tensors allow (see `zero_copy`)."""
         info = self.init_info
-        return info.zero_copy and not info.checksum and not self.source.sharded
+        return (info.zero_copy and not info.checksum and not self.source.sharded
+                and not self.m2n)
+
+    @property
+    def sends_own_shards(self) -> bool:
+        """M->N: every rank stages its own shards; nothing is gathered."""
+        return self.m2n
+
+    def _moved(self) -> dict[str, Any]:
+        return self._last_moved
 
     def _connect(self) -> dict[str, Any]:
         info = self.init_info
+        self.m2n = self._m2n_wanted(info.m2n)
         token = secrets.token_hex(8)
         if self.device.type == "cuda":
             if self._zero_copy_on():
@@ -93,9 +111,12 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
             self._staging = [b.tensor for b in self._shm if b.tensor is not None]
             buffers = [b.name for b in self._shm]
             transport = "shm"
-        return receiver_init_dict(info, transport=transport, buffers=buffers,
-                                  sender_pid=os.getpid(), sender_start=own_start_time(),
-                                  token=token)
+        fragment = receiver_init_dict(info, transport=transport, buffers=buffers,
+                                      sender_pid=os.getpid(), sender_start=own_start_time(),
+                                      token=token, m2n=self.m2n)
+        if self.m2n:
+            return mton.with_layouts(fragment, self.source, self.ranks.sender_index or 0)
+        return fragment
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         """CUDA staging of one sender: each engine gets one event per slot for each of its
@@ -118,7 +139,10 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
             buf.unlink()
 
     def _merge(self, fragments: list[dict[str, Any]]) -> dict[str, Any]:
-        """Several senders: one init info listing every sender's staging buffers."""
+        """Several senders: one init info listing every sender's staging buffers (M->N: and
+        the plan between what each holds, kept here)."""
+        if self.m2n:
+            self._planner, fragments = mton.planner_of(fragments, self.bucket_bytes)
         first = fragments[0]
         if len(fragments) == 1:
             return first
@@ -130,7 +154,10 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
     def _outgoing(self, share: Share) -> Outgoing:
         """Zero-copy where it applies (one call: the receivers copy out of the source's own
-        storage), else one call per packed bucket, its staging slot reused once answered."""
+        storage), else one call per packed bucket, its staging slot reused once answered
+        (M->N: see `_outgoing_m2n`)."""
+        if self._planner is not None:
+            return self._outgoing_m2n(share, self._planner)
         if self._zero_copy is not None:
             tensors, share = self.in_place(share, shareable)
             if tensors is not None:
@@ -162,6 +189,38 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
         return Outgoing(share, channel=CallChannel(slots=len(self._staging), stage=stage,
                                                    describe=describe))
+
+    def _outgoing_m2n(self, share: Share, planner: Planner) -> Outgoing:
+        """This rank's buckets of the plan, each packed from its own shards into a free
+        staging slot and handed to every worker, which copies what it keeps
+        (`wtransfer_ipc.mton`)."""
+        metas = share.manifest.metas
+        plan = planner.plan(share.manifest)
+        me = share.index
+        shards = LocalShards(metas, share.parts if share.parts is not None
+                             else held_parts(self.source, metas), me)
+        mine = tuple(plan.of_sender(me))
+        self._last_moved = {"buckets": len(mine), "sent_bytes": plan.bytes_from(me)}
+
+        def stage(bucket: PairBucket, slot: int) -> torch.Tensor:
+            self._wait_read(slot)
+            data = shards.pack(bucket, metas, self._staging[slot])
+            if self._packed:
+                self._packed[slot][0].record(torch.cuda.current_stream(self.device))
+            return data
+
+        def describe(bucket: PairBucket, slot: int, _data: torch.Tensor,
+                     checksum: int | None) -> dict[str, Any]:
+            update = mton.describe(bucket, slot, me, checksum)
+            if self._packed:
+                update["event"] = self._packed[slot][1]
+            return update
+
+        opening = (self.listed_tensors(share.manifest) if share.lead and share.count == 1
+                   else None)  # (several senders: the list was announced before any bucket)
+        return Outgoing(share, opening=opening, units=mine,
+                        channel=CallChannel(slots=len(self._staging), stage=stage,
+                                            describe=describe))
 
     def _wait_read(self, slot: int) -> None:
         """Pack into staging `slot` only once every worker's reads of its last bucket ran (the

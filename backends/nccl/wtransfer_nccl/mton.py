@@ -16,24 +16,26 @@ sides walk their buckets in the plan's round order, so no rank ever waits in a c
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from wtransfer import wire
 from wtransfer.errors import MetadataError, TransferTimeout
-from wtransfer.manifest import Manifest
-from wtransfer.packing import DTYPES, TensorMeta, frame
+from wtransfer.packing import TensorMeta, frame
 from wtransfer.records import TensorLayout
 from wtransfer.trainer.layouts import LocalShards
 from wtransfer.transport.mton import (
     PairBucket,
+    Planner,
     TransferPlan,
     layouts_from_wire,
     layouts_to_wire,
-    plan_transfers,
+    whole_layouts,
 )
+
+__all__ = ["Planner", "check_plan", "m2n_store", "pack", "publish_layouts", "read_layouts",
+           "whole_layouts"]
 
 _KEY = "m2n/layouts/"
 
@@ -61,31 +63,6 @@ def read_layouts(store: dist.Store, ranks: range, timeout_s: float
             for rank, key in zip(ranks, keys, strict=True)]
 
 
-def whole_layouts(metas: list[TensorMeta], replica: int = 0) -> dict[str, TensorLayout]:
-    """Every tensor of `metas` held whole."""
-    return {m.name: TensorLayout.whole(m.name, m.dtype, m.shape, replica=replica)
-            for m in metas}
-
-
-class Planner:
-    """The plan of each tensor list (the last one kept: a trainer sends the same every step)
-    between the published layouts."""
-
-    def __init__(self, sources: list[dict[str, TensorLayout]],
-                 dests: list[dict[str, TensorLayout]], bucket_bytes: int) -> None:
-        self.sources = sources
-        self.dests = dests
-        self.bucket_bytes = bucket_bytes
-        self._last: tuple[Manifest, TransferPlan] | None = None
-
-    def plan(self, manifest: Manifest) -> TransferPlan:
-        """The plan moving `manifest`'s tensors."""
-        if self._last is None or self._last[0] is not manifest:
-            self._last = (manifest, plan_transfers(manifest.metas, self.sources, self.dests,
-                                                   self.bucket_bytes))
-        return self._last[1]
-
-
 def check_plan(plan: TransferPlan, digest: str | None) -> None:
     """Refuse an update whose trainer planned otherwise (different layouts or lists)."""
     if digest != plan.digest:
@@ -96,21 +73,6 @@ def check_plan(plan: TransferPlan, digest: str | None) -> None:
 
 def pack(bucket: PairBucket, metas: list[TensorMeta], shards: LocalShards,
          staging: torch.Tensor, checksum: bool) -> torch.Tensor:
-    """Copy `bucket`'s boxes out of this rank's shards into `staging`; the bytes to send."""
-    for piece in bucket.pieces:
-        meta = metas[piece.tensor]
-        out = staging[piece.offset: piece.offset + piece.nbytes].view(
-            DTYPES[meta.dtype]).view(piece.box.lengths)
-        out.copy_(shards.region(piece.tensor, meta.name, piece.box), non_blocking=True)
-    return frame(staging, bucket.nbytes, checksum)
-
-
-def source_parts(source: Any, metas: list[TensorMeta]) -> list[torch.Tensor]:
-    """The tensors of `source` as this rank holds them, in `metas`' order: its shards, its
-    own tensors, or (a source that can promise neither) each one it yields."""
-    if source.sharded:
-        return list(source.parts())
-    held = source.held()
-    if held is not None:
-        return list(held)
-    return [tensor for _, tensor in source.tensors()]
+    """`bucket`'s boxes copied out of this rank's shards into `staging`; the bytes to send
+    (with their checksum trailer when asked)."""
+    return frame(staging, shards.pack(bucket, metas, staging).numel(), checksum)

@@ -35,7 +35,6 @@ from wtransfer_nccl.mton import (
     pack,
     publish_layouts,
     read_layouts,
-    source_parts,
 )
 
 
@@ -79,7 +78,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                               f"{self.senders + workers}; set world_size="
                               f"{self.senders + workers}, or leave it out")
         self.world_size = self.senders + workers
-        self.m2n = self._choose_m2n()
+        self.m2n = self._m2n_wanted(self.init_info.m2n)
         self._staging = [torch.empty(self.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]
         port = info.master_port
@@ -94,20 +93,6 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                                   rank_offset=self.senders, transport=self.transport,
                                   senders=self.senders, batch=DIRECT_BATCH,
                                   first_batch=DIRECT_FIRST, m2n=self.m2n)
-
-    def _choose_m2n(self) -> bool:
-        """M->N when asked, or by default when the source is sharded and every trainer rank
-        sends (its own shards); asked without every rank sending is refused."""
-        group = self.ranks.group
-        everyone = group is None or len(group.senders) == group.size
-        if self.init_info.m2n and not everyone:
-            assert group is not None
-            raise ConfigError(f"m2n=True sends every trainer rank's own shards, but only "
-                              f"{len(group.senders)} of {group.size} ranks have a client; "
-                              "give every rank a client (only the first makes control calls)")
-        if self.init_info.m2n is None:
-            return everyone and self.source.sharded
-        return self.init_info.m2n
 
     @property
     def sends_own_shards(self) -> bool:
@@ -207,14 +192,14 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
     def _outgoing_m2n(self, share: Share, group: Group) -> Outgoing:
         """This rank's pair buckets of the plan, each packed from its own shards into a free
         staging slot and sent to its worker (rank K + worker) as one message."""
-        from wtransfer.trainer.layouts import LocalShards
+        from wtransfer.trainer.layouts import LocalShards, held_parts
 
         assert self._planner is not None
         info, staging, metas = self.init_info, self._staging, share.manifest.metas
         plan = self._planner.plan(share.manifest)
         me = share.index
         shards = LocalShards(metas, share.parts if share.parts is not None
-                             else source_parts(self.source, metas), me)
+                             else held_parts(self.source, metas), me)
         mine = tuple(plan.of_sender(me))
         self._last_moved = {"buckets": len(mine), "sent_bytes": plan.bytes_from(me),
                             "worker_bytes": [plan.bytes_to(w) for w in range(plan.workers)]}
