@@ -201,3 +201,26 @@ def test_a_zero_copy_layout_outside_its_storage_is_refused_before_any_write():
     assert wtransfer.fingerprint(engine_model.state_dict()) == before
     assert engine.torn is False
     engine.shutdown()
+
+
+@pytest.mark.gpu
+def test_two_trainer_processes_on_one_gpu_stage_half_each_through_cuda_ipc():
+    """M->N through CUDA staging: two trainer processes on cuda:0, each holding the model
+    (replicas: FSDP2 needs a GPU per rank), each stage about half of it in their own CUDA
+    IPC buffers, ordered by IPC events; the receiver on the same GPU holds it bit-exact."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from wtransfer.launch.trainer_ranks import TrainerRanks
+
+    with spawn_receiver("ipc", model="mixed", seed=2, device="cuda:0") as receiver:
+        with TrainerRanks(2, backend="ipc", addresses=[receiver.address], senders=2,
+                          updates=2, device="cuda:0", fingerprint=True, timeout_s=120,
+                          init_fields={"m2n": True, "bucket_bytes": 1 << 20,
+                                       "timeout_s": 60.0}) as trainers:
+            outs = [trainers.wait_for(r, "sent", 300, count=2) for r in range(2)]
+            assert trainers.wait(60) == [0, 0], trainers.stderr(0)[-2000:]
+        client = RPCClient(receiver.address, timeout_s=30)
+        assert client.fingerprint() == outs[0]["fingerprint"]
+        client.close()
+    sent = [o["sent_bytes"] for o in outs]
+    assert sum(sent) == outs[0]["bytes"] and min(sent) > 0.3 * outs[0]["bytes"]

@@ -207,3 +207,22 @@ def test_fsdp_ranks_quantize_their_shards_for_one_sender_that_gathers(serve):
     fresh = serve("--model", "tiny-fp8", "--quantization", "fp8", "--seed", "5")
     assert (wtransfer.HTTPClient(engine.url).fingerprint()
             == wtransfer.HTTPClient(fresh.url).fingerprint())
+
+
+def test_replicated_ranks_share_the_load_over_ipc():
+    """Two ranks holding the whole model (data-parallel replicas, no FSDP) with m2n=True:
+    each stages about half of the tensors (each tensor once, by one of them), and the
+    receiver holds the model, bit-exact, over two updates."""
+    with spawn_receiver("ipc", model="mixed", seed=2) as receiver:
+        with TrainerRanks(2, backend="ipc", addresses=[receiver.address], senders=2,
+                          updates=2, replicate=True, fingerprint=True,
+                          init_fields=fields("ipc", m2n=True)) as trainers:
+            outs = [trainers.wait_for(r, "sent", 180, count=2) for r in range(2)]
+            assert trainers.wait(60) == [0, 0]
+        client = RPCClient(receiver.address, timeout_s=30)
+        assert client.fingerprint() == outs[0]["fingerprint"] == outs[1]["fingerprint"]
+        client.close()
+    sent = [o["sent_bytes"] for o in outs]
+    assert sum(sent) == outs[0]["bytes"]
+    assert min(sent) > 0.3 * outs[0]["bytes"]  # the plan balances whole tensors over both
+    assert all(o["gathered_peak_bytes"] == 0 for o in outs)

@@ -172,3 +172,31 @@ def test_a_receiver_refuses_pieces_outside_what_it_keeps_or_twice():
     session.consume_pieces(data, 16, [Piece(0, Box(offsets=(0, 2), lengths=(1, 2)), 8, 8)])
     session.finish()  # every element it keeps arrived
     assert torch.equal(module.weight[0], torch.zeros(4))
+
+
+def test_a_worker_reading_shared_staging_copies_only_what_it_keeps():
+    """`crop`: a staged box spans what two workers keep; each copies only its own part (its
+    bytes received are what it keeps), the values land where they belong, and a second
+    arrival of a kept element or a piece that does not fit the bucket is refused."""
+    from wtransfer.transport.mton import Piece
+
+    values = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    staged = torch.zeros(64, dtype=torch.uint8)
+    staged[:48].view(torch.float32).copy_(values.flatten())
+    whole_box = Piece(0, Box(offsets=(0, 0), lengths=(3, 4)), 0, 48)
+    for first, count in ((0, 1), (1, 2)):  # worker 0 keeps row 0, worker 1 rows 1..2
+        module = torch.nn.Linear(4, 3, bias=False)
+        session = UpdateSession(ModuleTarget(module), "cpu")
+        session.announce([TensorMeta.of("weight", module.weight)])
+        session.keep_only({"weight": TensorLayout(
+            name="weight", dtype="float32", shape=(3, 4),
+            boxes=(Box(offsets=(first, 0), lengths=(count, 4)),))})
+        with pytest.raises(MetadataError, match="does not fit"):
+            session.consume_pieces(staged, 40, [whole_box], crop=True)
+        session.consume_pieces(staged, 48, [whole_box], crop=True)
+        assert session.bytes_received == count * 16
+        with pytest.raises(MetadataError, match="keeps none of it left"):
+            session.consume_pieces(staged, 48, [whole_box], crop=True)
+        session.finish()
+        assert torch.equal(module.weight.detach()[first:first + count],
+                           values[first:first + count])

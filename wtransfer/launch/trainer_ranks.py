@@ -4,8 +4,9 @@
         --address tcp://... [--address ...] --senders K --model mixed --seed 1
 
 Each rank joins a gloo process group, shards the model with FSDP2 (`fully_shard`, CPU device
-mesh), gives itself a client when R < K (one `RPCClient` per receiver address, or an
-`HTTPClient` for an ``http://`` one, fanned out), and
+mesh; with --replicate, or on a GPU (--device cuda:N, every rank on it), each holds the whole
+model instead, as data-parallel replicas do), gives itself a client when R < K (one
+`RPCClient` per receiver address, or an `HTTPClient` for an ``http://`` one, fanned out), and
 calls `trainer_init` and `send_weights` with every other rank. It prints one JSON line per
 update: the transfer's stats, the most gathered bytes it held, and (with --fingerprint) the
 fingerprint of the full model. Used by the tests, the benchmark and the demo.
@@ -53,8 +54,9 @@ def run(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", store=local_store(args.ranks, args.timeout, args.port),
                             rank=args.rank, world_size=args.ranks,
                             timeout=timedelta(seconds=args.timeout))
-    module = build(args.model, args.seed, "cpu")
-    model = shard(module, args.ranks) if args.ranks > 1 else module
+    module = build(args.model, args.seed, args.device)
+    replicate = args.replicate or args.device != "cpu"
+    model = shard(module, args.ranks) if args.ranks > 1 and not replicate else module
     client: Any = None
     if args.rank < args.senders:
         clients = [HTTPClient(a, timeout_s=args.timeout) if a.startswith("http")
@@ -67,7 +69,9 @@ def run(args: argparse.Namespace) -> None:
         from wtransfer.quant.source import Fp8Source
 
         source = Fp8Source(source)
-    sender = wtransfer.trainer_init(info, client=client, source=source)
+    sender = wtransfer.trainer_init(  # replicas: nothing sharded says they send together
+        info, client=client, source=source,
+        process_group=dist.group.WORLD if replicate and args.ranks > 1 else None)
     print(json.dumps({"event": "ready", "rank": args.rank, "pid": os.getpid()}), flush=True)
     for step in range(args.updates):
         if step:
@@ -89,7 +93,8 @@ class TrainerRanks:
     def __init__(self, ranks: int, *, backend: str, addresses: list[str], senders: int = 1,
                  model: str = "mixed", seed: int = 1, updates: int = 1,
                  init_fields: dict[str, Any] | None = None, fingerprint: bool = False,
-                 timeout_s: float = 60.0, fp8: bool = False) -> None:
+                 timeout_s: float = 60.0, fp8: bool = False, device: str = "cpu",
+                 replicate: bool = False) -> None:
         from wtransfer.launch.processes import local_store
 
         self._store = local_store(ranks, timeout_s)  # lives as long as the ranks
@@ -99,7 +104,7 @@ class TrainerRanks:
             cmd = [sys.executable, "-m", "wtransfer.launch.trainer_ranks", "--rank", str(rank),
                    "--ranks", str(ranks), "--port", str(port), "--backend", backend,
                    "--senders", str(senders), "--model", model, "--seed", str(seed),
-                   "--updates", str(updates), "--timeout", str(timeout_s)]
+                   "--updates", str(updates), "--timeout", str(timeout_s), "--device", device]
             for address in addresses:
                 cmd += ["--address", address]
             if init_fields:
@@ -108,6 +113,8 @@ class TrainerRanks:
                 cmd.append("--fingerprint")
             if fp8:
                 cmd.append("--fp8")
+            if replicate:
+                cmd.append("--replicate")
             self.procs.append(subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}))
@@ -192,6 +199,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fingerprint", action="store_true")
     parser.add_argument("--fp8", action="store_true",
                         help="send through Fp8Source (quantized on the ranks)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model lives; a GPU implies --replicate")
+    parser.add_argument("--replicate", action="store_true",
+                        help="every rank holds the whole model (no FSDP2)")
     run(parser.parse_args(argv))
 
 
