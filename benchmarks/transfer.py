@@ -41,7 +41,7 @@ from wtransfer.launch.models import build
 from wtransfer.launch.processes import spawn_receiver
 from wtransfer.packing import Bucket, BucketPacker, BucketPlan, Slice, byte_view
 from wtransfer.rpc import RPCClient
-from wtransfer.shapes import model_metas
+from wtransfer.shapes import build_module, model_metas
 from wtransfer.trainer.engine import Outgoing, Share
 from wtransfer.transport.window import CallChannel
 
@@ -279,26 +279,38 @@ def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
 
 
 def bench_sharded(backend: str, name: str, buckets_mb: list[int], ranks: int, senders: int,
-                  repeats: int) -> list[dict[str, Any]]:
+                  repeats: int, device: str = "cpu") -> list[dict[str, Any]]:
     """FSDP2 trainer ranks (gloo, CPU) sending the same model with one sender, then with
-    `senders`: median seconds of an update (the lead's own measure, start to finish)."""
+    `senders`: median seconds of an update (the lead's own measure, start to finish). On a
+    GPU (`device`) the ranks are processes on it holding the whole model (replicas), the
+    receiver is on it too, and every rank sending goes M->N (each stages its share); the
+    floor is one device copy of every byte, timed in this process."""
     from statistics import median
 
     from wtransfer.launch.trainer_ranks import TrainerRanks
 
     metas = model_metas(name)
     total = sum(m.nbytes for m in metas)
+    floor_s = float("nan")
+    if device != "cpu":
+        floor_s = median_seconds(copy_floors(build_module(metas, 1, device, fill="constant"),
+                                             device)["floor (1 copy)"], 5)
+        torch.cuda.empty_cache()  # (the floor's buffers: four copies of the model)
+        torch.cuda.empty_cache()
     rows = []
-    with spawn_receiver(backend, model=name, seed=2, fill="constant") as child:
+    with spawn_receiver(backend, model=name, seed=2, fill="constant", device=device) as child:
         for mb in buckets_mb:
             one = None
             for k in sorted({1, senders}):
                 fields: dict[str, Any] = {"bucket_bytes": mb << 20, "timeout_s": 600}
                 if backend == "nccl":
                     fields.update(master_address="127.0.0.1", world_size=k + 1)
+                if device != "cpu":
+                    fields.update(m2n=k == ranks, device=device)
                 with TrainerRanks(ranks, backend=backend, addresses=[child.address],
                                   senders=k, model=name, updates=repeats + 1,
-                                  init_fields=fields, timeout_s=600) as trainers:
+                                  init_fields=fields, timeout_s=600,
+                                  device=device) as trainers:
                     trainers.wait_for(0, "sent", 3600, count=repeats + 1)
                     if trainers.wait(600) != [0] * ranks:
                         sys.exit(f"trainer ranks failed: {trainers.stderr(0)[-2000:]}")
@@ -308,6 +320,7 @@ def bench_sharded(backend: str, name: str, buckets_mb: list[int], ranks: int, se
                 rows.append({"model": name, "ranks": ranks, "senders": k, "bucket_mb": mb,
                              "seconds": seconds, "gbps": total / seconds / 1e9,
                              "vs_one": (one or seconds) / seconds,
+                             "vs_floor": seconds / floor_s,
                              "peak_mb": max(r["gathered_peak_bytes"] for r in sent) / 2**20})
     return rows
 
@@ -429,13 +442,15 @@ def main() -> None:
         for name in args.models.split(","):
             sharded_rows += bench_sharded(args.backend, name,
                                           [int(x) for x in args.bucket_mb.split(",")],
-                                          args.trainer_ranks, args.senders, args.repeats)
+                                          args.trainer_ranks, args.senders, args.repeats,
+                                          args.device)
         print(f"\nbackend={args.backend} trainer ranks={args.trainer_ranks} (FSDP2, gloo) "
               f"repeats={args.repeats} (median seconds; vs one = one sender's time / this)")
         print_table(sharded_rows, [("model", "model", ""), ("ranks", "ranks", "d"),
                                    ("senders", "senders", "d"), ("bucket_mb", "MiB", "d"),
                                    ("seconds", "median s", ".3f"), ("gbps", "GB/s", ".2f"),
                                    ("vs_one", "vs one", ".2f"),
+                                   ("vs_floor", "/ 1 copy", ".2f"),
                                    ("peak_mb", "gathered peak MiB", ".1f")])
         path = write_json(f"transfer-{args.backend}-ranks{args.trainer_ranks}", sharded_rows,
                           vars(args))
