@@ -28,7 +28,7 @@ BUCKET = 16 << 10
 
 
 def fields(backend="nccl", **extra):
-    where = {"master_address": "127.0.0.1"} if backend == "nccl" else {}
+    where = {"master_address": "127.0.0.1"} if backend == "nccl" else {"m2n": True}
     return {**where, "bucket_bytes": BUCKET, "timeout_s": 30.0, **extra}
 
 
@@ -209,18 +209,19 @@ def test_fsdp_ranks_quantize_their_shards_for_one_sender_that_gathers(serve):
             == wtransfer.HTTPClient(fresh.url).fingerprint())
 
 
-def test_replicated_ranks_share_the_load_over_ipc():
-    """Two ranks holding the whole model (data-parallel replicas, no FSDP) with m2n=True:
-    each stages about half of the tensors (each tensor once, by one of them), and the
-    receiver holds the model, bit-exact, over two updates."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_replicated_ranks_share_the_load_over_ipc(ranks):
+    """Ranks holding the whole model (data-parallel replicas, no FSDP) with m2n=True: each
+    of two stages about half of the tensors (each tensor once, by one of them), a lone one
+    all of them, and the receiver holds the model, bit-exact, over two updates."""
     with spawn_receiver("ipc", model="mixed", seed=2) as receiver:
-        with TrainerRanks(2, backend="ipc", addresses=[receiver.address], senders=2,
+        with TrainerRanks(ranks, backend="ipc", addresses=[receiver.address], senders=ranks,
                           updates=2, replicate=True, fingerprint=True,
-                          init_fields=fields("ipc", m2n=True)) as trainers:
-            outs = [trainers.wait_for(r, "sent", 180, count=2) for r in range(2)]
-            assert trainers.wait(60) == [0, 0]
+                          init_fields=fields("ipc")) as trainers:
+            outs = [trainers.wait_for(r, "sent", 180, count=2) for r in range(ranks)]
+            assert trainers.wait(60) == [0] * ranks
         client = RPCClient(receiver.address, timeout_s=30)
-        assert client.fingerprint() == outs[0]["fingerprint"] == outs[1]["fingerprint"]
+        assert client.fingerprint() == outs[0]["fingerprint"] == outs[-1]["fingerprint"]
         client.close()
     sent = [o["sent_bytes"] for o in outs]
     assert sum(sent) == outs[0]["bytes"]

@@ -96,7 +96,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
     def _connect(self) -> dict[str, Any]:
         info = self.init_info
-        self.m2n = self._m2n_wanted(info.m2n)
+        self.m2n = self._m2n_wanted(True) if info.m2n else False  # opt-in (see the field)
         token = secrets.token_hex(8)
         if self.device.type == "cuda":
             if self._zero_copy_on():
@@ -216,8 +216,9 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                 update["event"] = self._packed[slot][1]
             return update
 
-        opening = (self.listed_tensors(share.manifest) if share.lead and share.count == 1
-                   else None)  # (several senders: the list was announced before any bucket)
+        opening = ({"tensors": share.manifest.wire} if share.lead and share.count == 1
+                   else None)  # (several senders: the list was announced before any bucket;
+        # only a zero-copy update may name it by digest)
         return Outgoing(share, opening=opening, units=mine,
                         channel=CallChannel(slots=len(self._staging), stage=stage,
                                             describe=describe))
