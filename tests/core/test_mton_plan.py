@@ -180,16 +180,17 @@ def test_a_worker_reading_shared_staging_copies_only_what_it_keeps():
     arrival of a kept element or a piece that does not fit the bucket is refused."""
     from wtransfer.transport.mton import Piece
 
-    values = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    values = torch.arange(16, dtype=torch.float32).reshape(4, 4)
     staged = torch.zeros(64, dtype=torch.uint8)
-    staged[:48].view(torch.float32).copy_(values.flatten())
-    whole_box = Piece(0, Box(offsets=(0, 0), lengths=(3, 4)), 0, 48)
-    for first, count in ((0, 1), (1, 2)):  # worker 0 keeps row 0, worker 1 rows 1..2
-        module = torch.nn.Linear(4, 3, bias=False)
+    staged[:48].view(torch.float32).copy_(values[1:].flatten())
+    whole_box = Piece(0, Box(offsets=(1, 0), lengths=(3, 4)), 0, 48)  # rows 1..3, not at
+    # the origin: a part's place in the staged box differs from its place in the tensor
+    for first, count in ((1, 1), (2, 2)):  # worker 0 keeps row 1, worker 1 rows 2..3
+        module = torch.nn.Linear(4, 4, bias=False)
         session = UpdateSession(ModuleTarget(module), "cpu")
         session.announce([TensorMeta.of("weight", module.weight)])
         session.keep_only({"weight": TensorLayout(
-            name="weight", dtype="float32", shape=(3, 4),
+            name="weight", dtype="float32", shape=(4, 4),
             boxes=(Box(offsets=(first, 0), lengths=(count, 4)),))})
         with pytest.raises(MetadataError, match="does not fit"):
             session.consume_pieces(staged, 40, [whole_box], crop=True)
