@@ -52,7 +52,8 @@ def info(backend):
     if backend == "nccl":
         return NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=60,
                                    bucket_bytes=1 << 16)
-    return IPCTrainerInitInfo(bucket_bytes=1 << 16, timeout_s=60)
+    # "ipc-m2n": each worker crops what it keeps out of the staging (adapters it keeps whole)
+    return IPCTrainerInitInfo(bucket_bytes=1 << 16, timeout_s=60, m2n=backend == "ipc-m2n")
 
 
 async def push(engine, source, version, backend="ipc"):
@@ -70,11 +71,11 @@ async def tokens(engine, lora=None, rid="r"):
     return out.outputs[0]
 
 
-@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+@pytest.mark.parametrize("backend", ["ipc", "nccl", "ipc-m2n"])
 def test_adapter_tokens_equal_the_merged_model_and_only_adapter_bytes_move(backend):
     async def main():
         engine = AsyncEngine(EngineConfig(model="tiny", seed=1, max_loras=2, max_lora_rank=8,
-                                          weight_transfer_backend=backend))
+                                          weight_transfer_backend=backend.removesuffix("-m2n")))
         plain = AsyncEngine(EngineConfig(model="tiny", seed=1))
         reference = AsyncEngine(EngineConfig(model="tiny", seed=9))
         base = load_model("tiny", seed=1)
@@ -198,6 +199,36 @@ def test_adapters_that_do_not_fit_are_refused_before_use():
                 await tokens(plain, "one")
             finally:
                 plain.shutdown()
+
+    run(main(), deadline_s=240)
+
+
+def test_an_adapter_over_nccl_m2n_is_refused_before_any_write_not_dropped():
+    """An nccl M->N plan is made once, from what each worker declared at init; adapters are
+    named by each update, so no trainer rank would send them: the worker says so (instead of
+    serving the update without its adapter), and the next plain nccl update lands."""
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny", seed=1, max_loras=2, max_lora_rank=8,
+                                          weight_transfer_backend="nccl"))
+        base = load_model("tiny", seed=1)
+        source = LoRASource("math", peft_adapter(base, 4, seed=0), lora_alpha=8)
+        try:
+            before = await engine.fingerprint()
+            m2n = NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=20,
+                                      bucket_bytes=1 << 16, m2n=True)
+            with pytest.raises(MetadataError, match="did not declare when the M->N transfer"):
+                sender = await asyncio.to_thread(wtransfer.trainer_init, m2n,
+                                                 client=LocalEngineClient(engine), source=source)
+                try:
+                    await asyncio.to_thread(sender.send_weights, "m1")
+                finally:
+                    await asyncio.to_thread(sender.shutdown)
+            assert await engine.fingerprint() == before
+            assert (await engine.weight_info())["adapters"] == {}
+            await push(engine, source, "m2", "nccl")
+            assert (await engine.weight_info())["adapters"] == {"math": "m2"}
+        finally:
+            engine.shutdown()
 
     run(main(), deadline_s=240)
 

@@ -221,6 +221,8 @@ class LoRATarget(WeightTarget):
         self._ranks: dict[int, int] = {}
         self._written: dict[int, set[str]] = {}
         """Per slot: the modules the open update wrote factors of."""
+        self._announced: dict[str, TensorLayout] = {}
+        """The open update's adapter tensors, whole (what an M->N transfer must send)."""
         self._base_written = False
 
     def take_base_written(self) -> bool:
@@ -253,6 +255,7 @@ class LoRATarget(WeightTarget):
                                 "or lora/<adapter>/lora_alpha")
                 continue
             adapter = parsed["adapter"]
+            self._announced[meta.name] = TensorLayout.whole(meta.name, meta.dtype, meta.shape)
             if parsed["alpha"]:
                 if meta.shape != (1,) or meta.dtype != "float32":
                     problems.append(f"{meta.name!r} must be one float32")
@@ -365,8 +368,10 @@ class LoRATarget(WeightTarget):
             self._slot_region(f"{module}.lora_scale", held, slot).fill_(scale)
 
     def keeps(self) -> dict[str, TensorLayout] | None:
-        """As `inner`."""
-        return self.inner.keeps()
+        """As `inner`, and every adapter tensor the open update announced, whole (a worker
+        keeps all of an adapter: its slot is written from the full factors)."""
+        kept = self.inner.keeps()
+        return None if kept is None else {**kept, **self._announced}
 
     def direct_bytes(self, name: str) -> torch.Tensor | None:
         """As `inner` for base tensors; None for adapter tensors (written into their slot)."""
@@ -395,7 +400,7 @@ class LoRATarget(WeightTarget):
             if adapter.slot in self._alpha:
                 adapter.rank, adapter.alpha = self._ranks[adapter.slot], self._alpha[adapter.slot]
                 adapter.modules = tuple(sorted(self._written.get(adapter.slot, ())))
-        self._cleared = set()
+        self._cleared, self._announced = set(), {}
         self._alpha, self._ranks, self._written = {}, {}, {}
         self.inner.finish()
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from wtransfer.errors import ConfigError, LifecycleError, PeerError
+from wtransfer.errors import ConfigError, LifecycleError, MetadataError, PeerError
 from wtransfer.packing import (
     CHECKSUM_BYTES,
     Bucket,
@@ -167,7 +167,15 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         if not self._groups:
             raise LifecycleError("nccl: the group was torn down after a failure; the trainer "
                                  "must call init_weight_transfer_engine again")
-        session.keep_only(self.target.keeps())
+        kept = self.target.keeps()
+        published = planner.dests[self._groups[0].rank - init.senders] if planner.dests else {}
+        sent = {m.name for m in manifest.metas}
+        undeclared = sorted(n for n in (kept or {}) if n in sent and n not in published)
+        if undeclared:  # e.g. LoRA adapters, named by each update: the plan would skip them
+            raise MetadataError(f"this worker keeps {undeclared[:3]}, which it did not declare "
+                                "when the M->N transfer was initialized, so no trainer rank "
+                                "would send them; send such tensors over ipc, or without M->N")
+        session.keep_only(kept)
         group, staging_buffers = self._groups[0], self._staging[0]
         stopped = self._stop_check(None)
 
