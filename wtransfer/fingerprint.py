@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Mapping
 
 import torch
 
 from wtransfer.packing import byte_view, dtype_name, is_dtensor
+from wtransfer.records import Box
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -28,3 +30,35 @@ def fingerprint(
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     with torch.no_grad():
         return {name: tensor_digest(t) for name, t in items}
+
+
+_PART = re.compile(r"(?P<name>.+)\[(?P<box>\d+:\d+(?:,\d+:\d+)*)\]")
+
+
+def part_name(name: str, box: Box) -> str:
+    """How a receiver that keeps only `box` of tensor `name` names its digest:
+    ``name[start:end,...]`` per dimension."""
+    spans = (f"{o}:{o + n}" for o, n in zip(box.offsets, box.lengths, strict=True))
+    return f"{name}[{','.join(spans)}]"
+
+
+def fingerprint_parts(tensors: Mapping[str, torch.Tensor], keys: Iterable[str]
+                      ) -> dict[str, str]:
+    """What a receiver reporting `keys` (whole names, or `part_name`s of the parts it keeps)
+    must report if it holds `tensors`: the digest of each tensor, or of each part of it."""
+    out = {}
+    with torch.no_grad():
+        for key in keys:
+            part = _PART.fullmatch(key)
+            if key in tensors or part is None:
+                out[key] = tensor_digest(tensors[key])
+                continue
+            spans = [tuple(map(int, s.split(":"))) for s in part["box"].split(",")]
+            view = tensors[part["name"]][tuple(slice(a, b) for a, b in spans)]
+            out[key] = tensor_digest(view.contiguous())
+    return out
+
+
+def is_part_name(key: str) -> bool:
+    """Whether `key` names a part of a tensor (`part_name`), not a whole one."""
+    return _PART.fullmatch(key) is not None

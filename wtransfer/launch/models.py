@@ -1,5 +1,6 @@
 """Models the child processes, tests and benchmarks build by name: a shape list from
-`wtransfer.shapes` filled from a seed, or (``llm:NAME``) the inference engine's own model."""
+`wtransfer.shapes` filled from a seed, (``llm:NAME``) the inference engine's own model, or
+(``hf:DIR``) a transformers checkpoint saved in DIR."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from wtransfer.shapes import build_module, model_metas
 
 def build(name: str, seed: int, device: str, fill: str = "random") -> nn.Module:
     """Build model `name` filled from `seed` on `device`; ``llm:NAME`` is the inference
-    engine's own model (`wtransfer.inference.load_model`)."""
+    engine's own model (`wtransfer.inference.load_model`); ``hf:DIR`` the transformers model
+    saved in DIR, as saved (`seed` and `fill` do not apply)."""
+    if name.startswith("hf:"):
+        from transformers import AutoModelForCausalLM  # only for a checkpoint's model
+
+        model: nn.Module = AutoModelForCausalLM.from_pretrained(name[3:])
+        return model.to(device).eval()
     if name.startswith("llm:"):
         from wtransfer.inference.model import load_model  # only for the engine's own model
 

@@ -6,7 +6,8 @@
 Each rank joins a gloo process group, shards the model with FSDP2 (`fully_shard`, CPU device
 mesh; with --replicate, or on a GPU (--device cuda:N, every rank on it), each holds the whole
 model instead, as data-parallel replicas do), gives itself a client when R < K (one
-`RPCClient` per receiver address, or an `HTTPClient` for an ``http://`` one, fanned out), and
+`RPCClient` per receiver address, an `HTTPClient` for an ``http://`` one, a vLLM
+`ServerClient` for a ``vllm+http://`` one, fanned out), and
 calls `trainer_init` and `send_weights` with every other rank. It prints one JSON line per
 update: the transfer's stats, the most gathered bytes it held, and (with --fingerprint) the
 fingerprint of the full model. Used by the tests, the benchmark and the demo.
@@ -40,15 +41,30 @@ def shard(module: Any, ranks: int) -> Any:
     return fully_shard(module, mesh=mesh)
 
 
+def _client(address: str, timeout_s: float) -> Any:
+    """The client of one receiver address: ``http://`` our engine's server, ``vllm+http://``
+    a ``vllm serve`` (`wtransfer_vllm.ServerClient`), else an `RPCClient` address."""
+    if address.startswith("vllm+"):
+        from wtransfer_vllm import ServerClient  # only where a vLLM server is the receiver
+
+        return ServerClient(address.removeprefix("vllm+"), timeout_s=timeout_s)
+    if address.startswith("http"):
+        from wtransfer.clients import HTTPClient
+
+        return HTTPClient(address, timeout_s=timeout_s)
+    from wtransfer.rpc import RPCClient
+
+    return RPCClient(address, timeout_s=timeout_s)
+
+
 def run(args: argparse.Namespace) -> None:
     """One trainer rank (see the module docstring)."""
     import torch.distributed as dist
 
     import wtransfer
-    from wtransfer.clients import FanoutClient, HTTPClient
+    from wtransfer.clients import FanoutClient
     from wtransfer.launch.models import build
     from wtransfer.launch.processes import local_store
-    from wtransfer.rpc import RPCClient
     from wtransfer.shapes import randomize
 
     dist.init_process_group("gloo", store=local_store(args.ranks, args.timeout, args.port),
@@ -59,8 +75,7 @@ def run(args: argparse.Namespace) -> None:
     model = shard(module, args.ranks) if args.ranks > 1 and not replicate else module
     client: Any = None
     if args.rank < args.senders:
-        clients = [HTTPClient(a, timeout_s=args.timeout) if a.startswith("http")
-                   else RPCClient(a, timeout_s=args.timeout) for a in args.address]
+        clients = [_client(a, args.timeout) for a in args.address]
         client = clients[0] if len(clients) == 1 else FanoutClient(clients)
     fields = wire.decode(bytes.fromhex(args.init_hex)) if args.init_hex else {}
     info = wtransfer.get_backend(args.backend).sender_class().init_info_cls(**fields)

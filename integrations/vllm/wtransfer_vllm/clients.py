@@ -27,6 +27,7 @@ from wtransfer.errors import (
     relayed_kind,
     remote_error,
 )
+from wtransfer.fingerprint import is_part_name
 from wtransfer_vllm.envelope import wrap
 from wtransfer_vllm.names import FINGERPRINT_METHOD, STATE_METHOD, WORKER_EXTENSION
 
@@ -34,13 +35,23 @@ T = TypeVar("T")
 
 
 def agree(per_worker: list[dict[str, str]]) -> dict[str, str]:
-    """The fingerprint every worker reports; `IntegrityError` naming those that differ."""
+    """The fingerprint of what the workers hold together: every whole tensor as each worker
+    reports it (they must agree), and every kept part (`wtransfer.fingerprint.part_name`) as
+    the workers keeping it report it (each part from an M->N update; where two workers keep
+    the same part they must agree). `IntegrityError` naming the workers that differ."""
     if not per_worker:
         raise PeerError("vLLM returned no worker fingerprints")
-    odd = [i for i, p in enumerate(per_worker) if p != per_worker[0]]
+    whole = [{k: v for k, v in p.items() if not is_part_name(k)} for p in per_worker]
+    odd = [i for i, p in enumerate(whole) if p != whole[0]]
     if odd:
         raise IntegrityError(f"vLLM workers {odd} hold different weights from worker 0")
-    return dict(per_worker[0])
+    out = dict(whole[0])
+    for index, reported in enumerate(per_worker):
+        for key, digest in reported.items():
+            if is_part_name(key) and out.setdefault(key, digest) != digest:
+                raise IntegrityError(f"vLLM worker {index} holds {key} differently from "
+                                     "another worker keeping the same part")
+    return out
 
 
 def _no_extension(exc: BaseException) -> bool:

@@ -105,11 +105,13 @@ class WTransferEngine(WeightTransferEngine[Any, Any]):
         self.receiver.shutdown()
 
     def state(self) -> dict[str, Any]:
-        """The receiver's state, and why the last update failed, if it did."""
+        """The receiver's state, why the last update failed, if it did, and the bytes of the
+        checkpoint this worker keeps (once an M->N transfer recorded them)."""
         receiver = self.receiver
         return {"backend": self.wtransfer_backend, "state": receiver.state.value,
                 "torn": receiver.torn, "failure": receiver.failure,
-                "last_update_bytes": receiver.last_update_bytes}
+                "last_update_bytes": receiver.last_update_bytes,
+                "kept_bytes": self.target.kept_bytes()}
 
 
 def engine_class(backend: str, *, staged: bool = False) -> type[WTransferEngine]:

@@ -7,6 +7,11 @@ quantized layers get the same processing as at start-up. Layerwise reload starts
 first tensors arrive, after the manifest was accepted: a refused update never touches the
 model. `fingerprint()` digests, by checkpoint name, what the engine received (or loaded from
 the checkpoint, for names no update has sent yet).
+
+In an M->N transfer a tensor-parallel worker is sent only what its loaders read
+(`keeps`, recorded once from the loaders themselves: `wtransfer_vllm.recording`); the receiver
+assembles each tensor's kept box in a tensor of the full shape and vLLM's loader reads its part
+of it. Such an update's digests are of the kept boxes, named `wtransfer.fingerprint.part_name`.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ import torch
 from safetensors import safe_open
 
 from wtransfer.errors import ConfigError, MetadataError
-from wtransfer.fingerprint import tensor_digest
+from wtransfer.fingerprint import part_name, tensor_digest
 from wtransfer.packing import DTYPES, TensorMeta
 from wtransfer.receiver.target import WeightTarget
+from wtransfer.records import TensorLayout
 from wtransfer_vllm.lora import Adapters, is_adapter_tensor
+from wtransfer_vllm.recording import record_kept
 
 log = logging.getLogger("wtransfer.vllm")
 
@@ -83,11 +90,21 @@ class VLLMTarget(WeightTarget):
         self._files = checkpoint_files(model_config.model, getattr(model_config, "revision",
                                                                    None))
         self._manifest = read_manifest(self._files)
-        self._checkpoint_digests: dict[str, str] | None = None
-        self._committed: dict[str, str] = {}
-        """Digests of what completed updates delivered, by checkpoint name."""
-        self._received: dict[str, str] = {}
-        """Digests of what the open update delivered so far."""
+        self._checkpoint_digests: dict[str, str] = {}
+        """Digests of checkpoint tensors (or of their kept parts), by fingerprint key."""
+        self._committed: dict[str, tuple[str, str]] = {}
+        """By checkpoint name, how completed updates named the digest of what they delivered
+        (the name, or the `part_name` of the part kept) and the digest."""
+        self._received: dict[str, tuple[str, str]] = {}
+        """The same for what the open update delivered so far."""
+        self._kept: dict[str, TensorLayout] | None = None
+        """What this worker's loaders read of each checkpoint tensor (recorded once)."""
+        self._announced: dict[str, TensorLayout] = {}
+        """The open update's adapter tensors, whole (kept whole: an adapter is not split)."""
+        self._parts = False
+        """Whether the open update delivers only what `keeps` says (an M->N update)."""
+        self._parts_landed = False
+        """Whether the last update that landed was such an update."""
         self._reloading = False
         self.adapters = Adapters(model)
         """LoRA adapters an update carries (`wtransfer_vllm.lora`): registered at finish."""
@@ -110,6 +127,9 @@ class VLLMTarget(WeightTarget):
         """Names and shapes must match the checkpoint; a floating-point tensor may come in
         another floating-point dtype (vLLM's loader casts), any other dtype must match."""
         self.adapters.check(m for m in metas if is_adapter_tensor(m.name))
+        self._parts = False  # until the receiver asks what this worker keeps
+        self._announced.update({m.name: TensorLayout.whole(m.name, m.dtype, m.shape)
+                                for m in metas if is_adapter_tensor(m.name)})
         problems = []
         for meta in metas:
             if is_adapter_tensor(meta.name):
@@ -137,7 +157,7 @@ class VLLMTarget(WeightTarget):
 
         batch = []
         for name, tensor in weights:
-            self._received[name] = tensor_digest(tensor)
+            self._received[name] = self._digest(name, tensor)
             if is_adapter_tensor(name):
                 self.adapters.take(name, tensor)
             else:
@@ -151,6 +171,38 @@ class VLLMTarget(WeightTarget):
         with disable_mtp_completeness_check():
             load(batch)
 
+    def keeps(self) -> dict[str, TensorLayout]:
+        """What this worker's weight loaders read of each checkpoint tensor, recorded at the
+        first call (`wtransfer_vllm.recording`), and the open update's adapter tensors whole;
+        an M->N transfer sends this worker only that."""
+        if self._kept is None:
+            self._kept = record_kept(self.model, self._manifest.values())
+            kept = sum(lay.numel * DTYPES[lay.dtype].itemsize for lay in self._kept.values())
+            total = sum(m.numel * DTYPES[m.dtype].itemsize for m in self._manifest.values())
+            log.info("wtransfer-vllm: this worker's loaders read %d of the checkpoint's %d "
+                     "bytes (%d of %d tensors, %d of them whole)", kept, total,
+                     len(self._kept), len(self._manifest),
+                     sum(lay.is_whole for lay in self._kept.values()))
+        self._parts = True
+        return {**self._kept, **self._announced}
+
+    def kept_bytes(self) -> int | None:
+        """Bytes of the checkpoint this worker keeps (None until `keeps` recorded them)."""
+        if self._kept is None:
+            return None
+        return sum(lay.numel * DTYPES[lay.dtype].itemsize for lay in self._kept.values())
+
+    def _key(self, name: str, parts: bool) -> str:
+        """The fingerprint key of `name`: a `part_name` where only a part of it is kept."""
+        layout = self._kept.get(name) if parts and self._kept is not None else None
+        return name if layout is None or layout.is_whole else part_name(name, layout.boxes[0])
+
+    def _digest(self, name: str, tensor: torch.Tensor) -> tuple[str, str]:
+        """The key and digest of what arrived of `name` (only its kept box, in M->N)."""
+        key = self._key(name, self._parts)
+        layout = self._kept.get(name) if key != name and self._kept is not None else None
+        return key, tensor_digest(tensor if layout is None else layout.take(tensor))
+
     def finish(self) -> None:
         """Let vLLM process the layers still pending, then record what this update sent."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -159,14 +211,16 @@ class VLLMTarget(WeightTarget):
             finalize_layerwise_reload(self.model, self.model_config)
             self._reloading = False
         self.adapters.register()
+        if self._received:
+            self._parts_landed = any(key != name for name, (key, _) in self._received.items())
         self._committed.update(self._received)
-        self._received = {}
+        self._received, self._announced = {}, {}
 
     def abort(self) -> None:
         """Put the kept kernel tensors back into every layer the failed update left
         incomplete, so the model is whole again (layers already completed keep their new
         weights: the receiver reports the update as torn)."""
-        self._received = {}
+        self._received, self._announced = {}, {}
         self.adapters.drop()
         if not self._reloading:
             return
@@ -184,13 +238,24 @@ class VLLMTarget(WeightTarget):
         self._reloading = False
 
     def fingerprint(self) -> dict[str, str]:
-        """Digest of every checkpoint tensor: as the last update that sent it delivered it,
-        else as the checkpoint holds it."""
-        if self._checkpoint_digests is None:
-            digests = {}
-            for path in self._files:
-                with safe_open(path, framework="pt") as f:
-                    for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                        digests[name] = tensor_digest(f.get_tensor(name))
-            self._checkpoint_digests = digests
-        return {**self._checkpoint_digests, **self._committed}
+        """Digest of every checkpoint tensor as the last update that sent it delivered it,
+        else as the checkpoint holds it; while the last update was M->N, checkpoint tensors no
+        update sent are digested as that update would have: their kept part (`part_name`),
+        or left out where this worker keeps none of them."""
+        parts = self._parts_landed
+        out = {key: digest for key, digest in self._committed.values()}
+        missing = [n for n in self._manifest if n not in self._committed
+                   and not (parts and self._kept is not None and n not in self._kept)]
+        for path in self._files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if name not in missing:
+                        continue
+                    key = self._key(name, parts)
+                    if key not in self._checkpoint_digests:
+                        layout = self._kept.get(name) if key != name and self._kept else None
+                        piece = (f.get_tensor(name) if layout is None else
+                                 f.get_slice(name)[layout.boxes[0].slices()])
+                        self._checkpoint_digests[key] = tensor_digest(piece)
+                    out[key] = self._checkpoint_digests[key]
+        return out
