@@ -5,6 +5,7 @@
 #                                         # and update, hand-over, ipc
 #     bash benchmarks/gpu_one.sh ipc      # the ipc ratios alone (three runs)
 #     bash benchmarks/gpu_one.sh peers    # checkpoint-engine side by side
+#     bash benchmarks/gpu_one.sh m2n      # 2 trainer processes -> 1 receiver over CUDA IPC
 # The UCX wheels (ucxx-cu13, libucxx-cu13, libucx-cu13<1.22, rmm-cu13, librmm-cu13,
 # rapids-logger) go in .whl/ucx/ (about 53 MB); without them the ucx tests fail to start.
 # Results and logs go to $OUT.
@@ -48,6 +49,12 @@ peers)
     echo "$(ts) checkpoint-engine side by side"
     timeout 560 python3 benchmarks/peers.py --model qwen3-8b 2>&1 | tee $OUT/peers.txt \
         | tail -25; echo "rc $?" ;;
-*) echo "usage: gpu_one.sh suite|paths|ipc|peers"; exit 2 ;;
+m2n)
+    echo "$(ts) M->N over CUDA IPC: two trainer processes (replicas) -> one receiver, one GPU"
+    WTRANSFER_BENCH_DIR=$OUT/m2n timeout 560 python3 benchmarks/transfer.py --backend ipc \
+        --device cuda:0 --models qwen3-8b --trainer-ranks 2 --senders 2 --bucket-mb 1024 \
+        --repeats 3 > $OUT/m2n.txt 2>&1; echo "rc $?"
+    tail -12 $OUT/m2n.txt ;;
+*) echo "usage: gpu_one.sh suite|paths|ipc|peers|m2n"; exit 2 ;;
 esac
 echo "$(ts) done"

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> None:
         process_group=dist.group.WORLD if replicate and args.ranks > 1 else None)
     print(json.dumps({"event": "ready", "rank": args.rank, "pid": os.getpid()}), flush=True)
     for step in range(args.updates):
-        if step:
+        if step and not args.same_weights:
             randomize(model, 1_000_003 * args.seed + step)
         stats = sender.send_weights(weight_version=f"sharded-{step}")
         out: dict[str, Any] = {"event": "sent", "rank": args.rank, "step": step,
@@ -109,7 +109,7 @@ class TrainerRanks:
                  model: str = "mixed", seed: int = 1, updates: int = 1,
                  init_fields: dict[str, Any] | None = None, fingerprint: bool = False,
                  timeout_s: float = 60.0, fp8: bool = False, device: str = "cpu",
-                 replicate: bool = False) -> None:
+                 replicate: bool = False, same_weights: bool = False) -> None:
         from wtransfer.launch.processes import local_store
 
         self._store = local_store(ranks, timeout_s)  # lives as long as the ranks
@@ -130,6 +130,8 @@ class TrainerRanks:
                 cmd.append("--fp8")
             if replicate:
                 cmd.append("--replicate")
+            if same_weights:
+                cmd.append("--same-weights")
             self.procs.append(subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}))
@@ -218,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="where the model lives; a GPU implies --replicate")
     parser.add_argument("--replicate", action="store_true",
                         help="every rank holds the whole model (no FSDP2)")
+    parser.add_argument("--same-weights", action="store_true",
+                        help="every update sends the same weights (else new random ones)")
     run(parser.parse_args(argv))
 
 

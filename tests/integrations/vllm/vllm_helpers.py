@@ -115,7 +115,7 @@ class InProcessVLLM:
 class VLLMServer:
     """`vllm serve` (dev mode: weight-transfer routes) with a wtransfer backend."""
 
-    def __init__(self, model_dir, backend, log_path, extra_args=(), env=None):
+    def __init__(self, model_dir, backend, log_path, extra_args=(), env=None, staged=False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -128,7 +128,7 @@ class VLLMServer:
              str(model_dir), "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager",
              "--dtype", "float32", "--max-model-len", "512", "--enable-scale-out",
              "--weight-transfer-config",
-             json.dumps({"backend": wtransfer_vllm.vllm_backend_name(backend)}),
+             json.dumps({"backend": wtransfer_vllm.vllm_backend_name(backend, staged=staged)}),
              "--worker-extension-cls", wtransfer_vllm.WORKER_EXTENSION, *extra_args],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
         def healthy():
