@@ -406,7 +406,7 @@ class LoRATarget(WeightTarget):
 
     def abort(self) -> None:
         """What the failed update staged is not served."""
-        self._cleared = set()
+        self._cleared, self._announced = set(), {}
         self._alpha, self._ranks, self._written = {}, {}, {}
         self._base_written = False
         self.table.drop()

@@ -27,7 +27,6 @@ from wtransfer.errors import (
     relayed_kind,
     remote_error,
 )
-from wtransfer.fingerprint import is_part_name
 from wtransfer_vllm.envelope import wrap
 from wtransfer_vllm.names import FINGERPRINT_METHOD, STATE_METHOD, WORKER_EXTENSION
 
@@ -35,22 +34,20 @@ T = TypeVar("T")
 
 
 def agree(per_worker: list[dict[str, str]]) -> dict[str, str]:
-    """The fingerprint of what the workers hold together: every whole tensor as each worker
-    reports it (they must agree), and every kept part (`wtransfer.fingerprint.part_name`) as
-    the workers keeping it report it (each part from an M->N update; where two workers keep
-    the same part they must agree). `IntegrityError` naming the workers that differ."""
+    """The fingerprint of what the workers hold together: every tensor (or kept part of one,
+    `wtransfer.fingerprint.part_name`) as the workers holding it report it; where several
+    report the same one they must agree (`IntegrityError` naming the worker that differs).
+    Workers keeping different parts, or different experts, report different keys."""
     if not per_worker:
         raise PeerError("vLLM returned no worker fingerprints")
-    whole = [{k: v for k, v in p.items() if not is_part_name(k)} for p in per_worker]
-    odd = [i for i, p in enumerate(whole) if p != whole[0]]
-    if odd:
-        raise IntegrityError(f"vLLM workers {odd} hold different weights from worker 0")
-    out = dict(whole[0])
+    out: dict[str, str] = {}
+    holder: dict[str, int] = {}
     for index, reported in enumerate(per_worker):
         for key, digest in reported.items():
-            if is_part_name(key) and out.setdefault(key, digest) != digest:
+            if out.setdefault(key, digest) != digest:
                 raise IntegrityError(f"vLLM worker {index} holds {key} differently from "
-                                     "another worker keeping the same part")
+                                     f"worker {holder[key]}")
+            holder.setdefault(key, index)
     return out
 
 

@@ -8,9 +8,11 @@ Which part is decided by the model's weight loaders, so rather than a table of n
 loader-facing form on the meta device (what vLLM's layerwise reload recorded when the model was
 loaded), and each checkpoint name is handed to ``model.load_weights`` with a meta tensor of its
 shape. A dispatch mode watches what the loaders copy out of that probe: the box of every copy
-source is read off its view geometry (offset and strides within the probe), and the worker
-keeps the smallest box that holds all of them. No byte is read or written and no kernel runs;
-the layers get their own tensors back at the end.
+source is read off its view geometry (offset and strides within the probe's storage, which its
+views, ``.data`` and ``detach()`` share), and the worker keeps the smallest box that holds all
+of them. No byte is read, no in-place op runs on a tensor that is not on the meta device, and
+the layers get their own tensors back at the end (the reload's deferring wrappers an earlier
+update left on the loader-facing tensors are set aside meanwhile).
 
 Whatever cannot be read off exactly counts as the whole tensor (a copy from a transposed or
 reshaped view, an in-place op on the probe, a loader that fails on a meta tensor, a loader that
@@ -49,8 +51,9 @@ def _hull(boxes: list[Box]) -> Box:
 
 
 class _Origin:
-    """Where a tensor made from the probe comes from: `box` of it, element for element in
-    its order when `exact`; otherwise made somehow out of (only) the elements of `box`."""
+    """Where the tensors of one storage come from: `tensor` (its elements in its own order)
+    is `box` of the probe, element for element when `exact`; otherwise it was made somehow
+    out of (only) the elements of `box`."""
 
     __slots__ = ("box", "exact", "tensor")
 
@@ -58,60 +61,69 @@ class _Origin:
         self.tensor, self.box, self.exact = tensor, box, exact
 
 
+def _storage(tensor: torch.Tensor) -> int | None:
+    """Which storage `tensor` views (shared by its views, ``.data`` and ``detach()``)."""
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 class ReadRecorder(TorchDispatchMode):
     """The boxes of `probe` that the code run under this mode copies out of it (see the
-    module docstring). Copies out of the probe are not performed: everything is on meta."""
+    module docstring). Copies out of the probe are not performed, nor is any in-place op on
+    a tensor that is not on the meta device (a live weight the loaders could reach)."""
 
     def __init__(self, probe: torch.Tensor) -> None:
         super().__init__()
         self.shape = tuple(probe.shape)
-        self._origins = {id(probe): _Origin(probe, Box.whole(self.shape), exact=True)}
-        """By identity, every tensor made from the probe (kept alive: identities hold)."""
+        self._origins: dict[int, _Origin] = {}
+        """By storage, the probe and every new tensor made from it (kept alive, so that no
+        other tensor gets the storage's identity)."""
+        key = _storage(probe)
+        assert key is not None
+        self._origins[key] = _Origin(probe, Box.whole(self.shape), exact=True)
         self.boxes: list[Box] = []
 
-    def _origin(self, tensor: torch.Tensor) -> _Origin | None:
-        """The origin of `tensor`, or of the tensor it is a view of (None: not the probe's)."""
-        for candidate in (tensor, tensor._base):
-            origin = self._origins.get(id(candidate)) if candidate is not None else None
-            if origin is not None and origin.tensor is candidate:
-                return origin
-        return None
-
-    def _box(self, tensor: torch.Tensor) -> Box | None:
-        """The box of the probe that `tensor`'s elements come from (None: not the probe's);
-        the origin's whole box where its place in it cannot be read off exactly."""
-        origin = self._origin(tensor)
+    def _locate(self, tensor: torch.Tensor) -> tuple[Box, bool] | None:
+        """The box of the probe that `tensor`'s elements come from, and whether they are
+        exactly that box in its order (None: not from the probe). Where its place cannot be
+        read off exactly, all its origin's box."""
+        key = _storage(tensor)
+        origin = self._origins.get(key) if key is not None else None
         if origin is None:
             return None
-        root, box = origin.tensor, origin.box
-        if tensor is root or not origin.exact:
-            return box
-        placed = _place(tensor, root)
+        if not origin.exact:
+            return origin.box, False
+        placed = _place(tensor, origin.tensor)
         if placed is None:
-            return box
-        return Box(offsets=tuple(o + s for o, s in zip(box.offsets, placed.offsets,
+            return origin.box, False
+        return Box(offsets=tuple(o + s for o, s in zip(origin.box.offsets, placed.offsets,
                                                        strict=True)),
-                   lengths=placed.lengths)
+                   lengths=placed.lengths), True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is _COPY:
-            read = self._box(args[1])
-            if read is not None:  # a loader taking its part: noted, not performed
-                self.boxes.append(read)
-                return args[0]
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        sources = [b for b in map(self._box, inputs) if b is not None]
-        if sources and func._schema.is_mutable:  # fed into some tensor in place: anywhere
-            self.boxes.append(_hull(sources))
+        located = [(t, found) for t in inputs if (found := self._locate(t)) is not None]
+        if func._schema.is_mutable:
+            if located:  # a copy out of the probe, or the probe fed into a tensor in place
+                self.boxes.append(_hull([box for _, (box, _) in located]))
+            if located or any(not t.is_meta for t in inputs):
+                return args[0]  # not performed: nothing is read, no live tensor written
+            return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        if sources and not func.is_view and not func._schema.is_mutable:
-            exact = func in _SAME_ORDER and len(sources) == 1
-            for made in tree_flatten(out)[0]:  # new tensors (views are placed via _base)
-                if isinstance(made, torch.Tensor):
-                    same = exact and tuple(made.shape) == tuple(inputs[0].shape)
-                    self._origins[id(made)] = _Origin(made, _hull(sources), same)
+        if located and not func.is_view:  # new tensors (views share their storage)
+            source, (box, exact) = located[0]
+            for made in tree_flatten(out)[0]:
+                key = _storage(made) if isinstance(made, torch.Tensor) else None
+                if key is None:
+                    continue
+                same = (exact and func in _SAME_ORDER and len(located) == 1
+                        and tuple(made.shape) == tuple(source.shape) and made.is_contiguous())
+                self._origins[key] = _Origin(made, box if same else _hull(
+                    [b for _, (b, _) in located]), same)
         return out
 
     def kept(self) -> Box | None:
@@ -122,7 +134,8 @@ class ReadRecorder(TorchDispatchMode):
 def _place(view: torch.Tensor, root: torch.Tensor) -> Box | None:
     """The box of contiguous `root` that `view` (a view of it) is, if it is one box in
     root's own order (same rank and strides), else None."""
-    if not root.is_contiguous() or view.dim() != root.dim():
+    if (not root.is_contiguous() or view.dim() != root.dim()
+            or view.element_size() != root.element_size()):
         return None
     if tuple(view.stride()) != tuple(root.stride()) and view.numel() > 1:
         return None
@@ -130,7 +143,7 @@ def _place(view: torch.Tensor, root: torch.Tensor) -> Box | None:
     starts = []
     for stride, size, limit in zip(root.stride(), view.shape, root.shape, strict=True):
         start, offset = divmod(offset, int(stride)) if stride else (0, offset)
-        if start + size > limit:
+        if start < 0 or start + size > limit:
             return None
         starts.append(start)
     return Box(offsets=tuple(starts), lengths=tuple(view.shape)) if not offset else None
@@ -154,9 +167,11 @@ def _kept_of(model: torch.nn.Module, meta: TensorMeta) -> Box | None:
 
 
 @torch.no_grad()
+@torch.inference_mode(False)
 def record_kept(model: torch.nn.Module, metas: Iterable[TensorMeta]) -> dict[str, TensorLayout]:
     """What `model`'s loaders read of each checkpoint tensor `metas` (see the module
     docstring), as layouts by checkpoint name; names nothing is read of are left out."""
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
 
@@ -164,9 +179,11 @@ def record_kept(model: torch.nn.Module, metas: Iterable[TensorMeta]) -> dict[str
     try:
         for entry in saved:
             restore_layer_on_meta(entry.layer, entry.info)
+            entry.unwrap_loaders()
         layouts = {}
         for meta in metas:
-            box = _kept_of(model, meta)
+            with disable_mtp_completeness_check():
+                box = _kept_of(model, meta)
             if box is not None:
                 layouts[meta.name] = TensorLayout(name=meta.name, dtype=meta.dtype,
                                                   shape=tuple(meta.shape), boxes=(box,))
@@ -188,6 +205,21 @@ class _Saved:
         params, buffers = info.restore_metadata
         self.attributes = {n: layer.__dict__[n] for n in (*params, *buffers)
                            if n in layer.__dict__}
+        self._meta_attributes: list[tuple[torch.Tensor, dict[str, Any]]] = []
+
+    def unwrap_loaders(self) -> None:
+        """On the loader-facing meta tensors now in the layer (vLLM keeps them for every
+        reload): each weight loader as written, not the reload's deferring wrapper an
+        earlier update left on it (which copies nothing); their attributes are put back."""
+        from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
+
+        tensors = [*self.layer._parameters.values(), *self.layer._buffers.values()]
+        for tensor in tensors:
+            if tensor is None or not tensor.is_meta:
+                continue
+            self._meta_attributes.append((tensor, dict(tensor.__dict__)))
+            if hasattr(tensor, "weight_loader"):
+                tensor.weight_loader = _get_original_loader(tensor)
 
     def put_back(self) -> None:
         """The layer as it was before `restore_layer_on_meta`."""
@@ -198,3 +230,6 @@ class _Saved:
         layer._buffers.update(self.buffers)
         layer._non_persistent_buffers_set = set(self.non_persistent)
         layer.__dict__.update(self.attributes)
+        for tensor, attributes in self._meta_attributes:
+            tensor.__dict__.clear()
+            tensor.__dict__.update(attributes)

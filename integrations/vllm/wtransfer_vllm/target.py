@@ -248,8 +248,8 @@ class VLLMTarget(WeightTarget):
         or left out where this worker keeps none of them."""
         parts = self._parts_landed
         out = {key: digest for key, digest in self._committed.values()}
-        missing = [n for n in self._manifest if n not in self._committed
-                   and not (parts and self._kept is not None and n not in self._kept)]
+        missing = {n for n in self._manifest if n not in self._committed
+                   and not (parts and self._kept is not None and n not in self._kept)}
         for path in self._files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping

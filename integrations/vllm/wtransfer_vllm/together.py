@@ -10,8 +10,9 @@ So each worker runs its part of a weight-transfer call, then the workers exchang
 theirs failed (a fixed-size byte tensor over vLLM's CPU world group, no pickle), and only the
 last worker raises: its own failure, or the first failed worker's, named by index and of the
 same kind. Every reply before it is then a success, and nothing is left queued. The other
-workers end the failed update as vLLM's worker does when a call raises on it (no update
-active, the engine's update target reset), so the next update starts on every worker.
+workers, the last included, end the failed update as vLLM's worker does when a call raises on
+it (no update active, the engine's update target reset), so the next update starts on every
+worker. The exchange waits at most the trainer's deadline.
 
 `install` puts this around the weight-transfer methods of the vLLM worker that builds our
 engine (as attributes of that worker object: ``collective_rpc`` finds methods by name).
@@ -23,11 +24,12 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 
-from wtransfer.errors import error_kind, relayed_kind, remote_error
+from wtransfer.errors import TransferTimeout, error_kind, relayed_kind, remote_error
 
 log = logging.getLogger("wtransfer.vllm")
 
@@ -40,12 +42,23 @@ WORKER_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_
 MESSAGE_BYTES = 4096
 """A failure's text travels in this many bytes (longer ones are cut)."""
 
+EXCHANGE_TIMEOUT_S = 300.0
+"""How long a worker waits for the others' verdicts before the trainer set a deadline."""
 
-def _world() -> Any:
-    """vLLM's world group of this engine's workers, or None (one worker, or none set up)."""
+
+def _workers() -> Any:
+    """vLLM's group of exactly the workers of this engine's executor (whose replies one
+    ``collective_rpc`` reads): its tensor-parallel group without pipeline parallelism, its
+    world without data parallelism; None for one worker, or where neither is that group."""
     from vllm.distributed import parallel_state
 
-    group = getattr(parallel_state, "_WORLD", None)
+    world = getattr(parallel_state, "_WORLD", None)
+    tp = getattr(parallel_state, "_TP", None)
+    pp = getattr(parallel_state, "_PP", None)
+    if world is None or tp is None or pp is None:
+        return None
+    group = tp if pp.world_size == 1 else (
+        world if world.world_size == tp.world_size * pp.world_size else None)
     return group if group is not None and group.world_size > 1 else None
 
 
@@ -65,26 +78,33 @@ def _decode(record: torch.Tensor) -> str:
     return bytes(record[1:].tolist()).rstrip(b"\0").decode(errors="replace")
 
 
-def fail_together(call: Callable[[], T], ended: Callable[[], None] = lambda: None
-                  ) -> T | None:
-    """Run `call` on this worker; then, if it failed on any worker, raise on the last worker
-    only (see the module docstring). The other workers call `ended` and return None."""
-    group = _world()
+def fail_together(call: Callable[[], T], timeout_s: float,
+                  ended: Callable[[], None] = lambda: None) -> T | None:
+    """Run `call` on this worker; then, if it failed on any worker, every worker calls
+    `ended` and only the last raises (see the module docstring); the others return None.
+    `TransferTimeout` where the other workers do not answer within `timeout_s`."""
+    group = _workers()
     if group is None:
         return call()
     failure: BaseException | None = None
     result: T | None = None
     try:
         result = call()
-    except Exception as exc:
+    except BaseException as exc:  # every worker must reach the exchange
         failure = exc
     records = [torch.empty(MESSAGE_BYTES, dtype=torch.uint8) for _ in range(group.world_size)]
-    torch.distributed.all_gather(records, _encode(failure), group=group.cpu_group)
+    work = torch.distributed.all_gather(records, _encode(failure), group=group.cpu_group,
+                                        async_op=True)
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise TransferTimeout(f"the other vLLM workers did not say within {timeout_s:.0f}s "
+                              f"whether their part of the call failed ({exc})") from failure
     failed = [(i, _decode(r)) for i, r in enumerate(records) if int(r[0])]
     if not failed:
         return result
+    ended()
     if group.rank_in_group != group.world_size - 1:
-        ended()
         return None
     if failure is not None and failed[0][0] == group.rank_in_group:
         raise failure
@@ -120,10 +140,14 @@ def install() -> None:
         engine.receiver.fail_update("the update failed on another vLLM worker")
         engine.reset_weight_update_target()
 
+    def timeout_s() -> float:  # the trainer's deadline, once it set one
+        info = worker.weight_transfer_engine.receiver.init_info
+        return float(info.timeout_s) if info is not None else EXCHANGE_TIMEOUT_S
+
     for name in WORKER_METHODS:
         original = getattr(worker, name)
 
         def together(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            return fail_together(lambda: _original(*args, **kwargs), ended)
+            return fail_together(lambda: _original(*args, **kwargs), timeout_s(), ended)
 
         setattr(worker, name, functools.wraps(original)(together))

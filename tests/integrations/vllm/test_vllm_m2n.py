@@ -34,15 +34,18 @@ def m2n_fields(backend, timeout_s=60.0):
     return fields
 
 
-def push(server, backend, checkpoint):
-    """Both FSDP2 ranks of `checkpoint`'s model send it M->N; returns their stats."""
-    with TrainerRanks(2, backend=backend, addresses=["vllm+" + server.url], senders=2,
-                      model=f"hf:{checkpoint}", init_fields=m2n_fields(backend),
+def push(server, backend, checkpoint, m2n=True):
+    """Both FSDP2 ranks of `checkpoint`'s model send it M->N (else: gathered to rank 0,
+    which sends whole tensors); returns their stats."""
+    fields = {**m2n_fields(backend), "m2n": m2n}
+    with TrainerRanks(2, backend=backend, addresses=["vllm+" + server.url],
+                      senders=2 if m2n else 1, model=f"hf:{checkpoint}", init_fields=fields,
                       timeout_s=120) as ranks:
         outs = [ranks.wait_for(r, "sent", 240) for r in range(2)]
         assert ranks.wait(60) == [0, 0], [ranks.stderr(r)[-2000:] for r in range(2)]
-    assert all(o["gathered_peak_bytes"] == 0 for o in outs)  # no rank gathered a tensor
-    assert all(o["sent_bytes"] > 0 for o in outs)  # both ranks sent their own shards
+    if m2n:
+        assert all(o["gathered_peak_bytes"] == 0 for o in outs)  # no rank gathered a tensor
+        assert all(o["sent_bytes"] > 0 for o in outs)  # both ranks sent their own shards
     return outs
 
 
@@ -71,6 +74,8 @@ def test_fsdp_ranks_send_each_vllm_tp_worker_only_what_its_loaders_read(tmp_path
     server = VLLMServer(first, "ipc", tmp_path / "ipc.log", extra_args=TP2, env=env)
     try:
         fresh_first = server.greedy()
+        push(server, "ipc", first, m2n=False)  # whole tensors first: vLLM's reload leaves
+        assert server.greedy() == fresh_first  # its wrappers, which recording sets aside
         outs = push(server, "ipc", second)
         assert sum(o["sent_bytes"] for o in outs) == outs[0]["bytes"]  # each byte staged once
         check_each_worker_got_what_it_keeps(server, "ipc", outs, second)

@@ -43,8 +43,34 @@ def box(rows, cols):
     (lambda w, p: p.data.copy_(torch.cat([w[0:2], w[5:7]])), box((0, 7), (0, 6))),
     # fed into the parameter in place by another op: its source counts
     (lambda w, p: p.data.mul_(w[0:4]), box((0, 4), (0, 6))),
+    # a copy of a transposed view, then narrowed: in the transposed order, so all of it
+    (lambda w, p: p.data[:, :4].copy_(w[0:6, 0:4].t().contiguous().narrow(1, 0, 4)[:4]),
+     box((0, 10), (0, 6))),
+    (lambda w, p: p.data.copy_(torch.flip(w, [0]).clone().narrow(0, 0, 4)),
+     box((0, 10), (0, 6))),
+    # aliases that are not views: .data, detach(), and views made under inference_mode
+    (lambda w, p: (p.data[:2].copy_(w[:2]), p.data[2:4].copy_(w.data[6:8])), box((0, 8), (0, 6))),
+    (lambda w, p: p.data.copy_(w.detach()[6:10]), box((6, 10), (0, 6))),
+    (lambda w, p: p.data.copy_(_inference_view(w)), box((5, 9), (0, 6))),
     # nothing read of the probe (an expert another rank holds, a tied lm_head)
     (lambda w, p: p.data.copy_(torch.zeros(4, 6, device="meta")), None),
 ])
 def test_the_box_a_loader_reads_is_recorded(load, expected):
     assert kept(load) == expected
+
+
+def _inference_view(w):
+    with torch.inference_mode():
+        return w[5:9]
+
+
+def test_no_live_tensor_is_written_while_recording():
+    """A loader's in-place ops on a real tensor (a bias that stays live) are not performed."""
+    probe = torch.empty(SHAPE, device="meta")
+    live = torch.ones(1, 6)
+    recorder = ReadRecorder(probe)
+    with torch.no_grad(), recorder:
+        live.zero_()
+        live.copy_(probe[0:1])
+    assert torch.equal(live, torch.ones(1, 6))
+    assert recorder.kept() == box((0, 1), (0, 6))
