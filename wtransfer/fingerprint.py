@@ -54,8 +54,8 @@ def fingerprint_parts(tensors: Mapping[str, torch.Tensor], keys: Iterable[str]
                 out[key] = tensor_digest(tensors[key])
                 continue
             spans = [tuple(map(int, s.split(":"))) for s in part["box"].split(",")]
-            view = tensors[part["name"]][tuple(slice(a, b) for a, b in spans)]
-            out[key] = tensor_digest(view.contiguous())
+            box = Box(offsets=tuple(a for a, _ in spans), lengths=tuple(b - a for a, b in spans))
+            out[key] = tensor_digest(tensors[part["name"]][box.slices()])
     return out
 
 

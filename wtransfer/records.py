@@ -27,7 +27,7 @@ import torch
 from wtransfer.delta.header import DeltaHeader
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.manifest import PlanParams
-from wtransfer.packing import DEFAULT_ALIGN
+from wtransfer.packing import DEFAULT_ALIGN, DTYPES
 from wtransfer.wire import check_record_types, record_to_wire
 
 MAX_BUCKET_BYTES = 1 << 40
@@ -342,6 +342,11 @@ class TensorLayout:
     def numel(self) -> int:
         """Elements this rank holds."""
         return sum(b.numel for b in self.boxes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank holds."""
+        return self.numel * DTYPES[self.dtype].itemsize
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full tensor `full` (a view when it is one box)."""

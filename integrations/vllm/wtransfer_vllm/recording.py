@@ -36,7 +36,6 @@ from wtransfer.records import Box, TensorLayout
 
 log = logging.getLogger("wtransfer.vllm")
 
-_COPY = torch.ops.aten.copy_.default
 _SAME_ORDER = {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default}
 """Ops whose result holds their input's elements in the input's order (casts, copies)."""
 

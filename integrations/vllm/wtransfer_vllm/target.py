@@ -181,10 +181,9 @@ class VLLMTarget(WeightTarget):
                                      "before an update writes any tensor; this one already "
                                      "wrote some")
             self._kept = record_kept(self.model, self._manifest.values())
-            kept = sum(lay.numel * DTYPES[lay.dtype].itemsize for lay in self._kept.values())
-            total = sum(m.numel * DTYPES[m.dtype].itemsize for m in self._manifest.values())
             log.info("wtransfer-vllm: this worker's loaders read %d of the checkpoint's %d "
-                     "bytes (%d of %d tensors, %d of them whole)", kept, total,
+                     "bytes (%d of %d tensors, %d of them whole)", self.kept_bytes(),
+                     sum(m.nbytes for m in self._manifest.values()),
                      len(self._kept), len(self._manifest),
                      sum(lay.is_whole for lay in self._kept.values()))
         self._parts = True
@@ -194,18 +193,24 @@ class VLLMTarget(WeightTarget):
         """Bytes of the checkpoint this worker keeps (None until `keeps` recorded them)."""
         if self._kept is None:
             return None
-        return sum(lay.numel * DTYPES[lay.dtype].itemsize for lay in self._kept.values())
+        return sum(lay.nbytes for lay in self._kept.values())
+
+    def _part(self, name: str, parts: bool) -> TensorLayout | None:
+        """What this worker keeps of `name` where it keeps only a part of it and `parts` (an
+        M->N update) says only that part counts; else None (the whole tensor)."""
+        layout = self._kept.get(name) if parts and self._kept is not None else None
+        return None if layout is None or layout.is_whole else layout
 
     def _key(self, name: str, parts: bool) -> str:
         """The fingerprint key of `name`: a `part_name` where only a part of it is kept."""
-        layout = self._kept.get(name) if parts and self._kept is not None else None
-        return name if layout is None or layout.is_whole else part_name(name, layout.boxes[0])
+        layout = self._part(name, parts)
+        return name if layout is None else part_name(name, layout.boxes[0])
 
     def _digest(self, name: str, tensor: torch.Tensor) -> tuple[str, str]:
         """The key and digest of what arrived of `name` (only its kept box, in M->N)."""
-        key = self._key(name, self._parts)
-        layout = self._kept.get(name) if key != name and self._kept is not None else None
-        return key, tensor_digest(tensor if layout is None else layout.take(tensor))
+        layout = self._part(name, self._parts)
+        return self._key(name, self._parts), tensor_digest(
+            tensor if layout is None else layout.take(tensor))
 
     def finish(self) -> None:
         """Let vLLM process the layers still pending, then record what this update sent."""
@@ -257,7 +262,7 @@ class VLLMTarget(WeightTarget):
                         continue
                     key = self._key(name, parts)
                     if key not in self._checkpoint_digests:
-                        layout = self._kept.get(name) if key != name and self._kept else None
+                        layout = self._part(name, parts)
                         piece = (f.get_tensor(name) if layout is None else
                                  f.get_slice(name)[layout.boxes[0].slices()])
                         self._checkpoint_digests[key] = tensor_digest(piece)

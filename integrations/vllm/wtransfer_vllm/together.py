@@ -7,7 +7,8 @@ read by the next call, so from then on every call is answered with an earlier ca
 killed mid-transfer into vLLM with tensor_parallel_size=2.
 
 So each worker runs its part of a weight-transfer call, then the workers exchange whether
-theirs failed (a fixed-size byte tensor over vLLM's CPU world group, no pickle), and only the
+theirs failed (a fixed-size byte tensor over the CPU group of this engine's workers, no
+pickle), and only the
 last worker raises: its own failure, or the first failed worker's, named by index and of the
 same kind. Every reply before it is then a success, and nothing is left queued. The other
 workers, the last included, end the failed update as vLLM's worker does when a call raises on
@@ -78,8 +79,8 @@ def _decode(record: torch.Tensor) -> str:
     return bytes(record[1:].tolist()).rstrip(b"\0").decode(errors="replace")
 
 
-def fail_together(call: Callable[[], T], timeout_s: float,
-                  ended: Callable[[], None] = lambda: None) -> T | None:
+def fail_together(call: Callable[[], T], timeout_s: float, ended: Callable[[], None]
+                  ) -> T | None:
     """Run `call` on this worker; then, if it failed on any worker, every worker calls
     `ended` and only the last raises (see the module docstring); the others return None.
     `TransferTimeout` where the other workers do not answer within `timeout_s`."""
