@@ -2,6 +2,7 @@
 
 import pytest
 
+from wtransfer.errors import TransferTimeout
 from wtransfer.testing.conformance import BackendConformance
 
 pytest.importorskip("ucxx", reason="UCXX is not installed (pip install 'wtransfer-ucx[cu12]')")
@@ -197,3 +198,34 @@ def test_host_tensors_move_as_tagged_buckets_by_default_and_say_why():
         assert not sender.reads.on and "not all on CUDA" in sender.reads.reason
     assert wtransfer.fingerprint(held.state_dict()) == wtransfer.fingerprint(source.state_dict())
     engine.shutdown()
+
+
+@pytest.mark.parametrize(("message", "error"), [
+    ({"trainers": [[]], "workers": []}, "lists no workers"),
+    ({"trainers": [[]], "workers": [[["w", "bfloat17", [2], [[[0], [2]]], 0, 0]]]},
+     "unknown dtype"),
+    ({"trainers": [[]], "workers": [[]]}, "lists 1 workers; this is worker 3"),
+    ([1, 2], "must be a mapping"),
+])
+def test_a_malformed_m2n_roster_is_refused_by_name(message, error):
+    """What the lead trainer rank tells an M->N worker at its first update travels over UCX
+    as a typed message: a roster that lists no workers, a layout of an unknown dtype, too few
+    workers, or no mapping at all is refused with what is wrong (`MetadataError`)."""
+    from wtransfer_ucx import mton
+    from wtransfer_ucx.transport import acquire_worker, control_tag, release_worker
+
+    from wtransfer import wire
+    from wtransfer.errors import MetadataError
+
+    worker, trainer = acquire_worker(), acquire_worker()
+    try:
+        ep = trainer.connect("127.0.0.1", worker.listen(0))
+        sent = trainer.send_message(ep, wire.encode(message), control_tag(7, 2, 3))
+        with pytest.raises(MetadataError, match=error):
+            mton.read_roster(worker, 7, 3, 10.0, 4096)
+        trainer.wait(sent.requests, 10.0)
+        with pytest.raises(TransferTimeout, match="roster from trainer rank 0 did not arrive"):
+            mton.read_roster(worker, 7, 3, 0.2, 4096)  # nothing more was sent
+    finally:
+        release_worker(trainer)
+        release_worker(worker)

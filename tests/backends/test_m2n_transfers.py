@@ -1,4 +1,5 @@
-"""M->N transfers over nccl (gloo on CPU) and ipc (shared memory), real processes: FSDP2
+"""M->N transfers over nccl (gloo on CPU), ucx (tagged messages) and ipc (shared memory), real
+processes: FSDP2
 trainer ranks send each engine worker only the parts it keeps, straight from their own
 shards, all ranks at once.
 
@@ -28,7 +29,7 @@ BUCKET = 16 << 10
 
 
 def fields(backend="nccl", **extra):
-    where = {"master_address": "127.0.0.1"} if backend == "nccl" else {"m2n": True}
+    where = {"nccl": {"master_address": "127.0.0.1"}, "ipc": {"m2n": True}}.get(backend, {})
     return {**where, "bucket_bytes": BUCKET, "timeout_s": 30.0, **extra}
 
 
@@ -83,78 +84,96 @@ def serve():
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10]]
 
 
-@pytest.mark.parametrize("backend", ["nccl", "ipc"])
-@pytest.mark.parametrize(("ranks", "model", "flags"), [
-    (2, "tiny", ["--tensor-parallel-size", "2"]),
-    (4, "tiny-moe", ["--tensor-parallel-size", "2", "--enable-expert-parallel"]),
-])
-def test_fsdp_ranks_send_each_worker_only_what_it_keeps(serve, backend, ranks, model, flags):
-    """nccl sends each worker its own pair buckets; ipc stages each box once, in the
-    staging of one rank holding it, and each worker copies out only what it keeps: either
-    way each worker takes in exactly the bytes it keeps, and nothing is gathered."""
-    engine = serve("--model", model, *flags, backend=backend)
-    with TrainerRanks(ranks, backend=backend, addresses=[engine.url], senders=ranks,
-                      model=f"llm:{model}", seed=5, init_fields=fields(backend),
-                      fingerprint=True) as trainers:
-        outs = [trainers.wait_for(r, "sent", 180) for r in range(ranks)]
-        assert trainers.wait(60) == [0] * ranks
-    info = engine.http.get("/weight_info").json()
-    assert info["weight_version"] == "sharded-0"
-    assert wtransfer.HTTPClient(engine.url).fingerprint() == outs[0]["fingerprint"]
-    workers = sorted(info["workers"], key=lambda w: w["worker"])
-    kept = [w["kept_bytes"] for w in workers]
-    model_bytes = outs[0]["bytes"]
-    assert [w["last_update_bytes"] for w in workers] == kept  # what each keeps, not the model
-    assert all(k < model_bytes for k in kept)
-    if backend == "nccl":  # a message per (rank, worker): each worker's bytes sent to it
-        assert all(o["worker_bytes"] == kept for o in outs)
-        assert sum(o["sent_bytes"] for o in outs) == sum(kept)
-    else:  # shared staging: every byte of the model staged once, by one rank
-        assert sum(o["sent_bytes"] for o in outs) == model_bytes
-    assert all(o["sent_bytes"] > 0 for o in outs)  # every rank sent its own part
-    assert all(o["gathered_peak_bytes"] == 0 for o in outs)  # nothing was gathered
-    got = [engine.greedy(p) for p in PROMPTS]
-    fresh = serve("--model", model, "--seed", "5")  # the trainer's weights, built directly
-    assert got == [fresh.greedy(p) for p in PROMPTS]
+class M2NCases:
+    """The same M->N cases over each backend (a class per backend, so the suite runs the
+    backends side by side)."""
+
+    backend: str
+
+    @pytest.mark.parametrize(("ranks", "model", "flags"), [
+        (2, "tiny", ["--tensor-parallel-size", "2"]),
+        (4, "tiny-moe", ["--tensor-parallel-size", "2", "--enable-expert-parallel"]),
+    ])
+    def test_fsdp_ranks_send_each_worker_only_what_it_keeps(self, serve, ranks, model, flags):
+        """nccl and ucx send each worker its own pair buckets; ipc stages each box once, in the
+        staging of one rank holding it, and each worker copies out only what it keeps: either
+        way each worker takes in exactly the bytes it keeps, and nothing is gathered."""
+        backend = self.backend
+        engine = serve("--model", model, *flags, backend=backend)
+        with TrainerRanks(ranks, backend=backend, addresses=[engine.url], senders=ranks,
+                          model=f"llm:{model}", seed=5, init_fields=fields(backend),
+                          fingerprint=True) as trainers:
+            outs = [trainers.wait_for(r, "sent", 180) for r in range(ranks)]
+            assert trainers.wait(60) == [0] * ranks
+        info = engine.http.get("/weight_info").json()
+        assert info["weight_version"] == "sharded-0"
+        assert wtransfer.HTTPClient(engine.url).fingerprint() == outs[0]["fingerprint"]
+        workers = sorted(info["workers"], key=lambda w: w["worker"])
+        kept = [w["kept_bytes"] for w in workers]
+        model_bytes = outs[0]["bytes"]
+        assert [w["last_update_bytes"] for w in workers] == kept  # what each keeps, not the model
+        assert all(k < model_bytes for k in kept)
+        if backend != "ipc":  # a message per (rank, worker): each worker's bytes sent to it
+            assert all(o["worker_bytes"] == kept for o in outs)
+            assert sum(o["sent_bytes"] for o in outs) == sum(kept)
+        else:  # shared staging: every byte of the model staged once, by one rank
+            assert sum(o["sent_bytes"] for o in outs) == model_bytes
+        assert all(o["sent_bytes"] > 0 for o in outs)  # every rank sent its own part
+        assert all(o["gathered_peak_bytes"] == 0 for o in outs)  # nothing was gathered
+        got = [engine.greedy(p) for p in PROMPTS]
+        fresh = serve("--model", model, "--seed", "5")  # the trainer's weights, built directly
+        assert got == [fresh.greedy(p) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("backend", ["nccl", "ipc"])
-def test_every_update_lands_and_a_killed_trainer_rank_leaves_the_weights_as_they_were(backend):
-    """Into a whole-tensor receiver (each tensor assembled from both ranks' boxes): two
-    updates land; then a rank SIGKILLed mid-transfer fails every side within its deadline,
-    the receiver holds the last weights, and a fresh pair of ranks lands a full update."""
-    with spawn_receiver(backend, model="mixed", seed=2, rollback=True) as receiver:
-        client = RPCClient(receiver.address, timeout_s=30)
-        with TrainerRanks(2, backend=backend, addresses=[receiver.address], senders=2,
-                          updates=2, init_fields=fields(backend), fingerprint=True) as trainers:
-            outs = [trainers.wait_for(r, "sent", 180, count=2) for r in range(2)]
-            assert trainers.wait(60) == [0, 0]
-        assert client.fingerprint() == outs[0]["fingerprint"]
-        if backend == "nccl":
-            assert outs[0]["worker_bytes"] == [outs[0]["bytes"]]  # a whole receiver keeps all
-        assert outs[0]["sent_bytes"] + outs[1]["sent_bytes"] == outs[0]["bytes"]
-        before = client.fingerprint()
-        with TrainerRanks(2, backend=backend, addresses=[receiver.address], senders=2,
-                          updates=1000, seed=7, init_fields=fields(backend, timeout_s=5.0),
-                          timeout_s=10.0, fingerprint=True) as trainers:
-            trainers.wait_for(1, "ready", 120)
-            os.kill(trainers.procs[1].pid, signal.SIGKILL)
-            codes = trainers.wait(60)
-            assert codes[0] != 0 and "Traceback" in trainers.stderr(0)
-        wait_for(lambda: client.status()["state"] != "updating", 30,
-                 "the receiver to fail the update at its deadline")
-        status = client.status()
-        assert status["torn"] is False and status["state"] in ("failed", "ready")
-        landed = trainers.reports(0, "sent")
-        if status["weight_version"] != f"sharded-{len(landed)}":  # (the rank was killed
-            # after the receiver finished an update but before rank 0 heard every verdict)
-            assert client.fingerprint() == (landed[-1]["fingerprint"] if landed else before)
-        with TrainerRanks(2, backend=backend, addresses=[receiver.address], senders=2,
-                          seed=9, init_fields=fields(backend), fingerprint=True) as trainers:
-            out = trainers.wait_for(0, "sent", 180)
-            assert trainers.wait(60) == [0, 0]
-        assert client.fingerprint() == out["fingerprint"] != before
-        client.close()
+    def test_every_update_lands_and_a_killed_trainer_rank_leaves_the_weights_as_they_were(self):
+        """Into a whole-tensor receiver (each tensor assembled from both ranks' boxes): two
+        updates land; then a rank SIGKILLed mid-transfer fails every side within its deadline,
+        the receiver holds the last weights, and a fresh pair of ranks lands a full update."""
+        backend = self.backend
+        with spawn_receiver(backend, model="mixed", seed=2, rollback=True) as receiver:
+            client = RPCClient(receiver.address, timeout_s=30)
+            with TrainerRanks(2, backend=backend, addresses=[receiver.address], senders=2,
+                              updates=2, init_fields=fields(backend), fingerprint=True) as trainers:
+                outs = [trainers.wait_for(r, "sent", 180, count=2) for r in range(2)]
+                assert trainers.wait(60) == [0, 0]
+            assert client.fingerprint() == outs[0]["fingerprint"]
+            if backend != "ipc":
+                assert outs[0]["worker_bytes"] == [outs[0]["bytes"]]  # a whole receiver keeps all
+            assert outs[0]["sent_bytes"] + outs[1]["sent_bytes"] == outs[0]["bytes"]
+            before = client.fingerprint()
+            with TrainerRanks(2, backend=backend, addresses=[receiver.address], senders=2,
+                              updates=1000, seed=7, init_fields=fields(backend, timeout_s=5.0),
+                              timeout_s=10.0, fingerprint=True) as trainers:
+                trainers.wait_for(1, "ready", 120)
+                os.kill(trainers.procs[1].pid, signal.SIGKILL)
+                codes = trainers.wait(60)
+                assert codes[0] != 0 and "Traceback" in trainers.stderr(0)
+            wait_for(lambda: client.status()["state"] != "updating", 30,
+                     "the receiver to fail the update at its deadline")
+            status = client.status()
+            assert status["torn"] is False and status["state"] in ("failed", "ready")
+            landed = trainers.reports(0, "sent")
+            if status["weight_version"] != f"sharded-{len(landed)}":  # (the rank was killed
+                # after the receiver finished an update but before rank 0 heard every verdict)
+                assert client.fingerprint() == (landed[-1]["fingerprint"] if landed else before)
+            with TrainerRanks(2, backend=backend, addresses=[receiver.address], senders=2,
+                              seed=9, init_fields=fields(backend), fingerprint=True) as trainers:
+                out = trainers.wait_for(0, "sent", 180)
+                assert trainers.wait(60) == [0, 0]
+            assert client.fingerprint() == out["fingerprint"] != before
+            client.close()
+
+
+class TestNccl(M2NCases):
+    backend = "nccl"
+
+
+class TestUcx(M2NCases):
+    backend = "ucx"
+
+
+class TestIpc(M2NCases):
+    backend = "ipc"
 
 
 @pytest.mark.parametrize(("backend", "model", "fp8"), [

@@ -43,7 +43,7 @@ from wtransfer.manifest import Manifest, Manifests
 from wtransfer.receiver.deadline import DeadlineTimer
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
-from wtransfer.records import ReceiverInitInfo, UpdateInfo, check_version
+from wtransfer.records import ReceiverInitInfo, TensorLayout, UpdateInfo, check_version
 from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.receiver.engine")
@@ -250,6 +250,21 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             raise MetadataError("the update info must carry 'tensors' or 'tensors_digest'")
         session.announce(manifest.metas)
         return manifest
+
+    def keep_planned(self, session: UpdateSession, manifest: Manifest,
+                     published: dict[str, TensorLayout]) -> None:
+        """For an M->N backend's `_receive`: of each tensor only what this worker keeps
+        arrives (`WeightTarget.keeps`). Refuses (`MetadataError`, before any byte moves) a
+        tensor it keeps now but did not `published` when the transfer was initialized: no
+        trainer rank's plan sends it (LoRA adapters, named by each update)."""
+        kept = self.target.keeps()
+        sent = {m.name for m in manifest.metas}
+        undeclared = sorted(n for n in (kept or {}) if n in sent and n not in published)
+        if undeclared:
+            raise MetadataError(f"this worker keeps {undeclared[:3]}, which it did not declare "
+                                "when the M->N transfer was initialized, so no trainer rank "
+                                "would send them; send such tensors over ipc, or without M->N")
+        session.keep_only(kept)
 
     def start_weight_update(self) -> None:
         """Open an update; weights change only between this and `finish_weight_update`."""

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from wtransfer.errors import ConfigError, MetadataError
-from wtransfer.packing import DTYPES, TensorMeta, dtype_name, is_dtensor
+from wtransfer.packing import DTYPES, TensorMeta, dtype_name, frame, is_dtensor
 from wtransfer.records import Box, TensorLayout
 from wtransfer.transport.mton import PairBucket
 
@@ -90,6 +90,11 @@ class LocalShards:
                 DTYPES[meta.dtype]).view(piece.box.lengths)
             out.copy_(self.region(piece.tensor, meta.name, piece.box), non_blocking=True)
         return staging[:bucket.nbytes]
+
+    def pack_framed(self, bucket: PairBucket, metas: list[TensorMeta], staging: torch.Tensor,
+                    checksum: bool) -> torch.Tensor:
+        """`pack`, then the bytes to send (with their checksum trailer when asked)."""
+        return frame(staging, self.pack(bucket, metas, staging).numel(), checksum)
 
 
 def held_parts(source: Any, metas: list[TensorMeta]) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from wtransfer.errors import MetadataError
@@ -87,6 +88,30 @@ class TransferPlan:
     def rounds(self) -> int:
         """How many rounds the schedule has."""
         return 1 + max((b.round for b in self.buckets), default=-1)
+
+    @cached_property
+    def _positions(self) -> dict[tuple[int, int], int]:
+        return {(b.sender, b.round): i for i, b in enumerate(self.buckets)}
+
+    def position(self, bucket: PairBucket) -> int:
+        """`bucket`'s index in the whole plan: a number no other bucket of it has (a sender
+        sends at most one bucket per round), e.g. to tag its message."""
+        return self._positions[(bucket.sender, bucket.round)]
+
+    def moved(self, sender: int) -> dict[str, Any]:
+        """The `TransferStats` fields of what `sender` moves: its pair buckets, its bytes and
+        every worker's."""
+        return {"buckets": sum(1 for b in self.buckets if b.sender == sender),
+                "sent_bytes": self.bytes_from(sender),
+                "worker_bytes": [self.bytes_to(w) for w in range(self.workers)]}
+
+    def check(self, digest: str | None) -> None:
+        """Refuse an update whose trainer planned otherwise (`MetadataError`): it names a
+        different digest (the ranks published different layouts or lists)."""
+        if digest != self.digest:
+            raise MetadataError(f"M->N plan mismatch: the trainer planned {digest!r}, this "
+                                f"worker {self.digest!r} (the ranks published different "
+                                "layouts); initialize the transfer again")
 
     def to_wire(self) -> dict[str, Any]:
         """Plain form (`from_wire` checks its digest)."""
@@ -285,6 +310,27 @@ def layouts_from_wire(data: Any, where: str) -> dict[str, TensorLayout]:
         return out
     except (TypeError, ValueError) as exc:
         raise MetadataError(f"malformed layouts from {where}: {exc}") from None
+
+
+LAYOUTS = "m2n_layouts"
+"""The field of a trainer rank's init fragment that carries its layouts to the other ranks
+(`fragment_with_layouts`, `planner_of`)."""
+
+
+def fragment_with_layouts(fragment: dict[str, Any], layouts: dict[str, TensorLayout]
+                          ) -> dict[str, Any]:
+    """A trainer rank's init fragment carrying what it holds of each tensor."""
+    return {**fragment, LAYOUTS: layouts_to_wire(layouts)}
+
+
+def planner_of(fragments: list[dict[str, Any]], dests: list[dict[str, TensorLayout]] | None,
+               bucket_bytes: int) -> tuple[Planner, list[dict[str, Any]]]:
+    """The planner between the layouts every trainer rank's fragment carries (in sender
+    order) and `dests`, and the fragments without the layouts."""
+    sources = [layouts_from_wire(f.get(LAYOUTS), f"trainer rank {i}")
+               for i, f in enumerate(fragments)]
+    stripped = [{k: v for k, v in f.items() if k != LAYOUTS} for f in fragments]
+    return Planner(sources, dests, bucket_bytes), stripped
 
 
 def whole_layouts(metas: Sequence[TensorMeta], replica: int = 0) -> dict[str, TensorLayout]:

@@ -12,41 +12,15 @@ box that it keeps (`UpdateSession.consume_pieces` with `crop`): the bytes a work
 are the bytes it keeps, from every rank's staging at once.
 
 The ranks exchange what they hold at init through the trainer group (with their init
-fragments); the workers' layouts are never needed on the trainer side.
+fragments, `wtransfer.transport.mton.fragment_with_layouts`); the workers' layouts are never
+needed on the trainer side.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from wtransfer.trainer.source import WeightSource
-from wtransfer.transport.mton import (
-    PairBucket,
-    Planner,
-    layouts_from_wire,
-    layouts_to_wire,
-    pieces_to_wire,
-)
-
-LAYOUTS = "m2n_layouts"
-"""The init fragment field that carries a rank's layouts to the other ranks (never sent to
-the workers)."""
-
-
-def with_layouts(fragment: dict[str, Any], source: WeightSource, sender: int
-                 ) -> dict[str, Any]:
-    """This rank's init fragment, carrying what it holds of each tensor."""
-    return {**fragment, LAYOUTS: layouts_to_wire(source.layouts(sender))}
-
-
-def planner_of(fragments: list[dict[str, Any]], bucket_bytes: int
-               ) -> tuple[Planner, list[dict[str, Any]]]:
-    """The plan between the layouts every rank's fragment carries (in sender order), and the
-    fragments without them."""
-    sources = [layouts_from_wire(f.get(LAYOUTS), f"trainer rank {i}")
-               for i, f in enumerate(fragments)]
-    stripped = [{k: v for k, v in f.items() if k != LAYOUTS} for f in fragments]
-    return Planner(sources, None, bucket_bytes), stripped
+from wtransfer.transport.mton import PairBucket, pieces_to_wire
 
 
 def describe(bucket: PairBucket, slot: int, sender: int, checksum: int | None

@@ -17,7 +17,7 @@ from wtransfer.records import receiver_init_dict
 from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
 from wtransfer.trainer.layouts import LocalShards, held_parts
 from wtransfer.trainer.source import WeightSource
-from wtransfer.transport.mton import PairBucket, Planner
+from wtransfer.transport.mton import PairBucket, Planner, fragment_with_layouts, planner_of
 from wtransfer.transport.window import CallChannel
 from wtransfer_ipc import mton
 from wtransfer_ipc.cuda import await_event, export_buffer, exported_event, withdraw_event
@@ -115,7 +115,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                                       sender_pid=os.getpid(), sender_start=own_start_time(),
                                       token=token, m2n=self.m2n)
         if self.m2n:
-            return mton.with_layouts(fragment, self.source, self.ranks.sender_index or 0)
+            return fragment_with_layouts(fragment,
+                                         self.source.layouts(self.ranks.sender_index or 0))
         return fragment
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
@@ -142,7 +143,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         """Several senders: one init info listing every sender's staging buffers (M->N: and
         the plan between what each holds, kept here)."""
         if self.m2n:
-            self._planner, fragments = mton.planner_of(fragments, self.bucket_bytes)
+            self._planner, fragments = planner_of(fragments, None, self.bucket_bytes)
         first = fragments[0]
         if len(fragments) == 1:
             return first

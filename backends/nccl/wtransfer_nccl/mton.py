@@ -9,33 +9,28 @@ list (`Planner`); the lead's update call carries the plan's digest, and a worker
 otherwise refuses the update before any byte moves.
 
 Each pair bucket is one point-to-point message: the sender packs its pieces from its own
-shards (`pack`), the worker receives them in its staging and writes each box into place. Both
-sides walk their buckets in the plan's round order, so no rank ever waits in a circle.
+shards (`LocalShards.pack_framed`), the worker receives them in its staging and writes each
+box into place. Both sides walk their buckets in the plan's round order, so no rank ever
+waits in a circle.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from wtransfer import wire
-from wtransfer.errors import MetadataError, TransferTimeout
-from wtransfer.packing import TensorMeta, frame
+from wtransfer.errors import TransferTimeout
 from wtransfer.records import TensorLayout
-from wtransfer.trainer.layouts import LocalShards
 from wtransfer.transport.mton import (
-    PairBucket,
     Planner,
-    TransferPlan,
     layouts_from_wire,
     layouts_to_wire,
     whole_layouts,
 )
 
-__all__ = ["Planner", "check_plan", "m2n_store", "pack", "publish_layouts", "read_layouts",
-           "whole_layouts"]
+__all__ = ["Planner", "m2n_store", "publish_layouts", "read_layouts", "whole_layouts"]
 
 _KEY = "m2n/layouts/"
 
@@ -61,18 +56,3 @@ def read_layouts(store: dist.Store, ranks: range, timeout_s: float
                               f"their layouts within {timeout_s:g}s: {exc}") from None
     return [layouts_from_wire(wire.decode(bytes(store.get(key))), f"rank {rank}")
             for rank, key in zip(ranks, keys, strict=True)]
-
-
-def check_plan(plan: TransferPlan, digest: str | None) -> None:
-    """Refuse an update whose trainer planned otherwise (different layouts or lists)."""
-    if digest != plan.digest:
-        raise MetadataError(f"M->N plan mismatch: the trainer planned {digest!r}, this worker "
-                            f"{plan.digest!r} (the ranks published different layouts); "
-                            "initialize the transfer again")
-
-
-def pack(bucket: PairBucket, metas: list[TensorMeta], shards: LocalShards,
-         staging: torch.Tensor, checksum: bool) -> torch.Tensor:
-    """`bucket`'s boxes copied out of this rank's shards into `staging`; the bytes to send
-    (with their checksum trailer when asked)."""
-    return frame(staging, shards.pack(bucket, metas, staging).numel(), checksum)

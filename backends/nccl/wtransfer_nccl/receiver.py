@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from wtransfer.errors import ConfigError, LifecycleError, MetadataError, PeerError
+from wtransfer.errors import ConfigError, LifecycleError, PeerError
 from wtransfer.packing import (
     CHECKSUM_BYTES,
     Bucket,
@@ -33,7 +33,6 @@ from wtransfer_nccl.group import (
 from wtransfer_nccl.info import NCCLInitInfo, NCCLUpdateInfo
 from wtransfer_nccl.mton import (
     Planner,
-    check_plan,
     m2n_store,
     publish_layouts,
     read_layouts,
@@ -163,19 +162,12 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         assert init is not None and planner is not None
         manifest = self.announce_listed(info.tensors, info.tensors_digest, session)
         plan = planner.plan(manifest)
-        check_plan(plan, info.plan_digest)
+        plan.check(info.plan_digest)
         if not self._groups:
             raise LifecycleError("nccl: the group was torn down after a failure; the trainer "
                                  "must call init_weight_transfer_engine again")
-        kept = self.target.keeps()
-        published = planner.dests[self._groups[0].rank - init.senders] if planner.dests else {}
-        sent = {m.name for m in manifest.metas}
-        undeclared = sorted(n for n in (kept or {}) if n in sent and n not in published)
-        if undeclared:  # e.g. LoRA adapters, named by each update: the plan would skip them
-            raise MetadataError(f"this worker keeps {undeclared[:3]}, which it did not declare "
-                                "when the M->N transfer was initialized, so no trainer rank "
-                                "would send them; send such tensors over ipc, or without M->N")
-        session.keep_only(kept)
+        me = self._groups[0].rank - init.senders
+        self.keep_planned(session, manifest, planner.dests[me] if planner.dests else {})
         group, staging_buffers = self._groups[0], self._staging[0]
         stopped = self._stop_check(None)
 
@@ -185,7 +177,7 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
             session.consume_pieces(staging, bucket.nbytes, bucket.pieces, checksum)
 
         receive_buckets(
-            plan.of_worker(group.rank - init.senders), len(staging_buffers),
+            plan.of_worker(me), len(staging_buffers),
             max_inflight=len(staging_buffers),
             destination=lambda bucket: staging_buffers[0],  # never: pair buckets are packed
             staging=lambda bucket, slot: staging_buffers[slot][

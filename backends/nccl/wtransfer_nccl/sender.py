@@ -32,7 +32,6 @@ from wtransfer_nccl.info import NCCLTrainerInitInfo
 from wtransfer_nccl.mton import (
     Planner,
     m2n_store,
-    pack,
     publish_layouts,
     read_layouts,
 )
@@ -201,11 +200,11 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         shards = LocalShards(metas, share.parts if share.parts is not None
                              else held_parts(self.source, metas), me)
         mine = tuple(plan.of_sender(me))
-        self._last_moved = {"buckets": len(mine), "sent_bytes": plan.bytes_from(me),
-                            "worker_bytes": [plan.bytes_to(w) for w in range(plan.workers)]}
+        self._last_moved = plan.moved(me)
         channel: SendChannel[Any] = SendChannel(
             slots=len(staging), max_inflight=MAX_INFLIGHT,
-            stage=lambda bucket, slot: pack(bucket, metas, shards, staging[slot], info.checksum),
+            stage=lambda bucket, slot: shards.pack_framed(bucket, metas, staging[slot],
+                                                          info.checksum),
             post=lambda unit, _slot, data: group.send(data[0], self.senders + unit[0].worker),
             wait=lambda pending, check: pending.wait(info.timeout_s, check))
         opening = ({**self.listed_tensors(share.manifest), "plan_digest": plan.digest}

@@ -12,7 +12,9 @@ from wtransfer.records import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
 @dataclass(frozen=True, kw_only=True)
 class UCXTrainerInitInfo(TrainerInitInfo):
     """Trainer side. The trainer listens at `listen_address:listen_port` (0 picks a free port)
-    and every engine worker connects to it during init."""
+    and every engine worker connects to it during init; in an M->N transfer (`m2n`) every
+    trainer rank listens (each on a port of its own when `listen_port` is 0) and every worker
+    connects to each of them."""
 
     backend: ClassVar[str] = "ucx"
     listen_address: str = "127.0.0.1"
@@ -35,6 +37,11 @@ class UCXTrainerInitInfo(TrainerInitInfo):
     True across hosts only where RDMA with GPUDirect reaches the trainer's GPU: without a
     transport that reads remote memory UCX emulates the reads about 100x slower (not
     measured across hosts). `UCXSender.reads` says which way the updates go, and why."""
+    m2n: bool | None = None
+    """Send each worker only what it keeps, from the trainer ranks that hold it, without
+    gathering (`wtransfer_ucx.mton`): every trainer rank needs a client then. None (default):
+    when the source is sharded and every trainer rank has a client; False: one rank with a
+    client gathers each bucket and sends it to every worker."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -50,11 +57,27 @@ class UCXInitInfo(ReceiverInitInfo):
     trainer_port: int
     session: int
     """16-bit id in every tag, so messages of an earlier sender can never match."""
+    m2n: bool = False
+    """An M->N transfer (`wtransfer_ucx.mton`): the worker connects to every trainer rank
+    (`trainers`), tells each what it keeps, and receives only that, from every rank."""
+    trainers: tuple[tuple[str, int], ...] = ()
+    """M->N: where each trainer rank listens, in rank order (rank 0 is
+    `trainer_address:trainer_port`)."""
+    first_worker: int = 0
+    """M->N: the index of this engine's worker 0 among every worker behind the trainer's
+    client (`WeightSyncClient.init_each_engine`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 1 <= self.trainer_port <= 65535 or not 0 <= self.session < 1 << 16:
-            raise ConfigError("trainer_port must be in 1..65535 and session in 0..65535")
+        ports = [self.trainer_port] + [port for _, port in self.trainers]
+        if not all(1 <= port <= 65535 for port in ports) or not 0 <= self.session < 1 << 16:
+            raise ConfigError("trainer_port (and each port of trainers) must be in 1..65535 "
+                              "and session in 0..65535")
+        if self.m2n and not self.trainers:
+            raise ConfigError("an M->N init info (m2n=True) must list every trainer rank's "
+                              "address in trainers")
+        if self.first_worker < 0:
+            raise ConfigError(f"first_worker must be >= 0, got {self.first_worker}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,3 +110,6 @@ class UCXUpdateInfo(UpdateInfo):
     rma: ReadsUpdate | None = None
     """The whole update as one-sided reads out of the trainer's memory (see
     `wtransfer_ucx.remote_reads`); None: tagged buckets follow."""
+    plan_digest: str | None = None
+    """M->N: `TransferPlan.digest` of the trainer's plan; a worker that planned otherwise
+    refuses the update before any byte moves."""

@@ -1,4 +1,5 @@
-"""Engine side of the UCX backend: connects to the trainer once, receives tagged buckets."""
+"""Engine side of the UCX backend: connects to the trainer once, receives tagged buckets (or,
+M->N, `wtransfer_ucx.mton`, only what this worker keeps, from every trainer rank)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,15 @@ from wtransfer.packing import (
 from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
+from wtransfer.records import TensorLayout
+from wtransfer.transport.mton import PairBucket, Planner, whole_layouts
 from wtransfer.transport.window import receive_buckets
+from wtransfer_ucx import mton
 from wtransfer_ucx.info import UCXInitInfo, UCXUpdateInfo
 from wtransfer_ucx.remote_reads import ImportedKeys
 from wtransfer_ucx.transport import (
     MAX_INFLIGHT,
+    Outbox,
     UCXWorker,
     acquire_worker,
     release_worker,
@@ -44,6 +49,14 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
         """The endpoint to this sender (one-sided reads go through it)."""
         self._keys = ImportedKeys()
         self._staging: list[torch.Tensor] = []
+        self._trainers: list[Any] = []
+        """M->N: the endpoint to each trainer rank, in rank order."""
+        self._published: dict[str, TensorLayout] = {}
+        """M->N: what this worker told the trainer ranks it keeps."""
+        self._hellos: list[Outbox] = []
+        self._planner: Planner | None = None
+        """M->N: the plans between every rank's layouts (from the roster, at the first
+        update)."""
 
     def _worker(self) -> UCXWorker:
         if self._ucx is None:
@@ -54,7 +67,18 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
     def _init(self, info: UCXInitInfo) -> None:
         if self._ucx is None:  # one context and worker for the receiver's life
             self._ucx = acquire_worker()
-        self._ep = self._ucx.connect(info.trainer_address, info.trainer_port)
+        self._planner = None
+        if info.m2n:
+            self._trainers = [self._ucx.connect(address, port)
+                              for address, port in info.trainers]
+            kept = self.target.keeps()
+            self._published = kept if kept is not None else whole_layouts(
+                self.target.metadata())
+            me = info.first_worker + self.worker_index
+            self._hellos = [mton.hello(self._ucx, ep, info.session, me, self._published)
+                            for ep in self._trainers]
+        else:
+            self._ep = self._ucx.connect(info.trainer_address, info.trainer_port)
         self._staging = [torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]
 
@@ -62,6 +86,9 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
         init = self.init_info
         assert init is not None
         ucx = self._worker()
+        if init.m2n:
+            self._receive_m2n(info, session, ucx)
+            return
         if info.rma is not None:
             if self._ep is None:
                 raise LifecycleError("ucx: the endpoint to the trainer was closed after a "
@@ -98,7 +125,49 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
             temporary=lambda bucket: session.direct_temporary_bytes(bucket, self.device),
             budget=init.num_buffers * init.bucket_bytes)
 
+    def _receive_m2n(self, info: UCXUpdateInfo, session: UpdateSession, ucx: UCXWorker) -> None:
+        """Check the plan, then receive this worker's pair buckets in round order, each
+        tagged with its place in the plan, and write their boxes into place."""
+        init = self.init_info
+        assert init is not None
+        if not self._trainers:
+            raise LifecycleError("ucx: the endpoints to the trainer ranks were closed after a "
+                                 "failed update; create a new sender (trainer_init)")
+        manifest = self.announce_listed(info.tensors, info.tensors_digest, session)
+        me = init.first_worker + self.worker_index
+        if self._planner is None:
+            ucx.wait([r for outbox in self._hellos for r in outbox.requests], init.timeout_s)
+            self._hellos = []
+            self._planner = mton.read_roster(ucx, init.session, me, init.timeout_s,
+                                             init.bucket_bytes)
+        plan = self._planner.plan(manifest)
+        plan.check(info.plan_digest)
+        self.keep_planned(session, manifest, self._published)
+        staging = self._staging
+
+        def landed(bucket: PairBucket, slot: int, _data: torch.Tensor) -> None:
+            checksum = (read_checksum_trailer(staging[slot], bucket.nbytes) if init.checksum
+                        else None)
+            session.consume_pieces(staging[slot], bucket.nbytes, bucket.pieces, checksum)
+            if staging[slot].is_cuda:  # unpacked before the slot takes the next bucket
+                torch.cuda.current_stream(staging[slot].device).synchronize()
+
+        receive_buckets(
+            plan.of_worker(me), len(staging), max_inflight=len(staging),
+            destination=lambda bucket: staging[0],  # never: pair buckets are packed
+            staging=lambda bucket, slot: staging[slot][
+                :trailer_length(bucket.nbytes, init.checksum)],
+            post=lambda unit, data: ucx.recv(data[0], tag(init.session, info.update,
+                                                          plan.position(unit[0]))),
+            wait=lambda request: ucx.wait([request], init.timeout_s),
+            landed=landed)
+
     def _abort(self) -> None:
+        if self._trainers and self._ucx is not None:  # M->N: every rank's sends to this
+            self._ucx.worker.cancel_inflight_requests()  # worker fail now, not at their
+            self._ucx.disconnect()  # deadline (the sender is unusable after a failure)
+            self._trainers = []
+            return
         if self._ucx is not None:
             self._ucx.worker.cancel_inflight_requests()
             if self._keys.in_flight:  # reads may still land: cut the endpoint (the sender
@@ -114,6 +183,8 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
     def _shutdown(self) -> None:
         self._keys.close()  # before the endpoint they were unpacked for
         self._ep = None
+        self._trainers = []
+        self._hellos = []
         if self._ucx is not None:
             self._ucx.disconnect()
         self._staging = []

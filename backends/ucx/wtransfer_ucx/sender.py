@@ -1,4 +1,5 @@
-"""Trainer side of the UCX backend: listens, then sends every bucket to every worker."""
+"""Trainer side of the UCX backend: listens, then sends every bucket to every worker, or
+(M->N, `wtransfer_ucx.mton`) each worker the parts of this rank's shards that it keeps."""
 
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ from wtransfer.packing import CHECKSUM_BYTES, Bucket
 from wtransfer.protocol import WeightSyncClient
 from wtransfer.records import receiver_init_dict
 from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
+from wtransfer.trainer.layouts import LocalShards, held_parts
 from wtransfer.trainer.source import WeightSource
+from wtransfer.transport.mton import Planner, fragment_with_layouts, planner_of
 from wtransfer.transport.window import SendChannel
+from wtransfer_ucx import mton
 from wtransfer_ucx.info import UCXTrainerInitInfo
 from wtransfer_ucx.remote_reads import ExportedTensors, readable
 from wtransfer_ucx.transport import (
     MAX_INFLIGHT,
+    Outbox,
     UCXWorker,
     acquire_worker,
     release_worker,
@@ -72,11 +77,19 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         apply (`UCXTrainerInitInfo.rma`)."""
         self.reads = ReadsChoice(False, "not connected yet")
         """Whether updates go as one-sided reads, and why (chosen at init)."""
+        self.m2n = False
+        """Whether updates go M->N (`UCXTrainerInitInfo.m2n`, decided at connect)."""
+        self._planner: Planner | None = None
+        self._rosters: list[Outbox] = []
+        """M->N: the roster messages the workers have not all read yet (the lead's)."""
+        self._last_moved: dict[str, Any] = {}
 
     def _choose_reads(self) -> ReadsChoice:
         """`UCXTrainerInitInfo.rma` applied to this sender (see there)."""
         info, ucx = self.init_info, self._ucx
         assert ucx is not None
+        if self.m2n:
+            return ReadsChoice(False, "tagged pair buckets: M->N (m2n)")
         if info.checksum or self.source.sharded:
             return ReadsChoice(False, "tagged buckets: checksums and sharded sources need them")
         if info.rma is not None:
@@ -101,14 +114,38 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         info = self.init_info
         self._ucx = acquire_worker()
         port = self._ucx.listen(info.listen_port)
+        self.m2n = self._m2n_wanted(info.m2n)
         self.reads = self._choose_reads()
         log.info("ucx: %s", self.reads)
         if self.reads.on:
             self._exports = ExportedTensors(self._ucx.context)
         self._staging = [torch.empty(self.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(info.num_buffers)]
-        return receiver_init_dict(info, trainer_address=info.listen_address,
-                                  trainer_port=port, session=self._session)
+        fragment = receiver_init_dict(info, trainer_address=info.listen_address,
+                                      trainer_port=port, session=self._session, m2n=self.m2n)
+        if self.m2n:
+            return fragment_with_layouts(fragment,
+                                         self.source.layouts(self.ranks.sender_index or 0))
+        return fragment
+
+    @property
+    def sends_own_shards(self) -> bool:
+        """M->N: every rank sends its own shards; nothing is gathered."""
+        return self.m2n
+
+    def _moved(self) -> dict[str, Any]:
+        return self._last_moved
+
+    def _merge(self, fragments: list[dict[str, Any]]) -> dict[str, Any]:
+        """M->N: one init info listing where every rank listens; every rank tags with the
+        lead's session (the sources of the plan are kept here)."""
+        if not self.m2n:
+            return super()._merge(fragments)
+        self._planner, fragments = planner_of(fragments, None, self.bucket_bytes)
+        first = fragments[0]
+        self._session = int(first["session"])
+        return {**first, "trainers": [[f["trainer_address"], f["trainer_port"]]
+                                      for f in fragments]}
 
     @property
     def direct_threshold(self) -> int:
@@ -122,9 +159,31 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         assert self._ucx is not None and self.client is not None
+        if self.m2n:  # each worker learns its index among all of them, for its hello
+            if self.lead:
+                self.client.init_each_engine(
+                    lambda first, _count: {**receiver_init, "first_worker": first})
+            return
         super()._init_receivers(receiver_init)  # each worker connects during its init
         self._endpoints = self._ucx.wait_for_endpoints(self.client.num_workers(),
                                                        self.init_info.timeout_s)
+
+    def _after_init(self) -> None:
+        """M->N, on every rank once every worker is initialized: read each worker's hello
+        (where to reach it, what it keeps), plan, and (the lead) send each worker the roster
+        (`wtransfer_ucx.mton`)."""
+        if not self.m2n:
+            return
+        assert self._ucx is not None and self.client is not None
+        assert self._planner is not None
+        timeout_s, ucx = self.init_info.timeout_s, self._ucx
+        workers = self.client.num_workers()
+        ucx.wait_for_endpoints(workers, timeout_s)  # (each worker's: to see it leave)
+        self._endpoints, dests = mton.read_hellos(ucx, self._session, workers, timeout_s)
+        self._planner = Planner(self._planner.sources, dests, self.bucket_bytes)
+        if self.lead:  # (each completes once its worker reads it, at its first update)
+            self._rosters = [mton.roster(ucx, ep, self._session, worker, self._planner)
+                             for worker, ep in enumerate(self._endpoints)]
 
     def _outgoing(self, share: Share) -> Outgoing:
         """One-sided reads where they apply (one call: every worker reads each tensor out of
@@ -137,6 +196,8 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         ucx, info = self._ucx, self.init_info
         assert ucx is not None  # connected
         self._updates += 1
+        if self._planner is not None:
+            return self._outgoing_m2n(share, ucx, self._planner)
         update = {**self.listed_tensors(share.manifest), "update": self._updates}
         if self._exports is not None:
             tensors, share = self.in_place(share, readable)
@@ -163,6 +224,37 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             wait=lambda requests, check: ucx.wait(requests, info.timeout_s, check))
         return Outgoing(share, opening=update, channel=channel)
 
+    def _outgoing_m2n(self, share: Share, ucx: UCXWorker, planner: Planner) -> Outgoing:
+        """This rank's pair buckets of the plan, each packed from its own shards into a free
+        staging slot and sent to its worker as one message tagged with its place in the plan
+        (`wtransfer_ucx.mton`); the lead's update call carries the plan's digest."""
+        info, staging, metas = self.init_info, self._staging, share.manifest.metas
+        plan = planner.plan(share.manifest)
+        me, session, update = share.index, self._session, self._updates
+        shards = LocalShards(metas, share.parts if share.parts is not None
+                             else held_parts(self.source, metas), me)
+        self._last_moved = plan.moved(me)
+        self._rosters = [r for r in self._rosters if not all(q.completed for q in r.requests)]
+        endpoints = self._endpoints
+
+        def stage(bucket: Any, slot: int) -> torch.Tensor:
+            data = shards.pack_framed(bucket, metas, staging[slot], info.checksum)
+            if data.is_cuda:  # the packing copies, before UCX reads the slot
+                torch.cuda.current_stream(data.device).synchronize()
+            return data
+
+        if self.device.type == "cuda":  # the trainer's last writes land before any send reads
+            torch.cuda.current_stream(self.device).synchronize()
+        channel: SendChannel[Any] = SendChannel(
+            slots=len(staging), max_inflight=len(staging), stage=stage,
+            post=lambda unit, _slot, data: [ucx.send(
+                endpoints[unit[0].worker], data[0], tag(session, update, plan.position(unit[0])))],
+            wait=lambda requests, check: ucx.wait(requests, info.timeout_s, check))
+        opening = ({**self.listed_tensors(share.manifest), "update": update,
+                    "plan_digest": plan.digest} if share.lead else None)
+        return Outgoing(share, opening=opening, channel=channel,
+                        units=tuple(plan.of_sender(me)))
+
     def _failed(self, exc: BaseException) -> None:
         """Messages or reads may still be in flight: this sender is not reused."""
         if self._broken is None:
@@ -174,6 +266,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             self._exports = None
         ucx, self._ucx = self._ucx, None
         self._endpoints = []
+        self._rosters = []
         if ucx is not None:
             release_worker(ucx)
         self._staging = []

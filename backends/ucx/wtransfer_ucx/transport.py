@@ -1,5 +1,6 @@
 """A small synchronous layer over UCXX's low-level API: one worker with a progress thread,
-tagged sends and receives of flat uint8 tensors, and waits with deadlines."""
+tagged sends and receives of flat uint8 tensors, length-prefixed control messages, and waits
+with deadlines."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from wtransfer.errors import PeerError, TransferTimeout
+from wtransfer.errors import MetadataError, PeerError, TransferTimeout
 
 _POLL_S = 0.0002
 
@@ -22,9 +23,20 @@ MAX_INFLIGHT = 16
 no staging, and keeping several in flight hides each rendezvous round trip."""
 
 
+MAX_MESSAGE_BYTES = 1 << 30
+"""The largest control message a peer may announce (`UCXWorker.recv_message`)."""
+
+
 def tag(session: int, update: int, bucket: int) -> int:
     """The 64-bit tag of one bucket: session (16 bits), update (16 bits), bucket (32 bits)."""
     return (session & 0xFFFF) << 48 | (update & 0xFFFF) << 32 | (bucket & 0xFFFFFFFF)
+
+
+def control_tag(session: int, kind: int, worker: int) -> int:
+    """The tag of a control message of `kind` (1..63) to or from `worker`: update 0 and the
+    bucket's top bit set, so no bucket's tag is ever one (buckets number below 2**31); each
+    message uses it and the next (`UCXWorker.send_message`)."""
+    return tag(session, 0, 1 << 31 | kind << 25 | (worker & 0xFFFFFF) << 1)
 
 
 def _array(tensor: torch.Tensor) -> Any:
@@ -60,6 +72,15 @@ def cuda_ipc_reads(loaded: bool) -> bool:
     names = {t.strip() for t in tls.lstrip("^").split(",")}
     named = bool(names & {"cuda_ipc", "cuda", "all"})
     return not named if tls.startswith("^") else named
+
+
+class Outbox:
+    """A message `UCXWorker.send_message` is sending: its requests, and the buffers they read
+    (alive until the requests completed)."""
+
+    def __init__(self, requests: list[Any], buffers: list[torch.Tensor]) -> None:
+        self.requests = requests
+        self._buffers = buffers
 
 
 class UCXWorker:
@@ -154,6 +175,53 @@ class UCXWorker:
             return self.worker.tag_recv(_array(data), self.api.UCXXTag(tag_value))
         except Exception as exc:
             raise PeerError(f"UCX receive failed: {type(exc).__name__}: {exc}") from None
+
+    def address(self) -> bytes:
+        """This worker's UCX address: a peer that has it can open an endpoint to it
+        (`connect_to_address`)."""
+        return bytes(self.worker.address.tobytes())
+
+    def connect_to_address(self, address: bytes) -> Any:
+        """An endpoint to the worker whose `address` this is."""
+        try:
+            ep = self.api.UCXEndpoint.create_from_worker_address(
+                self.worker, self.api.UCXAddress.create_from_buffer(bytearray(address)), True)
+        except Exception as exc:
+            raise PeerError(f"UCX could not reach a peer by its worker address: "
+                            f"{type(exc).__name__}: {exc}") from None
+        self._watch(ep)
+        return ep
+
+    def send_message(self, ep: Any, payload: bytes, tag_value: int) -> Outbox:
+        """Start sending `payload` to `ep` as two tagged messages, its length (`tag_value`)
+        then its bytes (`tag_value + 1`), for `recv_message`; wait on the returned `Outbox`
+        (it holds the buffers until they are sent)."""
+        header = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+        body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return Outbox([self.send(ep, header, tag_value), self.send(ep, body, tag_value + 1)],
+                      [header, body])
+
+    def recv_message(self, tag_value: int, timeout_s: float, what: str) -> bytes:
+        """The message `send_message` sent with `tag_value`; `TransferTimeout` naming `what`
+        when it does not come within `timeout_s`, `MetadataError` for a length that is not
+        1..`MAX_MESSAGE_BYTES`."""
+        deadline = time.monotonic() + timeout_s
+        header = torch.zeros(1, dtype=torch.int64)
+        self._recv_by(header.view(torch.uint8), tag_value, deadline, what)
+        nbytes = int(header.item())
+        if not 0 < nbytes <= MAX_MESSAGE_BYTES:
+            raise MetadataError(f"{what}: the peer announced a message of {nbytes} bytes "
+                                f"(at most {MAX_MESSAGE_BYTES})")
+        body = torch.empty(nbytes, dtype=torch.uint8)
+        self._recv_by(body, tag_value + 1, deadline, what)
+        return body.numpy().tobytes()
+
+    def _recv_by(self, data: torch.Tensor, tag_value: int, deadline: float, what: str) -> None:
+        try:
+            self.wait([self.recv(data, tag_value)], max(0.0, deadline - time.monotonic()))
+        except TransferTimeout:
+            raise TransferTimeout(f"{what} did not arrive in time (is the peer alive?)") \
+                from None
 
     def wait(self, requests: list[Any], timeout_s: float,
              check: Callable[[], None] | None = None) -> None:
