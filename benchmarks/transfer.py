@@ -205,12 +205,12 @@ def rollback_rows(backend: str, name: str, model: torch.nn.Module, buckets_mb: l
     return rows
 
 
-def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
+def bench_model(backend: str, name: str, buckets: list[tuple[int, int | None]], device: str,
                 devices: list[str], repeats: int, rollback: bool = False,
-                direct_mb: float | None = None, num_buffers: int = 2,
-                reads: bool = False) -> list[dict[str, Any]]:
+                direct_mb: float | None = None, reads: bool = False) -> list[dict[str, Any]]:
     """Every path of `backend` for model `name`, each against its floor from the same run
-    (ucx's one-sided reads only with `reads`)."""
+    (`buckets`: (MiB, staging buffers) of each packed path; ucx's one-sided reads only with
+    `reads`)."""
     metas = model_metas(name)
     total = sum(m.nbytes for m in metas)
     model = build(name, seed=1, device=device, fill="constant")
@@ -231,7 +231,7 @@ def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
         paths.append(("zero-copy", 0, trainer_info(backend, len(devices))))
     if backend == "ucx" and reads:  # each worker reads every tensor out of the trainer
         paths.append(("one-sided reads", 0, trainer_info(backend, len(devices), rma=True)))
-    for mb in buckets_mb:
+    for mb, num_buffers in buckets:
         extra: dict[str, Any] = ({"zero_copy": False} if backend == "ipc" else
                                  {"rma": False} if backend == "ucx" else {})
         if direct_mb is not None and backend != "ipc":
@@ -254,7 +254,7 @@ def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
                     seconds = median_seconds(sender.send_weights, repeats)
                     floor_s = next(iter(fixed.values()))
             rows.append({"model": name, "path": path, "bucket_mb": mb, "seconds": seconds,
-                         "floor_s": floor_s})
+                         "floor_s": floor_s, "buffers": sender.num_buffers})
         if backend == "ipc":
             biggest = max(m.nbytes for m in metas)
             info = IPCTrainerInitInfo(bucket_bytes=-(-biggest // 256) * 256, num_buffers=1,
@@ -269,9 +269,11 @@ def bench_model(backend: str, name: str, buckets_mb: list[int], device: str,
                          "floor_s": floor_s if backend == "ipc" else fixed["floor (1 broadcast)"]})
         same = client.fingerprint() == wtransfer.fingerprint(model.state_dict())
     if rollback:
-        for row in rollback_rows(backend, name, model, buckets_mb, devices, repeats):
+        for row in rollback_rows(backend, name, model, [mb for mb, _ in buckets], devices,
+                                 repeats):
             rows.append({**row, "floor_s": float("nan")})
     for r in rows:
+        r.setdefault("buffers", "-")
         r.update(bytes=total, tensors=len(metas), gbps=total / r["seconds"] / 1e9,
                  vs_floor=r["floor_s"] / r["seconds"], vs_naive=naive_s / r["seconds"],
                  verified=same)
@@ -326,14 +328,16 @@ def bench_sharded(backend: str, name: str, buckets_mb: list[int], ranks: int, se
 
 
 def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: int,
-              repeats: int) -> list[dict[str, Any]]:
+              repeats: int, delta_fraction: float = 0.0) -> list[dict[str, Any]]:
     """FSDP2 trainer ranks (gloo, CPU) into our engine with `tp` workers (`wtransfer serve`),
-    over nccl (gloo) or ipc (shared memory): today's path (each bucket gathered to one
+    over nccl (gloo), ucx or ipc (shared memory): today's path (each bucket gathered to one
     sender, sent whole to every worker, which keeps its part) against M->N (nccl: every rank
     sends each worker only what it keeps, from its own shards; ipc: every rank stages its
     own shards, and each worker copies only what it keeps), on the same engine in one run.
     Bytes each worker received are the engine's own count (`/weight_info` workers'
-    `last_update_bytes`)."""
+    `last_update_bytes`). With `delta_fraction` (nccl, ucx) every rank flips a bit of that
+    fraction of its elements between updates, and a third path sends M->N deltas (each rank
+    diffs its own pair buckets): its wire bytes are what moved."""
     from statistics import median
 
     from wtransfer.demos.rl.servers import HTTPPolicyServer
@@ -344,12 +348,16 @@ def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: in
                               update_staging="off", start_timeout_s=600)
     try:
         for mb in buckets_mb:
-            for path, senders, m2n in (("gather+broadcast", 1, False), ("M->N", ranks, True)):
-                fields = {"bucket_bytes": mb << 20, "timeout_s": 600, "m2n": m2n,
+            paths = [("gather+broadcast", 1, False, False), ("M->N", ranks, True, False)]
+            if delta_fraction:
+                paths.append(("M->N delta", ranks, True, True))
+            for path, senders, m2n, delta in paths:
+                fields = {"bucket_bytes": mb << 20, "timeout_s": 600, "m2n": m2n, "delta": delta,
                           **({"master_address": "127.0.0.1"} if backend == "nccl" else {})}
                 with TrainerRanks(ranks, backend=backend, addresses=[server.url],
                                   senders=senders, model=f"llm:{name}", updates=repeats + 1,
-                                  init_fields=fields, timeout_s=600) as trainers:
+                                  init_fields=fields, timeout_s=600,
+                                  change_fraction=delta_fraction) as trainers:
                     trainers.wait_for(0, "sent", 3600, count=repeats + 1)
                     if trainers.wait(600) != [0] * ranks:
                         sys.exit(f"trainer ranks failed: {trainers.stderr(0)[-2000:]}")
@@ -366,9 +374,11 @@ def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: in
                              "sent_mb": "/".join(f"{(r[-1].get('sent_bytes') or 0) / 1e6:.1f}"
                                                  for r in sent) if m2n else "-",
                              "peak_mb": max(r["gathered_peak_bytes"] for rs in sent for r in rs)
-                             / 2**20})
-            gather_s = rows[-2]["seconds"]
-            for row in rows[-2:]:
+                             / 2**20,
+                             "wire_mb": "/".join(f"{median(s['wire_bytes'] for s in r) / 1e6:.1f}"
+                                                 for r in sent) if delta else "-"})
+            gather_s = rows[-len(paths)]["seconds"]
+            for row in rows[-len(paths):]:
                 row["vs_gather"] = gather_s / row["seconds"]
     finally:
         server.close()
@@ -392,14 +402,16 @@ def main() -> None:
     parser.add_argument("--backend", default="ipc", choices=["ipc", "nccl", "ucx"])
     parser.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b")
     parser.add_argument("--bucket-mb", default="64,256",
-                        help="bucket sizes in MiB, comma-separated; 0: the backend's default")
+                        help="bucket sizes in MiB, comma-separated; 0: the backend's default; "
+                             "MiBxN: with N staging buffers (else --num-buffers)")
     parser.add_argument("--device", default="cpu", help="the trainer's device")
     parser.add_argument("--receiver-devices", default=None,
                         help="one receiver process per device, comma-separated (default: "
                              "--device); e.g. cuda:1,cuda:2,cuda:3 for nccl across GPUs")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--num-buffers", type=int, default=2,
-                        help="staging buffers per side for the packed paths")
+    parser.add_argument("--num-buffers", type=int, default=None,
+                        help="staging buffers per side for the packed paths (default: the "
+                             "backend's choice)")
     parser.add_argument("--direct-mb", type=float, default=None,
                         help="nccl/ucx: tensors of at least this many MiB move on their own, "
                              "straight into the parameter (0: pack everything); default: the "
@@ -414,14 +426,19 @@ def main() -> None:
                              "process: one sender versus --senders")
     parser.add_argument("--senders", type=int, default=2)
     parser.add_argument("--engine-tp", type=int, default=0,
-                        help="with --trainer-ranks (nccl, ipc): into our engine with this many "
-                             "tensor-parallel workers, gather+broadcast versus M->N")
+                        help="with --trainer-ranks (nccl, ucx, ipc): into our engine with this "
+                             "many tensor-parallel workers, gather+broadcast versus M->N")
+    parser.add_argument("--delta-fraction", type=float, default=0.0,
+                        help="with --engine-tp (nccl, ucx): between updates each rank flips a "
+                             "bit of this fraction of its elements, and M->N deltas are a "
+                             "third path")
     args = parser.parse_args()
     if args.trainer_ranks and args.engine_tp:
         m2n_rows: list[dict] = []
         for name in args.models.split(","):
             m2n_rows += bench_m2n(args.backend, name, [int(x) for x in args.bucket_mb.split(",")],
-                                  args.trainer_ranks, args.engine_tp, args.repeats)
+                                  args.trainer_ranks, args.engine_tp, args.repeats,
+                                  args.delta_fraction)
         print(f"\n{args.backend} trainer ranks={args.trainer_ranks} (FSDP2) -> engine "
               f"TP={args.engine_tp}, repeats={args.repeats} (median seconds; vs gather = "
               "gather+broadcast time / this; MB per worker as the engine counted them)")
@@ -432,7 +449,8 @@ def main() -> None:
                                ("worker_mb", "received MB/worker", ""),
                                ("kept_mb", "kept MB/worker", ""),
                                ("sent_mb", "sent MB/rank", ""),
-                               ("peak_mb", "gathered peak MiB", ".1f")])
+                               ("peak_mb", "gathered peak MiB", ".1f"),
+                               ("wire_mb", "delta wire MB/rank", "")])
         path = write_json(f"transfer-m2n-{args.backend}-ranks{args.trainer_ranks}"
                           f"-tp{args.engine_tp}", m2n_rows, vars(args))
         print(f"wrote {path}")
@@ -458,14 +476,16 @@ def main() -> None:
         return
     rows: list[dict] = []
     for name in args.models.split(","):
-        rows += bench_model(args.backend, name, [int(x) for x in args.bucket_mb.split(",")],
+        rows += bench_model(args.backend, name, [
+            (int(mb), int(n) if n else args.num_buffers) for mb, _, n in
+            (x.partition("x") for x in args.bucket_mb.split(","))],
                             args.device, (args.receiver_devices or args.device).split(","),
-                            args.repeats, args.rollback, args.direct_mb, args.num_buffers,
-                            args.ucx_reads)
+                            args.repeats, args.rollback, args.direct_mb, args.ucx_reads)
     print(f"\nbackend={args.backend} device={args.device} repeats={args.repeats} "
           f"(median seconds; ratios: floor/time and naive/time, higher is better)")
     print_table(rows, [("model", "model", ""), ("path", "path", ""), ("bucket_mb", "MiB", "d"),
-                       ("seconds", "median s", ".3f"), ("gbps", "GB/s", ".2f"),
+                       ("buffers", "buffers", ""), ("seconds", "median s", ".3f"),
+                       ("gbps", "GB/s", ".2f"),
                        ("vs_floor", "vs floor", ".2f"), ("vs_naive", "vs naive", ".2f"),
                        ("verified", "bit-exact", "")])
     path = write_json(f"transfer-{args.backend}-{args.device.split(':')[0]}", rows, vars(args))

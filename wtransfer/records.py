@@ -73,6 +73,8 @@ def check_sender_id(value: str | None) -> None:
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 """Staging bucket capacity where neither the trainer nor its backend chose one."""
+DEFAULT_NUM_BUFFERS = 2
+"""Staging buffers per side where neither the trainer nor its backend chose how many."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,16 +85,19 @@ class WireParams:
     """Capacity of one staging bucket in bytes; staging memory is num_buffers x this per side.
     None: the backend's choice, `DEFAULT_BUCKET_BYTES` except where its staging says otherwise
     (ipc staging in CUDA memory: `wtransfer_ipc.CUDA_BUCKET_BYTES`)."""
-    num_buffers: int = 2
-    """Staging buffers per side; 2 lets packing bucket k+1 overlap moving bucket k."""
+    num_buffers: int | None = None
+    """Staging buffers per side; 2 lets packing bucket k+1 overlap moving bucket k. None: the
+    backend's choice, `DEFAULT_NUM_BUFFERS` except where its staging says otherwise (ipc
+    staging in CUDA memory: up to `wtransfer_ipc.CUDA_NUM_BUFFERS`)."""
     checksum: bool = False
     """Checksum every bucket on the sender and verify it on each receiver."""
     timeout_s: float = 60.0
     """Deadline of every blocking wait of the transfer, in seconds."""
     delta: bool = False
     """After a first full update, send only the elements whose bits changed since the last
-    update the receivers hold, proven by a base token (`wtransfer.delta`); one sender with an
-    unsharded source."""
+    update the receivers hold, proven by a base token (`wtransfer.delta`): one sender with an
+    unsharded source diffs each tensor; with a sharded source every rank diffs its own pair
+    buckets of an M->N transfer (nccl, ucx: `wtransfer.delta.pieces`)."""
 
     def __post_init__(self) -> None:
         check_record_types(self)
@@ -100,7 +105,7 @@ class WireParams:
                                                   <= MAX_BUCKET_BYTES):
             raise ConfigError(f"bucket_bytes must be between {DEFAULT_ALIGN} and "
                               f"{MAX_BUCKET_BYTES}, got {self.bucket_bytes}")
-        if not 1 <= self.num_buffers <= 16:
+        if self.num_buffers is not None and not 1 <= self.num_buffers <= 16:
             raise ConfigError(f"num_buffers must be between 1 and 16, got {self.num_buffers}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ConfigError(f"timeout_s must be a positive number of seconds, "
@@ -155,6 +160,8 @@ class ReceiverInitInfo(WireParams):
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Capacity of one staging bucket in bytes (the sender's, resolved)."""
+    num_buffers: int = DEFAULT_NUM_BUFFERS
+    """Staging buffers per side (the sender's, resolved)."""
     backend: str | None = None
     """The backend the sender speaks (`trainer_init` names it): an engine of another backend
     refuses the init by saying so, rather than by the fields it does not know."""

@@ -135,11 +135,13 @@ def perturb(module: nn.Module, fraction: float, seed: int) -> int:
     """Flip the lowest bit of about `fraction` of the elements of every tensor of `module`
     (at least one each; distinct positions drawn from `seed`: a few fewer than `fraction` in
     tensors of a million elements or more), in place, as a small training step changes a few
-    elements; returns how many elements changed."""
-    gen = torch.Generator().manual_seed(seed)
+    elements; returns how many elements changed. A sharded tensor changes in this rank's
+    shard only (the same positions of each shard on every rank; replicas change alike)."""
     total = 0
-    for tensor in module.state_dict(keep_vars=True).values():
-        flat = tensor.data.reshape(-1)
+    for number, tensor in enumerate(module.state_dict(keep_vars=True).values()):
+        gen = torch.Generator().manual_seed(seed * 100_003 + number)  # each its own draws
+        local = tensor.data.to_local() if is_dtensor(tensor.data) else tensor.data  # a shard:
+        flat = local.reshape(-1)  # this rank's elements
         if flat.numel() == 0:
             continue
         count = max(1, int(fraction * flat.numel()))

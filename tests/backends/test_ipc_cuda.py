@@ -42,11 +42,12 @@ def test_qwen3_1_7b_shaped_bf16_round_trip_between_two_processes_on_one_gpu():
 @pytest.mark.gpu
 def test_packed_cuda_staging_without_a_bucket_size_takes_gigabyte_buckets():
     """A packed update through CUDA staging with no `bucket_bytes` uses `CUDA_BUCKET_BYTES`
-    buckets (a 3.4 GB model: 4 of them), or the model's size where that is less; a zero-copy
-    sender keeps the general default for what it cannot share."""
-    from wtransfer_ipc import CUDA_BUCKET_BYTES
+    buckets (a 3.4 GB model: 4 of them) in up to `CUDA_NUM_BUFFERS` slots, or the model's
+    size where that is less (in one slot); a zero-copy sender keeps the general defaults for
+    what it cannot share."""
+    from wtransfer_ipc import CUDA_BUCKET_BYTES, CUDA_NUM_BUFFERS
 
-    from wtransfer.records import DEFAULT_BUCKET_BYTES
+    from wtransfer.records import DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS
 
     model = build("qwen3-1.7b", seed=1, device="cuda:0", fill="constant")
     with spawn_receiver("ipc", model="qwen3-1.7b", seed=2, device="cuda:0",
@@ -57,17 +58,19 @@ def test_packed_cuda_staging_without_a_bucket_size_takes_gigabyte_buckets():
                                     source=wtransfer.ModuleSource(model)) as sender:
             stats = sender.send_weights()
             assert sender.bucket_bytes == CUDA_BUCKET_BYTES
+            assert sender.num_buffers == CUDA_NUM_BUFFERS == 4
         assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
         assert stats.buckets == -(-stats.bytes // CUDA_BUCKET_BYTES) == 4
     small = build_module(mixed_metas(2), seed=3, device="cuda:0")
     total = sum(t.numel() * t.element_size() for t in small.state_dict().values())
-    for info, expected in [(IPCTrainerInitInfo(zero_copy=False), -(-total >> 20) << 20),
-                           (IPCTrainerInitInfo(), DEFAULT_BUCKET_BYTES)]:
+    for info, expected, slots in [
+            (IPCTrainerInitInfo(zero_copy=False), -(-total >> 20) << 20, 1),
+            (IPCTrainerInitInfo(), DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS)]:
         held = build_module(mixed_metas(2), seed=4, device="cuda:0")
         engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(held), device="cuda:0")
         with wtransfer.trainer_init(info, client=wtransfer.LocalClient(engine),
                                     source=wtransfer.ModuleSource(small)) as sender:
-            assert sender.bucket_bytes == expected
+            assert (sender.bucket_bytes, sender.num_buffers) == (expected, slots)
             sender.send_weights()
         assert wtransfer.fingerprint(held.state_dict()) == \
             wtransfer.fingerprint(small.state_dict())

@@ -33,7 +33,12 @@ class Server:
             except httpx.TransportError:
                 return False
 
-        wait_for(healthy, 60, "the server to start")
+        try:
+            wait_for(healthy, 60, "the server to start")
+        except BaseException:  # a server that did not come up must not outlive the test
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+            raise
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=60)
 
     def stop(self):

@@ -25,14 +25,18 @@ class DeltaHeader:
     """The token of the update whose weights this delta applies onto; None: a full update."""
     entries: list[Any] = field(default_factory=list)
     """A delta's changed tensors (`DeltaEntry.to_wire` forms), in the order they travel."""
+    by_piece: bool = False
+    """An update of an M->N transfer: a delta's pair buckets carry their pieces' changed
+    elements (`wtransfer.delta.pieces`; `entries` stays empty)."""
 
     def __post_init__(self) -> None:
         for token in (self.token, self.base):
             if token is not None and not (isinstance(token, str) and _TOKEN.fullmatch(token)):
                 raise MetadataError(f"delta token must be 32 lowercase hex digits, got "
                                     f"{token!r:.80}")
-        if self.base is None and self.entries:
-            raise MetadataError("a full update (no base) carries no delta entries")
+        if (self.base is None or self.by_piece) and self.entries:
+            raise MetadataError("a full update (no base), or a delta of an M->N transfer, "
+                                "carries no delta entries")
 
     def parsed_entries(self) -> list[DeltaEntry]:
         """The entries, parsed (each name once)."""

@@ -4,7 +4,7 @@ tensor list (see `wtransfer.delta`)."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +19,11 @@ from wtransfer.delta.codec import (
     sparse_limit,
 )
 from wtransfer.delta.header import DeltaHeader
+from wtransfer.delta.pieces import WHOLE, EncodedBucket, encode_bucket
+from wtransfer.errors import MetadataError
 from wtransfer.packing import TensorMeta
 from wtransfer.trainer.source import WeightSource
+from wtransfer.transport.mton import PairBucket, Piece, TransferPlan
 
 DENSE_FRACTION = 0.5
 """A delta that moved more than this fraction of the model's bytes is a dense one: it saved
@@ -174,3 +177,80 @@ class DeltaSender:
         """An update failed (or was refused): the receivers hold no known base; the next
         update is full."""
         self.base = None
+
+
+class PairDeltaSender:
+    """A trainer rank's side of deltas over an M->N plan: the bytes of each pair bucket it
+    last sent (on `copy_device`), for the plan they were sent under, and the token of the
+    update the workers hold (`base`). Used by `TrainerTransferEngine` in place of
+    `wtransfer.delta.sender.DeltaSender` when every rank sends its own shards."""
+
+    def __init__(self, copy_device: torch.device | str = "cpu") -> None:
+        self.copy_device = torch.device(copy_device)
+        self.base: str | None = None
+        self.disabled: str | None = None
+        """Why every update goes full (the workers take no deltas)."""
+        self.sparse = True
+        self._copies: dict[int, torch.Tensor] = {}
+        self._plan: str | None = None
+        self.changed_fraction: float | None = None
+        """The last delta's fraction of changed elements among those this rank sends."""
+        self.wire_bytes = 0
+        """Bytes of bucket data the last update moved from this rank."""
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of the last-sent copy."""
+        return sum(t.numel() for t in self._copies.values())
+
+    def prepare(self, source: WeightSource) -> DeltaUpdate:
+        """This update's header: a delta when the workers hold a base this rank has copies
+        of, else full."""
+        token = secrets.token_hex(16)
+        base = self.base if self.disabled is None and self._copies else None
+        return DeltaUpdate(DeltaHeader(token=token, base=base, by_piece=True), source, None)
+
+    def encode(self, plan: TransferPlan, mine: Sequence[PairBucket],
+               metas: Sequence[TensorMeta], now_of: Callable[[Piece], torch.Tensor]
+               ) -> dict[int, EncodedBucket]:
+        """A delta: each of this rank's buckets (`now_of(piece)`: a piece's values now), by
+        its place in the plan."""
+        if not self.holds(plan):
+            raise MetadataError("a delta needs the plan of the last full update")
+        out: dict[int, EncodedBucket] = {}
+        total = changed_elements = 0
+        self.wire_bytes = 0
+        for bucket in mine:
+            position = plan.position(bucket)
+            encoded = encode_bucket(bucket, metas, now_of, self._copies[position])
+            out[position] = encoded
+            elements = sum(p.box.numel for p in bucket.pieces)
+            total += elements
+            changed_elements += elements if encoded.changed < 0 else encoded.changed
+            self.wire_bytes += bucket.nbytes if encoded.size == WHOLE else max(encoded.size, 0)
+        self.changed_fraction = changed_elements / total if total else 0.0
+        return out
+
+    def holds(self, plan: TransferPlan) -> bool:
+        """Whether the copies are of `plan`'s buckets (else a delta sends each whole)."""
+        return plan.digest == self._plan
+
+    def keep(self, plan: TransferPlan, bucket: PairBucket, data: torch.Tensor) -> None:
+        """A full update: `bucket` was packed as `data`; keep its bytes to diff against."""
+        if plan.digest != self._plan:
+            self._copies, self._plan = {}, plan.digest
+        position = plan.position(bucket)
+        copy = self._copies.get(position)
+        if copy is None or copy.numel() != bucket.nbytes:
+            copy = self._copies[position] = torch.empty(bucket.nbytes, dtype=torch.uint8,
+                                                        device=self.copy_device)
+        copy.copy_(data[: bucket.nbytes])
+
+    def landed(self, update: DeltaUpdate) -> None:
+        """`update` landed on every worker: its token is the base from now on."""
+        self.base = update.header.token if self.disabled is None else None
+
+    def forget(self) -> None:
+        """An update failed or was refused: the next update is full (and copies again)."""
+        self.base = None
+        self._plan = None

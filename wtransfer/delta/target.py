@@ -178,3 +178,26 @@ def _write_in_box(region: torch.Tensor, box: Box, shape: Sequence[int], index: t
                   for coord, start in zip(coords, box.offsets, strict=True))
     if local and local[0].numel():
         region[local] = values[inside].to(region.device)
+
+
+def piece_delta_refusal(target: WeightTarget, metas: Sequence[TensorMeta]) -> str | None:
+    """Why `target` cannot apply a delta of an M->N transfer of `metas` in place (None: it
+    can): it takes no deltas, holds one of them in another dtype or shape than it is sent in
+    (an FP8 engine fed the checkpoint's dtype), or offers no writable region of something it
+    keeps of one (`wtransfer.delta.pieces`)."""
+    name = type(target).__name__
+    if not target.takes_deltas:
+        return f"this engine's target ({name}) takes full updates only"
+    kept = target.keeps()
+    for meta in metas:
+        held = target.held(meta.name)
+        if held is None or (held.dtype, held.shape) != (meta.dtype, meta.shape):
+            return (f"this engine's target ({name}) holds {meta.name!r} otherwise than it is "
+                    "sent, so a delta of it has no base to apply onto")
+        layout = kept.get(meta.name) if kept is not None else TensorLayout.whole(
+            meta.name, meta.dtype, meta.shape)
+        for box in layout.boxes if layout is not None else ():
+            if box.numel and target.region(meta.name, box) is None:
+                return (f"this engine's target ({name}) offers no region of {meta.name!r} to "
+                        "apply a delta to in place")
+    return None

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> None:
     from wtransfer.clients import FanoutClient
     from wtransfer.launch.models import build
     from wtransfer.launch.processes import local_store
-    from wtransfer.shapes import randomize
+    from wtransfer.shapes import perturb, randomize
 
     dist.init_process_group("gloo", store=local_store(args.ranks, args.timeout, args.port),
                             rank=args.rank, world_size=args.ranks,
@@ -89,7 +89,11 @@ def run(args: argparse.Namespace) -> None:
         process_group=dist.group.WORLD if replicate and args.ranks > 1 else None)
     print(json.dumps({"event": "ready", "rank": args.rank, "pid": os.getpid()}), flush=True)
     for step in range(args.updates):
-        if step and not args.same_weights:
+        if step and args.gated:
+            _wait_to_go(args.timeout)
+        if step and args.change_fraction:  # a small step (replicas change alike)
+            perturb(model, args.change_fraction, 1_000_003 * args.seed + 97 * step)
+        elif step and not args.same_weights:
             randomize(model, 1_000_003 * args.seed + step)
         stats = sender.send_weights(weight_version=f"sharded-{step}")
         out: dict[str, Any] = {"event": "sent", "rank": args.rank, "step": step,
@@ -102,6 +106,16 @@ def run(args: argparse.Namespace) -> None:
     print(json.dumps({"event": "done", "rank": args.rank}), flush=True)
 
 
+def _wait_to_go(timeout_s: float) -> None:
+    """Block until the launcher writes a line to stdin (`TrainerRanks.go`), within
+    `timeout_s`."""
+    import select
+
+    ready, _, _ = select.select([sys.stdin], [], [], timeout_s)
+    if not ready or not sys.stdin.readline():
+        raise TransferTimeout(f"the launcher did not say go on within {timeout_s:g}s")
+
+
 class TrainerRanks:
     """N trainer rank processes (see the module docstring); `lines(rank)` reads their reports."""
 
@@ -109,7 +123,8 @@ class TrainerRanks:
                  model: str = "mixed", seed: int = 1, updates: int = 1,
                  init_fields: dict[str, Any] | None = None, fingerprint: bool = False,
                  timeout_s: float = 60.0, fp8: bool = False, device: str = "cpu",
-                 replicate: bool = False, same_weights: bool = False) -> None:
+                 replicate: bool = False, same_weights: bool = False,
+                 change_fraction: float = 0.0, gated: bool = False) -> None:
         from wtransfer.launch.processes import local_store
 
         self._store = local_store(ranks, timeout_s)  # lives as long as the ranks
@@ -132,8 +147,13 @@ class TrainerRanks:
                 cmd.append("--replicate")
             if same_weights:
                 cmd.append("--same-weights")
+            if change_fraction:
+                cmd += ["--change-fraction", str(change_fraction)]
+            if gated:
+                cmd.append("--gated")
             self.procs.append(subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}))
         self._lines: list[list[dict[str, Any]]] = [[] for _ in range(ranks)]
         self._readers = [threading.Thread(target=self._read, args=(r,), daemon=True)
@@ -163,6 +183,13 @@ class TrainerRanks:
                 raise TransferTimeout(f"trainer rank {rank} did not report {event!r} within "
                                       f"{timeout_s:g}s")
             time.sleep(0.01)
+
+    def go(self) -> None:
+        """Let gated ranks (`gated=True`) make their next update."""
+        for proc in self.procs:
+            assert proc.stdin is not None, "TrainerRanks(gated=True) takes go()"
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
 
     def reports(self, rank: int, event: str) -> list[dict[str, Any]]:
         """Every report `event` of `rank` so far."""
@@ -222,6 +249,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="every rank holds the whole model (no FSDP2)")
     parser.add_argument("--same-weights", action="store_true",
                         help="every update sends the same weights (else new random ones)")
+    parser.add_argument("--gated", action="store_true",
+                        help="before each update after the first, wait for a line on stdin")
+    parser.add_argument("--change-fraction", type=float, default=0.0,
+                        help="between updates flip a bit of this fraction of each rank's "
+                             "elements (else new random weights)")
     run(parser.parse_args(argv))
 
 

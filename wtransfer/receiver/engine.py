@@ -31,9 +31,11 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from wtransfer.delta.header import DeltaHeader
+from wtransfer.delta.target import piece_delta_refusal
 from wtransfer.errors import (
     ConfigError,
     DeltaBaseError,
+    DeltaUnsupportedError,
     LifecycleError,
     MetadataError,
     PeerError,
@@ -317,7 +319,16 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                     f"delta refused before any weight changed: it applies onto update "
                     f"{header.base[:12]}, this receiver holds "
                     f"{self.delta_base[:12] if self.delta_base else 'no known base'}")
-            session.apply_delta(header.parsed_entries())
+            if header.by_piece:  # the list the base came with (a delta names the same one)
+                last = self.manifests.last
+                refusal = ("no tensor list came before it" if last is None else
+                           piece_delta_refusal(self.target, last.metas))
+                if refusal is not None:
+                    raise DeltaUnsupportedError(f"delta refused before any weight changed: "
+                                                f"{refusal}; the sender sends in full")
+                session.apply_piece_delta()
+            else:
+                session.apply_delta(header.parsed_entries())
         self._token = header.token
 
     def forget_delta_base(self) -> None:

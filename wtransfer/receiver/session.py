@@ -28,7 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
-from wtransfer.delta.codec import DeltaEntry
+from wtransfer.delta.codec import BITS_VIEW, DeltaEntry
+from wtransfer.delta.pieces import decode_bucket
 from wtransfer.delta.target import DeltaTarget
 from wtransfer.errors import IntegrityError, MetadataError
 from wtransfer.packing import (
@@ -110,6 +111,8 @@ class UpdateSession:
         self.touched = False
         """True once any byte of the target changed: a failure after this leaves weights torn."""
         self.bytes_received = 0
+        self.piece_delta = False
+        """A delta of an M->N transfer (`apply_piece_delta`)."""
 
     def apply_delta(self, entries: Sequence[DeltaEntry]) -> None:
         """This update is a delta (`wtransfer.delta`): its tensor list is `entries` as they
@@ -117,6 +120,62 @@ class UpdateSession:
         if self._announced:
             raise MetadataError("a delta header must come before the update's tensors")
         self._target = DeltaTarget(self._origin, entries)
+
+    def apply_piece_delta(self) -> None:
+        """This update is a delta of an M->N transfer (`wtransfer.delta.pieces`): its pair
+        buckets carry their pieces' changes, applied in place onto the base the target holds
+        (the caller checked it can: `wtransfer.delta.target.piece_delta_refusal`)."""
+        if self._announced:
+            raise MetadataError("a delta header must come before the update's tensors")
+        self.piece_delta = True
+
+    def consume_piece_delta(self, staging: torch.Tensor, nbytes: int, pieces: Sequence[Piece],
+                            checksum: int | None = None) -> None:
+        """Apply one delta bucket of `nbytes` (its encoding, `wtransfer.delta.pieces`): each
+        piece whole, its changed elements, or nothing, into the target's region of it."""
+        if not self.piece_delta:
+            raise MetadataError("a delta bucket arrived in an update that is not a delta")
+        data = self._checked_bucket(staging, nbytes, checksum)
+        end = _end(pieces)
+        for piece in pieces:
+            self._checked_piece(piece, end)
+        for change in decode_bucket(pieces, self._metas, data):
+            meta = self._metas[change.piece.tensor]
+            box = change.piece.box
+            regions = self._regions_of(meta.name, box, inside_kept=True)
+            if change.whole is not None or change.index is not None:
+                self._save(meta.name)
+                dest = self._target.region(meta.name, box)
+                if dest is None:
+                    raise MetadataError(f"{meta.name!r}: the target offers no region of box "
+                                        f"{box} to apply a delta to")
+                self.touched = True
+                if change.whole is not None:
+                    dest.copy_(change.whole.view(DTYPES[meta.dtype]).view(box.lengths))
+                else:
+                    assert change.index is not None and change.values is not None
+                    at = torch.unravel_index(change.index.to(dest.device), box.lengths)
+                    dest.view(BITS_VIEW[meta.itemsize])[at] = change.values.to(dest.device)
+            self._arrived(meta.name, regions, box)
+        self.bytes_received += nbytes
+
+    def skip_pieces(self, pieces: Sequence[Piece]) -> None:
+        """A delta bucket that does not travel (nothing in it changed): its pieces are as the
+        target holds them."""
+        if not self.piece_delta:
+            raise MetadataError("an unchanged bucket in an update that is not a delta")
+        end = _end(pieces)
+        for piece in pieces:
+            meta = self._checked_piece(piece, end)
+            self._arrived(meta.name, self._regions_of(meta.name, piece.box, inside_kept=True),
+                          piece.box)
+
+    def _arrived(self, name: str, regions: _Regions, box: Box) -> None:
+        regions.boxes.append(box)
+        regions.received += box.numel
+        if regions.received == regions.expected:
+            del self._pending[name]
+            del self._regions[name]
 
     def _save(self, name: str) -> None:
         """Keep `name`'s current value (once per update) before any byte of it changes, and
@@ -437,6 +496,11 @@ class UpdateSession:
             names = sorted(self._pending)
             raise IntegrityError(f"update incomplete: {len(names)} announced tensor(s) never "
                                  f"arrived whole, e.g. {names[:3]}")
+
+
+def _end(pieces: Sequence[Piece]) -> int:
+    """Where the last of `pieces` ends in their (full) bucket."""
+    return max((p.offset + p.nbytes for p in pieces), default=0)
 
 
 def _within(part: Box, box: Box) -> tuple[slice, ...]:

@@ -41,7 +41,8 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
-from wtransfer.delta.sender import DeltaSender, DeltaUpdate
+from wtransfer.delta.header import DeltaHeader
+from wtransfer.delta.sender import DeltaSender, DeltaUpdate, PairDeltaSender
 from wtransfer.errors import (
     ConfigError,
     DeltaBaseError,
@@ -56,6 +57,7 @@ from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta, buck
 from wtransfer.protocol import CallQueue, PausingClient, PendingCall, WeightSyncClient
 from wtransfer.records import (
     DEFAULT_BUCKET_BYTES,
+    DEFAULT_NUM_BUFFERS,
     PauseMode,
     TrainerInitInfo,
     TransferStats,
@@ -94,6 +96,8 @@ class Share:
     """A sharded source's parts as this rank holds them, taken on every rank at the same
     point of every update, before any rank can fail on its own (taking them may be
     collective: `Fp8Source` agrees on its scales)."""
+    delta: DeltaHeader | None = None
+    """A delta-enabled sender's update: its header (a delta when it names a base)."""
 
     @property
     def lead(self) -> bool:
@@ -175,6 +179,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         """Whether every trainer rank sends together (see the module docstring)."""
         if self.init_info.bucket_bytes is None:
             self.init_info = replace(self.init_info, bucket_bytes=self._default_bucket_bytes())
+        if self.init_info.num_buffers is None:
+            self.init_info = replace(self.init_info, num_buffers=self._default_num_buffers())
         self.ranks = Ranks(None)
         """This rank among the trainer ranks sending together (alone until `connect`)."""
         self._layout_cache: _Layout | None = None
@@ -195,9 +201,10 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self.replaced: str | None = None
         """Why the receivers refused this sender as replaced by a newer one (every later
         `send_weights` raises `SenderReplacedError` at once)."""
-        self.delta = DeltaSender(self.init_info.delta_copy_device) if self.init_info.delta \
-            else None
-        """Delta updates (`TrainerInitInfo.delta`): the last-sent copy and the receivers' base."""
+        self.delta: DeltaSender | PairDeltaSender | None = (
+            DeltaSender(self.init_info.delta_copy_device) if self.init_info.delta else None)
+        """Delta updates (`TrainerInitInfo.delta`): the last-sent copy and the receivers' base
+        (of each pair bucket this rank sends, when every rank sends its own shards)."""
         self.connected = False
         self.closed = False
 
@@ -238,9 +245,6 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         if self.closed or self.connected:
             raise LifecycleError(f"{self.backend_name} sender is "
                                  f"{'shut down' if self.closed else 'already connected'}")
-        if self.delta is not None and self.collective:
-            raise ConfigError("delta=True needs one sender with an unsharded source; a sharded "
-                              "source (or a process group) sends without deltas for now")
         if self.collective:
             self.ranks = Ranks(TrainerGroup(self.process_group,
                                             has_client=self.client is not None,
@@ -251,14 +255,30 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                                            if f is not None]
         merged = self._merge(fragments)
         self.sender_id = str(fragments[0]["sender_id"])  # the lead's: the receivers' sender
-        if self.delta is not None and self.sends_own_shards:
-            raise ConfigError("delta=True does not combine with m2n (each rank's own shards) "
-                              "yet; set m2n=False or delta=False")
+        if self.delta is not None and (self.collective or self.sends_own_shards):
+            self.delta = self._pair_deltas()
         merged = {**merged, "sender_id": self.sender_id, "backend": self.backend_name,
                   "plan": record_to_wire(self.plan_params)}
         self._on_senders(lambda: self._init_receivers(merged))
         self._on_senders(self._after_init)
         self.connected = True
+
+    def _pair_deltas(self) -> PairDeltaSender:
+        """Deltas where every trainer rank sends its own shards: each rank diffs its own pair
+        buckets (`wtransfer.delta.pieces`); `ConfigError` where that is not how updates go."""
+        if not self.sends_own_shards:
+            raise ConfigError("delta=True with a sharded source (or several trainer ranks) "
+                              "needs an M->N transfer, where each rank diffs its own shards: "
+                              "give every trainer rank a client, over nccl or ucx")
+        if not self.takes_pair_deltas:
+            raise ConfigError(f"delta=True: {self.backend_name} M->N shares each staged box "
+                              "with every worker, where a delta saves nothing; set "
+                              "delta=False, or send over nccl or ucx")
+        return PairDeltaSender(self.init_info.delta_copy_device)
+
+    takes_pair_deltas: ClassVar[bool] = False
+    """Whether this backend's M->N moves each pair bucket as a message of its own, which a
+    delta encodes (`wtransfer.delta.pieces`)."""
 
     def send_weights(self, weight_version: str | None = None, *,
                      pause: PauseMode | None = None) -> TransferStats:
@@ -290,7 +310,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             self.replaced = str(exc)  # for good: the receivers serve a newer sender now
             raise
 
-    def _send_delta(self, weight_version: str | None, delta: DeltaSender) -> TransferStats:
+    def _send_delta(self, weight_version: str | None,
+                    delta: DeltaSender | PairDeltaSender) -> TransferStats:
         """An update of a delta-enabled sender: a delta when the receivers hold its base, in
         full when they refuse it (before any byte landed) or hold none; the copy to diff
         against follows what landed."""
@@ -331,12 +352,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                 calls.start()  # the engine opens the update while this rank plans it
                 if delta is not None:
                     calls.update({"delta": record_to_wire(delta.header)})
-                    if delta.header.base is not None:
-                        try:
-                            calls.settle()
-                        except BaseException as exc:  # receivers that took it: fail it now
-                            self._abort_remote(exc, calls)
-                            raise
+            if delta is not None and delta.header.base is not None:  # every rank learns
+                self.ranks.together(lambda: self._settle_delta_header(calls))  # a refusal
             try:
                 layout = self._layout(source.metadata())
                 group = self.ranks.group
@@ -349,7 +366,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                 index = self.ranks.sender_index
                 share = Share(layout.manifest, layout.plan, layout.mine, packer,
                               index if index is not None else -1, self.senders, source,
-                              parts)
+                              parts, delta.header if delta is not None else None)
                 self.ranks.together(lambda: self._open(share.manifest, calls))
                 self.ranks.together(lambda: self._move(share, calls))
             except BaseException as exc:
@@ -374,6 +391,17 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                           wire_bytes=layout.plan.total_bytes,
                           changed_fraction=delta.changed_fraction)
         return TransferStats(**{**fields, **self._moved()})
+
+    def _settle_delta_header(self, calls: UpdateCalls | None) -> None:
+        """The lead waits for the receivers' answer to a delta's header (before any byte
+        moves, so a receiver without its base refuses it with nothing written)."""
+        if not self.lead or calls is None:
+            return
+        try:
+            calls.settle()
+        except BaseException as exc:  # receivers that took it: fail it now
+            self._abort_remote(exc, calls)
+            raise
 
     def _layout(self, metas: list[TensorMeta]) -> _Layout:
         """The manifest, plan and this rank's buckets of `metas` (the last ones again while
@@ -579,6 +607,17 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
     def _default_bucket_bytes(self) -> int:
         """The bucket capacity where the init info names none (override per staging)."""
         return DEFAULT_BUCKET_BYTES
+
+    @property
+    def num_buffers(self) -> int:
+        """This sender's staging buffers (the init info's, or the backend's choice)."""
+        assert self.init_info.num_buffers is not None  # resolved in __init__
+        return self.init_info.num_buffers
+
+    def _default_num_buffers(self) -> int:
+        """How many staging buffers where the init info names none (override per staging;
+        `bucket_bytes` is resolved by then)."""
+        return DEFAULT_NUM_BUFFERS
 
     def _staging_device(self, override: str | None) -> torch.device:
         """Where staging lives: the init info's `device` when given, else the source's."""

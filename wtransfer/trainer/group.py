@@ -17,7 +17,13 @@ import torch
 import torch.distributed as dist
 
 from wtransfer import wire
-from wtransfer.errors import ConfigError, PeerError, TransferTimeout
+from wtransfer.errors import (
+    ConfigError,
+    PeerError,
+    TransferTimeout,
+    error_kind,
+    remote_error,
+)
 
 T = TypeVar("T")
 
@@ -87,13 +93,14 @@ class TrainerGroup:
         """Every rank says whether its part succeeded; raise the first failure on every rank
         (each rank learns why the others stopped)."""
         reports = self.all_gather_records(
-            None if error is None else f"{type(error).__name__}: {error}"[:2000])
-        failed = [(r, text) for r, text in zip(self.ranks, reports, strict=True) if text]
+            None if error is None else [error_kind(error),
+                                        f"{type(error).__name__}: {error}"[:2000]])
+        failed = [(r, report) for r, report in zip(self.ranks, reports, strict=True) if report]
         if error is not None:
             raise error
         if failed:
-            rank, text = failed[0]
-            raise PeerError(f"trainer rank {rank} failed: {text}")
+            rank, (kind, text) = failed[0]  # the same kind on every rank (a refused delta
+            raise remote_error(f"trainer rank {rank} failed: {text}", str(kind))  # is one)
 
     def close(self) -> None:
         """Release the coordination group."""

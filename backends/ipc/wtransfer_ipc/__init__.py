@@ -5,7 +5,13 @@ buffer by each receiver and reused across updates); CPU tensors through POSIX sh
 """
 
 import wtransfer
-from wtransfer_ipc.info import CUDA_BUCKET_BYTES, IPCInitInfo, IPCTrainerInitInfo, IPCUpdateInfo
+from wtransfer_ipc.info import (
+    CUDA_BUCKET_BYTES,
+    CUDA_NUM_BUFFERS,
+    IPCInitInfo,
+    IPCTrainerInitInfo,
+    IPCUpdateInfo,
+)
 
 BACKEND = wtransfer.Backend(
     name="ipc",
@@ -14,4 +20,5 @@ BACKEND = wtransfer.Backend(
     summary="CUDA IPC / POSIX shared memory, same host",
 )
 
-__all__ = ["BACKEND", "CUDA_BUCKET_BYTES", "IPCInitInfo", "IPCTrainerInitInfo", "IPCUpdateInfo"]
+__all__ = ["BACKEND", "CUDA_BUCKET_BYTES", "CUDA_NUM_BUFFERS", "IPCInitInfo", "IPCTrainerInitInfo",
+           "IPCUpdateInfo"]

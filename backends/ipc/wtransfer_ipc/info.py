@@ -14,7 +14,14 @@ CUDA_BUCKET_BYTES = 1 << 30
 Handing one bucket from the trainer's process to an engine's on the same GPU costs about
 0.1-0.25 ms whatever its size (the two processes' GPU work takes turns; measured on one H200,
 docs/benchmarks.md), so 64 MiB buckets of a 16 GB model spend more time handing over than
-copying; 1 GiB buckets cost 2 GiB of GPU memory at the default two buffers."""
+copying. With `CUDA_NUM_BUFFERS` slots they cost up to 4 GiB of GPU memory."""
+CUDA_NUM_BUFFERS = 4
+"""The ipc sender's staging slots in CUDA memory where the init info names none (fewer when
+the update has fewer buckets). With two, the trainer waits for the engine's answer and its
+reads of a slot before packing the next bucket into it often enough to leave the GPU idle
+between buckets: Qwen3-8B shapes on one H200 (2026-12-03, two runs), 1 GiB buckets: 2 slots
+1.30x / 1.46x the time of two plain copies, 4 slots 1.11x / 1.18x (512 MiB x 4: 1.30x /
+1.54x, so the slots, not the memory, are what helps)."""
 STAGING_FIELDS = ("transport", "buffers", "sender_pid", "token")
 """The fields that describe one sender's staging buffers."""
 

@@ -21,7 +21,12 @@ from wtransfer.transport.mton import PairBucket, Planner, fragment_with_layouts,
 from wtransfer.transport.window import CallChannel
 from wtransfer_ipc import mton
 from wtransfer_ipc.cuda import await_event, export_buffer, exported_event, withdraw_event
-from wtransfer_ipc.info import CUDA_BUCKET_BYTES, STAGING_FIELDS, IPCTrainerInitInfo
+from wtransfer_ipc.info import (
+    CUDA_BUCKET_BYTES,
+    CUDA_NUM_BUFFERS,
+    STAGING_FIELDS,
+    IPCTrainerInitInfo,
+)
 from wtransfer_ipc.sender_process import own_start_time
 from wtransfer_ipc.shm import SharedBuffer
 from wtransfer_ipc.zero_copy import ZeroCopyExports, shareable
@@ -72,13 +77,28 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         a sender whose updates go zero-copy (its tensors are contiguous CUDA tensors: it
         packs nothing), and for trainer ranks sending together (each would hold up to a
         bucket of gathered rows besides its staging, on a GPU the training fills)."""
+        if not self._packs_through_cuda():
+            return super()._default_bucket_bytes()
+        return min(CUDA_BUCKET_BYTES, max(1, -(-self._source_bytes() // _MIB)) * _MIB)
+
+    def _default_num_buffers(self) -> int:
+        """Packed updates of one trainer process through CUDA staging: `CUDA_NUM_BUFFERS`, or
+        as many as the update has buckets where that is fewer (one bucket needs one slot);
+        the general default elsewhere."""
+        if not self._packs_through_cuda():
+            return super()._default_num_buffers()
+        return max(1, min(CUDA_NUM_BUFFERS, -(-self._source_bytes() // self.bucket_bytes)))
+
+    def _packs_through_cuda(self) -> bool:
+        """Whether this sender's updates are packed through CUDA staging by one process (not
+        zero-copy, not several trainer ranks: see `_default_bucket_bytes`)."""
         held = self.source.held()
         zero_copy = self._zero_copy_on() and held is not None and shareable(held)
-        if self._staging_device(self.init_info.device).type != "cuda" or zero_copy \
-                or self.collective:
-            return super()._default_bucket_bytes()
-        total = sum(meta.nbytes for meta in self.source.metadata())
-        return min(CUDA_BUCKET_BYTES, max(1, -(-total // _MIB)) * _MIB)
+        return (self._staging_device(self.init_info.device).type == "cuda" and not zero_copy
+                and not self.collective)
+
+    def _source_bytes(self) -> int:
+        return sum(meta.nbytes for meta in self.source.metadata())
 
     def _zero_copy_on(self) -> bool:
         """Whether updates go zero-copy where the tensors allow (see `zero_copy`)."""
@@ -102,12 +122,12 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
             if self._zero_copy_on():
                 self._zero_copy = ZeroCopyExports(token)
             self._staging = [torch.empty(self.bucket_bytes, dtype=torch.uint8,
-                                         device=self.device) for _ in range(info.num_buffers)]
+                                         device=self.device) for _ in range(self.num_buffers)]
             buffers: list[Any] = [export_buffer(b, token, i) for i, b in enumerate(self._staging)]
             self._packed = [exported_event(self.device) for _ in self._staging]
             transport = "cuda"
         else:
-            self._shm = SharedBuffer.create_set(info.num_buffers, self.bucket_bytes)
+            self._shm = SharedBuffer.create_set(self.num_buffers, self.bucket_bytes)
             self._staging = [b.tensor for b in self._shm if b.tensor is not None]
             buffers = [b.name for b in self._shm]
             transport = "shm"

@@ -18,9 +18,9 @@ from wtransfer.packing import (
     trailer_length,
 )
 from wtransfer.receiver.engine import WeightTransferEngine
+from wtransfer.receiver.pairs import PairReceipt
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
-from wtransfer.transport.mton import PairBucket
 from wtransfer.transport.tcp_lifeline import Lifeline
 from wtransfer.transport.window import receive_buckets
 from wtransfer_nccl.group import (
@@ -168,23 +168,19 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
                                  "must call init_weight_transfer_engine again")
         me = self._groups[0].rank - init.senders
         self.keep_planned(session, manifest, planner.dests[me] if planner.dests else {})
+        receipt = PairReceipt(plan, me, info.delta_buckets, session)
         group, staging_buffers = self._groups[0], self._staging[0]
         stopped = self._stop_check(None)
-
-        def landed(bucket: PairBucket, slot: int, _data: torch.Tensor) -> None:
-            staging = staging_buffers[slot]
-            checksum = read_checksum_trailer(staging, bucket.nbytes) if init.checksum else None
-            session.consume_pieces(staging, bucket.nbytes, bucket.pieces, checksum)
-
         receive_buckets(
-            plan.of_worker(me), len(staging_buffers),
+            receipt.moving, len(staging_buffers),
             max_inflight=len(staging_buffers),
             destination=lambda bucket: staging_buffers[0],  # never: pair buckets are packed
             staging=lambda bucket, slot: staging_buffers[slot][
-                :trailer_length(bucket.nbytes, init.checksum)],
+                :trailer_length(receipt.nbytes(bucket), init.checksum)],
             post=lambda unit, data: group.recv(data[0], unit[0].sender),
             wait=lambda pending: pending.wait(init.timeout_s, stopped),
-            landed=landed)
+            landed=lambda bucket, slot, _data: receipt.land(bucket, staging_buffers[slot],
+                                                            init.checksum))
         if staging_buffers[0].device.type == "cuda":
             torch.cuda.current_stream(staging_buffers[0].device).synchronize()
 

@@ -9,11 +9,13 @@ from typing import Any
 
 import torch
 
+from wtransfer.delta.sender import PairDeltaSender
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.packing import CHECKSUM_BYTES
 from wtransfer.protocol import WeightSyncClient
 from wtransfer.records import receiver_init_dict
 from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
+from wtransfer.trainer.pairs import pair_send
 from wtransfer.trainer.source import WeightSource
 from wtransfer.transport.tcp_lifeline import LifelineListener
 from wtransfer.transport.window import SendChannel
@@ -47,6 +49,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
 
     backend_name = "nccl"
     init_info_cls = NCCLTrainerInitInfo
+    takes_pair_deltas = True
 
     def __init__(self, init_info: NCCLTrainerInitInfo, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
@@ -79,7 +82,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         self.world_size = self.senders + workers
         self.m2n = self._m2n_wanted(self.init_info.m2n)
         self._staging = [torch.empty(self.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
-                                     device=self.device) for _ in range(info.num_buffers)]
+                                     device=self.device) for _ in range(self.num_buffers)]
         port = info.master_port
         if self.lead:  # host before any peer is told where: a port taken fails here, clearly
             self._server = host_rendezvous(info.master_address, port, info.timeout_s)
@@ -189,27 +192,23 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         return Outgoing(share, opening=self.listed_tensors(share.manifest), channel=channel)
 
     def _outgoing_m2n(self, share: Share, group: Group) -> Outgoing:
-        """This rank's pair buckets of the plan, each packed from its own shards into a free
-        staging slot and sent to its worker (rank K + worker) as one message."""
-        from wtransfer.trainer.layouts import LocalShards, held_parts
-
+        """This rank's pair buckets of the plan (`wtransfer.trainer.pairs`), each staged in a
+        free slot and sent to its worker (rank K + worker) as one message."""
         assert self._planner is not None
-        info, staging, metas = self.init_info, self._staging, share.manifest.metas
+        info, staging = self.init_info, self._staging
         plan = self._planner.plan(share.manifest)
-        me = share.index
-        shards = LocalShards(metas, share.parts if share.parts is not None
-                             else held_parts(self.source, metas), me)
-        mine = tuple(plan.of_sender(me))
-        self._last_moved = plan.moved(me)
+        delta = self.delta if isinstance(self.delta, PairDeltaSender) else None
+        part = pair_send(share, plan, self.source, checksum=info.checksum,
+                         gather=self.ranks.gather, delta=delta)
+        self._last_moved = part.moved
         channel: SendChannel[Any] = SendChannel(
             slots=len(staging), max_inflight=MAX_INFLIGHT,
-            stage=lambda bucket, slot: shards.pack_framed(bucket, metas, staging[slot],
-                                                          info.checksum),
+            stage=lambda bucket, slot: part.stage(bucket, staging[slot]),
             post=lambda unit, _slot, data: group.send(data[0], self.senders + unit[0].worker),
             wait=lambda pending, check: pending.wait(info.timeout_s, check))
-        opening = ({**self.listed_tensors(share.manifest), "plan_digest": plan.digest}
+        opening = ({**self.listed_tensors(share.manifest), **part.opening}
                    if share.lead else None)
-        return Outgoing(share, opening=opening, channel=channel, units=mine)
+        return Outgoing(share, opening=opening, channel=channel, units=part.units)
 
     def _failed(self, exc: BaseException) -> None:
         """A failed broadcast leaves the group unusable: tear it down (NCCL would wait)."""

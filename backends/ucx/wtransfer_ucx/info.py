@@ -113,3 +113,6 @@ class UCXUpdateInfo(UpdateInfo):
     plan_digest: str | None = None
     """M->N: `TransferPlan.digest` of the trainer's plan; a worker that planned otherwise
     refuses the update before any byte moves."""
+    delta_buckets: list[int] | None = None
+    """M->N delta (`wtransfer.delta.pieces`): what each bucket of the plan is, by its place in
+    it (0 unchanged, -1 whole, else its encoded length); None: every bucket travels whole."""

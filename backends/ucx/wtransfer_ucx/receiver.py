@@ -15,6 +15,7 @@ from wtransfer.packing import (
     trailer_length,
 )
 from wtransfer.receiver.engine import WeightTransferEngine
+from wtransfer.receiver.pairs import PairReceipt
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import TensorLayout
@@ -143,20 +144,19 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
         plan = self._planner.plan(manifest)
         plan.check(info.plan_digest)
         self.keep_planned(session, manifest, self._published)
+        receipt = PairReceipt(plan, me, info.delta_buckets, session)
         staging = self._staging
 
         def landed(bucket: PairBucket, slot: int, _data: torch.Tensor) -> None:
-            checksum = (read_checksum_trailer(staging[slot], bucket.nbytes) if init.checksum
-                        else None)
-            session.consume_pieces(staging[slot], bucket.nbytes, bucket.pieces, checksum)
+            receipt.land(bucket, staging[slot], init.checksum)
             if staging[slot].is_cuda:  # unpacked before the slot takes the next bucket
                 torch.cuda.current_stream(staging[slot].device).synchronize()
 
         receive_buckets(
-            plan.of_worker(me), len(staging), max_inflight=len(staging),
+            receipt.moving, len(staging), max_inflight=len(staging),
             destination=lambda bucket: staging[0],  # never: pair buckets are packed
             staging=lambda bucket, slot: staging[slot][
-                :trailer_length(bucket.nbytes, init.checksum)],
+                :trailer_length(receipt.nbytes(bucket), init.checksum)],
             post=lambda unit, data: ucx.recv(data[0], tag(init.session, info.update,
                                                           plan.position(unit[0]))),
             wait=lambda request: ucx.wait([request], init.timeout_s),

@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
+from wtransfer.delta.sender import PairDeltaSender
 from wtransfer.errors import LifecycleError
 from wtransfer.packing import CHECKSUM_BYTES, Bucket
 from wtransfer.protocol import WeightSyncClient
 from wtransfer.records import receiver_init_dict
 from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
-from wtransfer.trainer.layouts import LocalShards, held_parts
+from wtransfer.trainer.pairs import pair_send
 from wtransfer.trainer.source import WeightSource
 from wtransfer.transport.mton import Planner, fragment_with_layouts, planner_of
 from wtransfer.transport.window import SendChannel
@@ -61,6 +62,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
 
     backend_name = "ucx"
     init_info_cls = UCXTrainerInitInfo
+    takes_pair_deltas = True
 
     def __init__(self, init_info: UCXTrainerInitInfo, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
@@ -120,7 +122,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         if self.reads.on:
             self._exports = ExportedTensors(self._ucx.context)
         self._staging = [torch.empty(self.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
-                                     device=self.device) for _ in range(info.num_buffers)]
+                                     device=self.device) for _ in range(self.num_buffers)]
         fragment = receiver_init_dict(info, trainer_address=info.listen_address,
                                       trainer_port=port, session=self._session, m2n=self.m2n)
         if self.m2n:
@@ -225,35 +227,34 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         return Outgoing(share, opening=update, channel=channel)
 
     def _outgoing_m2n(self, share: Share, ucx: UCXWorker, planner: Planner) -> Outgoing:
-        """This rank's pair buckets of the plan, each packed from its own shards into a free
-        staging slot and sent to its worker as one message tagged with its place in the plan
-        (`wtransfer_ucx.mton`); the lead's update call carries the plan's digest."""
-        info, staging, metas = self.init_info, self._staging, share.manifest.metas
+        """This rank's pair buckets of the plan (`wtransfer.trainer.pairs`), each staged in a
+        free slot and sent to its worker as one message tagged with its place in the plan
+        (`wtransfer_ucx.mton`)."""
+        info, staging = self.init_info, self._staging
         plan = planner.plan(share.manifest)
-        me, session, update = share.index, self._session, self._updates
-        shards = LocalShards(metas, share.parts if share.parts is not None
-                             else held_parts(self.source, metas), me)
-        self._last_moved = plan.moved(me)
+        session, update, endpoints = self._session, self._updates, self._endpoints
         self._rosters = [r for r in self._rosters if not all(q.completed for q in r.requests)]
-        endpoints = self._endpoints
+        if self.device.type == "cuda":  # the trainer's last writes land before any send reads
+            torch.cuda.current_stream(self.device).synchronize()
+        delta = self.delta if isinstance(self.delta, PairDeltaSender) else None
+        part = pair_send(share, plan, self.source, checksum=info.checksum,
+                         gather=self.ranks.gather, delta=delta)
+        self._last_moved = part.moved
 
         def stage(bucket: Any, slot: int) -> torch.Tensor:
-            data = shards.pack_framed(bucket, metas, staging[slot], info.checksum)
+            data = part.stage(bucket, staging[slot])
             if data.is_cuda:  # the packing copies, before UCX reads the slot
                 torch.cuda.current_stream(data.device).synchronize()
             return data
 
-        if self.device.type == "cuda":  # the trainer's last writes land before any send reads
-            torch.cuda.current_stream(self.device).synchronize()
         channel: SendChannel[Any] = SendChannel(
             slots=len(staging), max_inflight=len(staging), stage=stage,
             post=lambda unit, _slot, data: [ucx.send(
                 endpoints[unit[0].worker], data[0], tag(session, update, plan.position(unit[0])))],
             wait=lambda requests, check: ucx.wait(requests, info.timeout_s, check))
-        opening = ({**self.listed_tensors(share.manifest), "update": update,
-                    "plan_digest": plan.digest} if share.lead else None)
-        return Outgoing(share, opening=opening, channel=channel,
-                        units=tuple(plan.of_sender(me)))
+        opening = ({**self.listed_tensors(share.manifest), "update": update, **part.opening}
+                   if share.lead else None)
+        return Outgoing(share, opening=opening, channel=channel, units=part.units)
 
     def _failed(self, exc: BaseException) -> None:
         """Messages or reads may still be in flight: this sender is not reused."""

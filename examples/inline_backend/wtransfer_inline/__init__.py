@@ -69,7 +69,7 @@ class InlineSender(TrainerTransferEngine[InlineTrainerInitInfo]):
 
     def _connect(self) -> dict[str, Any]:
         self._staging = [torch.empty(self.bucket_bytes, dtype=torch.uint8)
-                         for _ in range(self.init_info.num_buffers)]
+                         for _ in range(self.num_buffers)]
         return receiver_init_dict(self.init_info)
 
     def _outgoing(self, share: Share) -> Outgoing:

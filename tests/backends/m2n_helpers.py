@@ -1,0 +1,53 @@
+"""What the M->N tests share: init fields per backend and `wtransfer serve` in a subprocess."""
+
+import signal
+import subprocess
+import sys
+
+import httpx
+
+from wtransfer.launch.processes import free_port
+from wtransfer.testing.conformance import wait_for
+
+BUCKET = 16 << 10
+"""Smaller than most tensors of the tiny models: pieces are cut across pair buckets."""
+
+
+def fields(backend="nccl", **extra):
+    where = {"nccl": {"master_address": "127.0.0.1"}, "ipc": {"m2n": True}}.get(backend, {})
+    return {**where, "bucket_bytes": BUCKET, "timeout_s": 30.0, **extra}
+
+
+class Serve:
+    """`wtransfer serve` in a subprocess."""
+
+    def __init__(self, *flags, backend="nccl"):
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "wtransfer", "serve", "--port", self.url.rsplit(":", 1)[1],
+             "--weight-transfer-backend", backend, "--batch-invariant", "--dev-mode", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+        def healthy():
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                return httpx.get(self.url + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(healthy, 120, "the server to start")
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+
+    def greedy(self, prompt, n=12):
+        out = self.http.post("/inference/v1/generate", json={
+            "token_ids": prompt, "sampling_params": {"max_tokens": n, "temperature": 0}})
+        assert out.status_code == 200, out.text
+        return out.json()["choices"][0]["token_ids"]
+
+    def close(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
