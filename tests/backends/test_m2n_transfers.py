@@ -22,6 +22,19 @@ from wtransfer.rpc import RPCClient
 from wtransfer.testing.conformance import wait_for
 
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10]]
+WIDTHS = [(2, "tiny", ["--tensor-parallel-size", "2"]),
+          (4, "tiny-moe", ["--tensor-parallel-size", "2", "--enable-expert-parallel"])]
+"""Trainer ranks, model and engine flags of each M->N case."""
+
+
+def pytest_generate_tests(metafunc):
+    """Each backend class runs every width of `WIDTHS`, those it lists in `extended_ranks`
+    only in `make test-extended`."""
+    if "ranks" in metafunc.fixturenames and metafunc.cls is not None:
+        extended = metafunc.cls.extended_ranks
+        metafunc.parametrize(("ranks", "model", "flags"), [
+            pytest.param(*w, marks=pytest.mark.extended) if w[0] in extended else w
+            for w in WIDTHS])
 
 
 class M2NCases:
@@ -29,11 +42,8 @@ class M2NCases:
     backends side by side)."""
 
     backend: str
+    extended_ranks: tuple[int, ...] = ()
 
-    @pytest.mark.parametrize(("ranks", "model", "flags"), [
-        (2, "tiny", ["--tensor-parallel-size", "2"]),
-        (4, "tiny-moe", ["--tensor-parallel-size", "2", "--enable-expert-parallel"]),
-    ])
     def test_fsdp_ranks_send_each_worker_only_what_it_keeps(self, serve, ranks, model, flags):
         """nccl and ucx send each worker its own pair buckets; ipc stages each box once, in the
         staging of one rank holding it, and each worker copies out only what it keeps: either
@@ -112,15 +122,18 @@ class TestNccl(M2NCases):
 
 class TestUcx(M2NCases):
     backend = "ucx"
+    extended_ranks = (4,)  # its pair buckets are planned as nccl's, which runs 4 ranks
 
 
 class TestIpc(M2NCases):
     backend = "ipc"
 
 
-@pytest.mark.parametrize(("backend", "model", "fp8"), [  # each of dense / MoE x sent in the
-    ("nccl", "tiny-fp8", True), ("nccl", "tiny-moe-fp8", False),  # checkpoint's dtype / as
-    ("ipc", "tiny-fp8", False), ("ipc", "tiny-moe-fp8", True)])  # FP8 once, on both backends
+@pytest.mark.parametrize(("backend", "model", "fp8"), [  # each backend both ways (sent in
+    ("nccl", "tiny-moe-fp8", False), ("ipc", "tiny-moe-fp8", True),  # the checkpoint's dtype
+    pytest.param("nccl", "tiny-fp8", True, marks=pytest.mark.extended),  # / as FP8); the
+    pytest.param("ipc", "tiny-fp8", False, marks=pytest.mark.extended)])  # dense model's
+# attention and MLP projections are in the MoE model too
 def test_fsdp_ranks_feed_an_fp8_engine_each_worker_only_its_blocks(serve, backend, model, fp8):
     """M->N into two FP8 workers: each receives only its rows (columns) of every projection
     (of every expert, its gate and up rows and down columns) straight from the ranks'

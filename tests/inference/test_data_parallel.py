@@ -25,6 +25,9 @@ from wtransfer.inference import (
 from wtransfer.inference.model import load_model
 
 SIZES = [2, 4]
+SIZES_TWO_IN_CI = [2, pytest.param(4, marks=pytest.mark.extended)]
+"""Checks whose four-rank run repeats the two-rank one at a width the CI run has no time for
+(`make test-extended` runs it)."""
 
 
 def dp_engine(size, **overrides):
@@ -39,7 +42,7 @@ async def rank_stats(engine):
 
 
 
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("size", SIZES_TWO_IN_CI)
 def test_requests_spread_over_every_rank_and_match_a_single_engine(size):
     async def main():
         engine = dp_engine(size)
@@ -64,8 +67,10 @@ def test_requests_spread_over_every_rank_and_match_a_single_engine(size):
     run(main())
 
 
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+@pytest.mark.parametrize(("size", "mode"), [
+    (2, "abort"), (2, "wait"), (2, "keep"), (4, "keep"),
+    pytest.param(4, "abort", marks=pytest.mark.extended),
+    pytest.param(4, "wait", marks=pytest.mark.extended)])
 def test_pause_with_one_rank_busy_and_the_others_idle(size, mode):
     """Rank 0 runs a request; every other rank is idle (not even in a wave) when the pause
     comes. The pause must hold within the deadline, with the mode's single-engine meaning."""
@@ -146,7 +151,7 @@ def test_staggered_pause_and_a_new_request_while_the_pause_is_pending(size):
     run(main())
 
 
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("size", SIZES_TWO_IN_CI)
 def test_a_request_in_the_global_pause_starts_no_wave(size):
     async def main():
         engine = dp_engine(size)
@@ -178,7 +183,7 @@ def trainer_sender(engine, model):
                                   client=client, source=wtransfer.ModuleSource(model))
 
 
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("size", SIZES_TWO_IN_CI)
 def test_keep_pause_ipc_update_reaches_every_rank_and_spans_split_at_the_pause(size):
     """2 greedy requests per rank, keep + clear_cache pause mid-flight, seed-1 weights pushed
     over ipc: every rank holds them (fingerprints equal to the trainer's), and every request's

@@ -1,9 +1,9 @@
 """wtransfer on Ray: engine actors, a `WeightSyncClient` over actor calls, and placement.
 
     import ray
-    from wtransfer.ray import start_engines, trainer_init_info
+    from wtransfer.ray import LOCAL_RAY, start_engines, trainer_init_info
 
-    ray.init()                                      # or ray.init(address="auto") on a cluster
+    ray.init(_system_config=LOCAL_RAY)              # or ray.init(address="auto") on a cluster
     engines = start_engines(2, {"model": "tiny", "weight_transfer_backend": "nccl"})
     client = FanoutClient(engines.clients())
     info = trainer_init_info("nccl", client, bucket_bytes=64 << 20)
@@ -15,7 +15,7 @@ Needs the `ray` extra (from the clone: ``pip install -e '.[ray]'``). Every recor
 actor call is msgpack bytes (`wtransfer.wire`), never a pickled object of ours.
 """
 
-from wtransfer.ray.actor import ACTOR_CALLS, EngineActor
+from wtransfer.ray.actor import ACTOR_CALLS, LOCAL_RAY, EngineActor
 from wtransfer.ray.client import ActorClient
 from wtransfer.ray.placement import (
     EngineGroup,
@@ -24,5 +24,5 @@ from wtransfer.ray.placement import (
     trainer_init_info,
 )
 
-__all__ = ["ACTOR_CALLS", "ActorClient", "EngineActor", "EngineGroup", "start_engines",
-           "trainer_address", "trainer_init_info"]
+__all__ = ["ACTOR_CALLS", "LOCAL_RAY", "ActorClient", "EngineActor", "EngineGroup",
+           "start_engines", "trainer_address", "trainer_init_info"]

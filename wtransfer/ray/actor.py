@@ -9,6 +9,9 @@ exception.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -40,17 +43,55 @@ ACTOR_CALLS: dict[str, Callable[..., Awaitable[Any]]] = {
 """What `EngineActor.call` serves: the weight-sync calls plus pause, resume and status."""
 
 
+LOCAL_RAY: dict[str, Any] = {"worker_niceness": 0}
+"""Ray settings for an instance started to host engines: ``ray.init(_system_config=
+LOCAL_RAY)``. Ray starts worker processes at niceness 15 by default, so an engine actor
+imports and builds its model at the lowest priority of a busy node (on 2 cores beside two
+busy processes, actors took minutes to start); at 0 they start as any process does. An
+existing cluster takes the same setting where it starts (``RAY_worker_niceness=0``)."""
+
+
+def undo_worker_niceness() -> int:
+    """Bring every thread of this process back to niceness 0 and return the niceness it had.
+
+    Ray starts its worker processes at niceness 15 (its `worker_niceness` setting), below every
+    ordinary process: an engine there gets almost no CPU while the node is busy (a trainer, a
+    tokenizer, other engines), and its steps, pauses and updates wait. Linux keeps a niceness
+    per thread, so each one is reset. Lowering niceness needs root or CAP_SYS_NICE; without
+    it a warning names the Ray setting to change instead."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    if before <= 0:
+        return before
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except FileNotFoundError:  # no /proc: one niceness for the whole process
+        threads = [0]
+    try:
+        for tid in threads:
+            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                os.setpriority(os.PRIO_PROCESS, tid, 0)
+    except PermissionError:
+        warnings.warn(f"this engine actor runs at niceness {before} (Ray's worker_niceness) "
+                      "and may not lower it: a busy node will starve it; start Ray with "
+                      "_system_config={'worker_niceness': 0} (or RAY_worker_niceness=0 "
+                      "where the cluster starts)", RuntimeWarning, stacklevel=2)
+    return before
+
+
 class EngineActor:
     """Hosts one `AsyncEngine` (every data-parallel rank of it) in a Ray actor.
 
     Create it with `start_engines` (or ``ray.remote(EngineActor).remote(config_bytes)``):
-    `config` is an `EngineConfig` as msgpack bytes of its fields.
+    `config` is an `EngineConfig` as msgpack bytes of its fields. The actor first leaves the
+    low priority Ray gives its workers (`undo_worker_niceness`): it is an engine serving
+    requests, not background work.
     """
 
     def __init__(self, config: bytes) -> None:
         fields = wire.decode(config)
         if not isinstance(fields, dict):
             raise ConfigError("EngineActor takes an EngineConfig's fields as msgpack bytes")
+        undo_worker_niceness()
         self.engine = AsyncEngine(EngineConfig(**fields))
 
     async def call(self, command: str, args: bytes) -> bytes:
@@ -85,6 +126,10 @@ class EngineActor:
                 yield wire.encode(ok_reply(output.to_wire()))
         except Exception as exc:
             yield wire.encode(error_reply(exc))
+
+    def niceness(self) -> int:
+        """This actor's niceness now (0 once `undo_worker_niceness` could reset it)."""
+        return os.getpriority(os.PRIO_PROCESS, 0)
 
     def node_address(self) -> str:
         """The address of this actor's node as Ray sees it."""

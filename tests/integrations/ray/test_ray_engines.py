@@ -12,7 +12,7 @@ import wtransfer  # noqa: E402
 from wtransfer.clients import FanoutClient  # noqa: E402
 from wtransfer.errors import ConfigError, PeerError, TransferTimeout  # noqa: E402
 from wtransfer.inference import load_model  # noqa: E402
-from wtransfer.ray import ActorClient, start_engines, trainer_init_info  # noqa: E402
+from wtransfer.ray import LOCAL_RAY, ActorClient, start_engines, trainer_init_info  # noqa: E402
 from wtransfer.shapes import randomize  # noqa: E402
 from wtransfer.trainer.source import ModuleSource  # noqa: E402
 
@@ -23,7 +23,7 @@ TIMEOUT_S = 60.0
 @pytest.fixture(scope="module")
 def cluster():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}, _system_config=LOCAL_RAY)
     yield
     ray.shutdown()
 
@@ -41,9 +41,12 @@ def trainer_model(seed):
     return model
 
 
-@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+@pytest.mark.parametrize("backend", [  # nccl into two actors: the replaced-sender test
+    "ipc", pytest.param("nccl", marks=pytest.mark.extended)])
 def test_an_update_lands_bit_exact_on_two_engine_actors(cluster, backend):
     group, clients = engines(backend)
+    # Ray starts workers at niceness 15; an engine there starves whenever the node is busy
+    assert [ray.get(h.niceness.remote()) for h in group] == [0, 0]
     client = FanoutClient(clients)
     model = trainer_model(seed=5)
     before = clients[0].fingerprint()
@@ -147,8 +150,11 @@ def test_a_replaced_sender_is_refused_by_two_engine_actors_and_the_new_one_lands
     client = FanoutClient(clients)
     before = [c.fingerprint() for c in clients]
     old, new = trainer_model(seed=17), trainer_model(seed=18)
-    stale = wtransfer.trainer_init(trainer_init_info("nccl", client, timeout_s=TIMEOUT_S),
-                                   client=client, source=ModuleSource(old))
+    info = trainer_init_info("nccl", client, timeout_s=TIMEOUT_S)
+    # the rendezvous address is the trainer's node as Ray sees it
+    assert info.master_address == ray.util.get_node_ip_address()
+    assert info.world_size == 3
+    stale = wtransfer.trainer_init(info, client=client, source=ModuleSource(old))
     current = wtransfer.trainer_init(trainer_init_info("nccl", client, timeout_s=TIMEOUT_S),
                                      client=client, source=ModuleSource(new))
     started = time.monotonic()

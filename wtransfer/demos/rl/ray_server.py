@@ -27,12 +27,13 @@ class RayPolicyServer:
                  address: str | None = None) -> None:
         import ray
 
-        from wtransfer.ray import start_engines
+        from wtransfer.ray import LOCAL_RAY, start_engines
 
         self.model = model
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                     _system_config=None if address else LOCAL_RAY)  # a cluster has its own
         self.engines = start_engines(engines, {
             "model": model, "seed": seed, "batch_invariant": True, "max_num_seqs": 256,
             "weight_transfer_backend": backend})
