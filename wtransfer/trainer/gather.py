@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
 
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.packing import (
@@ -34,6 +33,8 @@ from wtransfer.packing import (
 
 
 def _row_sharded(tensor: Any) -> bool:
+    from torch.distributed.tensor import Shard  # (a DTensor exists: its module is loaded)
+
     mesh = tensor.device_mesh
     return (mesh.ndim == 1 and len(tensor.placements) == 1
             and isinstance(tensor.placements[0], Shard) and tensor.placements[0].dim == 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
 
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.packing import DTYPES, TensorMeta, dtype_name, frame, is_dtensor
@@ -29,6 +28,7 @@ def dtensor_layout(name: str, tensor: Any) -> TensorLayout:
     """The box DTensor `tensor` holds on this rank, and which replica of it this rank is;
     `ConfigError` for placements that are not one box per rank (`Partial` sums, strided
     shards such as FSDP2 over a tensor-parallel dimension of the same tensor)."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     placements = tuple(tensor.placements)
