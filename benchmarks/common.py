@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -63,3 +64,9 @@ def write_json(name: str, rows: list[dict[str, Any]], args: dict[str, Any]) -> P
                "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     path.write_text(json.dumps({"args": args, "machine": machine, "rows": rows}, indent=2))
     return path
+
+
+def progress(message: str) -> None:
+    """One timestamped line on stderr (a run cut short by its time limit shows how far it
+    got)."""
+    print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)

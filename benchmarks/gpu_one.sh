@@ -6,7 +6,8 @@
 #                                         # and update, hand-over, ipc
 #     bash benchmarks/gpu_one.sh ipc      # the ipc ratios alone (three runs)
 #     bash benchmarks/gpu_one.sh peers    # checkpoint-engine side by side
-#     bash benchmarks/gpu_one.sh m2n      # 2 trainer processes -> 1 receiver over CUDA IPC
+#     bash benchmarks/gpu_one.sh m2n      # 2 trainer processes -> our engine's 2 TP workers,
+#                                         # then -> 1 receiver, over CUDA IPC
 # The UCX wheels (ucxx-cu13, libucxx-cu13, libucx-cu13<1.22, rmm-cu13, librmm-cu13,
 # rapids-logger) go in .whl/ucx/ (about 53 MB); without them the ucx tests fail to start.
 # Results and logs go to $OUT.
@@ -54,6 +55,11 @@ peers)
     timeout 560 python3 benchmarks/peers.py --model qwen3-8b 2>&1 | tee $OUT/peers.txt \
         | tail -25; echo "rc $?" ;;
 m2n)
+    echo "$(ts) M->N over CUDA IPC: two trainer processes (replicas) -> engine TP=2, one GPU"
+    WTRANSFER_BENCH_DIR=$OUT/m2n-tp2 timeout 420 python3 benchmarks/transfer.py --backend ipc \
+        --device cuda:0 --models qwen3-8b --trainer-ranks 2 --engine-tp 2 --bucket-mb 1024 \
+        --repeats 3 > $OUT/m2n-tp2.txt 2>&1; echo "rc $?"
+    tail -8 $OUT/m2n-tp2.txt
     echo "$(ts) M->N over CUDA IPC: two trainer processes (replicas) -> one receiver, one GPU"
     WTRANSFER_BENCH_DIR=$OUT/m2n timeout 560 python3 benchmarks/transfer.py --backend ipc \
         --device cuda:0 --models qwen3-8b --trainer-ranks 2 --senders 2 --bucket-mb 1024 \

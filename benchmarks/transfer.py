@@ -4,6 +4,7 @@
     python benchmarks/transfer.py --backend nccl --models qwen3-0.6b --bucket-mb 64,256
     python benchmarks/transfer.py --backend nccl --trainer-ranks 2 --engine-tp 2 --models small
     python benchmarks/transfer.py --backend ipc --trainer-ranks 2 --engine-tp 2 --models small
+    python benchmarks/transfer.py --backend ipc --trainer-ranks 2 --engine-tp 2 --device cuda:0
 
 The packed path is the real two-process transfer: trainer here, receiver in a child process,
 RPC control plane. Per backend, the floor and the naive baseline are:
@@ -46,7 +47,7 @@ from wtransfer.trainer.engine import Outgoing, Share
 from wtransfer.transport.window import CallChannel
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import median_seconds, paired, print_table, write_json
+from common import median_seconds, paired, print_table, progress, write_json
 
 
 class PerTensorIPCSender(IPCSender):
@@ -327,8 +328,28 @@ def bench_sharded(backend: str, name: str, buckets_mb: list[int], ranks: int, se
     return rows
 
 
+def one_copy_seconds(nbytes: int, device: str, repeats: int) -> float:
+    """Median time of one flat copy of `nbytes` on `device` (the floor of a transfer that
+    moves every byte once)."""
+    buffers = [torch.ones(nbytes, dtype=torch.uint8, device=device)]
+    buffers.append(torch.zeros_like(buffers[0]))
+
+    def once() -> None:
+        buffers[1].copy_(buffers[0])
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+
+    try:
+        return median_seconds(once, repeats)
+    finally:
+        buffers.clear()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
 def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: int,
-              repeats: int, delta_fraction: float = 0.0) -> list[dict[str, Any]]:
+              repeats: int, delta_fraction: float = 0.0, device: str = "cpu"
+              ) -> list[dict[str, Any]]:
     """FSDP2 trainer ranks (gloo, CPU) into our engine with `tp` workers (`wtransfer serve`),
     over nccl (gloo), ucx or ipc (shared memory): today's path (each bucket gathered to one
     sender, sent whole to every worker, which keeps its part) against M->N (nccl: every rank
@@ -337,26 +358,35 @@ def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: in
     Bytes each worker received are the engine's own count (`/weight_info` workers'
     `last_update_bytes`). With `delta_fraction` (nccl, ucx) every rank flips a bit of that
     fraction of its elements between updates, and a third path sends M->N deltas (each rank
-    diffs its own pair buckets): its wire bytes are what moved."""
+    diffs its own pair buckets): its wire bytes are what moved.
+
+    On a GPU (`device` cuda:N, ipc) every trainer rank and every engine worker share that
+    GPU: the ranks hold the whole model as replicas (one process group cannot shard over one
+    GPU with NCCL), so the first path is one rank staging everything (nothing to gather),
+    and M->N has each rank stage half of it; both are timed against one flat copy of the
+    model's bytes on the GPU, measured in the same run."""
     from statistics import median
 
     from wtransfer.demos.rl.servers import HTTPPolicyServer
     from wtransfer.launch.trainer_ranks import TrainerRanks
 
     rows = []
+    progress(f"starting the engine ({name}, TP={tp}, {device})")
     server = HTTPPolicyServer(model=name, seed=2, backend=backend, tensor_parallel_size=tp,
-                              update_staging="off", start_timeout_s=600)
+                              update_staging="off", start_timeout_s=600, device=device)
+    first = "gather+broadcast" if device == "cpu" else "one sender"
     try:
         for mb in buckets_mb:
-            paths = [("gather+broadcast", 1, False, False), ("M->N", ranks, True, False)]
+            paths = [(first, 1, False, False), ("M->N", ranks, True, False)]
             if delta_fraction:
                 paths.append(("M->N delta", ranks, True, True))
             for path, senders, m2n, delta in paths:
+                progress(f"{path}, {mb} MiB buckets: {ranks} trainer ranks start")
                 fields = {"bucket_bytes": mb << 20, "timeout_s": 600, "m2n": m2n, "delta": delta,
                           **({"master_address": "127.0.0.1"} if backend == "nccl" else {})}
                 with TrainerRanks(ranks, backend=backend, addresses=[server.url],
                                   senders=senders, model=f"llm:{name}", updates=repeats + 1,
-                                  init_fields=fields, timeout_s=600,
+                                  init_fields=fields, timeout_s=600, device=device,
                                   change_fraction=delta_fraction) as trainers:
                     trainers.wait_for(0, "sent", 3600, count=repeats + 1)
                     if trainers.wait(600) != [0] * ranks:
@@ -377,9 +407,15 @@ def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: in
                              / 2**20,
                              "wire_mb": "/".join(f"{median(s['wire_bytes'] for s in r) / 1e6:.1f}"
                                                  for r in sent) if delta else "-"})
+                progress(f"{path}: median {seconds:.4f} s, workers received "
+                         f"{rows[-1]['worker_mb']} MB")
             gather_s = rows[-len(paths)]["seconds"]
+            if device != "cpu":
+                floor_s = one_copy_seconds(round(rows[-1]["model_mb"] * 1e6), device, repeats)
             for row in rows[-len(paths):]:
                 row["vs_gather"] = gather_s / row["seconds"]
+                if device != "cpu":
+                    row["copy_s"], row["x_copy"] = floor_s, row["seconds"] / floor_s
     finally:
         server.close()
     return rows
@@ -426,7 +462,8 @@ def main() -> None:
                              "process: one sender versus --senders")
     parser.add_argument("--senders", type=int, default=2)
     parser.add_argument("--engine-tp", type=int, default=0,
-                        help="with --trainer-ranks (nccl, ucx, ipc): into our engine with this "
+                        help="with --trainer-ranks (nccl, ucx, ipc; ipc also on --device "
+                             "cuda:N, every process on that GPU): into our engine with this "
                              "many tensor-parallel workers, gather+broadcast versus M->N")
     parser.add_argument("--delta-fraction", type=float, default=0.0,
                         help="with --engine-tp (nccl, ucx): between updates each rank flips a "
@@ -438,14 +475,17 @@ def main() -> None:
         for name in args.models.split(","):
             m2n_rows += bench_m2n(args.backend, name, [int(x) for x in args.bucket_mb.split(",")],
                                   args.trainer_ranks, args.engine_tp, args.repeats,
-                                  args.delta_fraction)
+                                  args.delta_fraction, args.device)
         print(f"\n{args.backend} trainer ranks={args.trainer_ranks} (FSDP2) -> engine "
-              f"TP={args.engine_tp}, repeats={args.repeats} (median seconds; vs gather = "
-              "gather+broadcast time / this; MB per worker as the engine counted them)")
+              f"TP={args.engine_tp} on {args.device}, repeats={args.repeats} (median seconds; "
+              "vs gather = the first path's time / this; x 1 copy = this / one flat copy of "
+              "the model's bytes on the GPU; MB per worker as the engine counted them)")
+        on_gpu = [("copy_s", "1 copy s", ".4f"), ("x_copy", "x 1 copy", ".2f")
+                  ] if args.device != "cpu" else []
         print_table(m2n_rows, [("model", "model", ""), ("path", "path", ""),
                                ("bucket_mb", "MiB", "d"), ("seconds", "median s", ".3f"),
                                ("gbps", "GB/s", ".2f"), ("vs_gather", "vs gather", ".2f"),
-                               ("model_mb", "model MB", ".1f"),
+                               *on_gpu, ("model_mb", "model MB", ".1f"),
                                ("worker_mb", "received MB/worker", ""),
                                ("kept_mb", "kept MB/worker", ""),
                                ("sent_mb", "sent MB/rank", ""),

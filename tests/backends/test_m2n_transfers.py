@@ -201,3 +201,30 @@ def test_replicated_ranks_share_the_load_over_ipc(ranks):
     assert sum(sent) == outs[0]["bytes"]
     assert min(sent) > 0.3 * outs[0]["bytes"]  # the plan balances whole tensors over both
     assert all(o["gathered_peak_bytes"] == 0 for o in outs)
+
+
+@pytest.mark.gpu
+def test_two_trainer_processes_feed_two_engine_workers_on_one_gpu_over_cuda_ipc(serve):
+    """Two trainer processes (replicas on cuda:0) -> our engine with TP=2, both workers on
+    cuda:0 (their collectives over gloo: NCCL refuses two ranks on one GPU), over CUDA IPC:
+    each rank stages half the model in its own GPU staging, each worker copies out only what
+    it keeps (its bytes are its part, not the model's), bit-exact, and greedy tokens equal
+    a fresh TP=2 engine on the GPU holding the same weights."""
+    flags = ["--model", "tiny", "--tensor-parallel-size", "2", "--device", "cuda:0"]
+    engine = serve(*flags, backend="ipc")
+    with TrainerRanks(2, backend="ipc", addresses=[engine.url], senders=2, model="llm:tiny",
+                      seed=5, device="cuda:0", init_fields=fields("ipc"),
+                      fingerprint=True) as trainers:
+        outs = [trainers.wait_for(r, "sent", 180) for r in range(2)]
+        assert trainers.wait(60) == [0, 0]
+    assert wtransfer.HTTPClient(engine.url).fingerprint() == outs[0]["fingerprint"]
+    workers = sorted(engine.http.get("/weight_info").json()["workers"],
+                     key=lambda w: w["worker"])
+    kept = [w["kept_bytes"] for w in workers]
+    assert [w["last_update_bytes"] for w in workers] == kept
+    assert all(k < outs[0]["bytes"] for k in kept)
+    assert sum(o["sent_bytes"] for o in outs) == outs[0]["bytes"]
+    assert min(o["sent_bytes"] for o in outs) > 0.3 * outs[0]["bytes"]
+    got = [engine.greedy(p) for p in PROMPTS]
+    fresh = serve(*flags, "--seed", "5")
+    assert got == [fresh.greedy(p) for p in PROMPTS]

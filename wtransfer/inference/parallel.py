@@ -29,30 +29,53 @@ import torch.distributed as dist
 
 from wtransfer import wire
 from wtransfer.errors import ConfigError, EngineDeadError
-from wtransfer.inference.config import ModelConfig
+from wtransfer.inference.config import EngineConfig, ModelConfig
 from wtransfer.packing import dtype_name
 from wtransfer.quant.fp8 import BLOCK, SCALE_SUFFIX
 from wtransfer.records import Box, TensorLayout
 
 
+def worker_device(config: EngineConfig, first_worker: int, rank: int) -> torch.device:
+    """Where rank `rank` of the group whose first worker is `first_worker` runs:
+    `device="cuda"` puts worker w on GPU w (modulo the GPUs present); an explicit device is
+    used as given."""
+    if config.device == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", (first_worker + rank) % torch.cuda.device_count())
+    return torch.device(config.device)
+
+
+def collective_backend(config: EngineConfig, first_worker: int) -> str:
+    """The process-group kind a tensor-parallel group moves its tensors with: "nccl" when
+    every rank has a GPU of its own, else "gloo" (CPU, or ranks sharing a GPU, which NCCL
+    refuses: gloo moves their CUDA tensors through the host)."""
+    devices = [worker_device(config, first_worker, r)
+               for r in range(config.tensor_parallel_size)]
+    distinct = len({str(d) for d in devices}) == len(devices)
+    return "nccl" if devices[0].type == "cuda" and distinct else "gloo"
+
+
 class Collective:
-    """The collectives of one tensor-parallel group over a torch process group object (gloo
-    on CPU, NCCL on CUDA), made through a store (no default process group needed). A failure
-    (a worker died) or a wait past the deadline is an `EngineDeadError`: the group cannot
-    step any more."""
+    """The collectives of one tensor-parallel group over torch process group objects, made
+    through a store (no default process group needed): tensors move over `backend` ("nccl"
+    or "gloo", see `collective_backend`), plain records always over gloo. A failure (a worker
+    died) or a wait past the deadline is an `EngineDeadError`: the group cannot step any
+    more."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float,
-                 device: torch.device) -> None:
+                 device: torch.device, backend: str = "gloo") -> None:
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self.device = device
         wait = timedelta(seconds=timeout_s)
-        if device.type == "cuda":  # the CPU build of torch has no NCCL group
+        self.control: Any = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank,
+                                                  size, wait)
+        """Records and barriers (host tensors)."""
+        if backend == "nccl":  # the CPU build of torch has no NCCL group
             nccl: Any = getattr(dist, "ProcessGroupNCCL")  # noqa: B009
             options = nccl.Options()
             options._timeout = wait
-            self.pg: Any = nccl(store, rank, size, options)
+            self.pg: Any = nccl(dist.PrefixStore("data/", store), rank, size, options)
         else:
-            self.pg = dist.ProcessGroupGloo(store, rank, size, wait)
+            self.pg = self.control
 
     def _run(self, what: str, work: Any) -> None:
         try:
@@ -70,8 +93,11 @@ class Collective:
         self._run("all-reduce", self.pg.allreduce([tensor]))
 
     def barrier(self) -> None:
-        """Return once every rank reached this point."""
-        self.all_reduce(torch.zeros(1, device=self.device))
+        """Return once every rank reached this point (and finished the work it queued on
+        its device before it)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._run("barrier", self.control.allreduce([torch.zeros(1)]))
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape everywhere), in rank order (FP8 moves as its
@@ -87,7 +113,8 @@ class Collective:
         """Rank `root`'s `tensor` on every rank, in place."""
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
-        self._run("broadcast", self.pg.broadcast([tensor], opts))
+        group = self.control if tensor.device.type == "cpu" else self.pg
+        self._run("broadcast", group.broadcast([tensor], opts))
 
     def broadcast_record(self, record: Any) -> Any:
         """Rank 0's plain-data `record` on every rank (msgpack through byte tensors: no

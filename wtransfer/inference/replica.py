@@ -29,6 +29,7 @@ from wtransfer.inference.parallel import (
     check_fp8_shardable,
     check_shardable,
     layouts,
+    worker_device,
 )
 from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.runner import ModelRunner
@@ -71,8 +72,8 @@ class Replica:
         self.emit = emit
         self.worker_index = worker_index
         tp = config.tensor_parallel_size
-        device = torch.device(config.device)
-        full = load_model(config.model, device="cpu" if tp > 1 else config.device,
+        device = worker_device(config, worker_index, 0)
+        full = load_model(config.model, device="cpu" if tp > 1 else str(device),
                           dtype=config.dtype, seed=config.seed)
         checkpoint_dtype = dtype_name(full.model.embed_tokens.weight.dtype)
         # what cannot be split is refused before any worker starts (a worker that fails on it
@@ -103,7 +104,7 @@ class Replica:
             self.model = full
         self.weights = ShardWeights(self.model, layouts(full.config, par, full.state_dict()),
                                     backend=config.weight_transfer_backend,
-                                    device=config.device, worker_index=worker_index,
+                                    device=str(device), worker_index=worker_index,
                                     staging=mode, rollback=rollback,
                                     checkpoint_dtype=checkpoint_dtype
                                     if config.quantization == "fp8" else None,

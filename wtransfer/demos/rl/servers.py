@@ -98,14 +98,14 @@ class HTTPPolicyServer:
     def __init__(self, *, model: str, seed: int, backend: str, data_parallel_size: int = 1,
                  update_staging: str = "auto", tensor_parallel_size: int = 1,
                  start_timeout_s: float = 120, update_rollback: str = "auto",
-                 max_loras: int = 0, max_lora_rank: int = 16):
+                 max_loras: int = 0, max_lora_rank: int = 16, device: str = "cpu"):
         self.model = model
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close(); a pipe nobody reads could fill
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "wtransfer", "serve", "--model", model, "--seed", str(seed),
-             "--port", str(port), "--dev-mode", "--batch-invariant",
+             "--port", str(port), "--dev-mode", "--batch-invariant", "--device", device,
              "--weight-transfer-backend", backend, "--update-staging", update_staging,
              "--update-rollback", update_rollback,
              "--data-parallel-size", str(data_parallel_size),

@@ -33,7 +33,13 @@ from wtransfer.errors import WTransferError, error_reply, ok_reply
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.fp8_linear import quantize_model
 from wtransfer.inference.model import load_model, shard_model
-from wtransfer.inference.parallel import Collective, Parallel, layouts
+from wtransfer.inference.parallel import (
+    Collective,
+    Parallel,
+    collective_backend,
+    layouts,
+    worker_device,
+)
 from wtransfer.inference.runner import ModelRunner, StepPlan
 from wtransfer.inference.tp.shard import ShardWeights
 from wtransfer.packing import dtype_name
@@ -43,14 +49,6 @@ log = logging.getLogger("wtransfer.tp")
 COMMANDS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
             "finish_weight_update", "info")
 """What rank 0 may ask a worker on the command socket."""
-
-
-def worker_device(config: EngineConfig, first_worker: int, rank: int) -> torch.device:
-    """`device="cuda"` puts worker w on GPU w (modulo the GPUs present); an explicit device is
-    used as given."""
-    if config.device == "cuda" and torch.cuda.is_available():
-        return torch.device("cuda", (first_worker + rank) % torch.cuda.device_count())
-    return torch.device(config.device)
 
 
 class Worker:
@@ -69,7 +67,8 @@ class Worker:
         socket.send(wire.encode({"kind": "loaded"}))
         size = config.tensor_parallel_size
         self.collective = Collective(dist.PrefixStore("wtransfer-tp/", store), rank, size,
-                                     config.step_timeout_s, self.device)
+                                     config.step_timeout_s, self.device,
+                                     collective_backend(config, first_worker))
         par = Parallel(rank, size, config.enable_expert_parallel, self.collective)
         self.model = shard_model(full, par).to(self.device)
         self.weights = ShardWeights(

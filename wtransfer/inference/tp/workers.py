@@ -35,7 +35,7 @@ from wtransfer import wire
 from wtransfer.errors import ConfigError, EngineDeadError, TransferTimeout, reply_result
 from wtransfer.fingerprint import tensor_digest
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.parallel import Collective
+from wtransfer.inference.parallel import Collective, collective_backend
 from wtransfer.inference.runner import StepPlan
 from wtransfer.records import TensorLayout
 
@@ -71,7 +71,8 @@ class TPWorkers:
         try:
             self._await_loaded()
             self.collective = Collective(dist.PrefixStore("wtransfer-tp/", self._store), 0,
-                                         self.size, self.timeout_s, device)
+                                         self.size, self.timeout_s, device,
+                                         collective_backend(config, first_worker))
         except BaseException:
             self._kill()
             raise
