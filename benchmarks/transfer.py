@@ -348,8 +348,8 @@ def one_copy_seconds(nbytes: int, device: str, repeats: int) -> float:
 
 
 def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: int,
-              repeats: int, delta_fraction: float = 0.0, device: str = "cpu"
-              ) -> list[dict[str, Any]]:
+              repeats: int, delta_fraction: float = 0.0, device: str = "cpu",
+              reads: bool = False) -> list[dict[str, Any]]:
     """FSDP2 trainer ranks (gloo, CPU) into our engine with `tp` workers (`wtransfer serve`),
     over nccl (gloo), ucx or ipc (shared memory): today's path (each bucket gathered to one
     sender, sent whole to every worker, which keeps its part) against M->N (nccl: every rank
@@ -358,7 +358,8 @@ def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: in
     Bytes each worker received are the engine's own count (`/weight_info` workers'
     `last_update_bytes`). With `delta_fraction` (nccl, ucx) every rank flips a bit of that
     fraction of its elements between updates, and a third path sends M->N deltas (each rank
-    diffs its own pair buckets): its wire bytes are what moved.
+    diffs its own pair buckets): its wire bytes are what moved. With `reads` (ucx) a path
+    where each worker reads its pair buckets out of every rank's shards (rma=True).
 
     On a GPU (`device` cuda:N, ipc) every trainer rank and every engine worker share that
     GPU: the ranks hold the whole model as replicas (one process group cannot shard over one
@@ -380,10 +381,13 @@ def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: in
             paths = [(first, 1, False, False), ("M->N", ranks, True, False)]
             if delta_fraction:
                 paths.append(("M->N delta", ranks, True, True))
+            if reads:
+                paths.append(("M->N reads", ranks, True, False))
             for path, senders, m2n, delta in paths:
                 progress(f"{path}, {mb} MiB buckets: {ranks} trainer ranks start")
                 fields = {"bucket_bytes": mb << 20, "timeout_s": 600, "m2n": m2n, "delta": delta,
-                          **({"master_address": "127.0.0.1"} if backend == "nccl" else {})}
+                          **({"master_address": "127.0.0.1"} if backend == "nccl" else {}),
+                          **({"rma": True} if path == "M->N reads" else {})}
                 with TrainerRanks(ranks, backend=backend, addresses=[server.url],
                                   senders=senders, model=f"llm:{name}", updates=repeats + 1,
                                   init_fields=fields, timeout_s=600, device=device,
@@ -454,7 +458,7 @@ def main() -> None:
                              "backend's choice")
     parser.add_argument("--ucx-reads", action="store_true",
                         help="ucx: also measure one-sided reads out of the trainer's memory "
-                             "(rma=True)")
+                             "(rma=True; with --engine-tp, out of every rank's shards)")
     parser.add_argument("--rollback", action="store_true",
                         help="also measure the packed path into a receiver with rollback on")
     parser.add_argument("--trainer-ranks", type=int, default=0,
@@ -475,7 +479,7 @@ def main() -> None:
         for name in args.models.split(","):
             m2n_rows += bench_m2n(args.backend, name, [int(x) for x in args.bucket_mb.split(",")],
                                   args.trainer_ranks, args.engine_tp, args.repeats,
-                                  args.delta_fraction, args.device)
+                                  args.delta_fraction, args.device, args.ucx_reads)
         print(f"\n{args.backend} trainer ranks={args.trainer_ranks} (FSDP2) -> engine "
               f"TP={args.engine_tp} on {args.device}, repeats={args.repeats} (median seconds; "
               "vs gather = the first path's time / this; x 1 copy = this / one flat copy of "

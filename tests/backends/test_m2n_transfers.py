@@ -228,3 +228,75 @@ def test_two_trainer_processes_feed_two_engine_workers_on_one_gpu_over_cuda_ipc(
     got = [engine.greedy(p) for p in PROMPTS]
     fresh = serve(*flags, "--seed", "5")
     assert got == [fresh.greedy(p) for p in PROMPTS]
+
+
+@pytest.mark.gpu
+def test_one_packed_sender_feeds_two_engine_workers_on_one_gpu(serve):
+    """The path before M->N on one GPU: one trainer process packs every bucket into its CUDA
+    staging, both TP workers (on cuda:0) read each whole and keep their parts, each slot
+    reused once both workers' free events say they read it: bit-exact, two updates (the
+    second reuses slots). (On 2026-12-03 this path at Qwen3-8B shapes reported nothing for 5
+    minutes; this test is the small case of it.)"""
+    engine = serve("--model", "tiny", "--tensor-parallel-size", "2", "--device", "cuda:0",
+                   backend="ipc")
+    with TrainerRanks(1, backend="ipc", addresses=[engine.url], model="llm:tiny", seed=5,
+                      updates=2, device="cuda:0", timeout_s=60,
+                      init_fields={"bucket_bytes": BUCKET, "num_buffers": 2,
+                                   "timeout_s": 30.0},
+                      fingerprint=True) as trainers:
+        out = trainers.wait_for(0, "sent", 120, count=2)
+        assert trainers.wait(60) == [0]
+    assert out["buckets"] > 2  # more buckets than slots: each slot is waited for and reused
+    assert wtransfer.HTTPClient(engine.url).fingerprint() == out["fingerprint"]
+
+
+def test_ucx_workers_read_their_boxes_out_of_every_ranks_shards(serve):
+    """ucx M->N with rma=True: no rank packs or sends; each worker reads its pair buckets out
+    of both FSDP2 ranks' registered shards (rows of o_proj/down_proj's kept columns one read
+    each), twice (the second update, new weights, reuses the keys): every worker bit-exact
+    (fingerprints of the full tensors), and each took in exactly the bytes it keeps."""
+    engine = serve("--model", "tiny", "--tensor-parallel-size", "2", backend="ucx")
+    with TrainerRanks(2, backend="ucx", addresses=[engine.url], senders=2, model="llm:tiny",
+                      seed=5, updates=2, init_fields=fields("ucx", rma=True),
+                      fingerprint=True) as trainers:
+        outs = [trainers.wait_for(r, "sent", 180, count=2) for r in range(2)]
+        assert trainers.wait(60) == [0, 0]
+        ready = [trainers.wait_for(r, "ready", 1) for r in range(2)]
+    assert all(r["reads"].startswith("one-sided reads: M->N") for r in ready), ready
+    assert wtransfer.HTTPClient(engine.url).fingerprint() == outs[0]["fingerprint"]
+    workers = sorted(engine.http.get("/weight_info").json()["workers"],
+                     key=lambda w: w["worker"])
+    kept = [w["kept_bytes"] for w in workers]
+    assert [w["last_update_bytes"] for w in workers] == kept
+    assert all(o["worker_bytes"] == kept for o in outs)
+    assert sum(o["sent_bytes"] for o in outs) == sum(kept) < 2 * outs[0]["bytes"]
+
+
+def test_a_rank_killed_while_workers_read_its_shards_fails_every_side_in_time():
+    """ucx M->N reads into a whole-tensor receiver with rollback: a rank SIGKILLed while the
+    receiver reads fails every side within the deadline, the receiver holds the last weights
+    whole, and a fresh pair of ranks lands a full update by reads."""
+    with spawn_receiver("ucx", model="mixed", seed=2, rollback=True) as receiver:
+        client = RPCClient(receiver.address, timeout_s=30)
+        before = client.fingerprint()
+        with TrainerRanks(2, backend="ucx", addresses=[receiver.address], senders=2,
+                          updates=1000, seed=7, timeout_s=10.0, fingerprint=True,
+                          init_fields=fields("ucx", rma=True, timeout_s=5.0)) as trainers:
+            trainers.wait_for(1, "sent", 120)
+            os.kill(trainers.procs[1].pid, signal.SIGKILL)
+            codes = trainers.wait(60)
+            assert codes[0] != 0 and "Traceback" in trainers.stderr(0)
+        wait_for(lambda: client.status()["state"] != "updating", 30,
+                 "the receiver to fail the update at its deadline")
+        status = client.status()
+        assert status["torn"] is False and status["state"] in ("failed", "ready")
+        landed = trainers.reports(0, "sent")
+        if status["weight_version"] != f"sharded-{len(landed)}":  # (else the rank died after
+            # the receiver finished an update but before rank 0 heard every verdict)
+            assert client.fingerprint() == landed[-1]["fingerprint"] != before
+        with TrainerRanks(2, backend="ucx", addresses=[receiver.address], senders=2, seed=9,
+                          init_fields=fields("ucx", rma=True), fingerprint=True) as trainers:
+            out = trainers.wait_for(0, "sent", 180)
+            assert trainers.wait(60) == [0, 0]
+        assert client.fingerprint() == out["fingerprint"]
+        client.close()

@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> None:
     sender = wtransfer.trainer_init(  # replicas: nothing sharded says they send together
         info, client=client, source=source,
         process_group=dist.group.WORLD if replicate and args.ranks > 1 else None)
-    print(json.dumps({"event": "ready", "rank": args.rank, "pid": os.getpid()}), flush=True)
+    print(json.dumps({"event": "ready", "rank": args.rank, "pid": os.getpid(),
+                      "reads": str(getattr(sender, "reads", ""))}), flush=True)
     for step in range(args.updates):
         if step and args.gated:
             _wait_to_go(args.timeout)

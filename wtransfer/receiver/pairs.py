@@ -26,7 +26,10 @@ class PairReceipt:
     def __init__(self, plan: TransferPlan, worker: int, sizes: Sequence[int] | None,
                  session: UpdateSession) -> None:
         self._session = session
-        self._encoded: dict[tuple[int, int], int] = {}
+        self._plan = plan
+        self._encoded: dict[int, int] = {}
+        """The encoded length of each bucket that travels as a delta, by its place in the
+        plan (as the trainer side keys them)."""
         mine = plan.of_worker(worker)
         if sizes is None:
             if session.piece_delta:
@@ -49,19 +52,19 @@ class PairReceipt:
                 if not 0 < size <= bucket.nbytes:
                     raise MetadataError(f"a delta bucket of {size} bytes, where the whole "
                                         f"bucket takes {bucket.nbytes}")
-                self._encoded[(bucket.sender, bucket.round)] = size
+                self._encoded[plan.position(bucket)] = size
             self.moving.append(bucket)
 
     def nbytes(self, bucket: PairBucket) -> int:
         """How many bytes `bucket` travels as (its checksum trailer excluded)."""
-        return self._encoded.get((bucket.sender, bucket.round), bucket.nbytes)
+        return self._encoded.get(self._plan.position(bucket), bucket.nbytes)
 
     def land(self, bucket: PairBucket, staging: torch.Tensor, checksum: bool) -> None:
         """`bucket` arrived in `staging` (with its checksum trailer when `checksum`): write it
         into place."""
         nbytes = self.nbytes(bucket)
         expected = read_checksum_trailer(staging, nbytes) if checksum else None
-        if (bucket.sender, bucket.round) in self._encoded:
+        if self._plan.position(bucket) in self._encoded:
             self._session.consume_piece_delta(staging, nbytes, bucket.pieces, expected)
         else:
             self._session.consume_pieces(staging, nbytes, bucket.pieces, expected)

@@ -76,6 +76,11 @@ class LocalShards:
             self.layouts[meta.name] = layout
             self._locals.append(local.detach())
 
+    @property
+    def locals(self) -> list[torch.Tensor]:
+        """The local tensors, in the list's order."""
+        return list(self._locals)
+
     def region(self, index: int, name: str, box: Box) -> torch.Tensor:
         """The local view of global region `box` of tensor `index` (named `name`)."""
         return self.layouts[name].view(self._locals[index], box)

@@ -36,7 +36,11 @@ class UCXTrainerInitInfo(TrainerInitInfo):
     across two H200s with NVLink 0.91, as tagged; host memory over TCP 0.90 against 0.83.
     True across hosts only where RDMA with GPUDirect reaches the trainer's GPU: without a
     transport that reads remote memory UCX emulates the reads about 100x slower (not
-    measured across hosts). `UCXSender.reads` says which way the updates go, and why."""
+    measured across hosts). M->N (`m2n`): True lets each worker read its pair buckets out
+    of every rank's own shards (`wtransfer_ucx.mton_reads`; not with checksums or deltas);
+    None keeps tagged pair buckets there (a box that is not contiguous in a rank's shard,
+    such as a rank's rows of the columns a worker keeps, takes one read per row).
+    `UCXSender.reads` says which way the updates go, and why."""
     m2n: bool | None = None
     """Send each worker only what it keeps, from the trainer ranks that hold it, without
     gathering (`wtransfer_ucx.mton`): every trainer rank needs a client then. None (default):
@@ -110,6 +114,9 @@ class UCXUpdateInfo(UpdateInfo):
     rma: ReadsUpdate | None = None
     """The whole update as one-sided reads out of the trainer's memory (see
     `wtransfer_ucx.remote_reads`); None: tagged buckets follow."""
+    rma_ranks: list[ReadsUpdate] | None = None
+    """M->N by one-sided reads (`wtransfer_ucx.mton_reads`): each trainer rank's table of its
+    registered shards, in rank order; None: tagged pair buckets follow."""
     plan_digest: str | None = None
     """M->N: `TransferPlan.digest` of the trainer's plan; a worker that planned otherwise
     refuses the update before any byte moves."""

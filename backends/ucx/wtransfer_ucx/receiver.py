@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from wtransfer.errors import LifecycleError
+from wtransfer.errors import LifecycleError, MetadataError
 from wtransfer.packing import (
     CHECKSUM_BYTES,
     Bucket,
@@ -23,6 +23,7 @@ from wtransfer.transport.mton import PairBucket, Planner, whole_layouts
 from wtransfer.transport.window import receive_buckets
 from wtransfer_ucx import mton
 from wtransfer_ucx.info import UCXInitInfo, UCXUpdateInfo
+from wtransfer_ucx.mton_reads import RankReads
 from wtransfer_ucx.remote_reads import ImportedKeys
 from wtransfer_ucx.transport import (
     MAX_INFLIGHT,
@@ -49,6 +50,8 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
         self._ep: Any = None
         """The endpoint to this sender (one-sided reads go through it)."""
         self._keys = ImportedKeys()
+        self._rank_reads = RankReads()
+        """M->N by reads: the keys of every trainer rank."""
         self._staging: list[torch.Tensor] = []
         self._trainers: list[Any] = []
         """M->N: the endpoint to each trainer rank, in rank order."""
@@ -69,6 +72,7 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
         if self._ucx is None:  # one context and worker for the receiver's life
             self._ucx = acquire_worker()
         self._planner = None
+        self._rank_reads.close()  # (keys of an earlier sender's ranks)
         if info.m2n:
             self._trainers = [self._ucx.connect(address, port)
                               for address, port in info.trainers]
@@ -144,6 +148,14 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
         plan = self._planner.plan(manifest)
         plan.check(info.plan_digest)
         self.keep_planned(session, manifest, self._published)
+        if info.rma_ranks is not None:
+            if info.delta_buckets is not None or init.checksum:
+                raise MetadataError("an M->N update by reads carries no deltas or checksums")
+            self._rank_reads.read_buckets(
+                session, plan.of_worker(me), manifest.metas, self._planner.sources,
+                info.rma_ranks, self._trainers, self._staging, timeout_s=init.timeout_s,
+                check=ucx.check_peers)
+            return
         receipt = PairReceipt(plan, me, info.delta_buckets, session)
         staging = self._staging
 
@@ -165,6 +177,7 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
     def _abort(self) -> None:
         if self._trainers and self._ucx is not None:  # M->N: every rank's sends to this
             self._ucx.worker.cancel_inflight_requests()  # worker fail now, not at their
+            self._rank_reads.close()  # (reads in flight stop with the endpoints)
             self._ucx.disconnect()  # deadline (the sender is unusable after a failure)
             self._trainers = []
             return
@@ -182,6 +195,7 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
 
     def _shutdown(self) -> None:
         self._keys.close()  # before the endpoint they were unpacked for
+        self._rank_reads.close()
         self._ep = None
         self._trainers = []
         self._hellos = []

@@ -38,9 +38,10 @@ class _LastExport:
 
 @dataclass(frozen=True)
 class _LastSources:
-    """The last update's plan, packed ``reads`` and the sources they resolved to."""
+    """The last update's tensor list, packed ``reads`` and the sources they resolved to."""
 
-    plan: BucketPlan
+    names: Sequence[str]
+    sizes: Sequence[int]
     reads: bytes
     sources: dict[int, tuple[int, RemoteKey]]
 
@@ -66,7 +67,8 @@ class ExportedTensors:
 
     def update(self, tensors: list[torch.Tensor], metas: Sequence[TensorMeta]
                ) -> dict[str, Any]:
-        """The ``rma`` field of one update of `tensors` (described by `metas`, in order)."""
+        """The ``rma`` field of one update of `tensors` (described by `metas`, in order; a
+        sharded rank's tensors are its local shards, each registered at its own size)."""
         addresses = [t.data_ptr() for t in tensors]
         last = self._last
         if last is not None and last.metas is metas and last.addresses == addresses and \
@@ -75,8 +77,8 @@ class ExportedTensors:
         reads = array("q")
         keys: list[tuple[int, int, int, bytes]] = []
         used: dict[tuple[int, int], tuple[int, Region]] = {}
-        for tensor, address, meta in zip(tensors, addresses, metas, strict=True):
-            span = (address, meta.nbytes)
+        for tensor, address in zip(tensors, addresses, strict=True):
+            span = (address, tensor.numel() * tensor.element_size())
             if not span[1]:
                 reads.extend((0, -1))
                 continue
@@ -132,7 +134,8 @@ class ImportedKeys:
                   check: Callable[[], None] | None = None) -> None:
         """Check `update` (an update's ``rma`` field) against `plan`, then read every tensor
         into the engine (temporaries up to `budget` bytes at a time)."""
-        sources = self._sources(plan, update, ep, timeout_s)
+        sources = self.sources([m.name for m in plan.metas], [m.nbytes for m in plan.metas],
+                               update, ep, timeout_s)
         if device.type == "cuda":  # the engine's own work on its weights (rollback copies)
             torch.cuda.current_stream(device).synchronize()  # ends before UCX writes them
         landing: list[tuple[Any, torch.Tensor]] = []  # reads into temporaries
@@ -168,34 +171,36 @@ class ImportedKeys:
         for bucket, destination in landing:
             session.complete_direct(bucket, destination)
 
-    def _sources(self, plan: BucketPlan, update: ReadsUpdate, ep: Any,
-                 timeout_s: float) -> dict[int, tuple[int, RemoteKey]]:
-        """Each non-empty tensor's remote address and key, every read checked first."""
+    def sources(self, names: Sequence[str], sizes: Sequence[int], update: ReadsUpdate,
+                ep: Any, timeout_s: float) -> dict[int, tuple[int, RemoteKey]]:
+        """Each non-empty tensor's remote address and key (by its index in `names`, each
+        `sizes[i]` bytes where the trainer holds it), every read checked against its key's
+        registration first; the keys `update` adds are unpacked for `ep`."""
         last = self._last
-        if last is not None and last.plan is plan and last.reads == update.reads \
-                and not update.keys and not update.drop:
+        if last is not None and last.names == names and last.sizes == sizes \
+                and last.reads == update.reads and not update.keys and not update.drop:
             return last.sources
         self._last = None
         pairs = array("q", update.reads)
-        if len(pairs) != 2 * len(plan.metas):
+        if len(pairs) != 2 * len(names):
             raise MetadataError(f"rma reads describe {len(pairs) // 2} tensors; the update "
-                                f"lists {len(plan.metas)}")
+                                f"lists {len(names)}")
         for key in update.drop:
             entry = self._keys.pop(key, None)
             if entry is not None:
                 entry[2].close()
         new = {key: (address, nbytes, packed) for key, address, nbytes, packed in update.keys}
         wanted: dict[int, tuple[int, int]] = {}
-        for index, meta in enumerate(plan.metas):
+        for index, (name, nbytes) in enumerate(zip(names, sizes, strict=True)):
             address, key = pairs[2 * index], pairs[2 * index + 1]
-            if not meta.nbytes:
+            if not nbytes:
                 continue
             span = new.get(key) or self._keys.get(key)
             if span is None:
-                raise MetadataError(f"tensor '{meta.name}' names rma key {key}, which this "
+                raise MetadataError(f"tensor '{name}' names rma key {key}, which this "
                                     "worker was never sent")
-            if not span[0] <= address <= address + meta.nbytes <= span[0] + span[1]:
-                raise MetadataError(f"tensor '{meta.name}' ({meta.nbytes} bytes at "
+            if not span[0] <= address <= address + nbytes <= span[0] + span[1]:
+                raise MetadataError(f"tensor '{name}' ({nbytes} bytes at "
                                     f"{address:#x}) lies outside its rma registration")
             wanted[index] = (address, key)
         if new and not self._keys:  # the endpoint's first keys: finish connecting first
@@ -206,7 +211,7 @@ class ImportedKeys:
                 old[2].close()
             self._keys[key] = (address, nbytes, RemoteKey(ep, packed))
         sources = {i: (address, self._keys[key][2]) for i, (address, key) in wanted.items()}
-        self._last = _LastSources(plan, update.reads, sources)
+        self._last = _LastSources(list(names), list(sizes), update.reads, sources)
         return sources
 
     def close(self) -> None:

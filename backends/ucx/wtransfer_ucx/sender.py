@@ -17,12 +17,14 @@ from wtransfer.packing import CHECKSUM_BYTES, Bucket
 from wtransfer.protocol import WeightSyncClient
 from wtransfer.records import receiver_init_dict
 from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
+from wtransfer.trainer.layouts import LocalShards, held_parts
 from wtransfer.trainer.pairs import pair_send
 from wtransfer.trainer.source import WeightSource
 from wtransfer.transport.mton import Planner, fragment_with_layouts, planner_of
 from wtransfer.transport.window import SendChannel
 from wtransfer_ucx import mton
 from wtransfer_ucx.info import UCXTrainerInitInfo
+from wtransfer_ucx.mton_reads import rank_table
 from wtransfer_ucx.remote_reads import ExportedTensors, readable
 from wtransfer_ucx.transport import (
     MAX_INFLIGHT,
@@ -91,7 +93,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         info, ucx = self.init_info, self._ucx
         assert ucx is not None
         if self.m2n:
-            return ReadsChoice(False, "tagged pair buckets: M->N (m2n)")
+            return self._choose_m2n_reads()
         if info.checksum or self.source.sharded:
             return ReadsChoice(False, "tagged buckets: checksums and sharded sources need them")
         if info.rma is not None:
@@ -111,6 +113,19 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
                                       "hosts (rma=True reads where RDMA reaches this GPU)")
         return ReadsChoice(True, "one-sided reads: CUDA tensors, cuda_ipc, every worker on "
                                  "this host (loopback listen_address)")
+
+    def _choose_m2n_reads(self) -> ReadsChoice:
+        """M->N: each worker reads its pair buckets out of every rank's shards only when asked
+        (rma=True) and nothing needs the ranks to pack (checksums, deltas)."""
+        info = self.init_info
+        if info.rma is not True:
+            return ReadsChoice(False, "tagged pair buckets: M->N (m2n) reads only with "
+                                      f"rma=True (rma={info.rma})")
+        if info.checksum or self.delta is not None:
+            return ReadsChoice(False, "tagged pair buckets: M->N with checksums or deltas "
+                                      "(each rank packs its pair buckets)")
+        return ReadsChoice(True, "one-sided reads: M->N, each worker reads its pair buckets "
+                                 "out of every rank's shards (rma=True)")
 
     def _connect(self) -> dict[str, Any]:
         info = self.init_info
@@ -236,6 +251,17 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         self._rosters = [r for r in self._rosters if not all(q.completed for q in r.requests)]
         if self.device.type == "cuda":  # the trainer's last writes land before any send reads
             torch.cuda.current_stream(self.device).synchronize()
+        if self._exports is not None:  # every rank's table, gathered (a collective)
+            metas = share.manifest.metas
+            shards = LocalShards(metas, share.parts if share.parts is not None
+                                 else held_parts(self.source, metas), share.index)
+            tables = self.ranks.gather(rank_table(self._exports, shards.locals, metas))
+            if all(t is not None for t in tables):
+                self._last_moved = plan.moved(share.index)
+                opening = ({**self.listed_tensors(share.manifest), "update": update,
+                            "plan_digest": plan.digest, "rma_ranks": tables}
+                           if share.lead else None)
+                return Outgoing(share, opening=opening, kept=self._exports)
         delta = self.delta if isinstance(self.delta, PairDeltaSender) else None
         part = pair_send(share, plan, self.source, checksum=info.checksum,
                          gather=self.ranks.gather, delta=delta)

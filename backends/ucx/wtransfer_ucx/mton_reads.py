@@ -1,0 +1,138 @@
+"""M->N by one-sided reads: each worker pulls its pair buckets out of every trainer rank's own
+shards (`UCXTrainerInitInfo.rma` with `m2n`).
+
+Every rank registers its local shards once (again only when one moves or changes size,
+`wtransfer_ucx.remote_reads.ExportedTensors`), and the ranks gather what each registered; the
+lead's update call carries every rank's table (`UCXUpdateInfo.rma_ranks`). A worker plans the
+same `TransferPlan` as with tagged messages, and for each of its pair buckets reads every
+piece out of the rank that sends it into a staging slot, packed as that rank would have
+packed it, then writes the pieces into place (`UpdateSession.consume_pieces`): the bytes it
+reads are the bytes it keeps. A piece that is contiguous in the rank's shard (rows of a
+tensor sharded by rows, whole experts) is one read; one that is not (a rank's rows of the
+columns a worker keeps) is one read per contiguous run, found from the rank's layout. The
+ranks pack nothing and post nothing: the lead's update call is answered once every worker's
+reads completed, and no rank returns from `send_weights` before that (the ranks' verdict), so
+none writes its shards while they are read.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from wtransfer.errors import MetadataError
+from wtransfer.packing import DTYPES, TensorMeta
+from wtransfer.receiver.session import UpdateSession
+from wtransfer.records import TensorLayout
+from wtransfer.transport.mton import PairBucket, Piece
+from wtransfer_ucx.info import ReadsUpdate
+from wtransfer_ucx.remote_reads import ImportedKeys
+from wtransfer_ucx.rma import Reads, RemoteKey
+
+
+def runs(layout: TensorLayout, piece: Piece) -> Iterator[tuple[int, int]]:
+    """The contiguous byte runs ``(offset in the rank's local tensor, length)`` that hold
+    `piece`'s box, in the box's row-major order (its packed order in a bucket)."""
+    dtype = DTYPES[layout.dtype]
+    itemsize = dtype.itemsize
+    local = torch.empty(layout.local_shape, dtype=dtype, device="meta")
+    view = layout.view(local, piece.box)
+    shape, strides = list(view.shape), list(view.stride())
+    inner, expected = len(shape), 1
+    while inner > 0 and (shape[inner - 1] == 1 or strides[inner - 1] == expected):
+        expected *= shape[inner - 1]
+        inner -= 1
+    length = expected * itemsize
+    start = int(view.storage_offset())
+    for index in itertools.product(*(range(n) for n in shape[:inner])):
+        yield ((start + sum(i * s for i, s in zip(index, strides, strict=False))) * itemsize,
+               length)
+
+
+class RankReads:
+    """A worker's reads out of every trainer rank: the keys each rank sent, unpacked for the
+    endpoint to that rank (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._ranks: list[ImportedKeys] = []
+
+    def read_buckets(self, session: UpdateSession, buckets: Sequence[PairBucket],
+                     metas: Sequence[TensorMeta], sources: Sequence[dict[str, TensorLayout]],
+                     tables: Sequence[ReadsUpdate], endpoints: Sequence[Any],
+                     staging: Sequence[torch.Tensor], *, timeout_s: float,
+                     check: Callable[[], None] | None = None) -> None:
+        """Check every rank's table against what it holds (`sources`), then read `buckets`
+        (this worker's, in round order) a staging slot each, `len(staging)` at a time, and
+        write each into place."""
+        if len(tables) != len(sources) or len(endpoints) != len(sources):
+            raise MetadataError(f"rma_ranks lists {len(tables)} trainer ranks; the transfer "
+                                f"has {len(sources)}")
+        while len(self._ranks) < len(sources):
+            self._ranks.append(ImportedKeys())
+        names = [m.name for m in metas]
+        where = [self._ranks[r].sources(
+            names, [held[m.name].nbytes if m.name in held else 0 for m in metas],
+            tables[r], endpoints[r], timeout_s) for r, held in enumerate(sources)]
+        device = staging[0].device
+        if device.type == "cuda":  # the engine's own work on its weights ends first
+            torch.cuda.current_stream(device).synchronize()
+        for first in range(0, len(buckets), len(staging)):
+            batch = buckets[first: first + len(staging)]
+            reads = {r: Reads(endpoints[r]) for r in {b.sender for b in batch}}
+            for bucket, slot in zip(batch, staging, strict=False):
+                self._post(bucket, slot, metas, sources[bucket.sender], where[bucket.sender],
+                           reads[bucket.sender])
+            for r, pending in reads.items():
+                self._ranks[r].in_flight = True
+                pending.finish(timeout_s, check)
+            for bucket, slot in zip(batch, staging, strict=False):
+                session.consume_pieces(slot, bucket.nbytes, bucket.pieces)
+            if device.type == "cuda":  # written into place before the slots are read again
+                torch.cuda.current_stream(device).synchronize()
+        for keys in self._ranks:
+            keys.in_flight = False
+
+    @staticmethod
+    def _post(bucket: PairBucket, slot: torch.Tensor, metas: Sequence[TensorMeta],
+              held: dict[str, TensorLayout], where: dict[int, tuple[int, RemoteKey]],
+              reads: Reads) -> None:
+        """Start the reads of `bucket`'s pieces into `slot`, each at its offset."""
+        if bucket.nbytes > slot.numel():
+            raise MetadataError(f"a pair bucket of {bucket.nbytes} bytes does not fit this "
+                                f"worker's {slot.numel()}-byte staging")
+        base = slot.data_ptr()
+        for piece in bucket.pieces:
+            meta = metas[piece.tensor] if 0 <= piece.tensor < len(metas) else None
+            if meta is None or meta.name not in held or piece.tensor not in where:
+                raise MetadataError(f"a piece of tensor #{piece.tensor} names trainer rank "
+                                    f"{bucket.sender}, which holds none of it")
+            if piece.offset + piece.nbytes > bucket.nbytes:
+                raise MetadataError(f"a piece of {meta.name!r} ends past its bucket")
+            address, key = where[piece.tensor]
+            at = base + piece.offset
+            for offset, length in runs(held[meta.name], piece):
+                reads.get(at, length, address + offset, key, into_cuda=slot.is_cuda)
+                at += length
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether reads may still land (from the first read of an update until all did)."""
+        return any(keys.in_flight for keys in self._ranks)
+
+    def close(self) -> None:
+        """Release every rank's keys (before the endpoints close)."""
+        for keys in self._ranks:
+            keys.close()
+        self._ranks = []
+
+
+def rank_table(exports: Any, locals_: list[torch.Tensor], metas: Sequence[TensorMeta]
+               ) -> dict[str, Any] | None:
+    """This rank's ``rma`` table (its local shards, registered), or None when one is not
+    contiguous (then every rank sends tagged pair buckets this update)."""
+    if not all(t.is_contiguous() for t in locals_):
+        return None
+    return exports.update(locals_, metas)
