@@ -56,9 +56,9 @@ peers)
         | tail -25; echo "rc $?" ;;
 m2n)
     echo "$(ts) M->N over CUDA IPC: two trainer processes (replicas) -> engine TP=2, one GPU"
-    WTRANSFER_BENCH_DIR=$OUT/m2n-tp2 timeout 420 python3 benchmarks/transfer.py --backend ipc \
+    WTRANSFER_BENCH_DIR=$OUT/m2n-tp2 timeout 300 python3 benchmarks/transfer.py --backend ipc \
         --device cuda:0 --models qwen3-8b --trainer-ranks 2 --engine-tp 2 --bucket-mb 1024 \
-        --repeats 3 > $OUT/m2n-tp2.txt 2>&1; echo "rc $?"
+        --repeats 3 --update-staging auto > $OUT/m2n-tp2.txt 2>&1; echo "rc $?"
     tail -8 $OUT/m2n-tp2.txt
     echo "$(ts) M->N over CUDA IPC: two trainer processes (replicas) -> one receiver, one GPU"
     WTRANSFER_BENCH_DIR=$OUT/m2n timeout 560 python3 benchmarks/transfer.py --backend ipc \

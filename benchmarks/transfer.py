@@ -349,7 +349,8 @@ def one_copy_seconds(nbytes: int, device: str, repeats: int) -> float:
 
 def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: int,
               repeats: int, delta_fraction: float = 0.0, device: str = "cpu",
-              reads: bool = False) -> list[dict[str, Any]]:
+              reads: bool = False, staging: str = "off", rollback: str = "auto"
+              ) -> list[dict[str, Any]]:
     """FSDP2 trainer ranks (gloo, CPU) into our engine with `tp` workers (`wtransfer serve`),
     over nccl (gloo), ucx or ipc (shared memory): today's path (each bucket gathered to one
     sender, sent whole to every worker, which keeps its part) against M->N (nccl: every rank
@@ -360,6 +361,8 @@ def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: in
     fraction of its elements between updates, and a third path sends M->N deltas (each rank
     diffs its own pair buckets): its wire bytes are what moved. With `reads` (ucx) a path
     where each worker reads its pair buckets out of every rank's shards (rma=True).
+    `staging` and `rollback` are the engine's `--update-staging` and `--update-rollback`
+    (rollback on copies every changed tensor's old value to host memory during the update).
 
     On a GPU (`device` cuda:N, ipc) every trainer rank and every engine worker share that
     GPU: the ranks hold the whole model as replicas (one process group cannot shard over one
@@ -372,9 +375,14 @@ def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: in
     from wtransfer.launch.trainer_ranks import TrainerRanks
 
     rows = []
-    progress(f"starting the engine ({name}, TP={tp}, {device})")
+    progress(f"starting the engine ({name}, TP={tp}, {device}, update staging {staging}, "
+             f"rollback {rollback})")
     server = HTTPPolicyServer(model=name, seed=2, backend=backend, tensor_parallel_size=tp,
-                              update_staging="off", start_timeout_s=600, device=device)
+                              update_staging=staging, update_rollback=rollback,
+                              start_timeout_s=600, device=device)
+    info = server.weight_info()
+    progress(f"engine started: update staging {info['update_staging']}, rollback "
+             f"{info.get('rollback')}")
     first = "gather+broadcast" if device == "cpu" else "one sender"
     try:
         for mb in buckets_mb:
@@ -473,15 +481,23 @@ def main() -> None:
                         help="with --engine-tp (nccl, ucx): between updates each rank flips a "
                              "bit of this fraction of its elements, and M->N deltas are a "
                              "third path")
+    parser.add_argument("--update-staging", default="off",
+                        choices=["auto", "off", "swap", "copy"],
+                        help="with --engine-tp: the engine's --update-staging")
+    parser.add_argument("--update-rollback", default="auto", choices=["auto", "on", "off"],
+                        help="with --engine-tp: the engine's --update-rollback (auto: on "
+                             "where the model fits in half the host's memory)")
     args = parser.parse_args()
     if args.trainer_ranks and args.engine_tp:
         m2n_rows: list[dict] = []
         for name in args.models.split(","):
             m2n_rows += bench_m2n(args.backend, name, [int(x) for x in args.bucket_mb.split(",")],
                                   args.trainer_ranks, args.engine_tp, args.repeats,
-                                  args.delta_fraction, args.device, args.ucx_reads)
+                                  args.delta_fraction, args.device, args.ucx_reads,
+                                  args.update_staging, args.update_rollback)
         print(f"\n{args.backend} trainer ranks={args.trainer_ranks} (FSDP2) -> engine "
-              f"TP={args.engine_tp} on {args.device}, repeats={args.repeats} (median seconds; "
+              f"TP={args.engine_tp} on {args.device} (update staging {args.update_staging}, "
+              f"rollback {args.update_rollback}), repeats={args.repeats} (median seconds; "
               "vs gather = the first path's time / this; x 1 copy = this / one flat copy of "
               "the model's bytes on the GPU; MB per worker as the engine counted them)")
         on_gpu = [("copy_s", "1 copy s", ".4f"), ("x_copy", "x 1 copy", ".2f")

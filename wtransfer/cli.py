@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from wtransfer.errors import ConfigError, WTransferError
+from wtransfer.launch.stacks import print_stacks_on_sigusr1
 from wtransfer.registry import list_backends
 
 
@@ -265,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `wtransfer` command."""
+    print_stacks_on_sigusr1()
     args = build_parser().parse_args(argv)
     try:
         code = args.func(args)

@@ -3,6 +3,7 @@
 import signal
 import subprocess
 import sys
+import tempfile
 
 import httpx
 
@@ -19,17 +20,19 @@ def fields(backend="nccl", **extra):
 
 
 class Serve:
-    """`wtransfer serve` in a subprocess."""
+    """`wtransfer serve` in a subprocess; its output (and its workers') goes to a file, not a
+    pipe nobody reads while the test runs (a full pipe would stall the server)."""
 
     def __init__(self, *flags, backend="nccl"):
         self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in close)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "wtransfer", "serve", "--port", self.url.rsplit(":", 1)[1],
              "--weight-transfer-backend", backend, "--batch-invariant", "--dev-mode", *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=self.log, stderr=subprocess.STDOUT, text=True)
 
         def healthy():
-            assert self.proc.poll() is None, self.proc.stdout.read()
+            assert self.proc.poll() is None, self.output()
             try:
                 return httpx.get(self.url + "/health", timeout=1).status_code == 200
             except httpx.TransportError:
@@ -44,6 +47,11 @@ class Serve:
         assert out.status_code == 200, out.text
         return out.json()["choices"][0]["token_ids"]
 
+    def output(self):
+        """What the server and its workers printed so far."""
+        self.log.seek(0)
+        return self.log.read()
+
     def close(self):
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -51,3 +59,5 @@ class Serve:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        print(self.output()[-4000:])  # pytest shows it where the test failed
+        self.log.close()

@@ -31,9 +31,9 @@ def trainer_weights(version):
     return fingerprint(model.state_dict())
 
 
-def kill_mid_update(engine):
+def kill_mid_update(engine, past_bytes=1):
     """Start a looping trainer, let two updates land, SIGKILL it once the third has written
-    some bytes; returns the engine's weight info after its watchdog failed the update."""
+    `past_bytes`; returns the engine's weight info after its watchdog failed the update."""
     trainer = spawn_trainer("ipc", engine.serve_rpc(), model="llm:tiny", seed=SEED, loop=True,
                             vary=True, init_fields={"bucket_bytes": 4096, "timeout_s": 1.0})
     try:
@@ -41,7 +41,8 @@ def kill_mid_update(engine):
             info = engine.call("weight_info")
             done = info["weight_version"].startswith("trainer-") and \
                 int(info["weight_version"].rsplit("-", 1)[1]) >= 2
-            return done and info["update_state"] == "updating" and info["update_bytes"] > 0
+            return (done and info["update_state"] == "updating"
+                    and info["update_bytes"] >= past_bytes)
 
         wait_for(open_and_written, 30, "an update past its first bucket", interval_s=0.001)
         os.kill(trainer.proc.pid, signal.SIGKILL)
@@ -52,10 +53,15 @@ def kill_mid_update(engine):
                     10, "the watchdog to fail the abandoned update")
 
 
-def test_a_trainer_killed_mid_transfer_rolls_the_engine_back():
-    engine = AsyncEngine(EngineConfig(model="tiny", update_rollback=True, update_staging="off"))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_trainer_killed_mid_transfer_rolls_the_engine_back(tp):
+    """With TP=2 each worker saved only its own part of each tensor, and wrote it back (the
+    trainer is killed past half the model: a worker writes a split tensor once all of it
+    arrived, so many have been written)."""
+    engine = AsyncEngine(EngineConfig(model="tiny", update_rollback=True, update_staging="off",
+                                      tensor_parallel_size=tp))
     try:
-        info = kill_mid_update(engine)
+        info = kill_mid_update(engine, past_bytes=1 if tp == 1 else 200_000)
         assert info["torn"] is False and "rolled back" in info["failure"]
         version = info["weight_version"]
         assert engine.call("fingerprint") == trainer_weights(version)

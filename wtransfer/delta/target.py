@@ -117,6 +117,10 @@ class DeltaTarget(WeightTarget):
         """`inner`'s copy of the tensor (a rollback restores it through `inner`)."""
         return self.inner.snapshot(name, out)
 
+    def restore(self, saved: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """As `inner` (its snapshots go back to it)."""
+        self.inner.restore(saved)
+
     def companions(self, name: str) -> list[str]:
         """As `inner`."""
         return self.inner.companions(name)

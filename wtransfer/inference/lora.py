@@ -391,6 +391,10 @@ class LoRATarget(WeightTarget):
         """As `inner` (staged updates need no snapshots: a shadow holds them)."""
         return None if name.startswith("lora/") else self.inner.snapshot(name, out)
 
+    def restore(self, saved: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """As `inner` (only base tensors have snapshots)."""
+        self.inner.restore(saved)
+
     def finish(self) -> None:
         """Every written slot's scales and record (rank, alpha, modules), then `inner`'s
         finish; the next update clears slots again."""

@@ -8,6 +8,7 @@ paged KV cache through an `AttentionBatch` that the engine's runner builds for e
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -356,7 +357,7 @@ def _init_random(model: nn.Module, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed * 1_000_003 + number)
         param.copy_(torch.randn(param.shape, generator=gen) * scale)
 
-    with ThreadPoolExecutor(max(1, min(8, torch.get_num_threads()))) as pool:
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:  # (not OMP's count)
         for done in [pool.submit(fill, i, n, p)
                      for i, (n, p) in enumerate(model.named_parameters())]:
             done.result()

@@ -20,13 +20,15 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import IO, Any
 
 from wtransfer import wire
 from wtransfer.errors import TransferTimeout
+from wtransfer.launch.stacks import print_stacks_on_sigusr1
 
 
 def shard(module: Any, ranks: int) -> Any:
@@ -131,6 +133,7 @@ class TrainerRanks:
         self._store = local_store(ranks, timeout_s)  # lives as long as the ranks
         port = int(self._store.port)
         self.procs = []
+        self._stderr: list[IO[str]] = []
         for rank in range(ranks):
             cmd = [sys.executable, "-m", "wtransfer.launch.trainer_ranks", "--rank", str(rank),
                    "--ranks", str(ranks), "--port", str(port), "--backend", backend,
@@ -152,9 +155,11 @@ class TrainerRanks:
                 cmd += ["--change-fraction", str(change_fraction)]
             if gated:
                 cmd.append("--gated")
+            # stderr to a file: a pipe read only at exit would stall a rank that warns a lot
+            self._stderr.append(tempfile.TemporaryFile("w+"))  # noqa: SIM115 (closed in close)
             self.procs.append(subprocess.Popen(
                 cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                stdout=subprocess.PIPE, stderr=self._stderr[-1], text=True,
                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}))
         self._lines: list[list[dict[str, Any]]] = [[] for _ in range(ranks)]
         self._readers = [threading.Thread(target=self._read, args=(r,), daemon=True)
@@ -197,9 +202,9 @@ class TrainerRanks:
         return [line for line in self._lines[rank] if line["event"] == event]
 
     def stderr(self, rank: int) -> str:
-        """What `rank` wrote to stderr (once it exited)."""
-        proc = self.procs[rank]
-        return proc.stderr.read() if proc.stderr is not None and proc.poll() is not None else ""
+        """What `rank` wrote to stderr so far."""
+        self._stderr[rank].seek(0)
+        return self._stderr[rank].read()
 
     def wait(self, timeout_s: float) -> list[int]:
         """Every rank's exit code, within `timeout_s` (then they are killed)."""
@@ -219,6 +224,8 @@ class TrainerRanks:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        for file in self._stderr:
+            file.close()
 
     def __enter__(self) -> TrainerRanks:
         return self
@@ -229,6 +236,7 @@ class TrainerRanks:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of one rank."""
+    print_stacks_on_sigusr1()
     parser = argparse.ArgumentParser(prog="python -m wtransfer.launch.trainer_ranks")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--ranks", type=int, required=True)

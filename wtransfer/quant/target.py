@@ -156,6 +156,10 @@ class Fp8Target(WeightTarget):
         """As `inner` (what it stores: FP8 weights, scales)."""
         return self.inner.snapshot(name, out)
 
+    def restore(self, saved: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """As `inner` (its snapshots go back to it)."""
+        self.inner.restore(saved)
+
     @torch.no_grad()
     def finish(self) -> None:
         """Quantize the parts that landed in the checkpoint's dtype (`region`) into this

@@ -200,7 +200,7 @@ class UpdateSession:
         restored = [(name, self._store[name]) for name in sorted(self._saved)]
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)  # the saving copies and the backend's writes
-        self._origin.load_weights(restored)
+        self._origin.restore(restored)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         self._saved.clear()

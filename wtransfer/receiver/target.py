@@ -105,7 +105,7 @@ class WeightTarget(ABC):
 
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Copy what the target holds under `name` now into host memory, for rolling a failed
-        update back (it is given back through `load_weights`): into `out` when it has the
+        update back (it is given back through `restore`): into `out` when it has the
         right shape and dtype (reused across updates), else into a new tensor, which is
         returned. None when the target cannot say what it holds."""
         direct = self.direct_bytes(name)
@@ -113,6 +113,12 @@ class WeightTarget(ABC):
         if direct is None or meta is None:
             return None
         return copy_to_host(direct.view(DTYPES[meta.dtype]).reshape(meta.shape), out)
+
+    def restore(self, saved: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Put back what `snapshot` saved (a failed update's rollback): by default through
+        `load_weights`; a target whose snapshots are not full tensors (a worker's own part)
+        writes them back itself."""
+        self.load_weights(saved)
 
     def finish(self) -> None:  # noqa: B027 - optional hook
         """Post-process after all tensors of an update landed (e.g. re-quantize)."""

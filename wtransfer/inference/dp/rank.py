@@ -54,6 +54,7 @@ from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.replica import Replica
 from wtransfer.inference.scheduler import PauseState
 from wtransfer.inference.transfer_lane import TransferLane
+from wtransfer.launch.stacks import print_stacks_on_sigusr1
 from wtransfer.records import PauseMode
 from wtransfer.wire import parse_record
 
@@ -313,6 +314,7 @@ def connect(frontend: str, rank: int) -> zmq.Socket[bytes]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of a rank process."""
+    print_stacks_on_sigusr1()
     parser = argparse.ArgumentParser(description="one data-parallel engine rank")
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
     parser.add_argument("--rank", type=int, required=True)

@@ -42,6 +42,7 @@ from wtransfer.inference.parallel import (
 )
 from wtransfer.inference.runner import ModelRunner, StepPlan
 from wtransfer.inference.tp.shard import ShardWeights
+from wtransfer.launch.stacks import print_stacks_on_sigusr1
 from wtransfer.packing import dtype_name
 from wtransfer.wire import parse_record
 
@@ -131,6 +132,7 @@ class Worker:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of a worker process."""
+    print_stacks_on_sigusr1()
     parser = argparse.ArgumentParser(description="one tensor-parallel engine worker")
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
     parser.add_argument("--rank", type=int, required=True)
