@@ -85,7 +85,8 @@ def build_module(metas: Sequence[TensorMeta], seed: int, device: str = "cpu",
                  *, fill: str = "random") -> nn.Module:
     """An `nn.Module` whose state dict has exactly `metas` (floats as parameters, others as
     buffers), filled with values drawn from `seed` (``fill="constant"``: one value per tensor,
-    derived from `seed`, which builds multi-GB models in seconds)."""
+    derived from `seed`, which builds multi-GB models in seconds). Random values are drawn on
+    `device` (`randomize`): CPU and CUDA builds of one seed differ."""
     root = _Node()
     for meta in metas:
         *path, leaf = meta.name.split(".")

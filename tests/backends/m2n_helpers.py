@@ -38,7 +38,11 @@ class Serve:
             except httpx.TransportError:
                 return False
 
-        wait_for(healthy, 120, "the server to start")
+        try:
+            wait_for(healthy, 120, "the server to start")
+        except BaseException:  # (not in the fixture's list yet: nobody else would stop it)
+            self.close()
+            raise
         self.http = httpx.Client(base_url=self.url, timeout=60)
 
     def greedy(self, prompt, n=12):

@@ -37,6 +37,24 @@ def pytest_generate_tests(metafunc):
             for w in WIDTHS])
 
 
+
+def kill_a_rank_mid_updates(client, address, backend, init, after):
+    """Two ranks updating `address` in a loop; rank 1 SIGKILLed once it reported `after`:
+    rank 0 fails with a traceback, the receiver fails the update at its deadline without
+    tearing its weights. Returns rank 0's reports of updates that landed, and the receiver's
+    status."""
+    with TrainerRanks(2, backend=backend, addresses=[address], senders=2, updates=1000, seed=7,
+                      init_fields=init, timeout_s=10.0, fingerprint=True) as trainers:
+        trainers.wait_for(1, after, 120)
+        os.kill(trainers.procs[1].pid, signal.SIGKILL)
+        codes = trainers.wait(60)
+        assert codes[0] != 0 and "Traceback" in trainers.stderr(0)
+    wait_for(lambda: client.status()["state"] != "updating", 30,
+             "the receiver to fail the update at its deadline")
+    status = client.status()
+    assert status["torn"] is False and status["state"] in ("failed", "ready")
+    return trainers.reports(0, "sent"), status
+
 class M2NCases:
     """The same M->N cases over each backend (a class per backend, so the suite runs the
     backends side by side)."""
@@ -93,18 +111,8 @@ class M2NCases:
                 assert outs[0]["worker_bytes"] == [outs[0]["bytes"]]  # a whole receiver keeps all
             assert outs[0]["sent_bytes"] + outs[1]["sent_bytes"] == outs[0]["bytes"]
             before = client.fingerprint()
-            with TrainerRanks(2, backend=backend, addresses=[receiver.address], senders=2,
-                              updates=1000, seed=7, init_fields=fields(backend, timeout_s=5.0),
-                              timeout_s=10.0, fingerprint=True) as trainers:
-                trainers.wait_for(1, "ready", 120)
-                os.kill(trainers.procs[1].pid, signal.SIGKILL)
-                codes = trainers.wait(60)
-                assert codes[0] != 0 and "Traceback" in trainers.stderr(0)
-            wait_for(lambda: client.status()["state"] != "updating", 30,
-                     "the receiver to fail the update at its deadline")
-            status = client.status()
-            assert status["torn"] is False and status["state"] in ("failed", "ready")
-            landed = trainers.reports(0, "sent")
+            landed, status = kill_a_rank_mid_updates(client, receiver.address, backend,
+                                                     fields(backend, timeout_s=5.0), "ready")
             if status["weight_version"] != f"sharded-{len(landed)}":  # (the rank was killed
                 # after the receiver finished an update but before rank 0 heard every verdict)
                 assert client.fingerprint() == (landed[-1]["fingerprint"] if landed else before)
@@ -263,6 +271,7 @@ def test_ucx_workers_read_their_boxes_out_of_every_ranks_shards(serve):
         assert trainers.wait(60) == [0, 0]
         ready = [trainers.wait_for(r, "ready", 1) for r in range(2)]
     assert all(r["reads"].startswith("one-sided reads: M->N") for r in ready), ready
+    assert all(o["read"] for r in range(2) for o in trainers.reports(r, "sent"))
     assert wtransfer.HTTPClient(engine.url).fingerprint() == outs[0]["fingerprint"]
     workers = sorted(engine.http.get("/weight_info").json()["workers"],
                      key=lambda w: w["worker"])
@@ -279,18 +288,8 @@ def test_a_rank_killed_while_workers_read_its_shards_fails_every_side_in_time():
     with spawn_receiver("ucx", model="mixed", seed=2, rollback=True) as receiver:
         client = RPCClient(receiver.address, timeout_s=30)
         before = client.fingerprint()
-        with TrainerRanks(2, backend="ucx", addresses=[receiver.address], senders=2,
-                          updates=1000, seed=7, timeout_s=10.0, fingerprint=True,
-                          init_fields=fields("ucx", rma=True, timeout_s=5.0)) as trainers:
-            trainers.wait_for(1, "sent", 120)
-            os.kill(trainers.procs[1].pid, signal.SIGKILL)
-            codes = trainers.wait(60)
-            assert codes[0] != 0 and "Traceback" in trainers.stderr(0)
-        wait_for(lambda: client.status()["state"] != "updating", 30,
-                 "the receiver to fail the update at its deadline")
-        status = client.status()
-        assert status["torn"] is False and status["state"] in ("failed", "ready")
-        landed = trainers.reports(0, "sent")
+        landed, status = kill_a_rank_mid_updates(
+            client, receiver.address, "ucx", fields("ucx", rma=True, timeout_s=5.0), "sent")
         if status["weight_version"] != f"sharded-{len(landed)}":  # (else the rank died after
             # the receiver finished an update but before rank 0 heard every verdict)
             assert client.fingerprint() == landed[-1]["fingerprint"] != before

@@ -4,6 +4,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 
 import httpx
 import pytest
@@ -21,12 +22,13 @@ class Server:
     def __init__(self, *flags):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "wtransfer", "serve", "--model",
-                                      "tiny", "--port", str(self.port), *flags],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (a pipe nobody reads would
+        self.proc = subprocess.Popen([sys.executable, "-m", "wtransfer", "serve",  # stall it)
+                                      "--model", "tiny", "--port", str(self.port), *flags],
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
         headers = {"Authorization": f"Bearer {KEY}"} if "--api-key" in flags else {}
         def healthy():
-            assert self.proc.poll() is None, self.proc.stdout.read()
+            assert self.proc.poll() is None, self.output()
             try:
                 return httpx.get(self.url + "/health", headers=headers,
                                  timeout=1).status_code == 200
@@ -41,10 +43,16 @@ class Server:
             raise
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=60)
 
+    def output(self):
+        self.log.seek(0)
+        return self.log.read()
+
     def stop(self):
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(timeout=30)
-        return self.proc.stdout.read()
+        out = self.output()
+        self.log.close()
+        return out
 
 
 @pytest.fixture(scope="module")

@@ -311,7 +311,9 @@ class Replica:
     def _rollback_enabled(self, model: torch.nn.Module) -> bool:
         if self.config.update_rollback is not None:
             return self.config.update_rollback
-        return self._model_bytes(model) <= available_host_memory() // 2
+        # every worker of this engine (one host) saves its own part: the whole model in all
+        return self._model_bytes(model) * self.config.tensor_parallel_size \
+            <= available_host_memory() // 2
 
     def _staging_mode(self, model: torch.nn.Module, device: torch.device) -> StagingMode:
         """`EngineConfig.update_staging`, or auto: swap when one more copy of a worker's

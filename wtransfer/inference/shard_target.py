@@ -84,18 +84,20 @@ class ShardTarget(WeightTarget):
         return lay.view(self._dest(name), box)
 
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """A host copy of this worker's part of `name` as it holds it (into `out`, pinned
-        and reused across updates, when it fits): a worker never holds a full tensor's worth
-        of host memory for a part; `restore` writes it back."""
+        """A host copy of this worker's part of `name` as it holds it (into `out`, reused
+        across updates, when it fits; pinned for a GPU worker): a worker never holds a full
+        tensor's worth of host memory for a part; `restore` writes it back."""
         if name not in self._live:
             raise MetadataError(f"unknown tensor {name!r}")
         return copy_to_host(self._live[name].detach(), out)
 
     @torch.no_grad()
     def restore(self, saved: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Write back parts `snapshot` saved, each into the tensor it came from."""
+        """Write back parts `snapshot` saved, each into the live tensor it came from."""
         for name, part in saved:
-            self._dest(name).copy_(part, non_blocking=True)
+            if name not in self._live:
+                raise MetadataError(f"unknown tensor {name!r}")
+            self._live[name].data.copy_(part, non_blocking=True)
 
     def fingerprint(self) -> dict[str, str]:
         """Digest of this worker's live parts (by global name; not the full tensors')."""

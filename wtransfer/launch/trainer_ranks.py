@@ -103,6 +103,8 @@ def run(args: argparse.Namespace) -> None:
                                **stats.as_dict()}
         if args.fingerprint:
             out["fingerprint"] = wtransfer.fingerprint(model.state_dict())
+        if hasattr(sender, "last_update_read"):  # (ucx) how this update went
+            out["read"] = sender.last_update_read
         print(json.dumps(out), flush=True)
     sender.shutdown()
     dist.destroy_process_group()

@@ -368,7 +368,11 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                               index if index is not None else -1, self.senders, source,
                               parts, delta.header if delta is not None else None)
                 self.ranks.together(lambda: self._open(share.manifest, calls))
-                self.ranks.together(lambda: self._move(share, calls))
+                try:
+                    self.ranks.together(lambda: self._move(share, calls))
+                except BaseException as exc:  # every rank: a peer's failed part leaves this
+                    self._failed(exc)  # update's channels as unusable as its own (and all
+                    raise  # ranks then refuse the next update alike, none waiting in a gather)
             except BaseException as exc:
                 if self.lead and calls is not None:
                     self._abort_remote(exc, calls)
@@ -660,8 +664,9 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         update on every sender, after the lead's start was issued."""
 
     def _failed(self, exc: BaseException) -> None:
-        """This sender's part of an update failed (`exc`): drop what cannot be reused (a
-        torn-down group, messages in flight); optional."""
+        """An update's transfer failed (`exc`), on this rank or another (every rank of a group
+        is told; the failing one may be told twice): drop what cannot be reused (a torn-down
+        group, messages or reads in flight); optional."""
 
     @abstractmethod
     def _close(self) -> None:

@@ -18,6 +18,7 @@ none writes its shards while they are read.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -31,6 +32,8 @@ from wtransfer.transport.mton import PairBucket, Piece
 from wtransfer_ucx.info import ReadsUpdate
 from wtransfer_ucx.remote_reads import ImportedKeys
 from wtransfer_ucx.rma import Reads, RemoteKey
+
+log = logging.getLogger(__name__)
 
 
 def runs(layout: TensorLayout, piece: Piece) -> Iterator[tuple[int, int]]:
@@ -82,18 +85,19 @@ class RankReads:
         for first in range(0, len(buckets), len(staging)):
             batch = buckets[first: first + len(staging)]
             reads = {r: Reads(endpoints[r]) for r in {b.sender for b in batch}}
-            for bucket, slot in zip(batch, staging, strict=False):
-                self._post(bucket, slot, metas, sources[bucket.sender], where[bucket.sender],
-                           reads[bucket.sender])
-            for r, pending in reads.items():
-                self._ranks[r].in_flight = True
-                pending.finish(timeout_s, check)
+            try:
+                for bucket, slot in zip(batch, staging, strict=False):
+                    self._post(bucket, slot, metas, sources[bucket.sender],
+                               where[bucket.sender], reads[bucket.sender])
+                for pending in reads.values():
+                    pending.finish(timeout_s, check)
+            finally:  # (a failure part-way: every rank's requests are still freed)
+                for pending in reads.values():
+                    pending.release()
             for bucket, slot in zip(batch, staging, strict=False):
                 session.consume_pieces(slot, bucket.nbytes, bucket.pieces)
             if device.type == "cuda":  # written into place before the slots are read again
                 torch.cuda.current_stream(device).synchronize()
-        for keys in self._ranks:
-            keys.in_flight = False
 
     @staticmethod
     def _post(bucket: PairBucket, slot: torch.Tensor, metas: Sequence[TensorMeta],
@@ -117,11 +121,6 @@ class RankReads:
                 reads.get(at, length, address + offset, key, into_cuda=slot.is_cuda)
                 at += length
 
-    @property
-    def in_flight(self) -> bool:
-        """Whether reads may still land (from the first read of an update until all did)."""
-        return any(keys.in_flight for keys in self._ranks)
-
     def close(self) -> None:
         """Release every rank's keys (before the endpoints close)."""
         for keys in self._ranks:
@@ -132,7 +131,15 @@ class RankReads:
 def rank_table(exports: Any, locals_: list[torch.Tensor], metas: Sequence[TensorMeta]
                ) -> dict[str, Any] | None:
     """This rank's ``rma`` table (its local shards, registered), or None when one is not
-    contiguous (then every rank sends tagged pair buckets this update)."""
+    contiguous or registering failed (then every rank sends tagged pair buckets this update:
+    the ranks gather the tables either way, so none is left waiting in a collective)."""
     if not all(t.is_contiguous() for t in locals_):
+        log.warning("M->N reads: a local shard is not contiguous; this update goes as tagged "
+                    "pair buckets")
         return None
-    return exports.update(locals_, metas)
+    try:
+        return exports.update(locals_, metas)
+    except Exception as exc:  # (the other ranks are about to gather this rank's table)
+        log.warning("M->N reads: registering this rank's shards failed (%s: %s); this update "
+                    "goes as tagged pair buckets", type(exc).__name__, exc)
+        return None

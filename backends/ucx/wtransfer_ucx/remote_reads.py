@@ -64,12 +64,17 @@ class ExportedTensors:
         self._last: _LastExport | None = None
         """A trainer sends the same tensors every step: an update whose list and addresses
         are unchanged reuses the last ``reads`` once the workers confirmed the keys."""
+        self._tensors: list[torch.Tensor] = []
+        """The registered tensors, referenced until the next update registers others: a
+        source's temporaries (quantized copies, say) must not be freed while workers may
+        still read their memory."""
 
     def update(self, tensors: list[torch.Tensor], metas: Sequence[TensorMeta]
                ) -> dict[str, Any]:
         """The ``rma`` field of one update of `tensors` (described by `metas`, in order; a
         sharded rank's tensors are its local shards, each registered at its own size)."""
         addresses = [t.data_ptr() for t in tensors]
+        self._tensors = list(tensors)
         last = self._last
         if last is not None and last.metas is metas and last.addresses == addresses and \
                 not self._dropped and self._held:
@@ -115,6 +120,7 @@ class ExportedTensors:
             region.close()
         self._regions = {}
         self._held = set()
+        self._tensors = []
 
 
 class ImportedKeys:

@@ -81,6 +81,9 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         apply (`UCXTrainerInitInfo.rma`)."""
         self.reads = ReadsChoice(False, "not connected yet")
         """Whether updates go as one-sided reads, and why (chosen at init)."""
+        self.last_update_read = False
+        """Whether the last update went as one-sided reads (with `reads` chosen, an update
+        whose tensors cannot be read in place goes as tagged messages; a warning says why)."""
         self.m2n = False
         """Whether updates go M->N (`UCXTrainerInitInfo.m2n`, decided at connect)."""
         self._planner: Planner | None = None
@@ -213,6 +216,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         ucx, info = self._ucx, self.init_info
         assert ucx is not None  # connected
         self._updates += 1
+        self.last_update_read = False
         if self._planner is not None:
             return self._outgoing_m2n(share, ucx, self._planner)
         update = {**self.listed_tensors(share.manifest), "update": self._updates}
@@ -221,6 +225,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             if tensors is not None:
                 for device in {t.device for t in tensors if t.is_cuda}:  # the trainer's last
                     torch.cuda.current_stream(device).synchronize()  # writes land before reads
+                self.last_update_read = True
                 return Outgoing(share, kept=self._exports, opening={
                     **update, "rma": self._exports.update(tensors, share.manifest.metas)})
         staging, endpoints, session = self._staging, self._endpoints, self._session
@@ -255,8 +260,11 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             metas = share.manifest.metas
             shards = LocalShards(metas, share.parts if share.parts is not None
                                  else held_parts(self.source, metas), share.index)
+            for device in {t.device for t in shards.locals if t.is_cuda}:  # what made them
+                torch.cuda.current_stream(device).synchronize()  # (a quantizing source) ends
             tables = self.ranks.gather(rank_table(self._exports, shards.locals, metas))
-            if all(t is not None for t in tables):
+            self.last_update_read = all(t is not None for t in tables)
+            if self.last_update_read:
                 self._last_moved = plan.moved(share.index)
                 opening = ({**self.listed_tensors(share.manifest), "update": update,
                             "plan_digest": plan.digest, "rma_ranks": tables}
