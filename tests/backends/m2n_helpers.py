@@ -25,7 +25,7 @@ class Serve:
 
     def __init__(self, *flags, backend="nccl"):
         self.url = f"http://127.0.0.1:{free_port()}"
-        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in close)
+        self.log = tempfile.TemporaryFile("w+", errors="replace")  # noqa: SIM115 (closed in close)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "wtransfer", "serve", "--port", self.url.rsplit(":", 1)[1],
              "--weight-transfer-backend", backend, "--batch-invariant", "--dev-mode", *flags],

@@ -22,8 +22,9 @@ class Server:
     def __init__(self, *flags):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (a pipe nobody reads would
-        self.proc = subprocess.Popen([sys.executable, "-m", "wtransfer", "serve",  # stall it)
+        # to a file: a pipe nobody reads while the module's tests run would stall the server
+        self.log = tempfile.TemporaryFile("w+", errors="replace")  # noqa: SIM115
+        self.proc = subprocess.Popen([sys.executable, "-m", "wtransfer", "serve",
                                       "--model", "tiny", "--port", str(self.port), *flags],
                                      stdout=self.log, stderr=subprocess.STDOUT, text=True)
         headers = {"Authorization": f"Bearer {KEY}"} if "--api-key" in flags else {}

@@ -357,7 +357,9 @@ def _init_random(model: nn.Module, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed * 1_000_003 + number)
         param.copy_(torch.randn(param.shape, generator=gen) * scale)
 
-    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:  # (not OMP's count)
+    cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1)  # the CPUs this process may use (not OMP's count)
+    with ThreadPoolExecutor(max(1, min(8, cpus))) as pool:
         for done in [pool.submit(fill, i, n, p)
                      for i, (n, p) in enumerate(model.named_parameters())]:
             done.result()

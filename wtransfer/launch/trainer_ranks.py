@@ -158,7 +158,8 @@ class TrainerRanks:
             if gated:
                 cmd.append("--gated")
             # stderr to a file: a pipe read only at exit would stall a rank that warns a lot
-            self._stderr.append(tempfile.TemporaryFile("w+"))  # noqa: SIM115 (closed in close)
+            self._stderr.append(tempfile.TemporaryFile(  # noqa: SIM115 (closed in close)
+                "w+", errors="replace"))
             self.procs.append(subprocess.Popen(
                 cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=self._stderr[-1], text=True,
