@@ -8,6 +8,12 @@
 #     bash benchmarks/gpu_one.sh peers    # checkpoint-engine side by side
 #     bash benchmarks/gpu_one.sh m2n      # 2 trainer processes -> our engine's 2 TP workers,
 #                                         # then -> 1 receiver, over CUDA IPC
+#     bash benchmarks/gpu_one.sh profile  # py-spy of the engine and ranks during the 8B
+#                                         # 2 -> TP=2 updates (one sender, then M->N); needs
+#                                         # the py-spy wheel in .whl/ (pip download py-spy)
+# The image lacks (wheels in .whl/, cp312 manylinux; as this checkout's .venv has them):
+# pyzmq, fastapi (0.165 needs opentelemetry-api), starlette, uvicorn, pydantic, pydantic-core,
+# annotated-types, typing-inspection, typing-extensions (>= 4.16 for pydantic 2.14).
 # The UCX wheels (ucxx-cu13, libucxx-cu13, libucx-cu13<1.22, rmm-cu13, librmm-cu13,
 # rapids-logger) go in .whl/ucx/ (about 53 MB); without them the ucx tests fail to start.
 # Results and logs go to $OUT.
@@ -65,6 +71,14 @@ m2n)
         --device cuda:0 --models qwen3-8b --trainer-ranks 2 --senders 2 --bucket-mb 1024 \
         --repeats 3 > $OUT/m2n.txt 2>&1; echo "rc $?"
     tail -12 $OUT/m2n.txt ;;
-*) echo "usage: gpu_one.sh suite|paths|ipc|peers|m2n"; exit 2 ;;
+profile)
+    for path in one-sender m2n; do
+        echo "$(ts) where the 8B 2 -> TP=2 update's time goes: $path"
+        timeout 280 python3 benchmarks/profile_update.py --model qwen3-8b --device cuda:0 \
+            --tp 2 --path $path --updates 10 --py-spy /tmp/site/bin/py-spy \
+            > $OUT/profile-$path.txt 2>&1; echo "rc $?"
+        grep -A14 "^engine\|median update" $OUT/profile-$path.txt | head -60
+    done ;;
+*) echo "usage: gpu_one.sh suite|paths|ipc|peers|m2n|profile"; exit 2 ;;
 esac
 echo "$(ts) done"
