@@ -37,7 +37,6 @@ def pytest_generate_tests(metafunc):
             for w in WIDTHS])
 
 
-
 def kill_a_rank_mid_updates(client, address, backend, init, after):
     """Two ranks updating `address` in a loop; rank 1 SIGKILLed once it reported `after`:
     rank 0 fails with a traceback, the receiver fails the update at its deadline without
@@ -54,6 +53,7 @@ def kill_a_rank_mid_updates(client, address, backend, init, after):
     status = client.status()
     assert status["torn"] is False and status["state"] in ("failed", "ready")
     return trainers.reports(0, "sent"), status
+
 
 class M2NCases:
     """The same M->N cases over each backend (a class per backend, so the suite runs the

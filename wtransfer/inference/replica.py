@@ -304,22 +304,21 @@ class Replica:
         self._everywhere("init_weight_transfer_engine", init_info)
 
     def _model_bytes(self, model: torch.nn.Module) -> int:
-        """Bytes one worker holds of `model` (the whole model's share per worker)."""
-        whole = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        return whole // self.config.tensor_parallel_size
+        """Bytes of the whole `model` (every worker together)."""
+        return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
     def _rollback_enabled(self, model: torch.nn.Module) -> bool:
         if self.config.update_rollback is not None:
             return self.config.update_rollback
         # every worker of this engine (one host) saves its own part: the whole model in all
-        return self._model_bytes(model) * self.config.tensor_parallel_size \
-            <= available_host_memory() // 2
+        return self._model_bytes(model) <= available_host_memory() // 2
 
     def _staging_mode(self, model: torch.nn.Module, device: torch.device) -> StagingMode:
         """`EngineConfig.update_staging`, or auto: swap when one more copy of a worker's
         weights fits in half the free memory of its device; a mode that does not fit is
         refused here."""
-        wanted, need = self.config.update_staging, self._model_bytes(model)
+        wanted = self.config.update_staging
+        need = self._model_bytes(model) // self.config.tensor_parallel_size  # (one worker's)
         free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
                 else available_host_memory())
         if wanted is None:

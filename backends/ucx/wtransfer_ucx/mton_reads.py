@@ -17,9 +17,10 @@ none writes its shards while they are read.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,8 +28,8 @@ import torch
 from wtransfer.errors import MetadataError
 from wtransfer.packing import DTYPES, TensorMeta
 from wtransfer.receiver.session import UpdateSession
-from wtransfer.records import TensorLayout
-from wtransfer.transport.mton import PairBucket, Piece
+from wtransfer.records import Box, TensorLayout
+from wtransfer.transport.mton import PairBucket
 from wtransfer_ucx.info import ReadsUpdate
 from wtransfer_ucx.remote_reads import ImportedKeys
 from wtransfer_ucx.rma import Reads, RemoteKey
@@ -36,13 +37,14 @@ from wtransfer_ucx.rma import Reads, RemoteKey
 log = logging.getLogger(__name__)
 
 
-def runs(layout: TensorLayout, piece: Piece) -> Iterator[tuple[int, int]]:
+@functools.lru_cache(maxsize=16384)  # (the plan, and so each box, is the same every update)
+def runs(layout: TensorLayout, box: Box) -> tuple[tuple[int, int], ...]:
     """The contiguous byte runs ``(offset in the rank's local tensor, length)`` that hold
-    `piece`'s box, in the box's row-major order (its packed order in a bucket)."""
+    global region `box`, in the box's row-major order (its packed order in a bucket)."""
     dtype = DTYPES[layout.dtype]
     itemsize = dtype.itemsize
     local = torch.empty(layout.local_shape, dtype=dtype, device="meta")
-    view = layout.view(local, piece.box)
+    view = layout.view(local, box)
     shape, strides = list(view.shape), list(view.stride())
     inner, expected = len(shape), 1
     while inner > 0 and (shape[inner - 1] == 1 or strides[inner - 1] == expected):
@@ -50,9 +52,8 @@ def runs(layout: TensorLayout, piece: Piece) -> Iterator[tuple[int, int]]:
         inner -= 1
     length = expected * itemsize
     start = int(view.storage_offset())
-    for index in itertools.product(*(range(n) for n in shape[:inner])):
-        yield ((start + sum(i * s for i, s in zip(index, strides, strict=False))) * itemsize,
-               length)
+    return tuple(((start + sum(i * s for i, s in zip(index, strides, strict=False))) * itemsize,
+                  length) for index in itertools.product(*(range(n) for n in shape[:inner])))
 
 
 class RankReads:
@@ -117,7 +118,7 @@ class RankReads:
                 raise MetadataError(f"a piece of {meta.name!r} ends past its bucket")
             address, key = where[piece.tensor]
             at = base + piece.offset
-            for offset, length in runs(held[meta.name], piece):
+            for offset, length in runs(held[meta.name], piece.box):
                 reads.get(at, length, address + offset, key, into_cuda=slot.is_cuda)
                 at += length
 
