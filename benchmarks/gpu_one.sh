@@ -4,10 +4,13 @@
 #                                         # a time (one GPU)
 #     bash benchmarks/gpu_one.sh paths    # staged commit, delta compare, MoE on CUDA, FP8 matmul
 #                                         # and update, hand-over, ipc
-#     bash benchmarks/gpu_one.sh ipc      # the ipc ratios alone (three runs)
+#     bash benchmarks/gpu_one.sh ipc      # the ipc ratios alone (three runs; BUCKETS=0 for
+#                                         # zero-copy and the default packed path only)
 #     bash benchmarks/gpu_one.sh peers    # checkpoint-engine side by side
 #     bash benchmarks/gpu_one.sh m2n      # 2 trainer processes -> our engine's 2 TP workers,
 #                                         # then -> 1 receiver, over CUDA IPC
+#     bash benchmarks/gpu_one.sh trace    # a timeline of the trainer and the engine through
+#                                         # 8B zero-copy updates (where the time goes)
 #     bash benchmarks/gpu_one.sh profile  # py-spy of the engine and ranks during the 8B
 #                                         # 2 -> TP=2 updates (one sender, then M->N); needs
 #                                         # the py-spy wheel in .whl/ (pip download py-spy)
@@ -52,8 +55,8 @@ paths|ipc)
         # 16 GB model cold (one ran past 110 s on 2026-12-02)
         echo "$(ts) ipc zero-copy and packed, run $run"
         WTRANSFER_BENCH_DIR=$OUT/ipc-$run timeout 170 python3 benchmarks/transfer.py \
-            --backend ipc --device cuda:0 --models qwen3-8b --bucket-mb 0,1024x4,512x4 \
-            --repeats 5 > $OUT/ipc-$run.txt 2>&1; echo "rc $?"
+            --backend ipc --device cuda:0 --models qwen3-8b \
+            --bucket-mb "${BUCKETS:-0,1024x4,512x4}" --repeats 5 > $OUT/ipc-$run.txt 2>&1; echo "rc $?"
         tail -10 $OUT/ipc-$run.txt
     done ;;
 peers)
@@ -71,6 +74,11 @@ m2n)
         --device cuda:0 --models qwen3-8b --trainer-ranks 2 --senders 2 --bucket-mb 1024 \
         --repeats 3 > $OUT/m2n.txt 2>&1; echo "rc $?"
     tail -12 $OUT/m2n.txt ;;
+trace)
+    echo "$(ts) where an 8B zero-copy update's time goes"
+    timeout 300 python3 benchmarks/zero_copy_trace.py --model qwen3-8b --device cuda:0 \
+        > $OUT/trace.txt 2>&1; echo "rc $?"
+    cat $OUT/trace.txt | tail -80 ;;
 profile)
     for path in one-sender m2n; do
         echo "$(ts) where the 8B 2 -> TP=2 update's time goes: $path"

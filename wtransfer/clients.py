@@ -226,13 +226,13 @@ class FanoutCall:
                 return True
         return False
 
-    def result(self, timeout_s: float) -> None:
+    def result(self, timeout_s: float, spin_from: float | None = None) -> None:
         """Wait up to `timeout_s` for every instance; raise as `FanoutClient.map` does."""
         deadline = time.monotonic() + timeout_s
         failures: list[tuple[int, BaseException]] = []
         for i, call in enumerate(self.calls):
             try:
-                call.result(max(0.0, deadline - time.monotonic()))
+                call.result(max(0.0, deadline - time.monotonic()), spin_from)
             except Exception as exc:
                 failures.append((i, exc))
         if failures:

@@ -8,13 +8,9 @@ bounds staging memory on each side by `num_buffers * bucket_bytes` whatever the 
 
 from __future__ import annotations
 
-import ctypes
 import math
-import os
 import sys
-import threading
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeGuard
 
@@ -23,6 +19,7 @@ import torch
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
+from wtransfer.copies import copy_bytes
 from wtransfer.errors import ConfigError, MetadataError
 
 DEFAULT_ALIGN = 256
@@ -302,103 +299,6 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.contiguous()
     flat = tensor.reshape(-1)
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-
-
-_MEMCPY_BYTES = 1 << 20
-
-HOST_COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
-"""Threads one host-memory copy is split over: one on a small machine (the other side of the
-pipeline needs the other cores), up to 8 on a large host (one memcpy thread moves a fraction
-of its memory bandwidth)."""
-_HOST_CHUNK = 8 << 20
-_host_pool: ThreadPoolExecutor | None = None
-_host_pool_lock = threading.Lock()
-
-
-def _host_copy(pairs: list[tuple[int, int, int]]) -> None:
-    """memmove each (dst, src, nbytes), over `HOST_COPY_THREADS` threads in chunks when the
-    total is large (ctypes drops the GIL for each call)."""
-    global _host_pool
-    total = sum(n for _, _, n in pairs)
-    if HOST_COPY_THREADS == 1 or total < 2 * _HOST_CHUNK:
-        for dst, src, n in pairs:
-            ctypes.memmove(dst, src, n)
-        return
-    chunks = [(dst + at, src + at, min(_HOST_CHUNK, n - at))
-              for dst, src, n in pairs for at in range(0, n, _HOST_CHUNK)]
-    with _host_pool_lock:
-        if _host_pool is None:
-            _host_pool = ThreadPoolExecutor(HOST_COPY_THREADS,
-                                            thread_name_prefix="wtransfer-copy")
-    share = -(-len(chunks) // HOST_COPY_THREADS)
-
-    def run(part: list[tuple[int, int, int]]) -> None:
-        for dst, src, n in part:
-            ctypes.memmove(dst, src, n)
-
-    for done in [_host_pool.submit(run, chunks[i:i + share])
-                 for i in range(0, len(chunks), share)]:
-        done.result()
-"""On CUDA, copies of at least this many bytes go out one by one as device memcpys."""
-
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_copies(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Large same-device CUDA copies, every other one on a side stream of the device that
-    starts after what the current stream queued and that the current stream waits for
-    before anything queued after this call: ordered like one stream, but two copies in
-    flight (on one H200, 399 Qwen3-8B tensors: 8.1 ms against 8.8 ms on one stream; one
-    flat copy of the same bytes is 7.7 ms)."""
-    device = pairs[0][0].device
-    current = torch.cuda.current_stream(device)
-    side = _SIDE_STREAMS.get(device)
-    if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    side.wait_stream(current)
-    for i, (d, s) in enumerate(pairs):
-        if i % 2:
-            with torch.cuda.stream(side):
-                d.copy_(s, non_blocking=True)
-        else:
-            d.copy_(s, non_blocking=True)
-    current.wait_stream(side)
-
-
-def copy_bytes(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """Copy each flat uint8 `srcs[i]` into the flat uint8 `dsts[i]` of the same length.
-
-    CPU to CPU is plain memcpy through ctypes, which drops the GIL: the transfer pipeline
-    already overlaps sender and receiver, and torch's intra-op threads would spin on the cores
-    the other side needs; on a large host a big copy is split over `HOST_COPY_THREADS`. On
-    one CUDA device the small copies go out as a single multi-tensor launch (hundreds of small
-    tensors cost one launch, not hundreds), and each large one as its own device-to-device
-    memcpy, which runs at copy bandwidth (the multi-tensor kernel copies byte by byte, several
-    times slower on gigabytes); the large ones alternate between the current stream and a side
-    stream (`_side_copies`), so one copy's ramp-up and tail overlap the next one's body.
-    """
-    for d, s in zip(dsts, srcs, strict=True):
-        if d.numel() != s.numel():
-            raise ValueError(f"copy_bytes: {s.numel()} bytes into {d.numel()}")
-    if not dsts:
-        return
-    if all(d.is_cpu and s.is_cpu for d, s in zip(dsts, srcs, strict=True)):
-        _host_copy([(d.data_ptr(), s.data_ptr(), d.numel())
-                    for d, s in zip(dsts, srcs, strict=True)])
-    elif len({t.device for t in (*dsts, *srcs)}) == 1:
-        small = [(d, s) for d, s in zip(dsts, srcs, strict=True) if d.numel() < _MEMCPY_BYTES]
-        if small:
-            torch._foreach_copy_([d for d, _ in small], [s for _, s in small], non_blocking=True)
-        large = [(d, s) for d, s in zip(dsts, srcs, strict=True) if d.numel() >= _MEMCPY_BYTES]
-        if len(large) > 1 and dsts[0].is_cuda:
-            _side_copies(large)
-        else:
-            for d, s in large:
-                d.copy_(s, non_blocking=True)
-    else:
-        for d, s in zip(dsts, srcs, strict=True):
-            d.copy_(s, non_blocking=True)
 
 
 def tensor_from_bytes(data: torch.Tensor, meta: TensorMeta) -> torch.Tensor:

@@ -190,13 +190,16 @@ class ReceiverServer:
         return method, args, None if after is None else after.to_bytes(8, "little")
 
     def _execute(self) -> None:
+        """Run the queued calls in order. A reply is held back while the same caller's finish,
+        already queued, runs next, and goes out with the finish's: that caller waits for the
+        finish anyway, and the thread forwarding replies would otherwise wake in the middle of
+        the finish and contend with it for the interpreter."""
         out: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
         out.setsockopt(zmq.LINGER, 0)
         out.connect(self._replies_at)
-        while True:
-            item = self._work.get()
-            if item is None:
-                break
+        held: list[list[bytes]] = []
+        item = self._work.get()
+        while item is not None:
             envelope, method, args, after = item
             key = tuple(envelope[:-1])
             try:
@@ -209,7 +212,19 @@ class ReceiverServer:
                 self._failed[key] = None
                 while len(self._failed) > _FAILED_KEPT:
                     self._failed.popitem(last=False)
-            out.send_multipart([*envelope, wire.encode(reply)])
+            held.append([*envelope, wire.encode(reply)])
+            waiting = not self._work.empty()
+            item = self._work.get() if waiting else None
+            if item is not None and item[1] == "finish_weight_update" \
+                    and item[0][0] == envelope[0]:
+                continue  # (the same caller: a DEALER's identity frame)
+            for frames in held:
+                out.send_multipart(frames)
+            held = []
+            if not waiting:
+                item = self._work.get()
+        for frames in held:
+            out.send_multipart(frames)
         out.close()
 
     def status(self) -> dict[str, Any]:
@@ -255,13 +270,14 @@ class RPCCall:
             self._reply = self.client._collect(self.call_id, 0.0)
         return self._reply is not None
 
-    def result(self, timeout_s: float | None = None) -> Any:
+    def result(self, timeout_s: float | None = None, spin_from: float | None = None) -> Any:
         """The call's result; `PeerError` (typed by the remote error) if it failed there,
-        `TransferTimeout` once its deadline, or `timeout_s` from now, passes first."""
+        `TransferTimeout` once its deadline, or `timeout_s` from now, passes first. From
+        `spin_from` (monotonic seconds) on, the socket is polled without sleeping."""
         if self._reply is None:
             deadline = self.deadline if timeout_s is None else min(
                 self.deadline, time.monotonic() + timeout_s)
-            self._reply = self.client._collect(self.call_id, deadline)
+            self._reply = self.client._collect(self.call_id, deadline, spin_from)
             if self._reply is None:
                 waited = self.timeout_s if deadline == self.deadline else timeout_s
                 raise TransferTimeout(self.client._silence(self.method, waited or 0.0))
@@ -344,19 +360,28 @@ class RPCClient(SingleEngineClient):
         return (f"{method}: no answer from {self.address} within {timeout_s:g}s; is the "
                 "receiver process alive?")
 
-    def _collect(self, call_id: int, deadline: float) -> bytes | None:
+    def _collect(self, call_id: int, deadline: float,
+                 spin_from: float | None = None) -> bytes | None:
         """The reply body of `call_id` once in, or None at `deadline`. Whoever waits reads
         every reply that arrives and files it by id; the lock is given up every few ms so
-        another thread's request or wait is never held behind a long one."""
+        another thread's request or wait is never held behind a long one. From `spin_from`
+        on it polls without sleeping (a thread woken from a sleep takes a while to run again
+        on an idle host: a few hundred microseconds, measured on one H200's host)."""
         while True:
             with self._lock:
                 if call_id in self._replies:
                     return self._replies.pop(call_id)
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                left = deadline - now
                 if left <= 0:
                     return None
-                if self._socket.poll(max(1, int(min(left, _SLICE_S) * 1000)), zmq.POLLIN):
+                spinning = spin_from is not None and now >= spin_from
+                wait_s = 0.0 if spinning else min(left, _SLICE_S, (spin_from or now + 1) - now)
+                if self._socket.poll(max(0 if spinning else 1, int(wait_s * 1000)), zmq.POLLIN):
                     self._read_replies()
+                    continue
+            if spinning:
+                os.sched_yield()
 
     def _arrived(self, call_id: int) -> bool:
         """Whether `call_id`'s reply is in (reads what is waiting; never blocks)."""

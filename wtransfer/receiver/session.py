@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from wtransfer.copies import CopyQueue, copy_bytes
 from wtransfer.delta.codec import BITS_VIEW, DeltaEntry
 from wtransfer.delta.pieces import decode_bucket
 from wtransfer.delta.target import DeltaTarget
@@ -38,15 +39,11 @@ from wtransfer.packing import (
     Slice,
     TensorMeta,
     bucket_checksum,
-    copy_bytes,
     tensor_from_bytes,
 )
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import Box, TensorLayout
 from wtransfer.transport.mton import Piece
-
-ISSUE_EVERY = 8
-"""A zero-copy update issues its copies in groups of this many tensors (`load_whole`)."""
 
 
 class _Partial:
@@ -223,14 +220,17 @@ class UpdateSession:
     def announce(self, metas: Sequence[TensorMeta]) -> None:
         """Start a group of tensors; the target checks them all before anything is written
         (unless it did when the update opened: `precheck`)."""
-        clash = [m.name for m in metas if m.name in self._pending]
-        if clash:
-            raise MetadataError(f"tensors announced again before they arrived: {clash[:5]}")
+        if self._pending:
+            clash = [m.name for m in metas if m.name in self._pending]
+            if clash:
+                raise MetadataError(f"tensors announced again before they arrived: "
+                                    f"{clash[:5]}")
         if metas is not self._prechecked:
             self._target.check(metas)
         self._metas = list(metas)
-        self._pending.update({m.name: m for m in metas})
-        self._announced.update({m.name: m for m in metas})
+        named = {m.name: m for m in metas}
+        self._pending.update(named)
+        self._announced.update(named)
 
     def keep_only(self, kept: dict[str, TensorLayout] | None) -> None:
         """An M->N update: of each announced tensor only what `kept` holds arrives (None:
@@ -427,35 +427,35 @@ class UpdateSession:
 
     def load_whole(self, sources: Sequence[torch.Tensor]) -> None:
         """Load every announced tensor whole from its own flat uint8 source (a zero-copy
-        update: the sender's storage). Every source is checked first; then the copies are
-        issued every few tensors while the rest are still being placed, so the device starts
-        copying at once instead of after the bookkeeping of the whole list."""
+        update: the sender's storage). Every source is checked first; then each tensor's copy
+        is queued as its destination is found (`CopyQueue`), so the device starts copying
+        after the first tensor and the host's bookkeeping of the rest runs while it copies."""
         if len(sources) != len(self._metas):
             raise MetadataError(f"{len(sources)} sources for {len(self._metas)} tensors")
+        pending = self._pending
         for meta, src in zip(self._metas, sources, strict=True):
             if src.numel() != meta.nbytes:
                 raise MetadataError(f"source of {meta.name!r} holds {src.numel()} bytes, "
                                     f"not {meta.nbytes}")
-            if meta.name not in self._pending:
+            if meta.name not in pending:
                 raise MetadataError(f"tensor {meta.name!r} arrived twice in one update")
-        batch = _Batch()
-        for index, (meta, src) in enumerate(zip(self._metas, sources, strict=True)):
-            if len(batch.dsts) >= ISSUE_EVERY:
-                self.touched = True
-                copy_bytes(batch.dsts, batch.srcs)
-                batch.dsts, batch.srcs = [], []
-            self._save(meta.name)
-            if meta.nbytes == 0:
-                batch.loads.append((meta.name, torch.empty(
-                    meta.shape, dtype=DTYPES[meta.dtype], device=self._device)))
-                del self._pending[meta.name]
+        copies = CopyQueue(fenced=self._store is not None)  # (rollback copies go between)
+        loads: list[tuple[str, torch.Tensor]] = []
+        for meta, src in zip(self._metas, sources, strict=True):
+            name = meta.name
+            self._save(name)
+            del pending[name]
+            direct = self._direct(name) if meta.nbytes else None
+            self.touched = True  # (a queued copy may go out later, but it is as good as made)
+            if direct is not None:
+                copies.add(direct, src)
             else:
-                self._place_whole(meta, Slice(index, 0, 0, meta.nbytes), src, batch)
-        if batch.dsts or batch.loads:
-            self.touched = True
-        copy_bytes(batch.dsts, batch.srcs)
-        if batch.loads:
-            self._target.load_weights(batch.loads)
+                loads.append((name, tensor_from_bytes(src, meta) if meta.nbytes else
+                              torch.empty(meta.shape, dtype=DTYPES[meta.dtype],
+                                          device=self._device)))
+        copies.close()
+        if loads:
+            self._target.load_weights(loads)
         self.bytes_received += sum(m.nbytes for m in self._metas)
 
     def direct_destination(self, bucket: Bucket, device: torch.device) -> torch.Tensor:

@@ -80,12 +80,13 @@ class UpdateCalls:
             call.result(0)
             self._settled += 1
 
-    def settle(self) -> None:
+    def settle(self, spin_from: float | None = None) -> None:
         """Wait for every issued call in order; raise the first failure (and stop waiting for
-        the rest)."""
+        the rest). From `spin_from` on, replies are polled for without sleeping
+        (`PendingCall.result`)."""
         try:
             while self._settled < len(self._calls):
-                self._calls[self._settled].result(self.timeout_s)
+                self._calls[self._settled].result(self.timeout_s, spin_from)
                 self._settled += 1
         except BaseException:
             self.drop()

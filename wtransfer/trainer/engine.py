@@ -54,7 +54,7 @@ from wtransfer.errors import (
 )
 from wtransfer.manifest import Manifest, PlanParams
 from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta, bucket_checksum
-from wtransfer.protocol import CallQueue, PausingClient, PendingCall, WeightSyncClient
+from wtransfer.protocol import SPIN_S, CallQueue, PausingClient, PendingCall, WeightSyncClient
 from wtransfer.records import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_NUM_BUFFERS,
@@ -207,6 +207,9 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         (of each pair bucket this rank sends, when every rank sends its own shards)."""
         self.connected = False
         self.closed = False
+        self._last_update_s: float | None = None
+        """How long the last update that succeeded took (`_reply_due`)."""
+        self._update_start = 0.0
 
     @classmethod
     def trainer_init(cls: type[S], init_info: Any, *, client: WeightSyncClient | None,
@@ -343,6 +346,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         first, settled before any byte moves when it is a delta, so a receiver without its base
         refuses it with nothing written)."""
         start = time.perf_counter()
+        self._update_start = time.monotonic()
         self._offered = None
         source = delta.source if delta is not None else self.source
         calls = (UpdateCalls(self.calls, self.init_info.timeout_s, weight_version,
@@ -383,7 +387,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         finally:
             if calls is not None:
                 calls.drop()
-        seconds = time.perf_counter() - start
+        seconds = self._last_update_s = time.perf_counter() - start
         peak = packer.peak_bytes if isinstance(packer, GatheringPacker) else 0
         fields: dict[str, Any] = {"bytes": layout.plan.total_bytes,
                                   "tensors": len(layout.manifest),
@@ -473,7 +477,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             if out.channel is not None:
                 send_buckets(units, share.packer, out.channel, check=calls.check)
         try:
-            calls.settle()
+            calls.settle(self._reply_due())
         except BaseException:
             if out.kept is not None:
                 out.kept.forget()
@@ -495,6 +499,15 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         return SendChannel(slots=channel.slots, stage=channel.stage, post=post,
                            wait=lambda call, _check: call.result(timeout_s))
 
+    def _reply_due(self) -> float | None:
+        """When the update in progress should be answered, judged by the last one (monotonic
+        seconds), less a margin of a tenth of it but at most `SPIN_S`: from then on the
+        replies are polled for without sleeping (None before any update succeeded)."""
+        last = self._last_update_s
+        if last is None:
+            return None
+        return self._update_start + last - min(0.1 * last, SPIN_S)
+
     def _finish_early(self, calls: UpdateCalls) -> None:
         """Once every update call of a lone sender is issued, its finish goes right behind
         them; with several senders, or a pause around the finish, it waits for every rank's
@@ -511,7 +524,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         if self._pause is None:
             if self.senders > 1:
                 calls.finish()
-            calls.settle()
+            calls.settle(self._reply_due())
             return
         calls.settle()  # every byte is in: only the finish runs paused
         client, mode = self._pause

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from wtransfer.copies import copy_bytes
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.packing import (
     DTYPES,
@@ -27,7 +28,6 @@ from wtransfer.packing import (
     BucketPlan,
     Slice,
     byte_view,
-    copy_bytes,
     is_dtensor,
 )
 

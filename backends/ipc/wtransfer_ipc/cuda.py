@@ -10,6 +10,7 @@ the sender's own process cannot open its own IPC handle, so it uses the buffer d
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from typing import Any
@@ -126,22 +127,31 @@ class SenderEvents:
 _POLL_S = 0.00005
 
 
-def drain(device: torch.device, timeout_s: float) -> None:
+def drain(device: torch.device, timeout_s: float, spin_from: float | None = None) -> None:
     """Return once everything queued on `device`'s current stream ran, or raise
     `TransferTimeout` after `timeout_s`: its copies may wait on a trainer's event, and a
     trainer that died before its writes ran must not hold the engine's call forever (a plain
-    stream synchronize has no deadline)."""
+    stream synchronize has no deadline). From `spin_from` (monotonic seconds) on, it polls
+    without sleeping (see `await_event`)."""
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(device))
     await_event(done, timeout_s, "copies out of the trainer's memory",
-                "is the trainer process alive?")
+                "is the trainer process alive?", spin_from)
 
 
-def await_event(event: torch.cuda.Event, timeout_s: float, what: str, hint: str) -> None:
+def await_event(event: torch.cuda.Event, timeout_s: float, what: str, hint: str,
+                spin_from: float | None = None) -> None:
     """Poll `event` (its last record, possibly another process's) until it completed, or
-    raise `TransferTimeout` naming `what` after `timeout_s`."""
+    raise `TransferTimeout` naming `what` after `timeout_s`. Between polls it sleeps
+    `_POLL_S` (which a host may stretch to a few hundred microseconds: timer slack, a core
+    waking from idle) until `spin_from` (monotonic seconds; None: never), then only yields
+    the processor: a caller that expects the event soon learns of it at once."""
     deadline = time.monotonic() + timeout_s
     while not event.query():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise TransferTimeout(f"{what} did not complete within {timeout_s:g}s: {hint}")
-        time.sleep(_POLL_S)
+        if spin_from is not None and now >= spin_from:
+            os.sched_yield()  # (a sleep of zero would still wait out the timer slack)
+        else:
+            time.sleep(_POLL_S)

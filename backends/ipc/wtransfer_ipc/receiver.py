@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.manifest import Manifest
 from wtransfer.packing import Slice, TensorMeta
+from wtransfer.protocol import SPIN_S
 from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
@@ -44,6 +46,9 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         self._unfinished: torch.device | None = None
         """The device whose stream holds reads not yet waited for (at finish)."""
         self._zero_copy = ZeroCopyImports()
+        self._last_copies_s = 0.0
+        """How long the last zero-copy update's copies took, issued to done (the next one
+        waits for its copies without sleeping from a tenth, at most `SPIN_S`, before that)."""
         self._trainer: ProcessWatch | None = None
 
     def _init(self, info: IPCInitInfo) -> None:
@@ -153,9 +158,12 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         if self.device.type != "cuda":
             raise ConfigError("a zero-copy update shares CUDA memory: create the receiver "
                               "with device='cuda:N'")
+        started = time.monotonic()
         session.load_whole(self._zero_copy.sources(update, metas, self.device))
-        drain(self.device, self._timeout_s())  # done reading: the trainer may write its
-        # weights again once this call returns
+        last = self._last_copies_s  # near the copies' end, wait for it without sleeping
+        drain(self.device, self._timeout_s(),  # done reading: the trainer may write its
+              started + last - min(0.1 * last, SPIN_S) if last else None)  # weights again
+        self._last_copies_s = time.monotonic() - started  # once this call returns
 
     def _finish(self) -> None:
         """Wait (within the deadline) for the reads the buckets queued: the weights are in

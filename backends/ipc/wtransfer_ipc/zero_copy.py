@@ -101,8 +101,10 @@ class ZeroCopyExports:
         if self.event is None:
             self.event = exported_event(device)
         self.event[0].record(torch.cuda.current_stream(device))
+        sent = self._sent
         return record_to_wire(ZeroCopyUpdate(
-            storages=[(i, self._record(i)) for i in last.used if i not in self._sent],
+            storages=[(i, self._record(i)) for i in last.used if i not in sent]
+            if len(sent) < len(last.used) or not sent.issuperset(last.used) else [],
             used=last.used_bytes, layout=last.layout_bytes, event=self.event[1],
             token=self.token, sender_pid=os.getpid()))
 

@@ -1,0 +1,186 @@
+"""Byte copies between flat uint8 tensors: host memcpy, and CUDA copies kept ahead of the GPU.
+
+`copy_bytes` copies a list at once. `CopyQueue` takes copies one at a time as a receiver
+works out where each tensor goes, and issues them in groups while it is still working, so the
+device starts copying at once and is never left waiting for the host:
+
+- groups double in size (1, 2, 4, ... up to `GROUP_MAX` copies), so the first copy leaves
+  after one tensor's bookkeeping and later groups cost one stream switch each;
+- large copies (at least `MEMCPY_BYTES`) go out one device memcpy each, split between the
+  current stream and a side stream by bytes queued so far, so two copies are always in flight
+  (one's ramp-up and tail overlap the other's body); the side stream starts after what the
+  current stream queued before the first group (`fenced`: before each group, for a caller
+  that queues its own work on the current stream between copies, such as a rollback copy of
+  the next destination), and the current stream waits for the side stream at `close`:
+  ordered like one stream;
+- small copies (norms, biases) are gathered into one multi-tensor launch at `close` (hundreds
+  of them cost one launch); the multi-tensor kernel copies byte by byte, several times slower
+  than a memcpy on gigabytes, so it takes only those.
+
+On one H200 (Qwen3-8B, 399 tensors, 16.4 GB): one flat copy of every byte 7.6 ms, the 399
+copies one by one on one stream 8.9 ms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+MEMCPY_BYTES = 1 << 20
+"""On CUDA, copies of at least this many bytes go out one by one as device memcpys."""
+
+GROUP_MAX = 32
+"""Most copies a `CopyQueue` holds back before issuing them (the host works out the next
+group while the device copies this one)."""
+
+HOST_COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
+"""Threads one host-memory copy is split over: one on a small machine (the other side of the
+pipeline needs the other cores), up to 8 on a large host (one memcpy thread moves a fraction
+of its memory bandwidth)."""
+_HOST_CHUNK = 8 << 20
+_host_pool: ThreadPoolExecutor | None = None
+_host_pool_lock = threading.Lock()
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _host_copy(pairs: list[tuple[int, int, int]]) -> None:
+    """memmove each (dst, src, nbytes), over `HOST_COPY_THREADS` threads in chunks when the
+    total is large (ctypes drops the GIL for each call)."""
+    global _host_pool
+    total = sum(n for _, _, n in pairs)
+    if HOST_COPY_THREADS == 1 or total < 2 * _HOST_CHUNK:
+        for dst, src, n in pairs:
+            ctypes.memmove(dst, src, n)
+        return
+    chunks = [(dst + at, src + at, min(_HOST_CHUNK, n - at))
+              for dst, src, n in pairs for at in range(0, n, _HOST_CHUNK)]
+    with _host_pool_lock:
+        if _host_pool is None:
+            _host_pool = ThreadPoolExecutor(HOST_COPY_THREADS,
+                                            thread_name_prefix="wtransfer-copy")
+    share = -(-len(chunks) // HOST_COPY_THREADS)
+
+    def run(part: list[tuple[int, int, int]]) -> None:
+        for dst, src, n in part:
+            ctypes.memmove(dst, src, n)
+
+    for done in [_host_pool.submit(run, chunks[i:i + share])
+                 for i in range(0, len(chunks), share)]:
+        done.result()
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return side
+
+
+class CopyQueue:
+    """Copies of flat uint8 tensors, issued in growing groups as they are added (see the module
+    docstring); `close` issues the rest. Until then a copy may not have been issued: read a
+    destination only after `close` (and, on a device, after the stream ran it)."""
+
+    def __init__(self, *, fenced: bool = False) -> None:
+        self._fenced = fenced
+        """Whether each group's side copies wait for everything the current stream queued
+        before the group, not only before the first one (that wait also holds them behind
+        the current stream's copies of earlier groups)."""
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._small: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._group = 1
+        """Copies held back before the next group goes out."""
+        self._device: torch.device | None = None
+        """The CUDA device of the queue's first device copy: streams are that device's."""
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+        self._queued = [0, 0]
+        """Bytes of large copies queued on the current and the side stream."""
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy `src` into `dst` (flat uint8, same length): on one CUDA device with a later
+        group (or the small ones' launch), elsewhere at once."""
+        if dst.numel() != src.numel():
+            raise ValueError(f"copy_bytes: {src.numel()} bytes into {dst.numel()}")
+        device = dst.device
+        if self._device is None and dst.is_cuda:
+            self._device = device
+        if device == self._device and src.device == device:
+            if dst.numel() < MEMCPY_BYTES:
+                self._small.append((dst, src))
+                return
+            self._held.append((dst, src))
+            if len(self._held) >= self._group:
+                self._issue()
+                self._group = min(2 * self._group, GROUP_MAX)
+        elif dst.is_cpu and src.is_cpu:
+            _host_copy([(dst.data_ptr(), src.data_ptr(), dst.numel())])
+        else:  # between host and device, across devices (or another device than the first)
+            dst.copy_(src, non_blocking=True)
+
+    def close(self) -> None:
+        """Issue every copy still held; on a device, the current stream then holds them all."""
+        self._issue()
+        if self._small:
+            torch._foreach_copy_([d for d, _ in self._small], [s for _, s in self._small],
+                                 non_blocking=True)
+            self._small = []
+        if self._streams is not None:
+            current, side = self._streams
+            current.wait_stream(side)
+            self._streams = None
+
+    def _issue(self) -> None:
+        """The held copies (large, one device): each on the stream with fewer bytes queued."""
+        held, self._held = self._held, []
+        if not held:
+            return
+        first = self._streams is None
+        if self._streams is None:
+            assert self._device is not None  # set by the first copy held
+            self._streams = (torch.cuda.current_stream(self._device),
+                             _side_stream(self._device))
+        current, side = self._streams
+        if first or self._fenced:
+            side.wait_stream(current)
+        mine: list[tuple[torch.Tensor, torch.Tensor]] = []
+        theirs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for d, s in held:
+            which = 0 if self._queued[0] <= self._queued[1] else 1
+            self._queued[which] += d.numel()
+            (mine if which == 0 else theirs).append((d, s))
+        for d, s in mine:
+            d.copy_(s, non_blocking=True)
+        if theirs:
+            with torch.cuda.stream(side):
+                for d, s in theirs:
+                    d.copy_(s, non_blocking=True)
+
+
+def copy_bytes(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """Copy each flat uint8 `srcs[i]` into the flat uint8 `dsts[i]` of the same length.
+
+    CPU to CPU is plain memcpy through ctypes, which drops the GIL: the transfer pipeline
+    already overlaps sender and receiver, and torch's intra-op threads would spin on the cores
+    the other side needs; on a large host a big copy is split over `HOST_COPY_THREADS`. On one
+    CUDA device, as `CopyQueue` issues them (on the current stream when this returns), in
+    growing groups even though every copy is known: issued all at once, the side stream's
+    first copy would wait for the host to issue every copy of the current stream's share
+    (Qwen3-8B on one H200: 9.2 ms as one group, 8.0 ms in growing groups)."""
+    if len(dsts) != len(srcs):
+        raise ValueError(f"copy_bytes: {len(srcs)} sources for {len(dsts)} destinations")
+    if all(d.is_cpu and s.is_cpu for d, s in zip(dsts, srcs, strict=True)):
+        for d, s in zip(dsts, srcs, strict=True):
+            if d.numel() != s.numel():
+                raise ValueError(f"copy_bytes: {s.numel()} bytes into {d.numel()}")
+        _host_copy([(d.data_ptr(), s.data_ptr(), d.numel()) for d, s in zip(dsts, srcs,
+                                                                           strict=True)])
+        return
+    queue = CopyQueue()
+    for d, s in zip(dsts, srcs, strict=True):
+        queue.add(d, s)
+    queue.close()
