@@ -81,6 +81,15 @@ SPIN_S = 0.002
 """Longest a side polls without sleeping for what it expects soon (a reply, the end of its
 copies), before it is due: a thread woken from a sleep can take a few hundred microseconds
 to run again on an idle host (measured on one H200's host)."""
+SPIN_WINDOW_S = 5 * SPIN_S
+"""How long after it starts such polling goes on; what comes later than that is waited for
+by sleeping again (a stuck peer never holds a core busy until the deadline)."""
+
+
+def spinning(spin_from: float | None, now: float) -> bool:
+    """Whether a wait that expects its event from `spin_from` on (monotonic seconds; None:
+    not expected) polls without sleeping at `now` (see `SPIN_WINDOW_S`)."""
+    return spin_from is not None and spin_from <= now < spin_from + SPIN_WINDOW_S
 
 
 @runtime_checkable

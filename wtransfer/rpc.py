@@ -37,7 +37,7 @@ from wtransfer.errors import (
     ok_reply,
     reply_result,
 )
-from wtransfer.protocol import LabelledClient, WeightSyncClient
+from wtransfer.protocol import LabelledClient, WeightSyncClient, spinning
 from wtransfer.receiver.engine import WeightTransferEngine
 
 SERVED = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
@@ -365,8 +365,9 @@ class RPCClient(SingleEngineClient):
         """The reply body of `call_id` once in, or None at `deadline`. Whoever waits reads
         every reply that arrives and files it by id; the lock is given up every few ms so
         another thread's request or wait is never held behind a long one. From `spin_from`
-        on it polls without sleeping (a thread woken from a sleep takes a while to run again
-        on an idle host: a few hundred microseconds, measured on one H200's host)."""
+        on, for `protocol.SPIN_WINDOW_S`, it polls without sleeping (a thread woken from a
+        sleep takes a while to run again on an idle host: a few hundred microseconds on one
+        H200's host)."""
         while True:
             with self._lock:
                 if call_id in self._replies:
@@ -375,12 +376,15 @@ class RPCClient(SingleEngineClient):
                 left = deadline - now
                 if left <= 0:
                     return None
-                spinning = spin_from is not None and now >= spin_from
-                wait_s = 0.0 if spinning else min(left, _SLICE_S, (spin_from or now + 1) - now)
-                if self._socket.poll(max(0 if spinning else 1, int(wait_s * 1000)), zmq.POLLIN):
+                spin = spinning(spin_from, now)
+                wait_s = min(left, _SLICE_S)
+                if spin_from is not None and now < spin_from:  # awake in time to poll so
+                    wait_s = min(wait_s, spin_from - now)
+                timeout_ms = 0 if spin else max(1, int(wait_s * 1000))
+                if self._socket.poll(timeout_ms, zmq.POLLIN):
                     self._read_replies()
                     continue
-            if spinning:
+            if spin:
                 os.sched_yield()
 
     def _arrived(self, call_id: int) -> bool:

@@ -1,5 +1,7 @@
 """The RPC control plane: remote errors come back typed; hostile requests get error replies."""
 
+import time
+
 import pytest
 import torch
 import zmq
@@ -7,6 +9,7 @@ import zmq
 import wtransfer
 from wtransfer import wire
 from wtransfer.errors import LifecycleError, PeerError, TransferTimeout
+from wtransfer.protocol import SPIN_WINDOW_S
 from wtransfer.rpc import ReceiverServer, RPCClient
 
 
@@ -66,6 +69,23 @@ def test_a_silent_peer_times_out_and_the_client_recovers(served):
         client.fingerprint()
     silent.close(linger=0)
     assert RPCClient(server.address, timeout_s=5).status()["state"] == "new"
+
+
+def test_a_reply_expected_soon_is_polled_for_only_briefly_past_its_time(served):
+    """A trainer polls without sleeping only from when it expects the reply and for
+    `SPIN_WINDOW_S` after: a peer that never answers costs it no busy core until the
+    deadline, and a reply that comes is read either way."""
+    _server, client = served
+    assert client.submit("fingerprint").result(5, spin_from=time.monotonic())
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # accepts, never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    waiting = RPCClient(f"tcp://127.0.0.1:{port}", timeout_s=5)
+    cpu = time.process_time()
+    with pytest.raises(TransferTimeout):
+        waiting.submit("fingerprint").result(1.0, spin_from=time.monotonic())
+    assert time.process_time() - cpu < 0.5  # polling without sleeping the whole second: ~1 s
+    assert SPIN_WINDOW_S < 0.1
+    silent.close(linger=0)
 
 
 def test_a_closed_client_says_so(served):

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from wtransfer.errors import ConfigError, MetadataError, TransferTimeout
+from wtransfer.protocol import spinning
 
 _local: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
@@ -144,14 +145,15 @@ def await_event(event: torch.cuda.Event, timeout_s: float, what: str, hint: str,
     """Poll `event` (its last record, possibly another process's) until it completed, or
     raise `TransferTimeout` naming `what` after `timeout_s`. Between polls it sleeps
     `_POLL_S` (which a host may stretch to a few hundred microseconds: timer slack, a core
-    waking from idle) until `spin_from` (monotonic seconds; None: never), then only yields
-    the processor: a caller that expects the event soon learns of it at once."""
+    waking from idle), but only yields the processor from `spin_from` (monotonic seconds;
+    None: never) on, for `protocol.SPIN_WINDOW_S`: a caller that expects the event soon learns
+    of it at once."""
     deadline = time.monotonic() + timeout_s
     while not event.query():
         now = time.monotonic()
         if now > deadline:
             raise TransferTimeout(f"{what} did not complete within {timeout_s:g}s: {hint}")
-        if spin_from is not None and now >= spin_from:
+        if spinning(spin_from, now):
             os.sched_yield()  # (a sleep of zero would still wait out the timer slack)
         else:
             time.sleep(_POLL_S)
