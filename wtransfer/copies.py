@@ -103,7 +103,8 @@ class CopyQueue:
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy `src` into `dst` (flat uint8, same length): on one CUDA device with a later
-        group (or the small ones' launch), elsewhere at once."""
+        group (or the small ones' launch); elsewhere issued at once (host to host is done on
+        return; a copy that involves a device is queued on its current stream)."""
         if dst.numel() != src.numel():
             raise ValueError(f"copy_bytes: {src.numel()} bytes into {dst.numel()}")
         device = dst.device
@@ -129,6 +130,16 @@ class CopyQueue:
             torch._foreach_copy_([d for d, _ in self._small], [s for _, s in self._small],
                                  non_blocking=True)
             self._small = []
+        if self._streams is not None:
+            current, side = self._streams
+            current.wait_stream(side)
+            self._streams = None
+
+    def abort(self) -> None:
+        """Drop the copies not issued yet (the caller failed part-way); the current stream
+        still waits for the side stream's, so whatever the caller queues next (a rollback,
+        the next update's copies) comes after every copy that did go out."""
+        self._held, self._small = [], []
         if self._streams is not None:
             current, side = self._streams
             current.wait_stream(side)
@@ -173,10 +184,10 @@ def copy_bytes(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> No
     (Qwen3-8B on one H200: 9.2 ms as one group, 8.0 ms in growing groups)."""
     if len(dsts) != len(srcs):
         raise ValueError(f"copy_bytes: {len(srcs)} sources for {len(dsts)} destinations")
+    for d, s in zip(dsts, srcs, strict=True):  # every pair, before any copy goes out
+        if d.numel() != s.numel():
+            raise ValueError(f"copy_bytes: {s.numel()} bytes into {d.numel()}")
     if all(d.is_cpu and s.is_cpu for d, s in zip(dsts, srcs, strict=True)):
-        for d, s in zip(dsts, srcs, strict=True):
-            if d.numel() != s.numel():
-                raise ValueError(f"copy_bytes: {s.numel()} bytes into {d.numel()}")
         _host_copy([(d.data_ptr(), s.data_ptr(), d.numel()) for d, s in zip(dsts, srcs,
                                                                            strict=True)])
         return

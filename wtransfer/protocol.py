@@ -102,7 +102,8 @@ class PendingCall(Protocol):
     def result(self, timeout_s: float, spin_from: float | None = None) -> Any:
         """The call's result; raises its failure, or `TransferTimeout` past `timeout_s`. From
         `spin_from` on (monotonic seconds: when the reply is expected soon) a client that
-        polls for replies polls without sleeping, so the reply is seen the moment it lands."""
+        polls for replies polls without sleeping, so the reply is seen the moment it lands
+        (senders pass it by keyword, and only when they have an expectation)."""
 
     def cancel(self) -> None:
         """Stop waiting for the reply (a late one is dropped)."""

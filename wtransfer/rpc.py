@@ -193,7 +193,9 @@ class ReceiverServer:
         """Run the queued calls in order. A reply is held back while the same caller's finish,
         already queued, runs next, and goes out with the finish's: that caller waits for the
         finish anyway, and the thread forwarding replies would otherwise wake in the middle of
-        the finish and contend with it for the interpreter."""
+        the finish and contend with it for the interpreter. (The finish was submitted while
+        the held call ran, so the held reply arrives within its own deadline whenever the
+        finish's does, but for the time between the two submissions.)"""
         out: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
         out.setsockopt(zmq.LINGER, 0)
         out.connect(self._replies_at)

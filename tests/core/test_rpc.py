@@ -80,12 +80,15 @@ def test_a_reply_expected_soon_is_polled_for_only_briefly_past_its_time(served):
     silent = zmq.Context.instance().socket(zmq.ROUTER)  # accepts, never answers
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     waiting = RPCClient(f"tcp://127.0.0.1:{port}", timeout_s=5)
-    cpu = time.process_time()
-    with pytest.raises(TransferTimeout):
-        waiting.submit("fingerprint").result(1.0, spin_from=time.monotonic())
-    assert time.process_time() - cpu < 0.5  # polling without sleeping the whole second: ~1 s
-    assert SPIN_WINDOW_S < 0.1
-    silent.close(linger=0)
+    try:
+        cpu = time.process_time()
+        with pytest.raises(TransferTimeout):
+            waiting.submit("fingerprint").result(1.0, spin_from=time.monotonic())
+        used = time.process_time() - cpu  # polling without sleeping the whole second: ~1 s
+        assert used < 0.5, f"{used:.2f} s of CPU waiting 1 s (window {SPIN_WINDOW_S} s)"
+    finally:
+        waiting.close()
+        silent.close(linger=0)
 
 
 def test_a_closed_client_says_so(served):

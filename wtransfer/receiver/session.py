@@ -441,18 +441,22 @@ class UpdateSession:
                 raise MetadataError(f"tensor {meta.name!r} arrived twice in one update")
         copies = CopyQueue(fenced=self._store is not None)  # (rollback copies go between)
         loads: list[tuple[str, torch.Tensor]] = []
-        for meta, src in zip(self._metas, sources, strict=True):
-            name = meta.name
-            self._save(name)
-            del pending[name]
-            direct = self._direct(name) if meta.nbytes else None
-            self.touched = True  # (a queued copy may go out later, but it is as good as made)
-            if direct is not None:
-                copies.add(direct, src)
-            else:
-                loads.append((name, tensor_from_bytes(src, meta) if meta.nbytes else
-                              torch.empty(meta.shape, dtype=DTYPES[meta.dtype],
-                                          device=self._device)))
+        try:
+            for meta, src in zip(self._metas, sources, strict=True):
+                name = meta.name
+                self._save(name)
+                del pending[name]
+                direct = self._direct(name) if meta.nbytes else None
+                self.touched = True  # (a queued copy may go out later: as good as made)
+                if direct is not None:
+                    copies.add(direct, src)
+                else:
+                    loads.append((name, tensor_from_bytes(src, meta) if meta.nbytes else
+                                  torch.empty(meta.shape, dtype=DTYPES[meta.dtype],
+                                              device=self._device)))
+        except BaseException:
+            copies.abort()  # what follows (a rollback, a drain) comes after what went out
+            raise
         copies.close()
         if loads:
             self._target.load_weights(loads)

@@ -86,7 +86,11 @@ class UpdateCalls:
         (`PendingCall.result`)."""
         try:
             while self._settled < len(self._calls):
-                self._calls[self._settled].result(self.timeout_s, spin_from)
+                call = self._calls[self._settled]
+                if spin_from is None:
+                    call.result(self.timeout_s)
+                else:
+                    call.result(self.timeout_s, spin_from=spin_from)
                 self._settled += 1
         except BaseException:
             self.drop()
