@@ -71,16 +71,15 @@ def trace_receiver(path: str) -> None:
     from wtransfer.rpc import ReceiverServer
 
     wrap(ReceiverServer, "_parse", "parse", lambda out: f"parsed {out[0]}")
-    wrap(ReceiverServer, "_forward", "forward")
-    wrap(WeightTransferEngine, "start_weight_update", "start")
-    wrap(WeightTransferEngine, "update_weights", "update")
-    wrap(UpdateSession, "precheck", "precheck")
-    wrap(UpdateSession, "announce", "announce")
-    wrap(engine_module, "parse_record", "parse_record")
-    wrap(Manifests, "resolve", "resolve")
-    wrap(ZeroCopyImports, "sources", "sources")
-    wrap(ipc_receiver, "drain", "drain")
-    wrap(ModuleTarget, "finish", "target finish")
+    for owner, attr, label in (
+            (ReceiverServer, "_forward", "forward"),
+            (WeightTransferEngine, "start_weight_update", "start"),
+            (WeightTransferEngine, "update_weights", "update"),
+            (UpdateSession, "precheck", "precheck"), (UpdateSession, "announce", "announce"),
+            (engine_module, "parse_record", "parse_record"), (Manifests, "resolve", "resolve"),
+            (ZeroCopyImports, "sources", "sources"), (ipc_receiver, "drain", "drain"),
+            (ModuleTarget, "finish", "target finish")):
+        wrap(owner, attr, label)
     gpu: list[torch.cuda.Event] = []
     load_whole = UpdateSession.load_whole
 
@@ -127,12 +126,12 @@ def trace_trainer() -> None:
     from wtransfer.trainer.engine import TrainerTransferEngine
     from wtransfer.trainer.source import ModuleSource
 
-    wrap(TrainerTransferEngine, "send_weights", "send_weights")
-    wrap(TrainerTransferEngine, "_layout", "layout")
-    wrap(TrainerTransferEngine, "in_place", "in_place")
-    wrap(ZeroCopyExports, "update", "exports")
-    wrap(zero_copy, "record_to_wire", "to_wire")
-    wrap(ModuleSource, "metadata", "metadata")
+    for owner, attr, label in (
+            (TrainerTransferEngine, "send_weights", "send_weights"),
+            (TrainerTransferEngine, "_layout", "layout"),
+            (TrainerTransferEngine, "in_place", "in_place"), (ZeroCopyExports, "update", "exports"),
+            (zero_copy, "record_to_wire", "to_wire"), (ModuleSource, "metadata", "metadata")):
+        wrap(owner, attr, label)
     names: dict[int, str] = {}
     submit, read = RPCClient.submit, RPCClient._read_replies
 
