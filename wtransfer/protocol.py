@@ -86,6 +86,15 @@ SPIN_WINDOW_S = 5 * SPIN_S
 by sleeping again (a stuck peer never holds a core busy until the deadline)."""
 
 
+def spin_start(started: float, expected_s: float | None) -> float | None:
+    """When a wait that began at `started` (monotonic seconds) and is expected to last
+    `expected_s` (the last one's time; None: no expectation) starts polling without sleeping:
+    a tenth of that, at most `SPIN_S`, before it is due."""
+    if not expected_s:
+        return None
+    return started + expected_s - min(0.1 * expected_s, SPIN_S)
+
+
 def spinning(spin_from: float | None, now: float) -> bool:
     """Whether a wait that expects its event from `spin_from` on (monotonic seconds; None:
     not expected) polls without sleeping at `now` (see `SPIN_WINDOW_S`)."""

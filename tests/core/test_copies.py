@@ -1,5 +1,6 @@
-"""`wtransfer.copies`: every byte lands, whatever the group a copy went out in, and a fenced
-queue's side stream never overtakes work queued on the current stream between its copies."""
+"""`wtransfer.transport.copies`: every byte lands, whatever the group a copy went out in, and
+a fenced queue's side stream never overtakes work queued on the current stream between its
+copies."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import pytest
 import torch
 
-from wtransfer.copies import GROUP_MAX, MEMCPY_BYTES, CopyQueue, _side_stream, copy_bytes
+from wtransfer.transport.copies import GROUP_MAX, MEMCPY_BYTES, CopyQueue, _side_stream, copy_bytes
 
 
 def _pairs(sizes: list[int], device: str, seed: int = 0) -> tuple[list[torch.Tensor],

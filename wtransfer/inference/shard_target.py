@@ -42,10 +42,16 @@ class ShardTarget(WeightTarget):
         """Whether writes land in the shadow until a commit makes them live."""
         return self.staging is not None
 
-    def _dest(self, name: str) -> torch.Tensor:
-        if name not in self._live:
+    def _live_part(self, name: str) -> torch.Tensor:
+        """This worker's live part of `name` (`MetadataError` for a name it does not hold)."""
+        part = self._live.get(name)
+        if part is None:
             raise MetadataError(f"unknown tensor {name!r}")
-        return self.staging.dest(name) if self.staging is not None else self._live[name].data
+        return part.data
+
+    def _dest(self, name: str) -> torch.Tensor:
+        live = self._live_part(name)
+        return self.staging.dest(name) if self.staging is not None else live
 
     def metadata(self) -> list[TensorMeta]:
         """Every tensor as the trainer holds it: global names and shapes."""
@@ -87,17 +93,13 @@ class ShardTarget(WeightTarget):
         """A host copy of this worker's part of `name` as it holds it (into `out`, reused
         across updates, when it fits; pinned for a GPU worker): a worker never holds a full
         tensor's worth of host memory for a part; `restore` writes it back."""
-        if name not in self._live:
-            raise MetadataError(f"unknown tensor {name!r}")
-        return copy_to_host(self._live[name].detach(), out)
+        return copy_to_host(self._live_part(name), out)
 
     @torch.no_grad()
     def restore(self, saved: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Write back parts `snapshot` saved, each into the live tensor it came from."""
         for name, part in saved:
-            if name not in self._live:
-                raise MetadataError(f"unknown tensor {name!r}")
-            self._live[name].data.copy_(part, non_blocking=True)
+            self._live_part(name).copy_(part, non_blocking=True)
 
     def fingerprint(self) -> dict[str, str]:
         """Digest of this worker's live parts (by global name; not the full tensors')."""

@@ -28,7 +28,6 @@ from collections.abc import Sequence
 
 import torch
 
-from wtransfer.copies import CopyQueue, copy_bytes
 from wtransfer.delta.codec import BITS_VIEW, DeltaEntry
 from wtransfer.delta.pieces import decode_bucket
 from wtransfer.delta.target import DeltaTarget
@@ -43,6 +42,7 @@ from wtransfer.packing import (
 )
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import Box, TensorLayout
+from wtransfer.transport.copies import CopyQueue, copy_bytes
 from wtransfer.transport.mton import Piece
 
 

@@ -54,7 +54,13 @@ from wtransfer.errors import (
 )
 from wtransfer.manifest import Manifest, PlanParams
 from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta, bucket_checksum
-from wtransfer.protocol import SPIN_S, CallQueue, PausingClient, PendingCall, WeightSyncClient
+from wtransfer.protocol import (
+    CallQueue,
+    PausingClient,
+    PendingCall,
+    WeightSyncClient,
+    spin_start,
+)
 from wtransfer.records import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_NUM_BUFFERS,
@@ -345,8 +351,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         """One update, in the order of the module docstring (with `delta`: its header call
         first, settled before any byte moves when it is a delta, so a receiver without its base
         refuses it with nothing written)."""
-        start = time.perf_counter()
-        self._update_start = time.monotonic()
+        start = self._update_start = time.monotonic()
         self._offered = None
         source = delta.source if delta is not None else self.source
         calls = (UpdateCalls(self.calls, self.init_info.timeout_s, weight_version,
@@ -387,7 +392,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         finally:
             if calls is not None:
                 calls.drop()
-        seconds = self._last_update_s = time.perf_counter() - start
+        seconds = self._last_update_s = time.monotonic() - start
         peak = packer.peak_bytes if isinstance(packer, GatheringPacker) else 0
         fields: dict[str, Any] = {"bytes": layout.plan.total_bytes,
                                   "tensors": len(layout.manifest),
@@ -500,13 +505,9 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                            wait=lambda call, _check: call.result(timeout_s))
 
     def _reply_due(self) -> float | None:
-        """When the update in progress should be answered, judged by the last one (monotonic
-        seconds), less a margin of a tenth of it but at most `SPIN_S`: from then on the
-        replies are polled for without sleeping (None before any update succeeded)."""
-        last = self._last_update_s
-        if last is None:
-            return None
-        return self._update_start + last - min(0.1 * last, SPIN_S)
+        """From when the update in progress polls for its replies without sleeping, judged
+        by the last one's time (`protocol.spin_start`; None before any update succeeded)."""
+        return spin_start(self._update_start, self._last_update_s)
 
     def _finish_early(self, calls: UpdateCalls) -> None:
         """Once every update call of a lone sender is issued, its finish goes right behind

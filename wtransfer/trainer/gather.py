@@ -20,7 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wtransfer.copies import copy_bytes
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.packing import (
     DTYPES,
@@ -30,6 +29,7 @@ from wtransfer.packing import (
     byte_view,
     is_dtensor,
 )
+from wtransfer.transport.copies import copy_bytes
 
 
 def _row_sharded(tensor: Any) -> bool:

@@ -12,7 +12,7 @@ import torch
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.manifest import Manifest
 from wtransfer.packing import Slice, TensorMeta
-from wtransfer.protocol import SPIN_S
+from wtransfer.protocol import spin_start
 from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
@@ -48,7 +48,7 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         self._zero_copy = ZeroCopyImports()
         self._last_copies_s = 0.0
         """How long the last zero-copy update's copies took, issued to done (the next one
-        waits for its copies without sleeping from a tenth, at most `SPIN_S`, before that)."""
+        waits for its copies' end without sleeping from shortly before: `spin_start`)."""
         self._trainer: ProcessWatch | None = None
 
     def _init(self, info: IPCInitInfo) -> None:
@@ -160,10 +160,9 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
                               "with device='cuda:N'")
         started = time.monotonic()
         session.load_whole(self._zero_copy.sources(update, metas, self.device))
-        last = self._last_copies_s  # near the copies' end, wait for it without sleeping
         drain(self.device, self._timeout_s(),  # done reading: the trainer may write its
-              started + last - min(0.1 * last, SPIN_S) if last else None)  # weights again
-        self._last_copies_s = time.monotonic() - started  # once this call returns
+              spin_start(started, self._last_copies_s))  # weights again once this returns
+        self._last_copies_s = time.monotonic() - started
 
     def _finish(self) -> None:
         """Wait (within the deadline) for the reads the buckets queued: the weights are in

@@ -103,8 +103,8 @@ class ZeroCopyExports:
         self.event[0].record(torch.cuda.current_stream(device))
         sent = self._sent
         return record_to_wire(ZeroCopyUpdate(
-            storages=[(i, self._record(i)) for i in last.used if i not in sent]
-            if len(sent) < len(last.used) or not sent.issuperset(last.used) else [],
+            storages=[] if sent.issuperset(last.used) else
+            [(i, self._record(i)) for i in last.used if i not in sent],
             used=last.used_bytes, layout=last.layout_bytes, event=self.event[1],
             token=self.token, sender_pid=os.getpid()))
 

@@ -130,16 +130,17 @@ class CopyQueue:
             torch._foreach_copy_([d for d, _ in self._small], [s for _, s in self._small],
                                  non_blocking=True)
             self._small = []
-        if self._streams is not None:
-            current, side = self._streams
-            current.wait_stream(side)
-            self._streams = None
+        self._join()
 
     def abort(self) -> None:
         """Drop the copies not issued yet (the caller failed part-way); the current stream
         still waits for the side stream's, so whatever the caller queues next (a rollback,
         the next update's copies) comes after every copy that did go out."""
         self._held, self._small = [], []
+        self._join()
+
+    def _join(self) -> None:
+        """The current stream waits for every side copy issued so far."""
         if self._streams is not None:
             current, side = self._streams
             current.wait_stream(side)
