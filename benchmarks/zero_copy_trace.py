@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -262,18 +263,23 @@ def main() -> None:
             d.copy_(s, non_blocking=True)
         sync()
 
-    def queued() -> None:
-        copies = CopyQueue()
+    def queued(streams: int) -> None:
+        copies = CopyQueue(streams=streams)
         for d, s in zip(dest, tensors, strict=True):
             copies.add(d, s)
         copies.close()
         sync()
 
-    print(f"floors in this process, {len(tensors)} tensors (ms): one flat copy "
-          f"{median_seconds(one_copy, 7) * 1e3:.2f}; copy_bytes "
-          f"{median_seconds(tensor_copies, 7) * 1e3:.2f}; CopyQueue as a receiver fills it "
-          f"{median_seconds(queued, 7) * 1e3:.2f}; one by one on one stream "
-          f"{median_seconds(one_stream, 7) * 1e3:.2f}")
+    def one_launch() -> None:
+        torch._foreach_copy_(dest, tensors, non_blocking=True)
+        sync()
+
+    floors: dict[str, Callable[[], None]] = {"one flat copy": one_copy, "copy_bytes": tensor_copies,
+              **{f"CopyQueue as a receiver fills it, {n} streams":
+                 functools.partial(queued, n) for n in (2, 3, 4)},
+              "one by one on one stream": one_stream, "one multi-tensor launch": one_launch}
+    print(f"floors in this process, {len(tensors)} tensors (ms): " + "; ".join(
+        f"{name} {median_seconds(run, 7) * 1e3:.2f}" for name, run in floors.items()))
 
 
 if __name__ == "__main__":

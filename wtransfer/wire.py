@@ -15,7 +15,7 @@ import functools
 import hashlib
 import types
 import typing
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, TypeVar, Union, cast
 
 import msgpack
@@ -123,25 +123,24 @@ def parse_record(
     An instance of `cls` passes through unchanged. Unknown fields, missing required fields and
     values of the wrong type raise `error`; the dataclass's own `__post_init__` then checks ranges.
     """
-    if isinstance(data, cls):
-        return data
-    if not isinstance(data, Mapping):
-        raise error(f"{where}: expected a mapping or {cls.__name__}, got {type(data).__name__}")
-    fields, hints = _record_fields(cast(Hashable, cls))
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise error(f"{where}: unknown field(s) {unknown}; known fields are {sorted(fields)}")
-    values: dict[str, Any] = {}
-    for name, field in fields.items():
-        if name not in data:
-            has_default = (
-                field.default is not dataclasses.MISSING
-                or field.default_factory is not dataclasses.MISSING
-            )
-            if not has_default:
-                raise error(f"{where}: missing required field '{name}'")
-            continue
-        values[name] = _coerce(data[name], hints[name], f"{where}: field '{name}'", error)
+    if type(data) is not dict:  # (a decoded message is a plain dict: no instance checks)
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, Mapping):
+            raise error(f"{where}: expected a mapping or {cls.__name__}, "
+                        f"got {type(data).__name__}")
+    fields = _record_fields(cast(Hashable, cls))
+    if not fields.checks.keys() >= data.keys():
+        unknown = sorted(set(data) - set(fields.checks))
+        raise error(f"{where}: unknown field(s) {unknown}; known fields are "
+                    f"{sorted(fields.checks)}")
+    if not data.keys() >= fields.required:
+        missing = next(name for name in fields.checks
+                       if name in fields.required and name not in data)
+        raise error(f"{where}: missing required field '{missing}'")
+    checks = fields.checks
+    values = {name: checks[name](value, f"{where}: field '{name}'", error)
+              for name, value in data.items()}
     try:
         return cls(**values)
     except (ConfigError, MetadataError):
@@ -150,24 +149,39 @@ def parse_record(
         raise error(f"{where}: {exc}") from None
 
 
+Check = Callable[[Any, str, type[Exception]], Any]
+"""A field's checker: ``check(value, where, error)`` returns the value (tuples for tuple
+annotations) or raises `error` naming `where`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fields:
+    """A record class's init fields: each one's checker, and the names without a default."""
+
+    checks: dict[str, Check]
+    required: frozenset[str]
+
+
 @functools.cache
-def _record_fields(cls: Hashable) -> tuple[dict[str, dataclasses.Field[Any]], dict[str, Any]]:
-    """A record class's init fields and resolved annotations, worked out once per class
-    (resolving string annotations evaluates code; a receiver parses a record every update)."""
+def _record_fields(cls: Hashable) -> _Fields:
+    """A record class's fields, worked out once per class (resolving string annotations
+    evaluates code, and a receiver parses a record every update)."""
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    return fields, typing.get_type_hints(cls)
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    hints = typing.get_type_hints(cls)
+    return _Fields(
+        checks={f.name: _checker(hints[f.name]) for f in fields},
+        required=frozenset(f.name for f in fields if f.default is dataclasses.MISSING
+                           and f.default_factory is dataclasses.MISSING))
 
 
 def check_record_types(record: Any, error: type[Exception] = ConfigError) -> None:
     """Raise `error` naming the record class and field when a field of dataclass instance
     `record` does not match its annotation (a record built in Python, not parsed from the
     wire: ``bucket_bytes="64MB"`` is refused by name, not by a comparison deep inside)."""
-    fields, hints = _record_fields(cast(Hashable, type(record)))
-    for name in fields:
-        _coerce(getattr(record, name), hints[name],
-                f"{type(record).__name__}: field '{name}'", error)
+    for name, check in _record_fields(cast(Hashable, type(record))).checks.items():
+        check(getattr(record, name), f"{type(record).__name__}: field '{name}'", error)
 
 
 def record_to_wire(record: Any) -> dict[str, Any]:
@@ -193,64 +207,112 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(value: Any, tp: Any, where: str, error: type[Exception]) -> Any:
-    """Check `value` against annotation `tp`; return it (tuples for tuple annotations)."""
-    if tp is Any:  # the consumer of an Any field validates its content itself
-        return value
-    origin = typing.get_origin(tp)
+def _scalar(kinds: tuple[type, ...], noun: str, convert: Callable[[Any], Any] | None) -> Check:
+    """A checker for one scalar annotation: an instance of `kinds` (never a bool where a
+    number is asked for), converted by `convert`."""
+    strict_bool = bool not in kinds
+
+    def check(value: Any, where: str, error: type[Exception]) -> Any:
+        if isinstance(value, kinds) and not (strict_bool and isinstance(value, bool)):
+            return value if convert is None else convert(value)
+        raise error(f"{where} must be {noun}, got {type(value).__name__}")
+    return check
+
+
+_SCALARS: dict[Any, Check] = {
+    bool: _scalar((bool,), "a bool", None),
+    int: _scalar((int,), "an int", None),
+    float: _scalar((int, float), "a number", float),
+    str: _scalar((str,), "a string", None),
+    bytes: _scalar((bytes, bytearray), "bytes", bytes),
+}
+
+
+def _anything(value: Any, where: str, error: type[Exception]) -> Any:
+    return value  # the consumer of an Any field validates its content itself
+
+
+def _nothing(value: Any, where: str, error: type[Exception]) -> Any:
+    if value is None:
+        return None
+    raise error(f"{where} must be None, got {type(value).__name__}")
+
+
+@functools.cache
+def _checker(tp: Any) -> Check:
+    """The checker of annotation `tp`, built once per annotation (a receiver checks the same
+    records every update)."""
+    if tp is Any:
+        return _anything
+    if tp is type(None):
+        return _nothing
+    if tp in _SCALARS:
+        return _SCALARS[tp]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
-        for option in typing.get_args(tp):
+        return _union(tp, args)
+    if origin in (list, tuple):
+        return _sequence(origin, args)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a record inside a record
+        return functools.partial(_nested, tp)
+    if origin is dict:
+        return _mapping(*(args or (str, Any)))
+
+    def unsupported(value: Any, where: str, error: type[Exception]) -> Any:
+        raise TypeError(f"{where}: unsupported annotation {tp!r}")
+    return unsupported
+
+
+def _nested(cls: type[Any], value: Any, where: str, error: type[Exception]) -> Any:
+    return parse_record(cls, value, where=where, error=error)
+
+
+def _union(tp: Any, args: tuple[Any, ...]) -> Check:
+    options = [_checker(option) for option in args]
+    optional = type(None) in args
+
+    def check(value: Any, where: str, error: type[Exception]) -> Any:
+        if value is None and optional:  # an optional field left empty
+            return None
+        for option in options:
             try:
-                return _coerce(value, option, where, error)
+                return option(value, where, error)
             except error:
                 continue
         raise error(f"{where} must be {_type_name(tp)}, got {type(value).__name__}")
-    if tp is type(None):
-        if value is None:
-            return None
-        raise error(f"{where} must be None, got {type(value).__name__}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise error(f"{where} must be a bool, got {type(value).__name__}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise error(f"{where} must be an int, got {type(value).__name__}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise error(f"{where} must be a number, got {type(value).__name__}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise error(f"{where} must be a string, got {type(value).__name__}")
-    if tp is bytes:
-        if isinstance(value, (bytes, bytearray)):
-            return bytes(value)
-        raise error(f"{where} must be bytes, got {type(value).__name__}")
-    if origin in (list, tuple):
+    return check
+
+
+def _sequence(origin: Any, args: tuple[Any, ...]) -> Check:
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        items = [_checker(a) for a in args]
+
+        def fixed(value: Any, where: str, error: type[Exception]) -> Any:
+            if not isinstance(value, (list, tuple)):
+                raise error(f"{where} must be a list, got {type(value).__name__}")
+            if len(value) != len(items):
+                raise error(f"{where} must have {len(items)} items, got {len(value)}")
+            return tuple(item(v, f"{where}[{i}]", error)
+                         for i, (v, item) in enumerate(zip(value, items, strict=True)))
+        return fixed
+    item = _checker(args[0]) if args else _anything
+    make: Callable[[Any], Any] = tuple if origin is tuple else list
+
+    def each(value: Any, where: str, error: type[Exception]) -> Any:
         if not isinstance(value, (list, tuple)):
             raise error(f"{where} must be a list, got {type(value).__name__}")
-        args = typing.get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise error(f"{where} must have {len(args)} items, got {len(value)}")
-            return tuple(
-                _coerce(v, a, f"{where}[{i}]", error)
-                for i, (v, a) in enumerate(zip(value, args, strict=True))
-            )
-        item_tp = args[0] if args else Any
-        items = [_coerce(v, item_tp, f"{where}[{i}]", error) for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a record inside a record
-        return parse_record(tp, value, where=where, error=error)
-    if origin is dict:
+        if item is _anything:
+            return make(value)
+        return make([item(v, f"{where}[{i}]", error) for i, v in enumerate(value)])
+    return each
+
+
+def _mapping(key_tp: Any, value_tp: Any) -> Check:
+    key, item = _checker(key_tp), _checker(value_tp)
+
+    def check(value: Any, where: str, error: type[Exception]) -> Any:
         if not isinstance(value, dict):
             raise error(f"{where} must be a mapping, got {type(value).__name__}")
-        key_tp, val_tp = typing.get_args(tp) or (str, Any)
-        return {
-            _coerce(k, key_tp, f"{where} key", error): _coerce(v, val_tp, f"{where}[{k!r}]", error)
-            for k, v in value.items()
-        }
-    raise TypeError(f"{where}: unsupported annotation {tp!r}")
+        return {key(k, f"{where} key", error): item(v, f"{where}[{k!r}]", error)
+                for k, v in value.items()}
+    return check

@@ -9,7 +9,13 @@ import os
 import pytest
 import torch
 
-from wtransfer.transport.copies import GROUP_MAX, MEMCPY_BYTES, CopyQueue, _side_stream, copy_bytes
+from wtransfer.transport.copies import (
+    GROUP_MAX,
+    MEMCPY_BYTES,
+    CopyQueue,
+    _side_streams,
+    copy_bytes,
+)
 
 
 def _pairs(sizes: list[int], device: str, seed: int = 0) -> tuple[list[torch.Tensor],
@@ -37,25 +43,30 @@ def test_copy_bytes_refuses_a_length_mismatch_and_an_unpaired_list():
         copy_bytes([torch.zeros(4, dtype=torch.uint8)], [torch.ones(4, dtype=torch.uint8)] * 2)
     with pytest.raises(ValueError, match="3 bytes into 4"):
         CopyQueue().add(torch.zeros(4, dtype=torch.uint8), torch.ones(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="streams must be at least 1, got 0"):
+        CopyQueue(streams=0)
 
 
 @pytest.mark.gpu
-def test_a_queue_lands_small_large_and_host_to_device_copies_on_cuda():
+@pytest.mark.parametrize("streams", [2, 3])
+def test_a_queue_lands_small_large_and_host_to_device_copies_on_cuda(streams):
     """Every copy lands, and what the current stream runs after `close` sees them all, even
-    a side-stream copy that the side stream runs late."""
+    a side-stream copy that its side stream runs late."""
     sizes = [MEMCPY_BYTES + 5, 17, 4 * MEMCPY_BYTES, 256] * GROUP_MAX
     dsts, srcs = _pairs(sizes, "cuda")
     host_dst, host_src = torch.zeros(1000, dtype=torch.uint8, device="cuda"), \
         torch.arange(1000).to(torch.uint8)
-    with torch.cuda.stream(_side_stream(dsts[0].device)):
-        torch.cuda._sleep(200_000_000)  # about 0.1 s on current GPUs: the side stream lags
-    queue = CopyQueue()
+    for side in _side_streams(dsts[0].device, streams - 1):
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # about 0.1 s on current GPUs: side streams lag
+    queue = CopyQueue(streams=streams)
     for d, s in zip(dsts, srcs, strict=True):
         queue.add(d, s)
     queue.add(host_dst, host_src)
     queue.close()
     after = torch.empty_like(dsts[2])
-    after.copy_(dsts[2])  # dsts[2] went to the side stream (the current one had more bytes)
+    after.copy_(dsts[2])  # dsts[2] went to the first side stream (the current one had more
+    # bytes queued)
     torch.cuda.synchronize()
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
     assert torch.equal(host_dst.cpu(), host_src)

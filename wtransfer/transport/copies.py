@@ -45,7 +45,9 @@ of its memory bandwidth)."""
 _HOST_CHUNK = 8 << 20
 _host_pool: ThreadPoolExecutor | None = None
 _host_pool_lock = threading.Lock()
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+STREAMS = 2
+"""Streams a `CopyQueue` spreads its large copies over: the current one and side streams."""
+_SIDE_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
 
 
 def _host_copy(pairs: list[tuple[int, int, int]]) -> None:
@@ -74,11 +76,12 @@ def _host_copy(pairs: list[tuple[int, int, int]]) -> None:
         done.result()
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    side = _SIDE_STREAMS.get(device)
-    if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return side
+def _side_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
+    """`count` side streams of `device`, made once and shared by every queue."""
+    sides = _SIDE_STREAMS.setdefault(device, [])
+    while len(sides) < count:
+        sides.append(torch.cuda.Stream(device))
+    return sides[:count]
 
 
 class CopyQueue:
@@ -86,7 +89,9 @@ class CopyQueue:
     docstring); `close` issues the rest. Until then a copy may not have been issued: read a
     destination only after `close` (and, on a device, after the stream ran it)."""
 
-    def __init__(self, *, fenced: bool = False) -> None:
+    def __init__(self, *, fenced: bool = False, streams: int = STREAMS) -> None:
+        if streams < 1:
+            raise ValueError(f"CopyQueue: streams must be at least 1, got {streams}")
         self._fenced = fenced
         """Whether each group's side copies wait for everything the current stream queued
         before the group, not only before the first one (that wait also holds them behind
@@ -97,9 +102,10 @@ class CopyQueue:
         """Copies held back before the next group goes out."""
         self._device: torch.device | None = None
         """The CUDA device of the queue's first device copy: streams are that device's."""
-        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
-        self._queued = [0, 0]
-        """Bytes of large copies queued on the current and the side stream."""
+        self._streams: list[torch.cuda.Stream] | None = None
+        """The current stream, then the side streams (from the first group on)."""
+        self._queued = [0] * streams
+        """Bytes of large copies queued on each stream."""
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy `src` into `dst` (flat uint8, same length): on one CUDA device with a later
@@ -142,35 +148,38 @@ class CopyQueue:
     def _join(self) -> None:
         """The current stream waits for every side copy issued so far."""
         if self._streams is not None:
-            current, side = self._streams
-            current.wait_stream(side)
+            current, *sides = self._streams
+            for side in sides:
+                current.wait_stream(side)
             self._streams = None
 
     def _issue(self) -> None:
-        """The held copies (large, one device): each on the stream with fewer bytes queued."""
+        """The held copies (large, one device): each on the stream with fewest bytes queued."""
         held, self._held = self._held, []
         if not held:
             return
         first = self._streams is None
         if self._streams is None:
             assert self._device is not None  # set by the first copy held
-            self._streams = (torch.cuda.current_stream(self._device),
-                             _side_stream(self._device))
-        current, side = self._streams
+            self._streams = [torch.cuda.current_stream(self._device),
+                             *_side_streams(self._device, len(self._queued) - 1)]
+        current, *sides = self._streams
         if first or self._fenced:
-            side.wait_stream(current)
-        mine: list[tuple[torch.Tensor, torch.Tensor]] = []
-        theirs: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for side in sides:
+                side.wait_stream(current)
+        queued = self._queued
+        shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in queued]
         for d, s in held:
-            which = 0 if self._queued[0] <= self._queued[1] else 1
-            self._queued[which] += d.numel()
-            (mine if which == 0 else theirs).append((d, s))
-        for d, s in mine:
+            which = queued.index(min(queued))
+            queued[which] += d.numel()
+            shares[which].append((d, s))
+        for d, s in shares[0]:
             d.copy_(s, non_blocking=True)
-        if theirs:
-            with torch.cuda.stream(side):
-                for d, s in theirs:
-                    d.copy_(s, non_blocking=True)
+        for side, share in zip(sides, shares[1:], strict=True):
+            if share:
+                with torch.cuda.stream(side):
+                    for d, s in share:
+                        d.copy_(s, non_blocking=True)
 
 
 def copy_bytes(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
