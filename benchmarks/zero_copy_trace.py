@@ -4,7 +4,7 @@
 
 The trainer (this process) sends `--updates` zero-copy updates to a receiver child built as
 `wtransfer.launch.peer` builds one. Both processes mark the moments that matter (a call
-submitted, parsed by the server, begun and ended on the engine, its reply forwarded and read;
+submitted, parsed by the server, begun and ended on the engine, its reply sent and read;
 the source checks, the copies issued, the drain) on the system-wide monotonic clock, so the
 marks of the two processes share one time axis. The child also times its copies on the GPU
 (CUDA events around them). Printed: each mark's median offset from `send_weights`' start
@@ -73,7 +73,7 @@ def trace_receiver(path: str) -> None:
 
     wrap(ReceiverServer, "_parse", "parse", lambda out: f"parsed {out[0]}")
     for owner, attr, label in (
-            (ReceiverServer, "_forward", "forward"),
+            (ReceiverServer, "_send", "send reply"),
             (WeightTransferEngine, "start_weight_update", "start"),
             (WeightTransferEngine, "update_weights", "update"),
             (UpdateSession, "precheck", "precheck"), (UpdateSession, "announce", "announce"),

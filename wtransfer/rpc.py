@@ -15,9 +15,11 @@ lets it keep several calls in flight and match each reply to its call.
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import os
 import queue
+import select
 import sys
 import threading
 import time
@@ -114,9 +116,14 @@ class ReceiverServer:
             raise ConfigError(f"cannot bind receiver server to {address!r}: {exc}") from None
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         """The bound address, with the real port; give it to `RPCClient`."""
-        self._replies_at = f"inproc://wtransfer-rpc-{id(self)}"
-        self._replies: zmq.Socket[bytes] = ctx.socket(zmq.PULL)
-        self._replies.bind(self._replies_at)
+        self._lock = threading.Lock()
+        """Guards the socket: the serving thread reads requests, and the worker thread sends
+        its replies itself (a ZeroMQ socket is not thread-safe)."""
+        self._ready_fd = int(self._socket.getsockopt(zmq.FD))
+        """Readable when the socket's state may have changed (then `zmq.EVENTS` says what)."""
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        """The worker thread's nudge to the serving thread: a send of its may have taken the
+        socket's readable signal while a request was waiting (and `close`'s, to stop)."""
         self._work: queue.SimpleQueue[
             tuple[list[bytes], str, dict[str, Any], bytes | None] | None] = queue.SimpleQueue()
         self._failed: collections.OrderedDict[tuple[bytes, ...], None] = \
@@ -137,22 +144,41 @@ class ReceiverServer:
         return self
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._replies, zmq.POLLIN)
+        """Read and dispatch requests until closed. It waits on the socket's signal file
+        descriptor, not on the socket, so the worker thread can send replies in between
+        without a hand-over (waking this thread to forward a reply took 0.1-0.2 ms on one
+        H200's host)."""
+        waiting = select.poll()
+        waiting.register(self._ready_fd, select.POLLIN)
+        waiting.register(self._wake_r, select.POLLIN)
         while not self._stop.is_set():
-            ready = dict(poller.poll(_POLL_MS))
-            if self._replies in ready:
-                self._forward()
-            if self._socket in ready:
-                self._accept(self._socket.recv_multipart())
-        self._socket.close()
-        self._replies.close()
+            with self._lock:
+                requests = list(_waiting(self._socket)) if not self._socket.closed else []
+            for frames in requests:
+                self._accept(frames)
+            if requests:
+                continue  # read again until none waits: only then does the signal re-arm
+            if any(fd == self._wake_r for fd, _ in waiting.poll(_POLL_MS)):
+                with contextlib.suppress(BlockingIOError):  # (a nudge: requests are read at
+                    os.read(self._wake_r, 4096)  # the top)
+        with self._lock:
+            self._socket.close()
+        os.close(self._wake_r)
 
-    def _forward(self) -> None:
-        """Send every reply the worker thread has finished to its caller."""
-        for frames in _waiting(self._replies):
+    def _send(self, frames: list[bytes], *, nudge: bool = False) -> None:
+        """Send a reply; a ROUTER drops it if its caller is gone. With `nudge` (the worker
+        thread), wake the serving thread when a request waits: the send may have taken the
+        socket's signal of it (the serving thread itself reads everything before it waits)."""
+        with self._lock:
+            if self._socket.closed:
+                return
             self._socket.send_multipart(frames)
+            if nudge and int(self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # (a full pipe wakes it all the same)
+            os.write(self._wake_w, b"!")
 
     def _accept(self, frames: list[bytes]) -> None:
         if b"" not in frames:
@@ -165,10 +191,10 @@ class ReceiverServer:
                 raise MetadataError("'after' names a call by id: send [call id, b'', request] "
                                     "from a DEALER socket")
         except Exception as exc:
-            self._socket.send_multipart([*envelope, wire.encode(error_reply(exc))])
+            self._send([*envelope, wire.encode(error_reply(exc))])
             return
         if method == "status":
-            self._socket.send_multipart([*envelope, wire.encode(ok_reply(self.status()))])
+            self._send([*envelope, wire.encode(ok_reply(self.status()))])
         else:
             self._work.put((envelope, method, args, after))
 
@@ -190,15 +216,12 @@ class ReceiverServer:
         return method, args, None if after is None else after.to_bytes(8, "little")
 
     def _execute(self) -> None:
-        """Run the queued calls in order. A reply is held back while the same caller's finish,
-        already queued, runs next, and goes out with the finish's: that caller waits for the
-        finish anyway, and the thread forwarding replies would otherwise wake in the middle of
-        the finish and contend with it for the interpreter. (The finish was submitted while
+        """Run the queued calls in order, sending each reply from this thread. A reply is held
+        back while the same caller's finish, already queued, runs next, and goes out with the
+        finish's: that caller waits for the finish anyway, which then starts without a send
+        before it. (The finish was submitted while
         the held call ran, so the held reply arrives within its own deadline whenever the
         finish's does, but for the time between the two submissions.)"""
-        out: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
-        out.setsockopt(zmq.LINGER, 0)
-        out.connect(self._replies_at)
         held: list[list[bytes]] = []
         item = self._work.get()
         while item is not None:
@@ -221,13 +244,12 @@ class ReceiverServer:
                     and item[0][0] == envelope[0]:
                 continue  # (the same caller: a DEALER's identity frame)
             for frames in held:
-                out.send_multipart(frames)
+                self._send(frames, nudge=True)
             held = []
             if not waiting:
                 item = self._work.get()
         for frames in held:
-            out.send_multipart(frames)
-        out.close()
+            self._send(frames, nudge=True)
 
     def status(self) -> dict[str, Any]:
         """State of the served receiver (plain data; what `RPCClient.status()` returns)."""
@@ -243,14 +265,19 @@ class ReceiverServer:
         return out
 
     def close(self) -> None:
-        """Stop serving and release the sockets (a call in progress finishes first)."""
+        """Stop serving and release the socket (a call in progress finishes first);
+        idempotent."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._work.put(None)
+        self._wake()
         for thread in self._threads:
             thread.join(timeout=5)
         if not self._threads:
             self._socket.close()
-            self._replies.close()
+            os.close(self._wake_r)
+        os.close(self._wake_w)
 
 
 class RPCCall:

@@ -134,13 +134,12 @@ def parse_record(
         unknown = sorted(set(data) - set(fields.checks))
         raise error(f"{where}: unknown field(s) {unknown}; known fields are "
                     f"{sorted(fields.checks)}")
-    if not data.keys() >= fields.required:
-        missing = next(name for name in fields.checks
-                       if name in fields.required and name not in data)
-        raise error(f"{where}: missing required field '{missing}'")
-    checks = fields.checks
+    checks = fields.checks  # the values given are checked first: their errors come first
     values = {name: checks[name](value, f"{where}: field '{name}'", error)
               for name, value in data.items()}
+    if not data.keys() >= fields.required:
+        missing = next(name for name in checks if name in fields.required and name not in data)
+        raise error(f"{where}: missing required field '{missing}'")
     try:
         return cls(**values)
     except (ConfigError, MetadataError):

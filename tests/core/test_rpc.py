@@ -126,3 +126,24 @@ def test_a_bad_version_label_is_refused_before_any_byte_moves_on_every_path(serv
         assert client.status()["weight_version"] == "good"
         sender.send_weights(weight_version="sent")
         assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+
+
+def test_requests_that_arrive_while_replies_go_out_are_served_without_waiting_for_a_poll(
+        monkeypatch):
+    """The worker thread sends its replies on the socket the serving thread waits on; a send
+    can take the socket's signal of a request that just arrived. With the serving thread's
+    periodic wake-up pushed past every deadline, such a request is answered only because the
+    worker nudges the serving thread: without the nudge, some call here times out."""
+    monkeypatch.setattr(wtransfer.rpc, "_POLL_MS", 600_000)
+    engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(torch.nn.Linear(4, 4)))
+    server = ReceiverServer(engine, "tcp://127.0.0.1:0").start()
+    clients = [RPCClient(server.address, timeout_s=5) for _ in range(4)]
+    try:
+        for _ in range(300):  # several clients in flight at once, replies and requests crossing
+            calls = [c.submit("fingerprint") for c in clients for _ in range(3)]
+            assert all(call.result() for call in calls)
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+        engine.shutdown()
