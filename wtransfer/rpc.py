@@ -39,7 +39,7 @@ from wtransfer.errors import (
     ok_reply,
     reply_result,
 )
-from wtransfer.protocol import LabelledClient, WeightSyncClient, spinning
+from wtransfer.protocol import SPIN_WINDOW_S, LabelledClient, WeightSyncClient, spinning
 from wtransfer.receiver.engine import WeightTransferEngine
 
 SERVED = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
@@ -119,6 +119,8 @@ class ReceiverServer:
         self._lock = threading.Lock()
         """Guards the socket: the serving thread reads requests, and the worker thread sends
         its replies itself (a ZeroMQ socket is not thread-safe)."""
+        self._reading = threading.Lock()
+        """Held while requests are read and dispatched (see `_read_requests`)."""
         self._ready_fd = int(self._socket.getsockopt(zmq.FD))
         """Readable when the socket's state may have changed (then `zmq.EVENTS` says what)."""
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -152,11 +154,7 @@ class ReceiverServer:
         waiting.register(self._ready_fd, select.POLLIN)
         waiting.register(self._wake_r, select.POLLIN)
         while not self._stop.is_set():
-            with self._lock:
-                requests = list(_waiting(self._socket)) if not self._socket.closed else []
-            for frames in requests:
-                self._accept(frames)
-            if requests:
+            if self._read_requests():
                 continue  # read again until none waits: only then does the signal re-arm
             if any(fd == self._wake_r for fd, _ in waiting.poll(_POLL_MS)):
                 with contextlib.suppress(BlockingIOError):  # (a nudge: requests are read at
@@ -164,6 +162,31 @@ class ReceiverServer:
         with self._lock:
             self._socket.close()
         os.close(self._wake_r)
+
+    def _read_requests(self) -> bool:
+        """Read and dispatch every request waiting (either thread may: they take turns, so
+        requests are dispatched in arrival order); whether there was any."""
+        with self._reading:
+            with self._lock:
+                requests = list(_waiting(self._socket)) if not self._socket.closed else []
+            for frames in requests:
+                self._accept(frames)
+        return bool(requests)
+
+    def _next_call(self, soon: bool) -> tuple[list[bytes], str, dict[str, Any],
+                                              bytes | None] | None:
+        """The next queued call, waiting for it. When one is expected `soon` (an update's
+        calls follow its start within milliseconds), this thread first reads the socket
+        itself, without sleeping, for up to `protocol.SPIN_WINDOW_S`: the call then starts
+        without waking the serving thread and then this one (about 0.1 ms on one H200's
+        host)."""
+        if soon:
+            until = time.monotonic() + SPIN_WINDOW_S
+            while self._work.empty() and time.monotonic() < until \
+                    and not self._stop.is_set():
+                if not self._read_requests():
+                    os.sched_yield()
+        return self._work.get()
 
     def _send(self, frames: list[bytes], *, nudge: bool = False) -> None:
         """Send a reply; a ROUTER drops it if its caller is gone. With `nudge` (the worker
@@ -219,11 +242,13 @@ class ReceiverServer:
         """Run the queued calls in order, sending each reply from this thread. A reply is held
         back while the same caller's finish, already queued, runs next, and goes out with the
         finish's: that caller waits for the finish anyway, which then starts without a send
-        before it. (The finish was submitted while
-        the held call ran, so the held reply arrives within its own deadline whenever the
-        finish's does, but for the time between the two submissions.)"""
+        before it. (The finish was submitted while the held call ran, so the held reply
+        arrives within its own deadline whenever the finish's does, but for the time between
+        the two submissions.) After a start, the next call is read without sleeping
+        (`_next_call`)."""
         held: list[list[bytes]] = []
         item = self._work.get()
+        started = False  # whether the last call opened an update
         while item is not None:
             envelope, method, args, after = item
             key = tuple(envelope[:-1])
@@ -232,8 +257,10 @@ class ReceiverServer:
                     raise LifecycleError(f"{method} skipped: it was sent to run after call "
                                          f"{int.from_bytes(after, 'little')}, which failed")
                 reply = ok_reply(getattr(self.client, method)(**args))
+                started = method == "start_weight_update"
             except Exception as exc:
                 reply = error_reply(exc)
+                started = False
                 self._failed[key] = None
                 while len(self._failed) > _FAILED_KEPT:
                     self._failed.popitem(last=False)
@@ -247,7 +274,7 @@ class ReceiverServer:
                 self._send(frames, nudge=True)
             held = []
             if not waiting:
-                item = self._work.get()
+                item = self._next_call(soon=started)
         for frames in held:
             self._send(frames, nudge=True)
 

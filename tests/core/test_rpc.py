@@ -1,5 +1,6 @@
 """The RPC control plane: remote errors come back typed; hostile requests get error replies."""
 
+import threading
 import time
 
 import pytest
@@ -145,5 +146,44 @@ def test_requests_that_arrive_while_replies_go_out_are_served_without_waiting_fo
     finally:
         for c in clients:
             c.close()
+        server.close()
+        engine.shutdown()
+
+
+def test_calls_after_a_start_run_in_arrival_order_whichever_thread_reads_them(monkeypatch):
+    """After a start the worker thread reads the socket itself while the serving thread may
+    too; requests must still run in the order they arrived. The serving thread is slowed
+    between reading a finish and queueing it, while the next start arrives (the worker,
+    polling after its start, reads that one): queued first, it would be refused, as an
+    update is open. Every label lands in turn."""
+    from wtransfer_ipc import IPCTrainerInitInfo
+
+    monkeypatch.setattr(wtransfer.rpc, "_POLL_MS", 600_000)
+    parse = ReceiverServer._parse
+
+    def slow_on_the_serving_thread(self, body):
+        parsed = parse(self, body)
+        if parsed[0] == "finish_weight_update" and \
+                threading.current_thread().name == "wtransfer-rpc-io":
+            time.sleep(0.002)
+        return parsed
+
+    monkeypatch.setattr(ReceiverServer, "_parse", slow_on_the_serving_thread)
+    engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(torch.nn.Linear(4, 4)))
+    server = ReceiverServer(engine, "tcp://127.0.0.1:0").start()
+    client = RPCClient(server.address, timeout_s=5)
+    try:
+        with wtransfer.trainer_init(IPCTrainerInitInfo(), client=client,
+                                    source=wtransfer.ModuleSource(torch.nn.Linear(4, 4))):
+            calls = []
+            for i in range(50):
+                calls.append(client.submit("start_weight_update"))
+                calls.append(client.submit("finish_weight_update", weight_version=f"v{i}"))
+                time.sleep(0.0005)  # the next start comes while the finish is being queued
+            for call in calls:
+                call.result()
+            assert client.status()["weight_version"] == "v49"
+    finally:
+        client.close()
         server.close()
         engine.shutdown()

@@ -6,19 +6,20 @@ device starts copying at once and is never left waiting for the host:
 
 - groups double in size (1, 2, 4, ... up to `GROUP_MAX` copies), so the first copy leaves
   after one tensor's bookkeeping and later groups cost one stream switch each;
-- large copies (at least `MEMCPY_BYTES`) go out one device memcpy each, split between the
-  current stream and a side stream by bytes queued so far, so two copies are always in flight
-  (one's ramp-up and tail overlap the other's body); the side stream starts after what the
-  current stream queued before the first group (`fenced`: before each group, for a caller
-  that queues its own work on the current stream between copies, such as a rollback copy of
-  the next destination), and the current stream waits for the side stream at `close`:
-  ordered like one stream;
+- large copies (at least `MEMCPY_BYTES`) go out one device memcpy each, to whichever of
+  `STREAMS` streams (the current one and side streams) has the fewest bytes queued, so
+  several copies are always in flight (one's ramp-up and tail overlap the others' bodies);
+  the side streams start after what the current stream queued before the first group
+  (`fenced`: before each group, for a caller that queues its own work on the current stream
+  between copies, such as a rollback copy of the next destination), and the current stream
+  waits for them at `close`: ordered like one stream;
 - small copies (norms, biases) are gathered into one multi-tensor launch at `close` (hundreds
   of them cost one launch); the multi-tensor kernel copies byte by byte, several times slower
   than a memcpy on gigabytes, so it takes only those.
 
-On one H200 (Qwen3-8B, 399 tensors, 16.4 GB): one flat copy of every byte 7.6 ms, the 399
-copies one by one on one stream 8.9 ms.
+On one H200 (Qwen3-8B, 399 tensors, 16.4 GB): one flat copy of every byte 7.6-7.7 ms, the
+399 copies one by one on one stream 8.8-8.9 ms, through a queue over two streams 7.88-7.92,
+over four 7.80-7.85 (two runs; one multi-tensor launch for all: 17.0).
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ of its memory bandwidth)."""
 _HOST_CHUNK = 8 << 20
 _host_pool: ThreadPoolExecutor | None = None
 _host_pool_lock = threading.Lock()
-STREAMS = 2
-"""Streams a `CopyQueue` spreads its large copies over: the current one and side streams."""
+STREAMS = 4
+"""Streams a `CopyQueue` spreads its large copies over: the current one and side streams
+(four beat two by 0.07-0.08 ms on 8B's copies on one H200, in both runs that compared)."""
 _SIDE_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
 
 
