@@ -12,6 +12,8 @@ import torch
 from wtransfer.transport.copies import (
     GROUP_MAX,
     MEMCPY_BYTES,
+    STREAMS,
+    WHOLE_UPDATE_STREAMS,
     CopyQueue,
     _side_streams,
     copy_bytes,
@@ -48,7 +50,7 @@ def test_copy_bytes_refuses_a_length_mismatch_and_an_unpaired_list():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("streams", [2, 3])
+@pytest.mark.parametrize("streams", [2, 3, WHOLE_UPDATE_STREAMS])
 def test_a_queue_lands_small_large_and_host_to_device_copies_on_cuda(streams):
     """Every copy lands, and what the current stream runs after `close` sees them all, even
     a side-stream copy that its side stream runs late."""
@@ -74,8 +76,9 @@ def test_a_queue_lands_small_large_and_host_to_device_copies_on_cuda(streams):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("streams", [STREAMS, WHOLE_UPDATE_STREAMS])
 @pytest.mark.parametrize("fenced", [True, False])
-def test_a_fenced_queue_keeps_its_side_copies_behind_work_queued_between_them(fenced):
+def test_a_fenced_queue_keeps_its_side_copies_behind_work_queued_between_them(fenced, streams):
     """The current stream reads destination B (a rollback snapshot, say) after a long kernel,
     between the queue's copy into A and its copy into B; B's copy goes to the side stream
     (fewer bytes queued there). Fenced, the snapshot sees B's old bytes; unfenced, the side
@@ -86,7 +89,7 @@ def test_a_fenced_queue_keeps_its_side_copies_behind_work_queued_between_them(fe
     dsts, srcs = _pairs([n, n], "cuda")
     dsts[1].fill_(7)
     snapshot = torch.empty(n, dtype=torch.uint8, device="cuda")
-    queue = CopyQueue(fenced=fenced)
+    queue = CopyQueue(fenced=fenced, streams=streams)
     queue.add(dsts[0], srcs[0])  # first group: on the current stream
     torch.cuda._sleep(200_000_000)  # about 0.1 s on current GPUs
     snapshot.copy_(dsts[1])

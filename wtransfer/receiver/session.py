@@ -42,7 +42,7 @@ from wtransfer.packing import (
 )
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import Box, TensorLayout
-from wtransfer.transport.copies import CopyQueue, copy_bytes
+from wtransfer.transport.copies import WHOLE_UPDATE_STREAMS, CopyQueue, copy_bytes
 from wtransfer.transport.mton import Piece
 
 
@@ -439,7 +439,8 @@ class UpdateSession:
                                     f"not {meta.nbytes}")
             if meta.name not in pending:
                 raise MetadataError(f"tensor {meta.name!r} arrived twice in one update")
-        copies = CopyQueue(fenced=self._store is not None)  # (rollback copies go between)
+        copies = CopyQueue(fenced=self._store is not None,  # (rollback copies go between)
+                           streams=WHOLE_UPDATE_STREAMS)
         loads: list[tuple[str, torch.Tensor]] = []
         try:
             for meta, src in zip(self._metas, sources, strict=True):

@@ -7,7 +7,8 @@ device starts copying at once and is never left waiting for the host:
 - groups double in size (1, 2, 4, ... up to `GROUP_MAX` copies), so the first copy leaves
   after one tensor's bookkeeping and later groups cost one stream switch each;
 - large copies (at least `MEMCPY_BYTES`) go out one device memcpy each, to whichever of
-  `STREAMS` streams (the current one and side streams) has the fewest bytes queued, so
+  its streams (`STREAMS`, or `WHOLE_UPDATE_STREAMS` for a whole model's copies: the current
+  one and side streams) has the fewest bytes queued, so
   several copies are always in flight (one's ramp-up and tail overlap the others' bodies);
   the side streams start after what the current stream queued before the first group
   (`fenced`: before each group, for a caller that queues its own work on the current stream
@@ -18,8 +19,8 @@ device starts copying at once and is never left waiting for the host:
   than a memcpy on gigabytes, so it takes only those.
 
 On one H200 (Qwen3-8B, 399 tensors, 16.4 GB): one flat copy of every byte 7.6-7.7 ms, the
-399 copies one by one on one stream 8.8-8.9 ms, through a queue over two streams 7.88-7.92,
-over four 7.80-7.85 (two runs; one multi-tensor launch for all: 17.0).
+399 copies one by one on one stream 8.8-9.0 ms, through a queue over two streams 7.88-8.04,
+over four 7.80-7.96 (three runs; one multi-tensor launch for all: 17.0-17.5).
 """
 
 from __future__ import annotations
@@ -46,9 +47,14 @@ of its memory bandwidth)."""
 _HOST_CHUNK = 8 << 20
 _host_pool: ThreadPoolExecutor | None = None
 _host_pool_lock = threading.Lock()
-STREAMS = 4
-"""Streams a `CopyQueue` spreads its large copies over: the current one and side streams
-(four beat two by 0.07-0.08 ms on 8B's copies on one H200, in both runs that compared)."""
+STREAMS = 2
+"""Streams a `CopyQueue` spreads its large copies over by default: the current one and a
+side stream (a packed bucket's few dozen copies; the setting under which the packed path
+measured 1.08x two copies on one H200)."""
+WHOLE_UPDATE_STREAMS = 4
+"""Streams for a queue that carries a whole model's copies (a zero-copy update): on one
+H200, 8B's 399 copies took 7.80-7.96 ms over four streams against 7.88-8.04 over two, in
+each of three runs."""
 _SIDE_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
 
 
