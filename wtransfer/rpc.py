@@ -53,6 +53,7 @@ _METHODS: dict[str, tuple[str, ...]] = {
     "status": (),
 }
 _POLL_MS = 100
+_SERVING_THREAD = "wtransfer-rpc-io"
 _FAILED_KEPT = 4096
 _SLICE_S = 0.005
 """Longest a waiting `RPCClient` thread holds its socket before letting others use it."""
@@ -133,12 +134,14 @@ class ReceiverServer:
         """Recent calls (envelope without its delimiter) that failed or were skipped, for
         requests that run only `after` another one succeeded."""
         self._stop = threading.Event()
+        self._closing = threading.Lock()
+        """Makes `close`'s check-and-set of `_stop` one step."""
         self._threads: list[threading.Thread] = []
 
     def start(self) -> ReceiverServer:
         """Serve on background threads; returns self."""
         self._threads = [
-            threading.Thread(target=self._serve, name="wtransfer-rpc-io", daemon=True),
+            threading.Thread(target=self._serve, name=_SERVING_THREAD, daemon=True),
             threading.Thread(target=self._execute, name="wtransfer-rpc-exec", daemon=True),
         ]
         for thread in self._threads:
@@ -154,23 +157,24 @@ class ReceiverServer:
         waiting.register(self._ready_fd, select.POLLIN)
         waiting.register(self._wake_r, select.POLLIN)
         while not self._stop.is_set():
-            if self._read_requests():
+            if self._read_requests(nudge=False):
                 continue  # read again until none waits: only then does the signal re-arm
             if any(fd == self._wake_r for fd, _ in waiting.poll(_POLL_MS)):
                 with contextlib.suppress(BlockingIOError):  # (a nudge: requests are read at
                     os.read(self._wake_r, 4096)  # the top)
         with self._lock:
-            self._socket.close()
-        os.close(self._wake_r)
+            self._socket.close()  # (the wake-up pipe is `close`'s to close)
 
-    def _read_requests(self) -> bool:
+    def _read_requests(self, *, nudge: bool) -> bool:
         """Read and dispatch every request waiting (either thread may: they take turns, so
-        requests are dispatched in arrival order); whether there was any."""
+        requests are dispatched in arrival order); whether there was any. The worker thread
+        passes `nudge`: the replies it sends here (status, errors) may take the signal of a
+        request that arrives meanwhile, as its call replies may (see `_send`)."""
         with self._reading:
             with self._lock:
                 requests = list(_waiting(self._socket)) if not self._socket.closed else []
             for frames in requests:
-                self._accept(frames)
+                self._accept(frames, nudge=nudge)
         return bool(requests)
 
     def _next_call(self, soon: bool) -> tuple[list[bytes], str, dict[str, Any],
@@ -184,7 +188,7 @@ class ReceiverServer:
             until = time.monotonic() + SPIN_WINDOW_S
             while self._work.empty() and time.monotonic() < until \
                     and not self._stop.is_set():
-                if not self._read_requests():
+                if not self._read_requests(nudge=True):
                     os.sched_yield()
         return self._work.get()
 
@@ -203,7 +207,7 @@ class ReceiverServer:
         with contextlib.suppress(BlockingIOError):  # (a full pipe wakes it all the same)
             os.write(self._wake_w, b"!")
 
-    def _accept(self, frames: list[bytes]) -> None:
+    def _accept(self, frames: list[bytes], *, nudge: bool) -> None:
         if b"" not in frames:
             return  # no envelope: nothing to answer to
         split = frames.index(b"")
@@ -214,10 +218,10 @@ class ReceiverServer:
                 raise MetadataError("'after' names a call by id: send [call id, b'', request] "
                                     "from a DEALER socket")
         except Exception as exc:
-            self._send([*envelope, wire.encode(error_reply(exc))])
+            self._send([*envelope, wire.encode(error_reply(exc))], nudge=nudge)
             return
         if method == "status":
-            self._send([*envelope, wire.encode(ok_reply(self.status()))])
+            self._send([*envelope, wire.encode(ok_reply(self.status()))], nudge=nudge)
         else:
             self._work.put((envelope, method, args, after))
 
@@ -292,19 +296,22 @@ class ReceiverServer:
         return out
 
     def close(self) -> None:
-        """Stop serving and release the socket (a call in progress finishes first);
-        idempotent."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
+        """Stop serving and release the socket and the wake-up pipe (a call in progress
+        finishes first); idempotent, and safe from several threads at once."""
+        with self._closing:
+            if self._stop.is_set():
+                return
+            self._stop.set()
         self._work.put(None)
         self._wake()
         for thread in self._threads:
             thread.join(timeout=5)
-        if not self._threads:
-            self._socket.close()
-            os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._lock:
+            self._socket.close()  # (when never started; else the serving thread did)
+        if not any(t.is_alive() for t in self._threads if t.name == _SERVING_THREAD):
+            os.close(self._wake_r)  # (the worker writes only while the socket is open; were
+            os.close(self._wake_w)  # the poller still running, a reused number would be
+            # another file's, so then they are left open)
 
 
 class RPCCall:

@@ -237,10 +237,20 @@ def _nothing(value: Any, where: str, error: type[Exception]) -> Any:
     raise error(f"{where} must be None, got {type(value).__name__}")
 
 
-@functools.cache
 def _checker(tp: Any) -> Check:
     """The checker of annotation `tp`, built once per annotation (a receiver checks the same
-    records every update)."""
+    records every update). Cached by the annotation and the order of its arguments, at every
+    depth: unions equal in any order (``int | float == float | int``) try their options in
+    the order written, and the first that fits converts the value."""
+    return _built_checker(tp, _argument_order(tp))
+
+
+def _argument_order(tp: Any) -> tuple[Any, ...]:
+    return tuple((arg, _argument_order(arg)) for arg in typing.get_args(tp))
+
+
+@functools.cache
+def _built_checker(tp: Any, order: tuple[Any, ...]) -> Check:
     if tp is Any:
         return _anything
     if tp is type(None):

@@ -1,5 +1,7 @@
 """The RPC control plane: remote errors come back typed; hostile requests get error replies."""
 
+import os
+import select
 import threading
 import time
 
@@ -186,4 +188,76 @@ def test_calls_after_a_start_run_in_arrival_order_whichever_thread_reads_them(mo
     finally:
         client.close()
         server.close()
+        engine.shutdown()
+
+
+def test_a_status_answered_by_the_worker_leaves_a_request_behind_it_signalled():
+    """After a start the worker thread reads the socket itself and answers a status request
+    there. Its send can take the socket's signal of a request that arrived meanwhile; the
+    serving thread, waiting on that signal, would then leave the request unread. Here a
+    second request arrives while the first one's status is worked out: after the answer,
+    the serving thread's wait must still wake (the socket or the nudge pipe readable)."""
+    engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(torch.nn.Linear(4, 4)))
+    server = ReceiverServer(engine, "tcp://127.0.0.1:0")  # (its threads not started: this
+    ctx = zmq.Context.instance()  # test thread plays the worker)
+    first, second = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    request = [b"", wire.encode({"method": "status", "args": {}})]
+    status = server.status
+
+    def status_while_another_request_arrives():
+        second.send_multipart(request)
+        time.sleep(0.05)  # (it reaches the server's socket)
+        return status()
+
+    server.status = status_while_another_request_arrives  # type: ignore[method-assign]
+    try:
+        for sock in (first, second):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(server.address)
+        first.send_multipart(request)
+        deadline = time.monotonic() + 5
+        while not server._read_requests(nudge=True):
+            assert time.monotonic() < deadline, "the first request never arrived"
+            time.sleep(0.001)
+        waiting = select.poll()
+        waiting.register(server._ready_fd, select.POLLIN)
+        waiting.register(server._wake_r, select.POLLIN)
+        assert waiting.poll(0), "the second request waits, and nothing would wake its reader"
+        assert first.poll(5000) and wire.decode(first.recv_multipart()[-1])["ok"]
+    finally:
+        first.close()
+        second.close()
+        server.close()
+        engine.shutdown()
+
+
+def test_close_releases_every_descriptor_even_from_two_threads_at_once():
+    """Closing a server (started or not) gives back its socket and wake-up pipe, once, even
+    when two threads close it at the same moment."""
+    engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(torch.nn.Linear(4, 4)))
+    ReceiverServer(engine, "tcp://127.0.0.1:0").start().close()  # (ZeroMQ's own threads)
+    before = len(os.listdir("/proc/self/fd"))
+    errors: list[BaseException] = []
+
+    def close(server):
+        try:
+            server.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        for i in range(30):
+            server = ReceiverServer(engine, "tcp://127.0.0.1:0")
+            if i % 3:
+                server.start()
+            closers = [threading.Thread(target=close, args=(server,)) for _ in range(2)]
+            for t in closers:
+                t.start()
+            for t in closers:
+                t.join()
+            server.close()
+        assert errors == []
+        assert len(os.listdir("/proc/self/fd")) <= before  # (earlier tests' sockets may
+        # close meanwhile; a pipe left open per server would add 30 or more)
+    finally:
         engine.shutdown()

@@ -119,3 +119,25 @@ def test_parse_record_checks_every_field_and_names_it():
     ]:
         with pytest.raises(ConfigError, match=match):
             wire.parse_record(Sample, data, where="demo")
+
+
+@dataclass(frozen=True)
+class NumberFirstFloat:
+    value: float | int
+    pairs: list[float | int]
+
+
+@dataclass(frozen=True)
+class NumberFirstInt:
+    value: int | float
+    pairs: list[int | float]
+
+
+def test_a_union_tries_its_options_in_the_order_its_own_record_writes_them():
+    """``float | int`` equals ``int | float``; each record still converts by its own order,
+    whichever was parsed first (the checkers are built once and shared)."""
+    data = {"value": 3, "pairs": [4]}
+    first = wire.parse_record(NumberFirstFloat, data, where="demo")
+    second = wire.parse_record(NumberFirstInt, data, where="demo")
+    assert type(first.value) is float and type(first.pairs[0]) is float
+    assert type(second.value) is int and type(second.pairs[0]) is int
