@@ -6,6 +6,8 @@
 #                                         # and update, hand-over, ipc
 #     bash benchmarks/gpu_one.sh ipc      # the ipc ratios alone (three runs; BUCKETS=0 for
 #                                         # zero-copy and the default packed path only)
+#     bash benchmarks/gpu_one.sh ucx      # ucx's default (reads where UCX chose them) and
+#                                         # tagged buckets against one raw UCX send
 #     bash benchmarks/gpu_one.sh peers    # checkpoint-engine side by side
 #     bash benchmarks/gpu_one.sh m2n      # 2 trainer processes -> our engine's 2 TP workers,
 #                                         # then -> 1 receiver, over CUDA IPC
@@ -59,6 +61,11 @@ paths|ipc)
             --bucket-mb "${BUCKETS:-0,1024x4,512x4}" --repeats 5 > $OUT/ipc-$run.txt 2>&1; echo "rc $?"
         tail -10 $OUT/ipc-$run.txt
     done ;;
+ucx)
+    echo "$(ts) ucx: the default (what UCX chose here) and tagged 1 GiB buckets, one GPU"
+    WTRANSFER_BENCH_DIR=$OUT/ucx timeout 400 python3 benchmarks/transfer.py --backend ucx \
+        --device cuda:0 --models qwen3-8b --bucket-mb 1024 --repeats 5 > $OUT/ucx.txt 2>&1
+    echo "rc $?"; tail -8 $OUT/ucx.txt ;;
 peers)
     echo "$(ts) checkpoint-engine side by side"
     timeout 560 python3 benchmarks/peers.py --model qwen3-8b 2>&1 | tee $OUT/peers.txt \
@@ -87,6 +94,6 @@ profile)
             > $OUT/profile-$path.txt 2>&1; echo "rc $?"
         grep -A14 "^engine\|median update" $OUT/profile-$path.txt | head -60
     done ;;
-*) echo "usage: gpu_one.sh suite|paths|ipc|peers|m2n|profile"; exit 2 ;;
+*) echo "usage: gpu_one.sh suite|paths|ipc|ucx|peers|m2n|trace|profile"; exit 2 ;;
 esac
 echo "$(ts) done"

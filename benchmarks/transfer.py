@@ -2,8 +2,8 @@
 
     python benchmarks/transfer.py --backend ipc --models qwen3-0.6b,qwen3-1.7b --bucket-mb 64,256
     python benchmarks/transfer.py --backend nccl --models qwen3-0.6b --bucket-mb 64,256
-    python benchmarks/transfer.py --backend nccl --trainer-ranks 2 --engine-tp 2 --models small
-    python benchmarks/transfer.py --backend ipc --trainer-ranks 2 --engine-tp 2 --models small
+    python benchmarks/transfer.py --backend nccl --trainer-ranks 2 --engine-tp 2 --models demo
+    python benchmarks/transfer.py --backend ipc --trainer-ranks 2 --engine-tp 2 --models demo
     python benchmarks/transfer.py --backend ipc --trainer-ranks 2 --engine-tp 2 --device cuda:0
 
 The packed path is the real two-process transfer: trainer here, receiver in a child process,
@@ -15,7 +15,9 @@ RPC control plane. Per backend, the floor and the naive baseline are:
 * nccl (gloo on CPU): floor = one plain broadcast of a buffer holding every byte, to a peer
   process; naive = one broadcast per tensor, the way many frameworks do it.
 * ucx: floor = one raw UCXX tagged send of a buffer holding every byte, to a peer process that
-  acknowledges it; no naive row.
+  acknowledges it; no naive row. Its paths: the default (named after what UCX chose for this
+  machine: one-sided reads or tagged buckets), tagged buckets of each ``--bucket-mb``, and
+  with ``--ucx-reads`` reads asked for by name.
 """
 
 from __future__ import annotations
@@ -230,6 +232,8 @@ def bench_model(backend: str, name: str, buckets: list[tuple[int, int | None]], 
     paths: list[tuple[str, int, Any]] = []
     if backend == "ipc" and device.startswith("cuda"):
         paths.append(("zero-copy", 0, trainer_info(backend, len(devices))))
+    if backend == "ucx":  # the default: UCX chooses reads or tagged buckets (the path's
+        paths.append(("default", 0, trainer_info(backend, len(devices))))  # name says which)
     if backend == "ucx" and reads:  # each worker reads every tensor out of the trainer
         paths.append(("one-sided reads", 0, trainer_info(backend, len(devices), rma=True)))
     for mb, num_buffers in buckets:
@@ -246,6 +250,9 @@ def bench_model(backend: str, name: str, buckets: list[tuple[int, int | None]], 
         for path, mb, info in paths:
             with wtransfer.trainer_init(info, client=client,
                                         source=wtransfer.ModuleSource(model)) as sender:
+                if path == "default":
+                    path = f"default ({'reads' if sender.reads.on else 'tagged'})"
+                    print(f"ucx default: {sender.reads}", flush=True)
                 if floors:  # interleaved with its floor: the same machine state for both
                     floor_name = "floor (1 copy)" if path == "zero-copy" else "floor (2 copies)"
                     seconds, floor_s = paired(sender.send_weights, floors[floor_name], repeats)
