@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -251,8 +251,9 @@ def bench_model(backend: str, name: str, buckets: list[tuple[int, int | None]], 
             with wtransfer.trainer_init(info, client=client,
                                         source=wtransfer.ModuleSource(model)) as sender:
                 if path == "default":
-                    path = f"default ({'reads' if sender.reads.on else 'tagged'})"
-                    print(f"ucx default: {sender.reads}", flush=True)
+                    choice = cast(Any, sender).reads  # (a UCXSender's: why it chose)
+                    path = f"default ({'reads' if choice.on else 'tagged'})"
+                    print(f"ucx default: {choice}", flush=True)
                 if floors:  # interleaved with its floor: the same machine state for both
                     floor_name = "floor (1 copy)" if path == "zero-copy" else "floor (2 copies)"
                     seconds, floor_s = paired(sender.send_weights, floors[floor_name], repeats)
