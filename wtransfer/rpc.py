@@ -221,7 +221,11 @@ class ReceiverServer:
             self._send([*envelope, wire.encode(error_reply(exc))], nudge=nudge)
             return
         if method == "status":
-            self._send([*envelope, wire.encode(ok_reply(self.status()))], nudge=nudge)
+            try:
+                reply = wire.encode(ok_reply(self.status()))
+            except Exception as exc:  # (the caller hears why; this thread keeps serving)
+                reply = wire.encode(error_reply(exc))
+            self._send([*envelope, reply], nudge=nudge)
         else:
             self._work.put((envelope, method, args, after))
 

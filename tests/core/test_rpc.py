@@ -261,3 +261,11 @@ def test_close_releases_every_descriptor_even_from_two_threads_at_once():
         # close meanwhile; a pipe left open per server would add 30 or more)
     finally:
         engine.shutdown()
+
+
+def test_a_status_that_cannot_be_read_comes_back_as_an_error_and_serving_goes_on(served):
+    server, client = served
+    server.status = lambda: {"engine": object()}  # type: ignore[method-assign]
+    with pytest.raises(PeerError, match="MetadataError: cannot encode"):
+        client.status()
+    assert client.fingerprint()  # still serving
