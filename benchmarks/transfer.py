@@ -212,8 +212,8 @@ def bench_model(backend: str, name: str, buckets: list[tuple[int, int | None]], 
                 devices: list[str], repeats: int, rollback: bool = False,
                 direct_mb: float | None = None, reads: bool = False) -> list[dict[str, Any]]:
     """Every path of `backend` for model `name`, each against its floor from the same run
-    (`buckets`: (MiB, staging buffers) of each packed path; ucx's one-sided reads only with
-    `reads`)."""
+    (`buckets`: (MiB, staging buffers) of each packed path; ucx: its default path, which UCX
+    may make one-sided reads, and reads asked for by name only with `reads`)."""
     metas = model_metas(name)
     total = sum(m.nbytes for m in metas)
     model = build(name, seed=1, device=device, fill="constant")

@@ -264,15 +264,15 @@ class ReceiverServer:
                 if after is not None and (*key[:-1], after) in self._failed:
                     raise LifecycleError(f"{method} skipped: it was sent to run after call "
                                          f"{int.from_bytes(after, 'little')}, which failed")
-                reply = ok_reply(getattr(self.client, method)(**args))
+                reply = wire.encode(ok_reply(getattr(self.client, method)(**args)))
                 started = method == "start_weight_update"
-            except Exception as exc:
-                reply = error_reply(exc)
+            except Exception as exc:  # (a result that cannot be encoded too: this thread
+                reply = wire.encode(error_reply(exc))  # serves on, the caller hears why)
                 started = False
                 self._failed[key] = None
                 while len(self._failed) > _FAILED_KEPT:
                     self._failed.popitem(last=False)
-            held.append([*envelope, wire.encode(reply)])
+            held.append([*envelope, reply])
             waiting = not self._work.empty()
             item = self._work.get() if waiting else None
             if item is not None and item[1] == "finish_weight_update" \
@@ -301,7 +301,9 @@ class ReceiverServer:
 
     def close(self) -> None:
         """Stop serving and release the socket and the wake-up pipe (a call in progress
-        finishes first); idempotent, and safe from several threads at once."""
+        finishes first, for up to 5 s; a serving thread still running then keeps the pipe
+        open); idempotent and safe from several threads at once (a call that finds another
+        closing returns at once)."""
         with self._closing:
             if self._stop.is_set():
                 return

@@ -1,5 +1,7 @@
 """The RPC control plane: remote errors come back typed; hostile requests get error replies."""
 
+import collections
+import contextlib
 import os
 import select
 import threading
@@ -11,6 +13,7 @@ import zmq
 
 import wtransfer
 from wtransfer import wire
+from wtransfer.clients import LocalClient
 from wtransfer.errors import LifecycleError, PeerError, TransferTimeout
 from wtransfer.protocol import SPIN_WINDOW_S
 from wtransfer.rpc import ReceiverServer, RPCClient
@@ -194,36 +197,46 @@ def test_calls_after_a_start_run_in_arrival_order_whichever_thread_reads_them(mo
 def test_a_status_answered_by_the_worker_leaves_a_request_behind_it_signalled():
     """After a start the worker thread reads the socket itself and answers a status request
     there. Its send can take the socket's signal of a request that arrived meanwhile; the
-    serving thread, waiting on that signal, would then leave the request unread. Here a
-    second request arrives while the first one's status is worked out: after the answer,
-    the serving thread's wait must still wake (the socket or the nudge pipe readable)."""
+    serving thread, waiting on that signal, would then leave the request unread until its
+    next periodic wake-up (`_POLL_MS`: ten times an 8B update). Here, on connections that
+    already served a call, a second request arrives while the first one's status is worked
+    out: after the answer, the serving thread's wait must still wake."""
     engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(torch.nn.Linear(4, 4)))
     server = ReceiverServer(engine, "tcp://127.0.0.1:0")  # (its threads not started: this
     ctx = zmq.Context.instance()  # test thread plays the worker)
     first, second = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
     request = [b"", wire.encode({"method": "status", "args": {}})]
-    status = server.status
 
-    def status_while_another_request_arrives():
-        second.send_multipart(request)
-        time.sleep(0.05)  # (it reaches the server's socket)
-        return status()
+    def served(sock, *, as_worker=False):
+        """`sock`'s request read and answered here (a new connection signals again a little
+        later; one that served a call does not)."""
+        sock.send_multipart(request)
+        deadline = time.monotonic() + 5
+        while not server._read_requests(nudge=as_worker):
+            assert time.monotonic() < deadline, "the request never arrived"
+            time.sleep(0.001)
+        assert sock.poll(5000) and wire.decode(sock.recv_multipart()[-1])["ok"]
 
-    server.status = status_while_another_request_arrives  # type: ignore[method-assign]
     try:
         for sock in (first, second):
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(server.address)
-        first.send_multipart(request)
-        deadline = time.monotonic() + 5
-        while not server._read_requests(nudge=True):
-            assert time.monotonic() < deadline, "the first request never arrived"
-            time.sleep(0.001)
+            served(sock)
+        time.sleep(0.05)
+        server._read_requests(nudge=False)  # (every signal so far taken)
+        status = server.status
+
+        def status_while_another_request_arrives():
+            second.send_multipart(request)
+            time.sleep(0.05)  # (it reaches the server's socket)
+            return status()
+
+        server.status = status_while_another_request_arrives  # type: ignore[method-assign]
+        served(first, as_worker=True)
         waiting = select.poll()
         waiting.register(server._ready_fd, select.POLLIN)
         waiting.register(server._wake_r, select.POLLIN)
-        assert waiting.poll(0), "the second request waits, and nothing would wake its reader"
-        assert first.poll(5000) and wire.decode(first.recv_multipart()[-1])["ok"]
+        assert waiting.poll(1000), "the second request waits, and nothing would wake its reader"
     finally:
         first.close()
         second.close()
@@ -231,13 +244,36 @@ def test_a_status_answered_by_the_worker_leaves_a_request_behind_it_signalled():
         engine.shutdown()
 
 
-def test_close_releases_every_descriptor_even_from_two_threads_at_once():
-    """Closing a server (started or not) gives back its socket and wake-up pipe, once, even
+class _StopThatMeets(threading.Event):
+    """A stop flag whose check makes the threads named closer-* meet there first: two
+    `close` calls that check it before either sets it (the race)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.meeting = threading.Barrier(2, timeout=0.5)
+
+    def is_set(self) -> bool:
+        seen = super().is_set()
+        if threading.current_thread().name.startswith("closer"):
+            with contextlib.suppress(threading.BrokenBarrierError):
+                self.meeting.wait()  # (each answers what it saw before the other went on)
+        return seen
+
+
+def test_close_releases_every_descriptor_once_even_from_two_threads_at_once(monkeypatch):
+    """Closing a server (started or not) gives back its socket and wake-up pipe, each pipe
+    end exactly once (a second close could close another file's reused descriptor), even
     when two threads close it at the same moment."""
     engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(torch.nn.Linear(4, 4)))
     ReceiverServer(engine, "tcp://127.0.0.1:0").start().close()  # (ZeroMQ's own threads)
     before = len(os.listdir("/proc/self/fd"))
     errors: list[BaseException] = []
+    closed: collections.Counter[int] = collections.Counter()
+    close_fd = os.close
+
+    def counted_close(fd: int) -> None:
+        closed[fd] += 1
+        close_fd(fd)
 
     def close(server):
         try:
@@ -245,20 +281,27 @@ def test_close_releases_every_descriptor_even_from_two_threads_at_once():
         except BaseException as exc:
             errors.append(exc)
 
+    monkeypatch.setattr(os, "close", counted_close)
     try:
-        for i in range(30):
+        for started in (False, True, True):
             server = ReceiverServer(engine, "tcp://127.0.0.1:0")
-            if i % 3:
+            server._stop = _StopThatMeets()
+            if started:
                 server.start()
-            closers = [threading.Thread(target=close, args=(server,)) for _ in range(2)]
+            closed.clear()
+            closers = [threading.Thread(target=close, args=(server,), name=f"closer-{i}")
+                       for i in range(2)]
             for t in closers:
                 t.start()
             for t in closers:
                 t.join()
             server.close()
+            assert (closed[server._wake_r], closed[server._wake_w]) == (1, 1)
         assert errors == []
-        assert len(os.listdir("/proc/self/fd")) <= before  # (earlier tests' sockets may
-        # close meanwhile; a pipe left open per server would add 30 or more)
+        deadline = time.monotonic() + 5  # (ZeroMQ closes a socket's descriptors on its own
+        while len(os.listdir("/proc/self/fd")) > before:  # thread, a little later)
+            assert time.monotonic() < deadline, "descriptors left open"
+            time.sleep(0.01)
     finally:
         engine.shutdown()
 
@@ -269,3 +312,22 @@ def test_a_status_that_cannot_be_read_comes_back_as_an_error_and_serving_goes_on
     with pytest.raises(PeerError, match="MetadataError: cannot encode"):
         client.status()
     assert client.fingerprint()  # still serving
+
+
+def test_a_result_that_cannot_be_sent_comes_back_as_an_error_and_serving_goes_on():
+    engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(torch.nn.Linear(4, 4)))
+
+    class Unsendable(LocalClient):
+        def fingerprint(self):
+            return {"x": object()}
+
+    server = ReceiverServer(Unsendable(engine), "tcp://127.0.0.1:0").start()
+    client = RPCClient(server.address, timeout_s=5)
+    try:
+        with pytest.raises(PeerError, match="MetadataError: cannot encode"):
+            client.fingerprint()
+        assert client.num_workers() == 1  # still serving
+    finally:
+        client.close()
+        server.close()
+        engine.shutdown()
