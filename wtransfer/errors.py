@@ -35,6 +35,12 @@ class IntegrityError(WTransferError):
     """Received bytes failed verification (checksum mismatch or incomplete update)."""
 
 
+class NonFiniteError(IntegrityError):
+    """A receiver refused an update holding NaN or infinite values before it went live (the
+    error names the first such tensor); a sender that means to send them opts out with
+    ``allow_non_finite=True``."""
+
+
 class DeltaBaseError(IntegrityError):
     """A receiver refused a delta update before writing anything: it does not hold the base
     the delta applies onto (it restarted, rolled back, failed an update, or another sender
@@ -90,6 +96,11 @@ class RemoteIntegrityError(PeerError, IntegrityError):
     """The peer found corrupt or missing bytes (a `PeerError` and an `IntegrityError`)."""
 
 
+class RemoteNonFiniteError(PeerError, NonFiniteError):
+    """The peer refused values that are NaN or infinite (a `PeerError` and a
+    `NonFiniteError`)."""
+
+
 class RemoteDeltaBaseError(PeerError, DeltaBaseError):
     """The peer refused a delta for want of its base (a `PeerError` and a `DeltaBaseError`)."""
 
@@ -116,6 +127,7 @@ _REMOTE: dict[str, type[PeerError]] = {
     "LifecycleError": RemoteLifecycleError, "MetadataError": RemoteMetadataError,
     "SenderReplacedError": RemoteSenderReplacedError,
     "IntegrityError": RemoteIntegrityError, "TransferTimeout": RemoteTransferTimeout,
+    "NonFiniteError": RemoteNonFiniteError,
     "DeltaBaseError": RemoteDeltaBaseError, "SparseDeltaError": RemoteSparseDeltaError,
     "DeltaUnsupportedError": RemoteDeltaUnsupportedError,
     "EngineDeadError": RemoteEngineDeadError,
@@ -190,6 +202,7 @@ __all__ = [
     "IntegrityError",
     "LifecycleError",
     "MetadataError",
+    "NonFiniteError",
     "PeerError",
     "RemoteConfigError",
     "RemoteDeltaBaseError",
@@ -198,6 +211,7 @@ __all__ = [
     "RemoteIntegrityError",
     "RemoteLifecycleError",
     "RemoteMetadataError",
+    "RemoteNonFiniteError",
     "RemoteSenderReplacedError",
     "RemoteSparseDeltaError",
     "RemoteTransferTimeout",

@@ -98,6 +98,10 @@ class WireParams:
     update the receivers hold, proven by a base token (`wtransfer.delta`): one sender with an
     unsharded source diffs each tensor; with a sharded source every rank diffs its own pair
     buckets of an M->N transfer (nccl, ucx: `wtransfer.delta.pieces`)."""
+    allow_non_finite: bool = False
+    """Let NaN and infinite values go live. By default a receiver refuses an update holding
+    one before it goes live (`NonFiniteError`, naming the tensor): a diverged step never
+    reaches the engine."""
 
     def __post_init__(self) -> None:
         check_record_types(self)

@@ -157,23 +157,27 @@ def test_requests_that_arrive_while_replies_go_out_are_served_without_waiting_fo
 
 def test_calls_after_a_start_run_in_arrival_order_whichever_thread_reads_them(monkeypatch):
     """After a start the worker thread reads the socket itself while the serving thread may
-    too; requests must still run in the order they arrived. The serving thread is slowed
-    between reading a finish and queueing it, while the next start arrives (the worker,
-    polling after its start, reads that one): queued first, it would be refused, as an
-    update is open. Every label lands in turn."""
+    too; requests must still run in the order they arrived. The serving thread, between
+    reading a finish and queueing it, waits until the worker reads the next start (for up
+    to 50 ms: it cannot while the serving thread dispatches): queued first, that start would
+    be refused, as an update is open. Every label lands in turn."""
     from wtransfer_ipc import IPCTrainerInitInfo
 
     monkeypatch.setattr(wtransfer.rpc, "_POLL_MS", 600_000)
     parse = ReceiverServer._parse
+    worker_read_a_start = threading.Event()
 
-    def slow_on_the_serving_thread(self, body):
+    def finish_held_for_the_next_start(self, body):
         parsed = parse(self, body)
-        if parsed[0] == "finish_weight_update" and \
-                threading.current_thread().name == "wtransfer-rpc-io":
-            time.sleep(0.002)
+        reader = threading.current_thread().name
+        if parsed[0] == "start_weight_update" and reader == "wtransfer-rpc-exec":
+            worker_read_a_start.set()
+        elif parsed[0] == "finish_weight_update" and reader == "wtransfer-rpc-io":
+            worker_read_a_start.clear()
+            worker_read_a_start.wait(0.05)
         return parsed
 
-    monkeypatch.setattr(ReceiverServer, "_parse", slow_on_the_serving_thread)
+    monkeypatch.setattr(ReceiverServer, "_parse", finish_held_for_the_next_start)
     engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(torch.nn.Linear(4, 4)))
     server = ReceiverServer(engine, "tcp://127.0.0.1:0").start()
     client = RPCClient(server.address, timeout_s=5)
@@ -181,13 +185,12 @@ def test_calls_after_a_start_run_in_arrival_order_whichever_thread_reads_them(mo
         with wtransfer.trainer_init(IPCTrainerInitInfo(), client=client,
                                     source=wtransfer.ModuleSource(torch.nn.Linear(4, 4))):
             calls = []
-            for i in range(50):
+            for i in range(20):
                 calls.append(client.submit("start_weight_update"))
                 calls.append(client.submit("finish_weight_update", weight_version=f"v{i}"))
-                time.sleep(0.0005)  # the next start comes while the finish is being queued
             for call in calls:
                 call.result()
-            assert client.status()["weight_version"] == "v49"
+            assert client.status()["weight_version"] == "v19"
     finally:
         client.close()
         server.close()
@@ -200,7 +203,8 @@ def test_a_status_answered_by_the_worker_leaves_a_request_behind_it_signalled():
     serving thread, waiting on that signal, would then leave the request unread until its
     next periodic wake-up (`_POLL_MS`: ten times an 8B update). Here, on connections that
     already served a call, a second request arrives while the first one's status is worked
-    out: after the answer, the serving thread's wait must still wake."""
+    out (waiting for it takes the signal first); after the answer, the serving thread's
+    wait must still wake."""
     engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(torch.nn.Linear(4, 4)))
     server = ReceiverServer(engine, "tcp://127.0.0.1:0")  # (its threads not started: this
     ctx = zmq.Context.instance()  # test thread plays the worker)
@@ -208,13 +212,10 @@ def test_a_status_answered_by_the_worker_leaves_a_request_behind_it_signalled():
     request = [b"", wire.encode({"method": "status", "args": {}})]
 
     def served(sock, *, as_worker=False):
-        """`sock`'s request read and answered here (a new connection signals again a little
-        later; one that served a call does not)."""
+        """`sock`'s request read and answered on this thread."""
         sock.send_multipart(request)
-        deadline = time.monotonic() + 5
-        while not server._read_requests(nudge=as_worker):
-            assert time.monotonic() < deadline, "the request never arrived"
-            time.sleep(0.001)
+        assert server._socket.poll(5000), "the request never arrived"
+        assert server._read_requests(nudge=as_worker)
         assert sock.poll(5000) and wire.decode(sock.recv_multipart()[-1])["ok"]
 
     try:
@@ -222,21 +223,22 @@ def test_a_status_answered_by_the_worker_leaves_a_request_behind_it_signalled():
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(server.address)
             served(sock)
-        time.sleep(0.05)
-        server._read_requests(nudge=False)  # (every signal so far taken)
+        reader_wakes = select.poll()  # (what the serving thread waits on)
+        reader_wakes.register(server._ready_fd, select.POLLIN)
+        reader_wakes.register(server._wake_r, select.POLLIN)
+        server._read_requests(nudge=False)  # (takes every signal so far)
+        assert not reader_wakes.poll(0), "the socket still signals with no request waiting"
         status = server.status
 
         def status_while_another_request_arrives():
             second.send_multipart(request)
-            time.sleep(0.05)  # (it reaches the server's socket)
+            assert server._socket.poll(5000), "the second request never arrived"
             return status()
 
         server.status = status_while_another_request_arrives  # type: ignore[method-assign]
         served(first, as_worker=True)
-        waiting = select.poll()
-        waiting.register(server._ready_fd, select.POLLIN)
-        waiting.register(server._wake_r, select.POLLIN)
-        assert waiting.poll(1000), "the second request waits, and nothing would wake its reader"
+        assert reader_wakes.poll(1000), \
+            "the second request waits, and nothing would wake its reader"
     finally:
         first.close()
         second.close()

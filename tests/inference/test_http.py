@@ -195,6 +195,44 @@ def test_dev_endpoints_and_their_errors(dev):
     assert "# HELP wtransfer_last_transfer_bytes bytes the engine's receiver took in" in metrics
 
 
+def test_pause_takes_its_mode_from_a_json_body_as_from_the_query(dev):
+    """`POST /pause` with ``{"mode": "keep"}`` keeps the running request (it used to be
+    ignored, and the default abort ended it); a garbage or unknown body, or a mode given
+    twice differently, is a 400 and pauses nothing; /resume refuses a body too."""
+    import threading
+
+    h = dev.http
+    result = {}
+
+    def generate():
+        result["out"] = h.post("/inference/v1/generate", json={
+            "token_ids": [4, 4, 4], "sampling_params": {"max_tokens": 300, "temperature": 0}},
+            timeout=120).json()
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    try:
+        wait_for(lambda: "wtransfer_running_requests 1" in h.get("/metrics").text, 30,
+                 "the request to run")
+        for bad in ({"content": b"not json"}, {"json": {"mode": "keep", "oops": 1}},
+                    {"json": {"mode": "keep"}, "params": {"mode": "abort"}},
+                    {"json": {"clear_cache": "maybe"}}, {"json": ["keep"]}):
+            reply = h.post("/pause", **bad)
+            assert reply.status_code == 400, (bad, reply.text)
+        assert h.get("/is_paused").json() == {"is_paused": False}
+        reply = h.post("/pause", json={"mode": "keep", "clear_cache": False})
+        assert reply.json() == {"status": "paused", "mode": "keep", "clear_cache": False}
+        assert h.get("/is_paused").json() == {"is_paused": True}
+        assert h.post("/resume", content=b"garbage").status_code == 400
+        assert h.post("/resume", json={"x": 1}).status_code == 400
+        assert h.get("/is_paused").json() == {"is_paused": True}
+        assert h.post("/resume").status_code == 200
+    finally:
+        thread.join(120)
+    choice = result["out"]["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 300
+
+
 def test_auth_is_required_on_every_route(dev):
     for path in ("/health", "/weight_info", "/metrics"):
         assert httpx.get(dev.url + path).status_code == 401

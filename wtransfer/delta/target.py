@@ -10,6 +10,7 @@ import torch
 from wtransfer.delta.codec import BITS_VIEW, DeltaEntry, decode_sparse
 from wtransfer.errors import DeltaUnsupportedError, MetadataError, SparseDeltaError
 from wtransfer.packing import DTYPES, TensorMeta
+from wtransfer.receiver.finite import FiniteCheck
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import Box, TensorLayout
 
@@ -21,11 +22,14 @@ class DeltaTarget(WeightTarget):
     that keeps a shard of the tensor writes the elements inside it), or a copy of the tensor
     loaded back whole."""
 
-    def __init__(self, inner: WeightTarget, entries: Sequence[DeltaEntry]) -> None:
+    def __init__(self, inner: WeightTarget, entries: Sequence[DeltaEntry], *,
+                 finite: FiniteCheck | None = None) -> None:
         if not inner.takes_deltas:
             raise DeltaUnsupportedError(f"this engine's target ({type(inner).__name__}) takes "
                                         "full updates only; the sender sends in full")
         self.inner = inner
+        self._finite = finite
+        """Where the values of sparse entries are checked (None: not checked)."""
         self._entries = {e.name: e for e in entries}
         self._held: dict[str, TensorMeta] = {}
         self._copies: dict[str, torch.Tensor] = {}
@@ -141,6 +145,8 @@ class DeltaTarget(WeightTarget):
     def _apply(self, entry: DeltaEntry, payload: torch.Tensor) -> None:
         held = self._held[entry.name]
         index, values = decode_sparse(payload, entry, held)
+        if self._finite is not None:
+            self._finite.watch(entry.name, values.view(DTYPES[held.dtype]))
         width = BITS_VIEW[DTYPES[held.dtype].itemsize]
         boxes = self._boxes(entry.name)
         if boxes is not None:

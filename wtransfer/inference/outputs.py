@@ -3,6 +3,7 @@ used by the HTTP server, the data-parallel sockets and the demo alike."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ class CompletionOutput:
 
     index: int
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float | None]
     finish_reason: str | None
     """None while running; "length", "stop", "abort" or "error" at the end."""
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
@@ -39,8 +40,10 @@ class CompletionOutput:
     """With finish_reason "error": what failed while computing this request."""
 
     def to_wire(self) -> dict[str, Any]:
-        """The HTTP API's "choice" object."""
-        out = {"index": self.index, "token_ids": self.token_ids, "logprobs": self.logprobs,
+        """The HTTP API's "choice" object (a logprob that is not finite as null: strict JSON)."""
+        logprobs = (self.logprobs if all(map(math.isfinite, self.logprobs))
+                    else [lp if math.isfinite(lp) else None for lp in self.logprobs])
+        out = {"index": self.index, "token_ids": self.token_ids, "logprobs": logprobs,
                "finish_reason": self.finish_reason,
                "weight_versions": [s.to_wire() for s in self.weight_versions]}
         if self.error is not None:

@@ -179,7 +179,15 @@ class Replica:
             return len(batch)
         self.steps += 1
         self.stall.step(started, bool(self.scheduler.running))
-        for seq, (token, logprob) in zip(batch, results, strict=True):
+        for seq, result in zip(batch, results, strict=True):
+            if result is None:
+                seq.error = (f"the model's logits for this request are not finite (NaN or "
+                             f"inf) under weight version {self._version_of(seq)!r}: its "
+                             "weights or adapter hold non-finite values")
+                self._finish(seq, "error")
+                self.emit(seq.to_output())
+                continue
+            token, logprob = result
             seq.append(token, logprob, self._version_of(seq))
             seq.num_computed = len(seq) - 1
             self.blocks.commit(seq)

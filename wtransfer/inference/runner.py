@@ -102,13 +102,17 @@ class ModelRunner:
             rows.uniform = slots[0] if slots[0] >= 0 and len(set(slots)) == 1 else None
         return self.execute(plan)
 
-    def run(self, seqs: Seq[Sequence]) -> list[tuple[int, float]]:
-        """Compute and sample; in batch-invariant mode each sequence runs alone."""
+    def run(self, seqs: Seq[Sequence]) -> list[tuple[int, float] | None]:
+        """Compute and sample; in batch-invariant mode each sequence runs alone. A sequence
+        whose logits are not all finite gets None (nothing can be sampled from them), and
+        the others are sampled as usual."""
         if self.config.batch_invariant:
             logits = torch.cat([self._forward([s]) for s in seqs])
         else:
             logits = self._forward(seqs)
-        return [self._sample(row, seq) for row, seq in zip(logits, seqs, strict=True)]
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        return [self._sample(row, seq) if ok else None
+                for row, seq, ok in zip(logits, seqs, finite, strict=True)]
 
     def _sample(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, float]:
         params: SamplingParams = seq.params

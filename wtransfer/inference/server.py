@@ -4,7 +4,8 @@ Request bodies are JSON, or msgpack (``Content-Type: application/msgpack``) wher
 bytes (IPC handles); both are decoded by validating code, never unpickled (`http_body`). Every
 error is JSON ``{"error": type, "message": ...}``: 400 bad input (unknown fields included), 401
 missing/wrong key, 404 unknown route (dev routes without --dev-mode), 405 wrong method, 409
-lifecycle misuse, 413 body too large; 502/504 when the transfer's peer failed or timed out;
+lifecycle misuse, 413 body too large, 422 bytes refused (a checksum mismatch, an incomplete
+update, NaN or infinite values); 502/504 when the transfer's peer failed or timed out;
 503 when the engine cannot serve (`/health` says why).
 """
 
@@ -29,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from wtransfer.errors import (
     ConfigError,
     EngineDeadError,
+    IntegrityError,
     LifecycleError,
     MetadataError,
     PeerError,
@@ -52,8 +54,8 @@ log = logging.getLogger("wtransfer.server")
 
 _STATUS: dict[type[WTransferError], int] = {
     BodyTooLarge: 413, Unauthorized: 401, ConfigError: 400,
-    MetadataError: 400, LifecycleError: 409, EngineDeadError: 503, PeerError: 502,
-    TransferTimeout: 504}
+    MetadataError: 400, IntegrityError: 422, LifecycleError: 409, EngineDeadError: 503,
+    PeerError: 502, TransferTimeout: 504}
 """HTTP status of each error family, most specific first."""
 _HTTP_NAMES = {401: "Unauthorized", 404: "NotFound", 405: "MethodNotAllowed"}
 HEALTH_TIMEOUT_S = 2.0
@@ -298,20 +300,43 @@ async def _events(first: Any, outputs: Any) -> AsyncIterator[bytes]:
 BodyOf = Callable[[Request, tuple[str, ...]], Awaitable[dict[str, Any]]]
 
 
+def _flag(name: str, value: bool | str | None) -> bool | None:
+    """A true/false parameter given as a JSON bool or as text ("true", "false", "1", "0")."""
+    if value is None or isinstance(value, bool):
+        return value
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise ConfigError(f"{name} must be true or false, got {value!r:.40}")
+    return value.lower() in ("true", "1")
+
+
+def _query_or_body(name: str, query: Any, body: Any, default: Any) -> Any:
+    """A parameter a route takes from its query or its JSON body (the same name in both);
+    given in both with different values, a `ConfigError` naming it."""
+    if query is not None and body is not None and query != body:
+        raise ConfigError(f"{name} is {query!r} in the query and {body!r} in the body; "
+                          "give it once")
+    return query if query is not None else body if body is not None else default
+
+
 def _add_dev_routes(app: FastAPI, engine: AsyncEngine, body_of: BodyOf) -> None:
     async def arg(request: Request, name: str, kind: type, default: Any = ...) -> Any:
         return field(await body_of(request, (name,)), name, kind, default)
 
     @app.post("/pause")
-    async def pause(mode: str = "abort", clear_cache: str = "true") -> dict[str, Any]:
-        if clear_cache.lower() not in ("true", "false", "1", "0"):
-            raise ConfigError("clear_cache must be true or false")
-        await engine.pause_generation(mode=check_pause_mode(mode),
-                                      clear_cache=clear_cache.lower() in ("true", "1"))
-        return {"status": "paused", "mode": mode}
+    async def pause(request: Request, mode: str | None = None,
+                    clear_cache: str | None = None) -> dict[str, Any]:
+        body = await body_of(request, ("mode", "clear_cache"))
+        chosen = check_pause_mode(_query_or_body("mode", mode, field(body, "mode", str, None),
+                                                 "abort"))
+        clear = _query_or_body("clear_cache", _flag("clear_cache", clear_cache),
+                               _flag("clear_cache", field(body, "clear_cache", (bool, str),
+                                                          None)), True)
+        await engine.pause_generation(mode=chosen, clear_cache=clear)
+        return {"status": "paused", "mode": chosen, "clear_cache": clear}
 
     @app.post("/resume")
-    async def resume() -> dict[str, str]:
+    async def resume(request: Request) -> dict[str, str]:
+        await body_of(request, ())
         await engine.resume_generation()
         return {"status": "resumed"}
 

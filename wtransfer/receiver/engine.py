@@ -146,13 +146,14 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             raise LifecycleError(f"{self.backend_name}: cannot {action} in state "
                                  f"'{self._state.value}': {hint}")
 
-    def _fail(self, reason: str, *, finishing: bool = False, data_moved: bool = True) -> None:
+    def _fail(self, reason: str, *, finishing: bool = False, channel_busy: bool = True) -> None:
         """Fail the open update: stop the backend writing, roll back if enabled, record why.
         A staging target's live weights change only in its finish (`finishing`); an update
-        refused before its data moved (`data_moved` False) leaves the backend as it is."""
+        refused while its channel is idle (`channel_busy` False: before any byte moved, or after
+        every byte arrived) leaves the backend as it is."""
         self._deadline.disarm()
         self.forget_delta_base()
-        if data_moved:
+        if channel_busy:
             with contextlib.suppress(Exception):  # teardown must not mask the original failure
                 self._abort()
         session, self._session = self._session, None
@@ -273,8 +274,12 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         with self._call():
             self._require(ReceiverState.READY, ReceiverState.FAILED,
                           action="start a weight update")
-            self._session = UpdateSession(self.target, self.device, rollback=(
-                self._rollback_store if self.rollback and not self.target.stages else None))
+            self._session = UpdateSession(
+                self.target, self.device,
+                rollback=(self._rollback_store if self.rollback and not self.target.stages
+                          else None),
+                check_finite=not (self.init_info is not None
+                                  and self.init_info.allow_non_finite))
             if self.manifests.last is not None:
                 self._session.precheck(self.manifests.last.metas)
             self._start()
@@ -304,7 +309,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                     return
                 self._receive(info, self._session)
             except BaseException as exc:
-                self._fail(f"{type(exc).__name__}: {exc}", data_moved=not header)
+                self._fail(f"{type(exc).__name__}: {exc}", channel_busy=not header)
                 raise
 
     def _open_delta(self, header: DeltaHeader, session: UpdateSession) -> None:
@@ -365,6 +370,10 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             assert session is not None
             try:
                 session.finish()
+            except BaseException as exc:  # every byte arrived: the channel is idle
+                self._fail(f"{type(exc).__name__}: {exc}", channel_busy=False)
+                raise
+            try:
                 self._finish()
             except BaseException as exc:
                 self._fail(f"{type(exc).__name__}: {exc}")

@@ -31,7 +31,7 @@ import torch
 from wtransfer.delta.codec import BITS_VIEW, DeltaEntry
 from wtransfer.delta.pieces import decode_bucket
 from wtransfer.delta.target import DeltaTarget
-from wtransfer.errors import IntegrityError, MetadataError
+from wtransfer.errors import IntegrityError, MetadataError, NonFiniteError
 from wtransfer.packing import (
     DTYPES,
     Bucket,
@@ -40,6 +40,7 @@ from wtransfer.packing import (
     bucket_checksum,
     tensor_from_bytes,
 )
+from wtransfer.receiver.finite import FiniteCheck
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import Box, TensorLayout
 from wtransfer.transport.copies import WHOLE_UPDATE_STREAMS, CopyQueue, copy_bytes
@@ -75,20 +76,23 @@ class _Regions:
 class _Batch:
     """One bucket's work: byte copies issued together, then whole-tensor loads."""
 
-    __slots__ = ("assembled", "dsts", "loads", "srcs")
+    __slots__ = ("assembled", "completed", "dsts", "loads", "srcs")
 
     def __init__(self) -> None:
         self.dsts: list[torch.Tensor] = []
         self.srcs: list[torch.Tensor] = []
         self.loads: list[tuple[str, torch.Tensor]] = []
         self.assembled: list[tuple[str, torch.Tensor]] = []
+        self.completed: list[tuple[TensorMeta, torch.Tensor]] = []
+        """Tensors split across buckets that this bucket completed, and their bytes."""
 
 
 class UpdateSession:
     """The state of one update on the receiving side (see the module docstring)."""
 
     def __init__(self, target: WeightTarget, device: torch.device | str, *,
-                 rollback: dict[str, torch.Tensor] | None = None) -> None:
+                 rollback: dict[str, torch.Tensor] | None = None,
+                 check_finite: bool = True) -> None:
         self._target: WeightTarget = target
         self._origin = target
         """The engine's target (a delta's `_target` wraps it; rollback restores into it)."""
@@ -110,13 +114,19 @@ class UpdateSession:
         self.bytes_received = 0
         self.piece_delta = False
         """A delta of an M->N transfer (`apply_piece_delta`)."""
+        self.finite = FiniteCheck() if check_finite else None
+        """Watches every value that arrives; `finish` refuses the update if one was NaN or
+        infinite (None: the sender allowed non-finite values)."""
+        self._landed: list[tuple[TensorMeta, torch.Tensor]] = []
+        """Tensors a backend writes straight into the target (`complete_direct`), checked at
+        `finish`, once every write has landed."""
 
     def apply_delta(self, entries: Sequence[DeltaEntry]) -> None:
         """This update is a delta (`wtransfer.delta`): its tensor list is `entries` as they
         travel, applied onto the weights the target holds; rollback copies stay the target's."""
         if self._announced:
             raise MetadataError("a delta header must come before the update's tensors")
-        self._target = DeltaTarget(self._origin, entries)
+        self._target = DeltaTarget(self._origin, entries, finite=self.finite)
 
     def apply_piece_delta(self) -> None:
         """This update is a delta of an M->N transfer (`wtransfer.delta.pieces`): its pair
@@ -148,9 +158,11 @@ class UpdateSession:
                                         f"{box} to apply a delta to")
                 self.touched = True
                 if change.whole is not None:
+                    self._watch(meta.name, change.whole.view(DTYPES[meta.dtype]))
                     dest.copy_(change.whole.view(DTYPES[meta.dtype]).view(box.lengths))
                 else:
                     assert change.index is not None and change.values is not None
+                    self._watch(meta.name, change.values.view(DTYPES[meta.dtype]))
                     at = torch.unravel_index(change.index.to(dest.device), box.lengths)
                     dest.view(BITS_VIEW[meta.itemsize])[at] = change.values.to(dest.device)
             self._arrived(meta.name, regions, box)
@@ -166,6 +178,11 @@ class UpdateSession:
             meta = self._checked_piece(piece, end)
             self._arrived(meta.name, self._regions_of(meta.name, piece.box, inside_kept=True),
                           piece.box)
+
+    def _watch(self, name: str, values: torch.Tensor) -> None:
+        """Hand what arrived of `name` (in its dtype) to the finite check, if on."""
+        if self.finite is not None:
+            self.finite.watch(name, values)
 
     def _arrived(self, name: str, regions: _Regions, box: Box) -> None:
         regions.boxes.append(box)
@@ -261,6 +278,7 @@ class UpdateSession:
             meta = self._checked_piece(piece, nbytes)
             src = data[piece.offset: piece.offset + piece.nbytes].view(
                 DTYPES[meta.dtype]).view(piece.box.lengths)
+            self._watch(meta.name, src)
             for box in self._kept_parts(meta.name, piece.box) if crop else [piece.box]:
                 regions = self._regions_of(meta.name, box, inside_kept=not crop)
                 self._save(meta.name)
@@ -365,6 +383,8 @@ class UpdateSession:
         if batch.dsts or batch.loads:
             self.touched = True
         copy_bytes(batch.dsts, batch.srcs)
+        for meta, buffer in batch.completed:
+            self._watch(meta.name, tensor_from_bytes(buffer, meta))
         for name, buffer in batch.assembled:
             meta = self._announced[name]
             batch.loads.append((name, tensor_from_bytes(buffer, meta)))
@@ -382,6 +402,7 @@ class UpdateSession:
             raise MetadataError(f"tensor {meta.name!r} at offset {s.offset} is not "
                                 f"aligned to its {meta.itemsize}-byte elements")
         del self._pending[meta.name]
+        self._watch(meta.name, tensor_from_bytes(piece, meta))
         direct = self._direct(meta.name)
         if direct is not None:
             batch.dsts.append(direct)
@@ -422,6 +443,7 @@ class UpdateSession:
         if part.received == meta.nbytes:
             del self._partials[meta.name]
             del self._pending[meta.name]
+            batch.completed.append((meta, part.buffer))
             if not part.direct:
                 batch.assembled.append((meta.name, part.buffer))
 
@@ -459,6 +481,9 @@ class UpdateSession:
             copies.abort()  # what follows (a rollback, a drain) comes after what went out
             raise
         copies.close()
+        for meta, src in zip(self._metas, sources, strict=True):
+            if meta.nbytes:
+                self._watch(meta.name, tensor_from_bytes(src, meta))
         if loads:
             self._target.load_weights(loads)
         self.bytes_received += sum(m.nbytes for m in self._metas)
@@ -492,15 +517,28 @@ class UpdateSession:
         direct = self._target.direct_bytes(meta.name)
         if direct is None or direct.data_ptr() != data.data_ptr():
             self._save(meta.name)
+            self._watch(meta.name, tensor_from_bytes(data, meta))
             self._target.load_weights([(meta.name, tensor_from_bytes(data, meta))])
+        else:  # a backend may still be writing it (one-sided reads): checked at `finish`
+            self._landed.append((meta, data))
         self.bytes_received += bucket.nbytes
 
     def finish(self) -> None:
-        """Raise `IntegrityError` unless every announced tensor arrived whole."""
+        """Raise `IntegrityError` unless every announced tensor arrived whole, and
+        `NonFiniteError` if one held a NaN or an infinity (unless the check is off)."""
         if self._pending:
             names = sorted(self._pending)
             raise IntegrityError(f"update incomplete: {len(names)} announced tensor(s) never "
                                  f"arrived whole, e.g. {names[:3]}")
+        for meta, data in self._landed:
+            self._watch(meta.name, tensor_from_bytes(data, meta))
+        self._landed = []
+        bad = self.finite.first_bad() if self.finite is not None else None
+        if bad is not None:
+            raise NonFiniteError(
+                f"update refused before it went live: {bad!r} holds NaN or infinite values "
+                "(a diverged trainer step?); the engine keeps its previous weights. A sender "
+                "that means to send them sets allow_non_finite=True in its init info")
 
 
 def _end(pieces: Sequence[Piece]) -> int:

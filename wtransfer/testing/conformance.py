@@ -250,6 +250,39 @@ class BackendConformance(DeltaCases):
                  "the receiver to report the failed update")
         assert client.status()["torn"] is False
 
+    def test_non_finite_values_never_go_live(self, procs: ExitStack) -> None:
+        """One NaN in a split tensor and one infinity in a small one (a diverged step): the
+        update is refused naming the first, and with rollback on the receiver holds exactly
+        what it held before; the next clean update lands. With `allow_non_finite` the same
+        values land, bit-exact."""
+        child = procs.enter_context(spawn_receiver(self.backend, model=self.model, seed=2,
+                                                   device=self.device, rollback=True))
+        client = self.client([child])
+        assert isinstance(client, RPCClient)
+        model = self.trainer_model()
+        with self.sender(model, client) as sender:
+            sender.send_weights(weight_version="clean")
+            before = client.fingerprint()
+            tensors = model.state_dict()
+            floats = [n for n, t in tensors.items() if t.is_floating_point() and t.numel()]
+            split = max(floats, key=lambda n: tensors[n].nbytes)
+            small = min(floats, key=lambda n: tensors[n].nbytes)
+            tensors[split].view(-1)[-1] = float("nan")
+            tensors[small].view(-1)[0] = float("inf")
+            with pytest.raises(errors.NonFiniteError, match=f"'{split}' holds NaN or infin"):
+                sender.send_weights(weight_version="diverged")
+            assert client.fingerprint() == before
+            assert client.status()["weight_version"] == "clean"
+            tensors[split].view(-1)[-1] = 0.5
+            tensors[small].view(-1)[0] = 0.25
+            sender.send_weights(weight_version="clean-2")
+            assert client.fingerprint() == fingerprint(model.state_dict())
+        tensors[split].view(-1)[-1] = float("nan")
+        with self.sender(model, client, allow_non_finite=True) as sender:
+            sender.send_weights(weight_version="meant")
+        assert client.fingerprint() == fingerprint(model.state_dict())
+        assert client.status()["weight_version"] == "meant"
+
     def test_an_update_opened_by_someone_else_is_not_joined(self, procs: ExitStack) -> None:
         """`send_weights` while the engine is inside an update this sender did not open
         (another caller's, or one a stuck trainer left): the start is refused, and the update

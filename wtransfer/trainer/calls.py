@@ -28,7 +28,10 @@ class UpdateCalls:
         self.sender_id = sender_id
         """Stamped on every update call: receivers refuse the calls of a replaced sender."""
         self._calls: list[PendingCall] = []
+        self._methods: list[str] = []
         self._settled = 0
+        self.refused: str | None = None
+        """The method whose failure `check` or `settle` raised (None: none did)."""
 
     def submit(self, method: str, **args: Any) -> PendingCall:
         """Issue a call that the engine runs only if the call before it succeeded (an update
@@ -36,6 +39,7 @@ class UpdateCalls:
         call = self.queue.submit(method, after=self._calls[-1] if self._calls else None,
                                  **args)
         self._calls.append(call)
+        self._methods.append(method)
         return call
 
     def start(self) -> None:
@@ -61,6 +65,7 @@ class UpdateCalls:
         call = self.queue.submit("update_weights", after=self._calls[0] if self._calls
                                  else None, update_info=self._stamped({"abort": reason}))
         self._calls.append(call)
+        self._methods.append("update_weights")
         if answered:
             self._calls[-1].result(grace_s)
         self._settled = len(self._calls)
@@ -77,8 +82,7 @@ class UpdateCalls:
             call = self._calls[self._settled]
             if not call.done():
                 return
-            call.result(0)
-            self._settled += 1
+            self._result(0)
 
     def settle(self, spin_from: float | None = None) -> None:
         """Wait for every issued call in order; raise the first failure (and stop waiting for
@@ -86,15 +90,30 @@ class UpdateCalls:
         (`PendingCall.result`)."""
         try:
             while self._settled < len(self._calls):
-                call = self._calls[self._settled]
-                if spin_from is None:
-                    call.result(self.timeout_s)
-                else:
-                    call.result(self.timeout_s, spin_from=spin_from)
-                self._settled += 1
+                self._result(self.timeout_s, spin_from)
         except BaseException:
             self.drop()
             raise
+
+    def _result(self, timeout_s: float, spin_from: float | None = None) -> None:
+        """Settle the next call in order, noting its method in `refused` if it failed."""
+        call = self._calls[self._settled]
+        try:
+            if spin_from is None:
+                call.result(timeout_s)
+            else:
+                call.result(timeout_s, spin_from=spin_from)
+        except BaseException:
+            if call.done():
+                self.refused = self._methods[self._settled]
+            raise
+        self._settled += 1
+
+    @property
+    def refused_at_finish(self) -> bool:
+        """Whether the engine took every update call and refused only the finish (the data
+        moved whole: the channel is intact, as after a success)."""
+        return self.refused == "finish_weight_update"
 
     def cause(self, local: BaseException, grace_s: float = 5.0) -> BaseException:
         """The engine's own error for a failure seen here as `local` (the data channel breaks

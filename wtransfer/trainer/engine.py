@@ -380,8 +380,9 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                 try:
                     self.ranks.together(lambda: self._move(share, calls))
                 except BaseException as exc:  # every rank: a peer's failed part leaves this
-                    self._failed(exc)  # update's channels as unusable as its own (and all
-                    raise  # ranks then refuse the next update alike, none waiting in a gather)
+                    if calls is None or not calls.refused_at_finish:  # update's channels as
+                        self._failed(exc)  # unusable as its own (and all ranks then refuse
+                    raise  # the next update alike, none waiting in a gather)
             except BaseException as exc:
                 if self.lead and calls is not None:
                     self._abort_remote(exc, calls)
@@ -459,6 +460,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         except BaseException as exc:
             with contextlib.suppress(Exception):  # the send's own failure is the one to report
                 share.packer.finish()
+            if calls is not None and calls.refused_at_finish:
+                raise  # every byte moved: the channel is as good as after a success
             self._failed(exc)
             cause = calls.cause(exc) if calls is not None else exc
             if cause is not exc:  # the receivers' refusal, not the broken channel it caused
