@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
 from wtransfer.errors import ConfigError, WTransferError
@@ -69,6 +70,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from wtransfer.inference.server import build_app
 
     api_key = args.api_key or os.environ.get("WTRANSFER_API_KEY")
+    listener = _listen(args.host, args.port)  # a taken port fails before the model loads
+    args.port = listener.getsockname()[1]  # (--port 0: the one the system gave)
     engine = AsyncEngine(EngineConfig(model=args.model, device=args.device,
                                       weight_transfer_backend=args.weight_transfer_backend,
                                       data_parallel_size=args.data_parallel_size,
@@ -98,8 +101,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
             super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
     GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                  timeout_graceful_shutdown=30)).run()
+                                  timeout_graceful_shutdown=30)).run(sockets=[listener])
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host`:`port`; `ConfigError` saying why when it cannot be
+    had (the port is taken, the address is not this host's)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick "
+                          "another --port or --host") from None
+    return sock
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port number (0: any free one)."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 0..65535, got {value}")
+    return value
 
 
 def serve_banner(args: argparse.Namespace, weight_info: dict[str, object],
@@ -209,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default="tiny", help="tiny, small, qwen3-0.6b or a "
                                                        "checkpoint directory")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on")
     serve.add_argument("--device", default="cpu", help="cpu or cuda:N")
     serve.add_argument("--seed", type=int, default=0, help="seed of a named model's weights")
     serve.add_argument("--dev-mode", action="store_true",

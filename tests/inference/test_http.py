@@ -161,12 +161,27 @@ def test_a_non_streaming_client_that_disconnects_aborts_its_request(dev):
     (["--weight-transfer-backend", "bogus"], "unknown backend 'bogus'"),
     (["--device", "cuda:7"], "device 'cuda:7'"),
     (["--device", "tpu"], "device must be"),
+    (["--max-loras", "2", "--update-staging", "off"], "land in the staging shadow"),
 ])
 def test_bad_serve_options_fail_at_start_up_in_one_line(flags, match):
     out = subprocess.run([sys.executable, "-m", "wtransfer", "serve", *flags],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert match in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_bad_or_taken_port_fails_at_start_up_without_a_traceback(dev):
+    """`--port 99999` is refused by the argument parser; a port in use fails in one line
+    before the model loads or the banner claims to serve."""
+    out = subprocess.run([sys.executable, "-m", "wtransfer", "serve", "--port", "99999"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "must be a port number in 0..65535" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "wtransfer", "serve", "--port", str(dev.port)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert f"cannot listen on 127.0.0.1:{dev.port}" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_dev_endpoints_and_their_errors(dev):

@@ -11,7 +11,7 @@ from wtransfer_ipc import IPCTrainerInitInfo
 from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
-from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.errors import ConfigError, MetadataError, NonFiniteError
 from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient, SamplingParams
 from wtransfer.inference.model import load_model
 from wtransfer.packing import TensorMeta
@@ -174,9 +174,12 @@ def test_adapters_that_do_not_fit_are_refused_before_use():
         base = load_model("tiny", seed=1)
         try:
             before = await engine.fingerprint()
-            with pytest.raises(MetadataError, match=r"rank 1\.\.4 \(max_lora_rank\)"):
+            with pytest.raises(MetadataError) as err:
                 await push(engine, LoRASource("big", peft_adapter(base, 8, 0), lora_alpha=8),
                            "x")
+            assert "adapter 'big' has rank 8 > max_lora_rank 4: start the engine with " \
+                   "--max-lora-rank 8 or more" in str(err.value)
+            assert str(err.value).count("max_lora_rank") == 1
             odd = {"base_model.model.model.norm.lora_A.default.weight": torch.zeros(2, 64),
                    "base_model.model.model.norm.lora_B.default.weight": torch.zeros(64, 2)}
             with pytest.raises(MetadataError, match="has no LoRA slots here"):
@@ -201,6 +204,47 @@ def test_adapters_that_do_not_fit_are_refused_before_use():
                 plain.shutdown()
 
     run(main(), deadline_s=240)
+
+
+def test_a_non_finite_adapter_is_refused_and_fails_no_other_request():
+    """An adapter whose factors hold a NaN, or whose alpha is infinite, is refused before any
+    request can use it (`NonFiniteError` naming the tensor); requests on the base model and
+    on a good adapter, sampled at temperature 1 meanwhile, finish normally."""
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny", seed=1, max_loras=2, max_lora_rank=4))
+        base = load_model("tiny", seed=1)
+        try:
+            await push(engine, LoRASource("good", peft_adapter(base, 2, 0), lora_alpha=2), "1")
+            before = await engine.fingerprint()
+            factors = peft_adapter(base, 2, 1)
+            poisoned = next(k for k in factors if ".lora_B." in k)
+            factors[poisoned][3, 1] = float("nan")
+            with pytest.raises(NonFiniteError, match="holds NaN or infinite values"):
+                await push(engine, LoRASource("bad", factors, lora_alpha=2), "2")
+            with pytest.raises(NonFiniteError, match="'lora/inf/lora_alpha' holds NaN"):
+                await push(engine, InfiniteAlpha("inf", peft_adapter(base, 2, 2)), "3")
+            with pytest.raises(ConfigError, match="lora_alpha must be finite"):
+                LoRASource("x", peft_adapter(base, 2, 2), lora_alpha=float("nan"))
+            assert await engine.fingerprint() == before
+            with pytest.raises(ConfigError, match="unknown LoRA adapter 'bad'"):
+                await tokens(engine, "bad")
+            params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, lora=lora)
+                      for i, lora in enumerate((None, "good", None, "good"))]
+            outs = await asyncio.gather(*(collect(engine, f"r{i}", PROMPT, p)
+                                          for i, p in enumerate(params)))
+            assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 4
+        finally:
+            engine.shutdown()
+
+    run(main(), deadline_s=240)
+
+
+class InfiniteAlpha(LoRASource):
+    """An adapter whose alpha tensor is infinite (a trainer that built the tensor itself)."""
+
+    def __init__(self, name, factors):
+        super().__init__(name, factors, lora_alpha=1.0)
+        self._alpha = torch.tensor([float("inf")], dtype=torch.float32)
 
 
 def test_an_adapter_over_nccl_m2n_is_refused_before_any_write_not_dropped():

@@ -203,6 +203,10 @@ class EngineConfig:
                               f"{self.quantization!r}")
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ConfigError("EngineConfig.max_loras must be >= 0 and max_lora_rank >= 1")
+        if self.max_loras and self.update_staging == "off":
+            raise ConfigError("LoRA adapters (max_loras > 0) land in the staging shadow, so a "
+                              "failed adapter update never leaves one half written: use "
+                              "update_staging 'swap' or 'copy', or leave it unset")
         if self.max_loras and self.tensor_parallel_size > 1:
             raise ConfigError("LoRA adapters (max_loras > 0) are served with "
                               "tensor_parallel_size=1 for now")

@@ -277,6 +277,10 @@ class LoRATarget(WeightTarget):
                             f"{self.table.slots} and {sorted(self.table.live)} hold "
                             f"{len(taken)}")
         for adapter, seen in ranks.items():
+            if max(seen) > self.rank:
+                problems.append(f"adapter {adapter!r} has rank {max(seen)} > max_lora_rank "
+                                f"{self.rank}: start the engine with --max-lora-rank "
+                                f"{max(seen)} or more")
             if len(seen) != 1:
                 problems.append(f"adapter {adapter!r} mixes ranks {sorted(seen)}")
             if adapter not in alphas:
@@ -298,9 +302,12 @@ class LoRATarget(WeightTarget):
         out_features = outputs.shape[1]
         r = meta.shape[0] if ab == "A" else meta.shape[-1]
         want = (r, inputs) if ab == "A" else (out_features, r)
-        if len(meta.shape) != 2 or tuple(meta.shape) != want or not 1 <= r <= rank:
-            return [f"{meta.name!r}: shape {list(meta.shape)}, expected {list(want)} with rank "
-                    f"1..{rank} (max_lora_rank)"]
+        if len(meta.shape) != 2 or tuple(meta.shape) != want or r < 1:
+            return [f"{meta.name!r}: shape {list(meta.shape)}, expected {list(want)} "
+                    f"([rank, in] for lora_A, [out, rank] for lora_B)"]
+        if r > rank:
+            ranks.setdefault(adapter, set()).add(r)
+            return []  # said once per adapter, by `check`
         if meta.dtype != slot_a.dtype:
             return [f"{meta.name!r}: dtype {meta.dtype}, the engine holds {slot_a.dtype}"]
         ranks.setdefault(adapter, set()).add(r)

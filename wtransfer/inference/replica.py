@@ -330,7 +330,14 @@ class Replica:
         free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
                 else available_host_memory())
         if wanted is None:
-            return "swap" if free and need <= free // 2 else "off"
+            if free and need <= free // 2:
+                return "swap"
+            if self.config.max_loras:
+                raise ConfigError(f"LoRA adapters need staged updates, but one more copy of "
+                                  f"the weights ({need / 1e6:.1f} MB) does not fit half of "
+                                  f"{device}'s free {free / 1e6:.1f} MB; ask for "
+                                  "update_staging='swap' explicitly, or serve no adapters")
+            return "off"
         if wanted != "off" and free and need > free:
             raise ConfigError(f"update_staging={wanted!r} keeps one more copy of the weights "
                               f"({need / 1e6:.1f} MB) but {device} has {free / 1e6:.1f} MB "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator, Mapping
 
@@ -46,6 +47,8 @@ class LoRASource(WeightSource):
         lonely = sorted(m for m, seen in factors.items() if seen != {"A", "B"})
         if lonely:
             raise ConfigError(f"adapter {name!r}: {lonely[:3]} lack lora_A or lora_B")
+        if not math.isfinite(lora_alpha):
+            raise ConfigError(f"adapter {name!r}: lora_alpha must be finite, got {lora_alpha}")
         self._alpha = torch.tensor([float(lora_alpha)], dtype=torch.float32)
         self.name = name
 
