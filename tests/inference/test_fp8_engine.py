@@ -227,6 +227,15 @@ def test_malformed_scales_and_a_weight_without_its_scales_are_refused_before_any
                                   r"up_proj.weight_scale_inv.*float32")
             missing = _Without(Fp8Source(wtransfer.ModuleSource(trainer)), drop={name})
             await fails_untouched(engine, missing, before, MetadataError, "without their scales")
+            lone = _Without(Fp8Source(wtransfer.ModuleSource(trainer)),
+                            drop={name.removesuffix("_scale_inv")})
+            await fails_untouched(engine, lone, before, MetadataError,
+                                  r"scales '.*up_proj.weight_scale_inv' without their FP8 "
+                                  r"weight")
+            wide = load_model("tiny", seed=5, dtype="float32")
+            await fails_untouched(engine, wtransfer.ModuleSource(wide), before, MetadataError,
+                                  r"'model.layers.0.self_attn.q_proj.weight' sent as float32; "
+                                  r"this FP8 engine takes it in its checkpoint dtype bfloat16")
         finally:
             engine.shutdown()
 
@@ -299,6 +308,39 @@ def test_a_delta_where_an_fp8_weight_changes_whole_and_its_scales_do_not_lands()
             try:
                 await push_full(want, trainer)
                 assert await engine.fingerprint() == await want.fingerprint()
+            finally:
+                want.shutdown()
+        finally:
+            engine.shutdown()
+
+    run(main(), deadline_s=240)
+
+
+def test_deltas_into_an_fp8_engine_with_adapter_slots_land_every_time():
+    """The weight changes whole while its scales do not (negated), update after update, into
+    an engine that also serves adapters: each delta lands (it failed every other update when
+    the adapter layer hid the scales that belong to a weight)."""
+    async def main():
+        engine = fp8_engine(seed=1, update_staging="swap", max_loras=1)
+        trainer = load_model("tiny", seed=5, dtype="bfloat16")
+        try:
+            sender = await asyncio.to_thread(
+                wtransfer.trainer_init, info("ipc", delta=True), client=LocalEngineClient(engine),
+                source=Fp8Source(wtransfer.ModuleSource(trainer)))
+            first = await asyncio.to_thread(sender.send_weights, "0")
+            for step in range(1, 4):
+                with torch.no_grad():
+                    trainer.model.layers[0].mlp.up_proj.weight.neg_()
+                stats = await asyncio.to_thread(sender.send_weights, str(step))
+                assert stats.changed_fraction is not None, step  # a delta, not a resend
+                assert stats.wire_bytes < first.bytes / 2
+            await asyncio.to_thread(sender.shutdown)
+            want = fp8_engine(seed=0)
+            try:
+                await push_full(want, trainer)
+                held = await engine.fingerprint()
+                assert {n: held[n] for n in await want.fingerprint()} == \
+                    await want.fingerprint()
             finally:
                 want.shutdown()
         finally:

@@ -313,6 +313,10 @@ class LoRATarget(WeightTarget):
         ranks.setdefault(adapter, set()).add(r)
         return []
 
+    def companions(self, name: str) -> list[str]:
+        """As `inner` (an FP8 weight's scales)."""
+        return self.inner.companions(name)
+
     def held(self, name: str) -> TensorMeta | None:
         """As `inner` for base tensors (adapter tensors are checked by `check`)."""
         return self.inner.held(name)

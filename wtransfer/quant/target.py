@@ -47,6 +47,20 @@ class Fp8Target(WeightTarget):
         names = {m.name for m in metas}
         stored, alone = [], []
         for meta in metas:
+            if meta.name in self.quantized and meta.dtype not in (self.checkpoint_dtype,
+                                                                   "float8_e4m3fn"):
+                raise MetadataError(f"update refused before any weight changed: {meta.name!r} "
+                                    f"sent as {meta.dtype}; this FP8 engine takes it in its "
+                                    f"checkpoint dtype {self.checkpoint_dtype} (quantized "
+                                    "here) or quantized, float8_e4m3fn with its scales "
+                                    "(Fp8Source): cast the trainer's copy or serve with "
+                                    f"--dtype {meta.dtype}")
+            weight = meta.name.removesuffix(SCALE_SUFFIX)
+            if weight != meta.name and weight in self.quantized and weight not in names:
+                raise MetadataError(f"update refused before any weight changed: scales "
+                                    f"{meta.name!r} without their FP8 weight {weight!r} (a "
+                                    "scale alone would change the weight it scales); send "
+                                    "both (Fp8Source)")
             if meta.name in self.quantized and meta.dtype == self.checkpoint_dtype:
                 held = self.inner.held(meta.name)
                 if held is None or held.shape != meta.shape:
@@ -149,8 +163,12 @@ class Fp8Target(WeightTarget):
         return layout.view(scratch, box)
 
     def companions(self, name: str) -> list[str]:
-        """A quantized weight's scales (writing it in the checkpoint dtype rewrites them)."""
-        return [name + SCALE_SUFFIX] if name in self.quantized else []
+        """A quantized weight's scales (writing it in the checkpoint dtype rewrites them),
+        and a scale's weight (a new scale changes what the weight stands for)."""
+        if name in self.quantized:
+            return [name + SCALE_SUFFIX]
+        weight = name.removesuffix(SCALE_SUFFIX)
+        return [weight] if weight != name and weight in self.quantized else []
 
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """As `inner` (what it stores: FP8 weights, scales)."""
