@@ -73,3 +73,24 @@ def test_serve_takes_the_step_budget_and_names_the_real_ceiling():
 
     with pytest.raises(ConfigError, match="at most 62 fit, bounded by max_num_batched_tokens"):
         asyncio.run(admit())
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--bucket-mb", "0"], "--bucket-mb: must be at least 1, got 0"),
+    (["--bucket-mb", "-5"], "--bucket-mb: must be at least 1, got -5"),
+    (["--num-buffers", "0"], "--num-buffers: must be at least 1"),
+    (["--hbm-gbps", "nan"], "--hbm-gbps: must be a finite number above 0, got nan"),
+    (["--trainer", "megatron:tp=0,pp=1"], "tp must be >= 1"),
+    (["--trainer", "megatron:tq=2"], "unknown key(s) ['tq']"),
+    (["--trainer", "fsdp:tp=2"], "fsdp takes no options"),
+    (["--engine", "1x2ep"], "this model is dense; drop 'ep'"),
+])
+def test_plan_refuses_every_bad_input_in_one_line_at_once(flags, says):
+    """Each planner input is checked before planning: exit 2 with a one-line reason (a zero
+    bucket size used to plan forever, growing memory; nan printed bare NaN in the JSON)."""
+    args = ["plan", "--model", "qwen3-8b", "--trainer-gpus", "2", "--engine", "1x2", *flags,
+            "--json"]
+    out = run(*args, timeout=60)
+    assert out.returncode == 2, out.stdout
+    assert says in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert out.stdout == ""

@@ -5,10 +5,41 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from wtransfer.errors import ConfigError
 from wtransfer.sim.cluster import Cluster
 from wtransfer.sim.scenario import Scenario, plan_cluster
+
+
+def _count(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _rate(text: str) -> float:
+    """An argparse type: a finite number above 0 (a bandwidth)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def _buffers(text: str) -> int:
+    """An argparse type: staging buffers per side, 1..16 (what the transports accept)."""
+    value = _count(text)
+    if value > 16:
+        raise argparse.ArgumentTypeError(f"must be at most 16, got {value}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,23 +48,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kimi-k2, deepseek-v3, qwen3-235b-a22b or a Qwen3 dense list")
     parser.add_argument("--trainer", default="fsdp",
                         help="fsdp, or megatron:tp=T,pp=P,ep=E")
-    parser.add_argument("--trainer-gpus", type=int, required=True, help="trainer ranks")
+    parser.add_argument("--trainer-gpus", type=_count, required=True, help="trainer ranks")
     parser.add_argument("--engine", required=True,
                         help="REPLICAS x TP workers, e.g. 8x16; add 'ep' to split experts by "
                              "expert: 8x16ep")
     parser.add_argument("--engine-dtype", choices=["bf16", "fp8"], default="bf16",
                         help="what the engine holds (fp8: projection weights converted on "
                              "the trainer before sending)")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--nics-per-node", type=int, default=8)
-    parser.add_argument("--nic-gbit", type=float, default=400, help="Gbit/s per NIC")
-    parser.add_argument("--nvlink-gbps", type=float, default=380,
+    parser.add_argument("--gpus-per-node", type=_count, default=8)
+    parser.add_argument("--nics-per-node", type=_count, default=8)
+    parser.add_argument("--nic-gbit", type=_rate, default=400, help="Gbit/s per NIC")
+    parser.add_argument("--nvlink-gbps", type=_rate, default=380,
                         help="GB/s one way per GPU within a node")
-    parser.add_argument("--hbm-gbps", type=float, default=4800, help="GPU memory GB/s")
+    parser.add_argument("--hbm-gbps", type=_rate, default=4800, help="GPU memory GB/s")
     parser.add_argument("--colocated", action="store_true",
                         help="engine worker w on trainer GPU w (shared GPUs)")
-    parser.add_argument("--bucket-mb", type=int, default=1024)
-    parser.add_argument("--num-buffers", type=int, default=2)
+    parser.add_argument("--bucket-mb", type=_count, default=1024)
+    parser.add_argument("--num-buffers", type=_buffers, default=2)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

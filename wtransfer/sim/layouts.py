@@ -112,6 +112,9 @@ def megatron_layouts(metas: list[TensorMeta], world: int, tp: int, pp: int, ep: 
     dp = stage_width // tp
     layers = 1 + max((_layer_of(m.name) or 0) for m in metas)
     experts = 1 + max((_expert_of(m.name) or 0) for m in metas)
+    if ep > 1 and not any(_expert_of(m.name) is not None for m in metas):
+        raise ConfigError(f"megatron: ep={ep} splits an MoE model's experts, and this model "
+                          "is dense; leave ep out")
     if experts % ep:
         raise ConfigError(f"megatron: ep={ep} must divide the {experts} experts")
     out: list[dict[str, TensorLayout]] = [{} for _ in range(world)]
@@ -137,6 +140,9 @@ def engine_layouts(metas: list[TensorMeta], replicas: int, tp: int, ep: bool
                    ) -> list[dict[str, TensorLayout]]:
     """R replicas of T workers (module docstring)."""
     experts = 1 + max((_expert_of(m.name) or 0) for m in metas)
+    if ep and not any(_expert_of(m.name) is not None for m in metas):
+        raise ConfigError("engine: 'ep' splits an MoE model's experts, and this model is "
+                          "dense; drop 'ep' from --engine")
     if ep and experts % tp:
         raise ConfigError(f"engine: tp={tp} workers must divide the {experts} experts")
     out: list[dict[str, TensorLayout]] = [{} for _ in range(replicas * tp)]
@@ -153,11 +159,19 @@ def engine_layouts(metas: list[TensorMeta], replicas: int, tp: int, ep: bool
 
 
 def _fields(spec: str) -> dict[str, int]:
+    """``tp=8,pp=8,ep=32`` -> {"tp": 8, "pp": 8, "ep": 32}: known keys, each at least 1."""
     try:
-        return {k: int(v) for k, v in (part.split("=") for part in spec.split(",") if part)}
+        fields = {k: int(v) for k, v in (part.split("=") for part in spec.split(",") if part)}
     except ValueError:
         raise ConfigError(f"layout spec {spec!r}: expected key=number pairs, e.g. "
                           "tp=8,pp=8,ep=32") from None
+    unknown = sorted(set(fields) - {"tp", "pp", "ep"})
+    if unknown:
+        raise ConfigError(f"layout spec {spec!r}: unknown key(s) {unknown}; use tp, pp, ep")
+    small = sorted(k for k, v in fields.items() if v < 1)
+    if small:
+        raise ConfigError(f"layout spec {spec!r}: {', '.join(small)} must be >= 1")
+    return fields
 
 
 def trainer_layouts(metas: list[TensorMeta], spec: str, world: int
@@ -165,6 +179,10 @@ def trainer_layouts(metas: list[TensorMeta], spec: str, world: int
     """Layouts of `world` trainer ranks from a spec: ``fsdp`` or ``megatron:tp=..,pp=..,ep=..``
     (`ConfigError` naming what is wrong)."""
     kind, _, rest = spec.partition(":")
+    if kind == "fsdp" and rest:
+        raise ConfigError(f"trainer layout {spec!r}: fsdp takes no options (every rank holds "
+                          "a 1/N row shard); for tensor or pipeline parallelism use "
+                          "megatron:tp=T,pp=P,ep=E")
     builders: dict[str, Callable[[], list[dict[str, TensorLayout]]]] = {
         "fsdp": lambda: fsdp_layouts(metas, world),
         "megatron": lambda: megatron_layouts(metas, world, **{
