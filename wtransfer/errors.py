@@ -22,6 +22,11 @@ class LifecycleError(WTransferError):
     """A call arrived in a state where it is not allowed (e.g. update before start)."""
 
 
+class NotInitializedError(LifecycleError):
+    """A receiver holds no sender's init: it is new, or its engine restarted since the sender's
+    `trainer_init` (a lone sender then initializes it again by itself and sends in full)."""
+
+
 class SenderReplacedError(LifecycleError):
     """A receiver refused a sender because a newer `trainer_init` replaced it on the same
     receivers (a re-run notebook cell, a restarted trainer): create a new sender."""
@@ -83,6 +88,10 @@ class RemoteLifecycleError(PeerError, LifecycleError):
     """The peer refused a call in its current state (a `PeerError` and a `LifecycleError`)."""
 
 
+class RemoteNotInitializedError(PeerError, NotInitializedError):
+    """The peer holds no sender's init (a `PeerError` and a `NotInitializedError`)."""
+
+
 class RemoteSenderReplacedError(PeerError, SenderReplacedError):
     """The peer refused this sender: a newer one replaced it (a `PeerError` and a
     `SenderReplacedError`)."""
@@ -126,6 +135,7 @@ _REMOTE: dict[str, type[PeerError]] = {
     "ConfigError": RemoteConfigError,
     "LifecycleError": RemoteLifecycleError, "MetadataError": RemoteMetadataError,
     "SenderReplacedError": RemoteSenderReplacedError,
+    "NotInitializedError": RemoteNotInitializedError,
     "IntegrityError": RemoteIntegrityError, "TransferTimeout": RemoteTransferTimeout,
     "NonFiniteError": RemoteNonFiniteError,
     "DeltaBaseError": RemoteDeltaBaseError, "SparseDeltaError": RemoteSparseDeltaError,
@@ -203,6 +213,7 @@ __all__ = [
     "LifecycleError",
     "MetadataError",
     "NonFiniteError",
+    "NotInitializedError",
     "PeerError",
     "RemoteConfigError",
     "RemoteDeltaBaseError",
@@ -212,6 +223,7 @@ __all__ = [
     "RemoteLifecycleError",
     "RemoteMetadataError",
     "RemoteNonFiniteError",
+    "RemoteNotInitializedError",
     "RemoteSenderReplacedError",
     "RemoteSparseDeltaError",
     "RemoteTransferTimeout",

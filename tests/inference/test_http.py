@@ -19,8 +19,8 @@ KEY = "s3cret"
 
 
 class Server:
-    def __init__(self, *flags):
-        self.port = free_port()
+    def __init__(self, *flags, port=None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # to a file: a pipe nobody reads while the module's tests run would stall the server
         self.log = tempfile.TemporaryFile("w+", errors="replace")  # noqa: SIM115
@@ -449,5 +449,41 @@ def test_a_replaced_sender_changes_nothing_over_http_on_every_data_parallel_rank
         assert client.fingerprint() == wtransfer.fingerprint(new.state_dict())
         stale.shutdown()
         current.shutdown()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+def test_a_delta_sender_initializes_a_restarted_engine_again_and_sends_in_full(backend):
+    """The engine restarts on the same URL between two steps (it lost the sender's init and
+    the delta's base): the next send_weights initializes it again by itself and lands in
+    full; the one after is a delta again."""
+    from wtransfer_nccl import NCCLTrainerInitInfo
+
+    from wtransfer.shapes import perturb
+
+    flags = ("--dev-mode", "--weight-transfer-backend", backend, "--dtype", "bfloat16")
+    server = Server(*flags)
+    model = wtransfer.inference.load_model("tiny", seed=3, dtype="bfloat16")
+    info = (NCCLTrainerInitInfo(master_address="127.0.0.1", timeout_s=60, delta=True)
+            if backend == "nccl" else
+            wtransfer_ipc().IPCTrainerInitInfo(bucket_bytes=1 << 16, delta=True))
+    client = wtransfer.HTTPClient(server.url)
+    try:
+        with wtransfer.trainer_init(info, client=client,
+                                    source=wtransfer.ModuleSource(model)) as sender:
+            sender.send_weights(weight_version="1")
+            perturb(model, 0.01, seed=1)
+            assert sender.send_weights(weight_version="2").changed_fraction is not None
+            server.stop()
+            server = Server(*flags, port=server.port)
+            perturb(model, 0.01, seed=2)
+            stats = sender.send_weights(weight_version="3")
+            assert stats.changed_fraction is None and stats.bytes == stats.wire_bytes
+            assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+            perturb(model, 0.01, seed=3)
+            assert sender.send_weights(weight_version="4").changed_fraction is not None
+            assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+            assert server.http.get("/weight_info").json()["weight_version"] == "4"
     finally:
         server.stop()

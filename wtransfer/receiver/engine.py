@@ -38,6 +38,7 @@ from wtransfer.errors import (
     DeltaUnsupportedError,
     LifecycleError,
     MetadataError,
+    NotInitializedError,
     PeerError,
     SenderReplacedError,
 )
@@ -143,8 +144,9 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     def _require(self, *states: ReceiverState, action: str) -> None:
         if self._state not in states:
             hint = _HINTS[self._state].format(failure=self.failure)
-            raise LifecycleError(f"{self.backend_name}: cannot {action} in state "
-                                 f"'{self._state.value}': {hint}")
+            kind = NotInitializedError if self._state is ReceiverState.NEW else LifecycleError
+            raise kind(f"{self.backend_name}: cannot {action} in state "
+                       f"'{self._state.value}': {hint}")
 
     def _fail(self, reason: str, *, finishing: bool = False, channel_busy: bool = True) -> None:
         """Fail the open update: stop the backend writing, roll back if enabled, record why.

@@ -33,6 +33,7 @@ together. A backend that moves each rank's own shards to the workers that keep t
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -48,6 +49,7 @@ from wtransfer.errors import (
     DeltaBaseError,
     DeltaUnsupportedError,
     LifecycleError,
+    NotInitializedError,
     SenderReplacedError,
     SparseDeltaError,
     TransferTimeout,
@@ -79,6 +81,7 @@ from wtransfer.trainer.source import WeightSource
 from wtransfer.transport.window import CallChannel, Movable, SendChannel, send_buckets
 from wtransfer.wire import parse_record, record_to_wire
 
+log = logging.getLogger("wtransfer.trainer")
 TInitT = TypeVar("TInitT", bound=TrainerInitInfo)
 S = TypeVar("S", bound="TrainerTransferEngine[Any]")
 
@@ -312,12 +315,36 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                                   f"pause its engine; {client!r} cannot")
             self._pause = (client, check_pause_mode(pause))
         try:
-            if self.delta is None:
-                return self._send_update(weight_version, None)
-            return self._send_delta(weight_version, self.delta)
+            try:
+                return self._send(weight_version)
+            except NotInitializedError as exc:
+                if self.collective:
+                    raise NotInitializedError(
+                        f"{exc}; the engine restarted since these trainer ranks' trainer_init: "
+                        "create the senders again on every rank (their first update is "
+                        "sent in full)") from exc
+                log.warning("%s: the engine holds no sender (it restarted?): initializing "
+                            "it again and sending in full", self.backend_name)
+                self._reconnect()
+                return self._send(weight_version)
         except SenderReplacedError as exc:
             self.replaced = str(exc)  # for good: the receivers serve a newer sender now
             raise
+
+    def _send(self, weight_version: str | None) -> TransferStats:
+        return (self._send_update(weight_version, None) if self.delta is None
+                else self._send_delta(weight_version, self.delta))
+
+    def _reconnect(self) -> None:
+        """A lone sender's receivers lost its init (their engine restarted): rebuild the
+        backend's side of the transport and initialize them again; the next update is sent
+        in full."""
+        self._close()
+        self.connected = False
+        self.receivers_hold = None
+        if self.delta is not None:
+            self.delta.forget()
+        self.connect()
 
     def _send_delta(self, weight_version: str | None,
                     delta: DeltaSender | PairDeltaSender) -> TransferStats:

@@ -71,6 +71,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         self._last_moved: dict[str, Any] = {}
 
     def _connect(self) -> dict[str, Any]:
+        self._broken = None  # (again after a reconnect)
         info = self.init_info
         assert self.client is not None
         workers = self.client.num_workers()

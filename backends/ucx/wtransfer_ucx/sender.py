@@ -131,6 +131,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
                                  "out of every rank's shards (rma=True)")
 
     def _connect(self) -> dict[str, Any]:
+        self._broken = None  # (again after a reconnect)
         info = self.init_info
         self._ucx = acquire_worker()
         port = self._ucx.listen(info.listen_port)

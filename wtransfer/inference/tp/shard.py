@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from wtransfer.errors import LifecycleError
+from wtransfer.errors import LifecycleError, NotInitializedError
 from wtransfer.inference.lora import AdapterTable, LoRATarget
 from wtransfer.inference.shard_target import ShardTarget
 from wtransfer.inference.staging import StagedWeights, StagingMode
@@ -60,7 +60,8 @@ class ShardWeights:
 
     def _receiver(self) -> WeightTransferEngine[Any, Any]:
         if self.receiver is None:
-            raise LifecycleError("call init_weight_transfer_engine first")
+            raise NotInitializedError("no sender initialized this engine: call "
+                                      "init_weight_transfer_engine first")
         return self.receiver
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
