@@ -125,6 +125,10 @@ class TrainerInitInfo(WireParams):
     """
 
     backend: ClassVar[str] = ""
+    per_rank_fields: ClassVar[frozenset[str]] = frozenset(
+        {"device", "delta_copy_device", "listen_address", "listen_port"})
+    """Fields each trainer rank sets for itself (its GPU, where it listens); every other
+    field must be the same on all ranks that send together (checked at connect)."""
     senders: int | None = None
     """Trainer ranks that send at once (each with its own client; the others pass
     client=None); default: however many ranks have a client. Checked, never sent."""

@@ -106,3 +106,29 @@ def test_a_single_process_trainer_still_needs_no_process_group():
             stats = sender.send_weights()
         assert stats.gathered_peak_bytes == 0
         assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+
+
+@pytest.mark.parametrize("backend, differ", [("ipc", {"bucket_bytes": BUCKET * 2}),
+                                             ("nccl", {"m2n": True})])
+def test_ranks_that_disagree_on_their_init_info_all_get_one_message_naming_the_field(
+        backend, differ):
+    """Two sending ranks whose init infos differ (one rank's bucket size, or M->N asked on
+    one rank only): every rank fails at connect with the same error, naming the field and
+    each rank's value, and the receiver is left as it was."""
+    field = next(iter(differ))
+    with spawn_receiver(backend, model="mixed", seed=2) as receiver:
+        client = RPCClient(receiver.address, timeout_s=30)
+        before = client.fingerprint()
+        fields = [init_fields(backend, 2, 1), {**init_fields(backend, 2, 1), **differ}]
+        with TrainerRanks(2, backend=backend, addresses=[receiver.address], senders=2,
+                          init_fields=fields, timeout_s=20.0) as trainers:
+            codes = trainers.wait(120)
+            errors = [trainers.stderr(r).strip().splitlines()[-1].split("]: ", 1)[-1]
+                      for r in range(2)]  # (torch prefixes "[rankN]: ")
+        assert codes[0] != 0 and codes[1] != 0
+        assert errors[0] == errors[1], errors
+        assert f"differ in ['{field}']" in errors[0]
+        assert f"{field}: [{fields[0][field]!r}, {differ[field]!r}]".replace("'", "") in \
+            errors[0].replace("'", "")
+        assert client.fingerprint() == before
+        client.close()

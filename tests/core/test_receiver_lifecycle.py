@@ -136,3 +136,25 @@ def test_a_new_sender_supersedes_an_update_left_open(pair):
         sender.send_weights(weight_version="fresh")
     assert engine.state == "ready" and client.weight_version == "fresh"
     assert client.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+
+
+def test_a_finish_from_a_sender_replaced_mid_update_is_refused_as_replaced(pair):
+    """Sender A's update calls landed, then sender B initialized the receiver (failing A's
+    open update), then A's finish arrives: A is told it was replaced (`SenderReplacedError`),
+    not to call start_weight_update; B's update lands."""
+    from wtransfer.errors import SenderReplacedError
+
+    trainer, engine, client = pair
+    engine_a = engine
+    old = ipc_sender(trainer, client, bucket_bytes=4096)
+    finish = client.finish_weight_update
+
+    def replaced_before_the_finish(weight_version=None):
+        ipc_sender(trainer, client, bucket_bytes=4096)  # B's init lands first
+        finish(weight_version)
+
+    client.finish_weight_update = replaced_before_the_finish
+    with pytest.raises(SenderReplacedError, match="replaced by a newer trainer_init"):
+        old.send_weights(weight_version="old")
+    del client.finish_weight_update
+    assert engine_a.state == "failed" and client.weight_version != "old"

@@ -126,7 +126,8 @@ class TrainerRanks:
 
     def __init__(self, ranks: int, *, backend: str, addresses: list[str], senders: int = 1,
                  model: str = "mixed", seed: int = 1, updates: int = 1,
-                 init_fields: dict[str, Any] | None = None, fingerprint: bool = False,
+                 init_fields: dict[str, Any] | list[dict[str, Any]] | None = None,
+                 fingerprint: bool = False,
                  timeout_s: float = 60.0, fp8: bool = False, device: str = "cpu",
                  replicate: bool = False, same_weights: bool = False,
                  change_fraction: float = 0.0, gated: bool = False) -> None:
@@ -143,8 +144,9 @@ class TrainerRanks:
                    "--updates", str(updates), "--timeout", str(timeout_s), "--device", device]
             for address in addresses:
                 cmd += ["--address", address]
-            if init_fields:
-                cmd += ["--init-hex", wire.encode(init_fields).hex()]
+            mine = init_fields[rank] if isinstance(init_fields, list) else init_fields
+            if mine:  # (a list: each rank's own)
+                cmd += ["--init-hex", wire.encode(mine).hex()]
             if fingerprint:
                 cmd.append("--fingerprint")
             if fp8:

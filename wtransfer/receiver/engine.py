@@ -120,6 +120,9 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         self._joined = False
         """Whether an update call has landed in the open update (one a replaced sender's
         start opened has none)."""
+        self._superseded = False
+        """Whether the last update failed because a new sender initialized the receiver (its
+        old sender's finish is then told it was replaced)."""
         self._before_start: tuple[ReceiverState, str | None] = (ReceiverState.READY, None)
         """State and failure before the open update's start (restored if it is withdrawn)."""
         self._lock = threading.RLock()
@@ -226,6 +229,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                                        where=f"{self.backend_name} init info")
             if self._state is ReceiverState.UPDATING:
                 self._fail("update superseded: a new sender initialized this receiver")
+                self._superseded = True
             if self.init_info is not None:
                 self._shutdown()
                 self.init_info = None
@@ -286,6 +290,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 self._session.precheck(self.manifests.last.metas)
             self._start()
             self._before_start = (self._state, self.failure)
+            self._superseded = False
             self._token = None
             self._joined = False
             self.failure = None
@@ -365,6 +370,11 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         """Check the update is complete, run backend and target post-processing, close it;
         label the weights `weight_version` (a bad label is refused before anything closes)."""
         with self._call():
+            if self._state is ReceiverState.FAILED and self._superseded:
+                raise SenderReplacedError(f"{self.backend_name}: this sender was replaced by a "
+                                          "newer trainer_init while its update was open (the "
+                                          "update was dropped); create a new sender with "
+                                          "trainer_init")
             self._require(ReceiverState.UPDATING, action="finish a weight update")
             if weight_version is not None:
                 check_version(weight_version)

@@ -262,6 +262,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                                             has_client=self.client is not None,
                                             timeout_s=self.init_info.timeout_s,
                                             senders=self.init_info.senders))
+            self._agree_on_init_info()
         fragment = self._on_senders(lambda: {**self._connect(), "sender_id": self.sender_id})
         fragments: list[dict[str, Any]] = [f for f in self.ranks.gather(fragment)
                                            if f is not None]
@@ -274,6 +275,21 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self._on_senders(lambda: self._init_receivers(merged))
         self._on_senders(self._after_init)
         self.connected = True
+
+    def _agree_on_init_info(self) -> None:
+        """Every rank's init info must equal every other's but for its per-rank fields
+        (`TrainerInitInfo.per_rank_fields`): ranks that disagree are all told the same,
+        naming the fields and each rank's value, before any of them connects."""
+        shared = {k: v for k, v in record_to_wire(self.init_info).items()
+                  if k not in self.init_info.per_rank_fields}
+        infos = self.ranks.gather(shared)
+        differ = sorted({k for info in infos for k in {*info, *infos[0]}
+                         if info.get(k) != infos[0].get(k)})
+        if differ:
+            values = "; ".join(f"{k}: {[info.get(k) for info in infos]}" for k in differ[:4])
+            raise ConfigError(f"the trainer ranks' {type(self.init_info).__name__}s differ in "
+                              f"{differ} (by rank: {values}); every rank that sends together "
+                              "must pass the same values")
 
     def _pair_deltas(self) -> PairDeltaSender:
         """Deltas where every trainer rank sends its own shards: each rank diffs its own pair
