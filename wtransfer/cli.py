@@ -11,6 +11,12 @@ from wtransfer.launch.stacks import print_stacks_on_sigusr1
 from wtransfer.registry import list_backends
 
 
+SERVER_KEEPALIVE_S = 120
+"""How long `wtransfer serve` keeps an idle connection open: far longer than clients reuse
+one (`wtransfer.clients.CLIENT_KEEPALIVE_S`), so a slow host never closes a connection a
+client is writing a request into."""
+
+
 def cmd_backends(args: argparse.Namespace) -> int:
     """Print every backend with its availability."""
     rows = list_backends()
@@ -101,6 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
     GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                  timeout_keep_alive=SERVER_KEEPALIVE_S,
                                   timeout_graceful_shutdown=30)).run(sockets=[listener])
     return 0
 

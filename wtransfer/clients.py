@@ -261,6 +261,21 @@ def _error_fields(response: Any) -> dict[str, str]:
     return {"type": relayed_kind(message) or "HTTPError", "message": message}
 
 
+CLIENT_KEEPALIVE_S = 4.0
+"""How long an idle HTTP connection is kept for reuse: less than any server keeps one open
+(uvicorn's default is 5 s; `wtransfer serve` keeps them far longer), so a request is never
+written into a connection the server is closing ("Server disconnected without sending a
+response" on a slow host)."""
+
+
+def http_session(base_url: str, **options: Any) -> Any:
+    """An `httpx.Client` for `base_url` whose idle connections expire before a server's."""
+    httpx = _httpx()
+    limits = httpx.Limits(max_connections=options.pop("max_connections", 100),
+                          keepalive_expiry=CLIENT_KEEPALIVE_S)
+    return httpx.Client(base_url=base_url, limits=limits, **options)
+
+
 def _httpx() -> Any:
     try:
         import httpx
@@ -283,9 +298,8 @@ class HTTPClient(SingleEngineClient):
         self._http = self._connect()
 
     def _connect(self) -> Any:
-        httpx = _httpx()
-        return httpx.Client(base_url=self.base_url, headers=self._headers,
-                            timeout=httpx.Timeout(self.timeout_s))
+        return http_session(self.base_url, headers=self._headers,
+                            timeout=_httpx().Timeout(self.timeout_s))
 
     def _request(self, method: str, path: str, *, json_body: Any = None, packed: Any = None,
                  params: dict[str, str] | None = None) -> Any:

@@ -487,3 +487,31 @@ def test_a_delta_sender_initializes_a_restarted_engine_again_and_sends_in_full(b
             assert server.http.get("/weight_info").json()["weight_version"] == "4"
     finally:
         server.stop()
+
+
+def test_an_idle_connection_outlives_the_clients_reuse_window(dev):
+    """The server keeps an idle keep-alive connection open well past the time a client reuses
+    one (`CLIENT_KEEPALIVE_S`): a request written into a connection idle for longer than
+    uvicorn's default 5 s still gets its answer (the 'Server disconnected without sending a
+    response' of a slow host: the client reused a connection as the server closed it)."""
+    import socket
+    import time
+
+    from wtransfer.clients import CLIENT_KEEPALIVE_S
+
+    request = (f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+               "\r\n").encode()
+
+    def answer(sock):
+        sock.sendall(request)
+        got = b""
+        while b'"status"' not in got:  # headers and body may come in two reads
+            chunk = sock.recv(4096)
+            assert chunk, f"the server closed the connection: {got!r}"
+            got += chunk
+        return got
+
+    with socket.create_connection(("127.0.0.1", dev.port), timeout=10) as sock:
+        assert answer(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(max(6.0, CLIENT_KEEPALIVE_S + 1))  # idle on purpose: the case itself
+        assert answer(sock).startswith(b"HTTP/1.1 200")

@@ -141,7 +141,8 @@ def _holds(served: dict[str, str], expected: dict[str, str]) -> bool:
 def _policy_server(engine: str, local: bool, model: str, backend: str,
                    data_parallel_size: int, ray_engines: int = 0,
                    ray_address: str | None = None, update_staging: str = "auto",
-                   tensor_parallel_size: int = 1, max_loras: int = 0) -> Any:
+                   tensor_parallel_size: int = 1, max_loras: int = 0,
+                   log_path: Path | None = None) -> Any:
     """The server the demo generates from (and prints which)."""
     if ray_engines:
         from wtransfer.demos.rl.ray_server import RayPolicyServer
@@ -163,11 +164,19 @@ def _policy_server(engine: str, local: bool, model: str, backend: str,
     if engine != "wtransfer":
         raise ConfigError(f"engine must be 'wtransfer' or 'vllm', got {engine!r}")
     where = "in-process engine" if local else "wtransfer serve (child process, HTTP)"
-    make = LocalPolicyServer if local else HTTPPolicyServer
     print(f"wtransfer demo: async GRPO on chain-parity, backend={backend}, server={where}{dp}")
-    return make(model=model, seed=0, backend=backend, data_parallel_size=data_parallel_size,
-                update_staging=update_staging, tensor_parallel_size=tensor_parallel_size,
-                max_loras=max_loras, max_lora_rank=LORA_RANK)
+    if local:
+        return LocalPolicyServer(model=model, seed=0, backend=backend,
+                                 data_parallel_size=data_parallel_size,
+                                 update_staging=update_staging,
+                                 tensor_parallel_size=tensor_parallel_size,
+                                 max_loras=max_loras, max_lora_rank=LORA_RANK)
+    print(f"  the server's log: {log_path}")
+    return HTTPPolicyServer(model=model, seed=0, backend=backend,
+                            data_parallel_size=data_parallel_size,
+                            update_staging=update_staging,
+                            tensor_parallel_size=tensor_parallel_size, max_loras=max_loras,
+                            max_lora_rank=LORA_RANK, log_path=log_path)
 
 
 def _validate(server: Any, trainer: Any, streams: list[tuple[list[int], Stream]],
@@ -267,7 +276,7 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
     model = VLLM_MODEL if engine == "vllm" else MODEL
     server = _policy_server(engine, local, model, backend, data_parallel_size, ray_engines,
                             ray_address, update_staging, tensor_parallel_size,
-                            max_loras=1 if lora else 0)
+                            max_loras=1 if lora else 0, log_path=out_dir / "server.log")
     try:
         if ray_engines:  # addresses as Ray sees this node; one worker per engine actor
             from wtransfer.ray import trainer_init_info

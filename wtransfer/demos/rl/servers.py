@@ -17,12 +17,13 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 
-from wtransfer.clients import HTTPClient
+from wtransfer.clients import HTTPClient, http_session
 from wtransfer.errors import TransferTimeout
 from wtransfer.inference import (
     AsyncEngine,
@@ -98,11 +99,15 @@ class HTTPPolicyServer:
     def __init__(self, *, model: str, seed: int, backend: str, data_parallel_size: int = 1,
                  update_staging: str = "auto", tensor_parallel_size: int = 1,
                  start_timeout_s: float = 120, update_rollback: str = "auto",
-                 max_loras: int = 0, max_lora_rank: int = 16, device: str = "cpu"):
+                 max_loras: int = 0, max_lora_rank: int = 16, device: str = "cpu",
+                 log_path: Path | None = None):
         self.model = model
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close(); a pipe nobody reads could fill
+        self.log_path = log_path
+        """Where the server's output goes (None: a temporary file, gone at `close`)."""
+        self._log = (open(log_path, "wb") if log_path is not None  # noqa: SIM115 - closed
+                     else tempfile.TemporaryFile())  # in close(); a pipe nobody reads fills
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "wtransfer", "serve", "--model", model, "--seed", str(seed),
              "--port", str(port), "--dev-mode", "--batch-invariant", "--device", device,
@@ -112,8 +117,7 @@ class HTTPPolicyServer:
              "--tensor-parallel-size", str(tensor_parallel_size),
              "--max-loras", str(max_loras), "--max-lora-rank", str(max_lora_rank)],
             stdout=subprocess.DEVNULL, stderr=self._log)
-        self.http = httpx.Client(base_url=self.url, timeout=300,
-                                 limits=httpx.Limits(max_connections=256))
+        self.http = http_session(self.url, timeout=300, max_connections=256)
         deadline = time.monotonic() + start_timeout_s
         while not self._healthy():
             if self.proc.poll() is not None:
