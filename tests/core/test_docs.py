@@ -81,3 +81,38 @@ def test_every_install_line_of_the_docs_works_from_a_clone():
                               "--no-build-isolation", "-q", *args], cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, f"{page}: pip install {' '.join(args)}\n{out.stderr[-2000:]}"
+
+
+def doc_commands():
+    """Every `wtransfer ...` command in a code block of the README and docs, continuation
+    lines joined and a trailing comment dropped, as (page, argument list); output lines
+    (`wtransfer demo: ...`) are not commands."""
+    import shlex
+
+    found = []
+    for page in INSTALL_PAGES:
+        for block in re.findall(r"```[a-z]*\n(.*?)```", page.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.strip().removeprefix("$ ").removeprefix("python -m ")
+                if not line.startswith("wtransfer ") or line.split()[1].endswith(":"):
+                    continue
+                found.append((page.name, shlex.split(line.split("  #")[0])[1:]))
+    return found
+
+
+def test_every_command_the_docs_show_parses_and_plan_commands_run():
+    """A reader copies a command from a page: it must be one the CLI takes as written (no
+    `[--flag]` synopsis inside a block); `wtransfer plan` commands are run (they plan)."""
+    from wtransfer.cli import build_parser
+
+    commands = doc_commands()
+    assert {args[0] for _, args in commands} >= {"serve", "plan", "demo"}
+    for page, args in commands:
+        try:
+            build_parser().parse_args(args)
+        except SystemExit:
+            pytest.fail(f"{page}: `wtransfer {' '.join(args)}` is not a command the CLI takes")
+        if args[0] == "plan":
+            out = subprocess.run([sys.executable, "-m", "wtransfer", *args], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0 and "predicted" in out.stdout, (page, out.stderr)
