@@ -10,7 +10,6 @@ from wtransfer.errors import ConfigError, WTransferError
 from wtransfer.launch.stacks import print_stacks_on_sigusr1
 from wtransfer.registry import list_backends
 
-
 SERVER_KEEPALIVE_S = 120
 """How long `wtransfer serve` keeps an idle connection open: far longer than clients reuse
 one (`wtransfer.clients.CLIENT_KEEPALIVE_S`), so a slow host never closes a connection a

@@ -47,7 +47,7 @@ def test_an_update_holding_nan_is_refused_and_nothing_changes(staging):
                     sender.send_weights(weight_version=version)
 
             with pytest.raises(NonFiniteError,
-                               match="'model.layers.1.mlp.down_proj.weight' holds NaN"):
+                               match=r"'model\.layers\.1\.mlp\.down_proj\.weight' holds NaN"):
                 await asyncio.to_thread(push, diverged(), "bad")
             assert await engine.fingerprint() == before
             assert await engine.get_weight_version() == "default"

@@ -32,7 +32,7 @@ class CompletionOutput:
 
     index: int
     token_ids: list[int]
-    logprobs: list[float | None]
+    logprobs: list[float]
     finish_reason: str | None
     """None while running; "length", "stop", "abort" or "error" at the end."""
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
@@ -41,8 +41,9 @@ class CompletionOutput:
 
     def to_wire(self) -> dict[str, Any]:
         """The HTTP API's "choice" object (a logprob that is not finite as null: strict JSON)."""
-        logprobs = (self.logprobs if all(map(math.isfinite, self.logprobs))
-                    else [lp if math.isfinite(lp) else None for lp in self.logprobs])
+        logprobs: list[float] | list[float | None] = (
+            self.logprobs if all(map(math.isfinite, self.logprobs))
+            else [lp if math.isfinite(lp) else None for lp in self.logprobs])
         out = {"index": self.index, "token_ids": self.token_ids, "logprobs": logprobs,
                "finish_reason": self.finish_reason,
                "weight_versions": [s.to_wire() for s in self.weight_versions]}
@@ -53,7 +54,8 @@ class CompletionOutput:
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> CompletionOutput:
         """The inverse of `to_wire`."""
-        return cls(int(data["index"]), list(data["token_ids"]), list(data["logprobs"]),
+        return cls(int(data["index"]), list(data["token_ids"]),
+                   [math.nan if lp is None else lp for lp in data["logprobs"]],
                    data["finish_reason"],
                    [WeightVersionSpan.from_wire(s) for s in data["weight_versions"]],
                    data.get("error"))

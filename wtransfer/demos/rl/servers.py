@@ -106,8 +106,9 @@ class HTTPPolicyServer:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         """Where the server's output goes (None: a temporary file, gone at `close`)."""
-        self._log = (open(log_path, "wb") if log_path is not None  # noqa: SIM115 - closed
-                     else tempfile.TemporaryFile())  # in close(); a pipe nobody reads fills
+        # closed in close(); a file, as a pipe nobody reads could fill
+        self._log = (open(log_path, "wb") if log_path is not None  # noqa: SIM115
+                     else tempfile.TemporaryFile())  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "wtransfer", "serve", "--model", model, "--seed", str(seed),
              "--port", str(port), "--dev-mode", "--batch-invariant", "--device", device,

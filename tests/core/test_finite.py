@@ -1,0 +1,53 @@
+"""`FiniteCheck`: every float dtype's NaN and infinities are caught, finite values pass (huge
+ones included), and the first bad tensor is the one named."""
+
+import pytest
+import torch
+
+from wtransfer.receiver.finite import FiniteCheck
+
+FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_single_non_finite_element_is_caught_in_every_float_dtype(dtype, value):
+    check = FiniteCheck()
+    check.watch("clean", torch.randn(300).to(dtype))
+    bad = torch.randn(5, 700).to(dtype)
+    bad[4, 699] = value
+    check.watch("bad", bad)
+    check.watch("later", torch.full((3,), float("nan")))
+    assert check.first_bad() == "bad"
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_values_are_checked_by_their_bits(dtype):
+    check = FiniteCheck()
+    values = torch.randn(1000).to(dtype)
+    check.watch("ok", values)
+    assert check.first_bad() is None
+    values.view(torch.uint8)[17] = 0x7F  # NaN in e4m3fn, infinity in e5m2
+    check.watch("bad", values)
+    assert check.first_bad() == "bad"
+
+
+def test_finite_values_whose_sum_overflows_pass_and_integers_are_ignored():
+    check = FiniteCheck()
+    check.watch("huge", torch.full((64,), 3e38))  # the sum overflows; no element does
+    check.watch("ints", torch.arange(10))
+    check.watch("empty", torch.empty(0))
+    assert check.first_bad() is None
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_sums_are_read_once_at_the_end():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    check = FiniteCheck()
+    for i in range(2500):  # more than one buffer of sums
+        check.watch(f"t{i}", torch.randn(64, device="cuda", dtype=torch.bfloat16))
+    bad = torch.randn(64, device="cuda")
+    bad[3] = float("inf")
+    check.watch("bad", bad)
+    assert check.first_bad() == "bad"
