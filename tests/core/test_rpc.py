@@ -41,9 +41,10 @@ def raw_request(address, payload: bytes) -> dict:
 
 def test_remote_lifecycle_error_comes_back_as_peer_error_with_its_type(served):
     _server, client = served
-    with pytest.raises(PeerError, match="LifecycleError: ipc: cannot start") as err:
+    with pytest.raises(PeerError, match="NotInitializedError: ipc: cannot start") as err:
         client.start_weight_update()
-    assert err.value.remote_type == "LifecycleError"
+    assert err.value.remote_type == "NotInitializedError"
+    assert isinstance(err.value, LifecycleError)  # (a NotInitializedError is one)
     assert client.status()["state"] == "new"
 
 
