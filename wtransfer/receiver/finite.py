@@ -16,7 +16,8 @@ import torch
 _FP8_NON_FINITE: dict[torch.dtype, tuple[int, int]] = {
     dt: mask for name, mask in (("float8_e4m3fn", (0x7F, 0x7F)), ("float8_e5m2", (0x7C, 0x7C)),
                                 ("float8_e4m3fnuz", (0xFF, 0x80)),
-                                ("float8_e5m2fnuz", (0xFF, 0x80)))
+                                ("float8_e5m2fnuz", (0xFF, 0x80)),
+                                ("float8_e8m0fnu", (0xFF, 0xFF)))
     if (dt := getattr(torch, name, None)) is not None}
 """Per FP8 dtype, (mask, pattern): an element is NaN or infinite when its bits & mask equal
 the pattern."""
@@ -54,6 +55,8 @@ class FiniteCheck:
             if not all_finite(values):  # (a bit test: exact, on any device)
                 self._bad = name
             return
+        if values.element_size() == 1:  # a 1-byte float without a bit rule above
+            values = values.float()
         if not values.is_cuda:
             if not bool(torch.isfinite(values.sum())) and not all_finite(values):
                 self._bad = name
