@@ -13,6 +13,7 @@
 #                                         # then -> 1 receiver, over CUDA IPC
 #     bash benchmarks/gpu_one.sh trace    # a timeline of the trainer and the engine through
 #                                         # 8B zero-copy updates (where the time goes)
+#     bash benchmarks/gpu_one.sh finite   # what refusing NaN/inf costs an 8B zero-copy update
 #     bash benchmarks/gpu_one.sh profile  # py-spy of the engine and ranks during the 8B
 #                                         # 2 -> TP=2 updates (one sender, then M->N); needs
 #                                         # the py-spy wheel in .whl/ (pip download py-spy)
@@ -94,6 +95,10 @@ profile)
             > $OUT/profile-$path.txt 2>&1; echo "rc $?"
         grep -A14 "^engine\|median update" $OUT/profile-$path.txt | head -60
     done ;;
-*) echo "usage: gpu_one.sh suite|paths|ipc|ucx|peers|m2n|trace|profile"; exit 2 ;;
+finite)
+    echo "$(ts) the finite check: an 8B update with it and without, the check alone, one copy"
+    timeout 300 python3 benchmarks/finite_check.py --model qwen3-8b --device cuda:0 \
+        --repeats 5 2>&1 | tee $OUT/finite.txt | tail -8; echo "rc $?" ;;
+*) echo "usage: gpu_one.sh suite|paths|ipc|ucx|peers|m2n|trace|profile|finite"; exit 2 ;;
 esac
 echo "$(ts) done"
