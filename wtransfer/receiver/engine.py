@@ -79,6 +79,11 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     backend_name: ClassVar[str]
     init_info_cls: ClassVar[type]
     update_info_cls: ClassVar[type]
+    calls_read_sender_memory: ClassVar[bool] = True
+    """Whether the sender reuses the memory an update call reads (a staging slot, its own
+    tensors) once the call is answered, so the call must have read it before it returns
+    (ipc). False where the data plane tells the sender when bytes moved (nccl, ucx): a staged
+    engine may then run such a call on a thread of its own and answer at once."""
     sender_check_s: ClassVar[float | None] = None
     """How often the deadline timer asks `_sender_gone` while an open update waits for the sender's
     next call; None for a backend that cannot tell (the update then waits `timeout_s`)."""

@@ -32,6 +32,7 @@ class UpdateCalls:
         self._settled = 0
         self.refused: str | None = None
         """The method whose failure `check` or `settle` raised (None: none did)."""
+        self.finish_issued = False
 
     def submit(self, method: str, **args: Any) -> PendingCall:
         """Issue a call that the engine runs only if the call before it succeeded (an update
@@ -74,6 +75,7 @@ class UpdateCalls:
         """Issue finish. Issued right behind the update call(s), it waits at the engine,
         which runs it as soon as they succeed: finishing costs no round trip of its own."""
         self.submit("finish_weight_update", weight_version=self.weight_version)
+        self.finish_issued = True
 
     def check(self) -> None:
         """Raise the first failure among the replies already in (never blocks): a refused

@@ -82,6 +82,10 @@ from wtransfer.transport.window import CallChannel, Movable, SendChannel, send_b
 from wtransfer.wire import parse_record, record_to_wire
 
 log = logging.getLogger("wtransfer.trainer")
+FINISH_AFTER_DATA = "finish_after_data"
+"""A client attribute: True where the engine runs a finish on the thread that steps it, so a
+finish issued before this sender's data moved would hold generation until it did (vLLM's
+staged engines); such a client's finish is issued once the data moved."""
 TInitT = TypeVar("TInitT", bound=TrainerInitInfo)
 S = TypeVar("S", bound="TrainerTransferEngine[Any]")
 
@@ -558,8 +562,10 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
     def _finish_early(self, calls: UpdateCalls) -> None:
         """Once every update call of a lone sender is issued, its finish goes right behind
         them; with several senders, or a pause around the finish, it waits for every rank's
-        verdict instead."""
-        if self.lead and self.senders == 1 and self._pause is None:
+        verdict instead, as it does for an engine that would hold its steps while a finish
+        waits for data still on its way (`FINISH_AFTER_DATA`)."""
+        if self.lead and self.senders == 1 and self._pause is None and \
+                not getattr(self.client, FINISH_AFTER_DATA, False):
             calls.finish()
 
     def _close_update(self, calls: UpdateCalls | None) -> None:
@@ -569,7 +575,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         if not self.lead or calls is None:
             return
         if self._pause is None:
-            if self.senders > 1:
+            if not calls.finish_issued:
                 calls.finish()
             calls.settle(self._reply_due())
             return

@@ -58,6 +58,7 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
     init_info_cls = NCCLInitInfo
     update_info_cls = NCCLUpdateInfo
     sender_check_s = _LIFELINE_CHECK_S
+    calls_read_sender_memory = False  # the data plane paces the sender
 
     def __init__(self, target: WeightTarget, **options: Any) -> None:
         super().__init__(target, **options)

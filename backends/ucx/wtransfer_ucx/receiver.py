@@ -43,6 +43,7 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
     init_info_cls = UCXInitInfo
     update_info_cls = UCXUpdateInfo
     sender_check_s = 0.2
+    calls_read_sender_memory = False  # the data plane paces the sender
 
     def __init__(self, target: WeightTarget, **options: Any) -> None:
         super().__init__(target, **options)

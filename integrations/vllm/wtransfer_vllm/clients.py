@@ -28,7 +28,12 @@ from wtransfer.errors import (
     remote_error,
 )
 from wtransfer_vllm.envelope import wrap
-from wtransfer_vllm.names import FINGERPRINT_METHOD, STATE_METHOD, WORKER_EXTENSION
+from wtransfer_vllm.names import (
+    FINGERPRINT_METHOD,
+    ROLLBACK_METHOD,
+    STATE_METHOD,
+    WORKER_EXTENSION,
+)
 
 T = TypeVar("T")
 
@@ -63,11 +68,17 @@ class AsyncLLMClient(SingleEngineClient):
     loop and waits at most `timeout_s`.
     """
 
+    finish_after_data = True
+    """vLLM runs a finish on its engine core, between steps: issued before the data moved
+    (a staged engine receives nccl/ucx on a thread of its own), it would hold generation."""
+
     def __init__(self, engine: Any, *, loop: asyncio.AbstractEventLoop | None = None,
                  timeout_s: float = 600.0) -> None:
         self.engine = engine
         self.loop = loop or asyncio.get_running_loop()
         self.timeout_s = timeout_s
+        self._labels: tuple[str | None, str | None] = (None, None)
+        """The weight version before the last update this client finished, and its own."""
 
     def _run(self, what: str, make: Callable[[], Awaitable[T]]) -> T:
         if threading.get_ident() == getattr(self.loop, "_thread_id", None):
@@ -111,8 +122,24 @@ class AsyncLLMClient(SingleEngineClient):
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Finish on every worker and label the weights."""
+        before = self._labels[1]
+        if before is None:
+            before = str(self._run("get_weight_version", self.engine.get_weight_version))
         self._run("finish_weight_update",
                   lambda: self.engine.finish_weight_update(weight_version=weight_version))
+        self._labels = (before, weight_version if weight_version is not None else before)
+
+    def rollback_weights(self) -> str:
+        """Make the version before the last update live again on every worker of a staged
+        engine (a swap back: the shadow still holds it) and restore its label; returns the
+        label. `LifecycleError` where the previous version is no longer resident."""
+        previous = self._labels[0]
+        self._collective(ROLLBACK_METHOD)
+        if previous is not None:
+            self._run("update_weight_version",
+                      lambda: self.engine.update_weight_version(previous))
+        self._labels = (None, previous)
+        return str(previous)
 
     def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """Pause vLLM's generation (`abort`, `wait` or `keep` the requests in flight)."""
@@ -159,6 +186,9 @@ class ServerClient(HTTPClient):
     ``/v1/load_lora_adapter`` route, path ``wtransfer://<name>``: the worker builds it from the
     received tensors), so requests name it as their ``model`` (`generate(..., lora=name)`).
     That route needs ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``."""
+
+    finish_after_data = True
+    """As `AsyncLLMClient.finish_after_data`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -6,10 +6,12 @@ WORKER_EXTENSION = "wtransfer_vllm.worker.WorkerExtension"
 """vLLM's ``worker_extension_cls`` that adds the fingerprint and state calls to each worker."""
 FINGERPRINT_METHOD = "wtransfer_fingerprint"
 STATE_METHOD = "wtransfer_state"
+ROLLBACK_METHOD = "wtransfer_rollback"
 
 
 STAGED_SUFFIX = "-staged"
-"""``wtransfer-<name>-staged``: updates staged in host memory, loaded into the model at finish."""
+"""``wtransfer-<name>-staged``: updates loaded into a shadow of the model while vLLM generates,
+live at finish."""
 
 
 def vllm_backend_name(backend: str, *, staged: bool = False) -> str:

@@ -106,6 +106,8 @@ class VLLMTarget(WeightTarget):
         self._parts_landed = False
         """Whether the last update that landed was such an update."""
         self._reloading = False
+        self._before: tuple[dict[str, tuple[str, str]], bool] = ({}, False)
+        """What `fingerprint` reported before the last update landed (for a swap back)."""
         self.adapters = Adapters(model)
         """LoRA adapters an update carries (`wtransfer_vllm.lora`): registered at finish."""
 
@@ -155,13 +157,7 @@ class VLLMTarget(WeightTarget):
         )
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        batch = []
-        for name, tensor in weights:
-            self._received[name] = self._digest(name, tensor)
-            if is_adapter_tensor(name):
-                self.adapters.take(name, tensor)
-            else:
-                batch.append((name, tensor.clone()))
+        batch = [(name, tensor.clone()) for name, tensor in weights if self.note(name, tensor)]
         if not batch:
             return
         if not self._reloading:
@@ -170,6 +166,15 @@ class VLLMTarget(WeightTarget):
         load: Any = self.model.load_weights  # vLLM models define it; nn.Module does not
         with disable_mtp_completeness_check():
             load(batch)
+
+    def note(self, name: str, tensor: torch.Tensor) -> bool:
+        """Record what arrived of `name` (its digest; an adapter tensor is taken in memory);
+        True for a checkpoint tensor, which still has to reach the model."""
+        self._received[name] = self._digest(name, tensor)
+        if is_adapter_tensor(name):
+            self.adapters.take(name, tensor)
+            return False
+        return True
 
     def keeps(self) -> dict[str, TensorLayout]:
         """What this worker's weight loaders read of each checkpoint tensor, recorded at the
@@ -219,18 +224,33 @@ class VLLMTarget(WeightTarget):
         if self._reloading:
             finalize_layerwise_reload(self.model, self.model_config)
             self._reloading = False
+        self.landed()
+
+    def landed(self) -> None:
+        """The update is live: its adapters are registered and what it delivered is what
+        `fingerprint` reports."""
         self.adapters.register()
+        self._before = (dict(self._committed), self._parts_landed)
         if self._received:
             self._parts_landed = any(key != name for name, (key, _) in self._received.items())
         self._committed.update(self._received)
         self._received, self._announced = {}, {}
 
+    def restored(self) -> None:
+        """The version before the last update is live again (a staged engine swapped it
+        back): `fingerprint` reports it."""
+        self._committed, self._parts_landed = self._before[0], self._before[1]
+
+    def dropped(self) -> None:
+        """The open update failed: what it delivered is forgotten."""
+        self._received, self._announced = {}, {}
+        self.adapters.drop()
+
     def abort(self) -> None:
         """Put the kept kernel tensors back into every layer the failed update left
         incomplete, so the model is whole again (layers already completed keep their new
         weights: the receiver reports the update as torn)."""
-        self._received, self._announced = {}, {}
-        self.adapters.drop()
+        self.dropped()
         if not self._reloading:
             return
         from vllm.model_executor.model_loader.reload import layerwise

@@ -86,7 +86,11 @@ def fail_together(call: Callable[[], T], timeout_s: float, ended: Callable[[], N
     `TransferTimeout` where the other workers do not answer within `timeout_s`."""
     group = _workers()
     if group is None:
-        return call()
+        try:
+            return call()
+        except BaseException:
+            ended()  # vLLM's worker does this for a failed update call, not a failed finish
+            raise
     failure: BaseException | None = None
     result: T | None = None
     try:

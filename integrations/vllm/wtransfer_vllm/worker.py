@@ -1,6 +1,7 @@
-"""`WorkerExtension`: vLLM's ``worker_extension_cls`` for wtransfer. It adds two methods to
+"""`WorkerExtension`: vLLM's ``worker_extension_cls`` for wtransfer. It adds methods to
 every worker, reached by name through ``collective_rpc`` (no pickle): the fingerprint of what
-the worker's wtransfer engine received, and its receiver's state."""
+the worker's wtransfer engine received, its receiver's state, and a staged engine's swap back
+to the version before its last commit."""
 
 from __future__ import annotations
 
@@ -26,3 +27,8 @@ class WorkerExtension:
     def wtransfer_state(self) -> dict[str, Any]:
         """This worker's receiver state (state, torn, failure, bytes of the last update)."""
         return self._wtransfer_engine().state()
+
+    def wtransfer_rollback(self) -> int:
+        """Make the version before the last staged commit live again (a swap back); how
+        many layers changed."""
+        return self._wtransfer_engine().rollback()

@@ -103,6 +103,10 @@ class InProcessVLLM:
             self._generate(prompt, max_tokens, request_id, started, after_tokens),
             self.thread.loop)
 
+    def start_coroutine(self, coro):
+        """Run `coro` on the engine's loop in the background; its concurrent future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.thread.loop)
+
     def call(self, coro_fn, *args, **kwargs):
         """Run an AsyncLLM coroutine method on the engine's loop."""
         return self.thread.run(coro_fn(*args, **kwargs))
