@@ -68,6 +68,18 @@ class PausingClient(Protocol):
 
 
 @runtime_checkable
+class StagingClient(Protocol):
+    """A client whose engine runs a finish on the thread that steps it, while the update's
+    bytes are still being staged beside the steps (vLLM's staged engines load them into a
+    shadow): a sender issues its finish, and any pause around it, only once `wait_staged`
+    returned, so the finish is the commit alone."""
+
+    def wait_staged(self, timeout_s: float) -> None:
+        """Return once the engine has staged every byte of the open update; raise
+        `TransferTimeout` past `timeout_s`."""
+
+
+@runtime_checkable
 class LabelledClient(Protocol):
     """A client that knows the label of the weights its engine holds (`LocalClient`, the
     inference engine's `LocalEngineClient`); `ReceiverServer.status` reports it."""

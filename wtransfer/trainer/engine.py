@@ -60,6 +60,7 @@ from wtransfer.protocol import (
     CallQueue,
     PausingClient,
     PendingCall,
+    StagingClient,
     WeightSyncClient,
     spin_start,
 )
@@ -82,10 +83,6 @@ from wtransfer.transport.window import CallChannel, Movable, SendChannel, send_b
 from wtransfer.wire import parse_record, record_to_wire
 
 log = logging.getLogger("wtransfer.trainer")
-FINISH_AFTER_DATA = "finish_after_data"
-"""A client attribute: True where the engine runs a finish on the thread that steps it, so a
-finish issued before this sender's data moved would hold generation until it did (vLLM's
-staged engines); such a client's finish is issued once the data moved."""
 TInitT = TypeVar("TInitT", bound=TrainerInitInfo)
 S = TypeVar("S", bound="TrainerTransferEngine[Any]")
 
@@ -563,9 +560,9 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         """Once every update call of a lone sender is issued, its finish goes right behind
         them; with several senders, or a pause around the finish, it waits for every rank's
         verdict instead, as it does for an engine that would hold its steps while a finish
-        waits for data still on its way (`FINISH_AFTER_DATA`)."""
+        waits for data still on its way (a `StagingClient`'s)."""
         if self.lead and self.senders == 1 and self._pause is None and \
-                not getattr(self.client, FINISH_AFTER_DATA, False):
+                not isinstance(self.client, StagingClient):
             calls.finish()
 
     def _close_update(self, calls: UpdateCalls | None) -> None:
@@ -574,6 +571,9 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         it behind its update calls), pausing the engine around it when asked."""
         if not self.lead or calls is None:
             return
+        if isinstance(self.client, StagingClient):
+            calls.settle()
+            self.client.wait_staged(self.init_info.timeout_s)  # the finish: the commit only
         if self._pause is None:
             if not calls.finish_issued:
                 calls.finish()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
@@ -56,6 +57,32 @@ def agree(per_worker: list[dict[str, str]]) -> dict[str, str]:
     return out
 
 
+LOADED_POLL_S = 0.005
+"""How often a client asks whether the workers' shadows are loaded, before a finish."""
+
+
+def wait_loaded(states: Callable[[], list[dict[str, Any]]], timeout_s: float) -> bool:
+    """Before a staged engine's finish: wait until no worker is still loading the update
+    into its shadow (each poll is a short call between two of vLLM's steps, where a finish
+    would hold the steps for the whole wait). False for an engine that is not staged (or
+    that cannot say: started without the worker extension); `TransferTimeout` past
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            now = states()
+        except ConfigError:
+            return False
+        if not any(s.get("staging", "off") != "off" for s in now):
+            return False
+        if not any(s.get("loading") for s in now):
+            return True
+        if time.monotonic() > deadline:
+            raise TransferTimeout(f"the vLLM workers were still loading the update into their "
+                                  f"shadows after {timeout_s:g}s")
+        time.sleep(LOADED_POLL_S)
+
+
 def _no_extension(exc: BaseException) -> bool:
     return FINGERPRINT_METHOD in str(exc) or STATE_METHOD in str(exc)
 
@@ -68,10 +95,6 @@ class AsyncLLMClient(SingleEngineClient):
     loop and waits at most `timeout_s`.
     """
 
-    finish_after_data = True
-    """vLLM runs a finish on its engine core, between steps: issued before the data moved
-    (a staged engine receives nccl/ucx on a thread of its own), it would hold generation."""
-
     def __init__(self, engine: Any, *, loop: asyncio.AbstractEventLoop | None = None,
                  timeout_s: float = 600.0) -> None:
         self.engine = engine
@@ -79,6 +102,8 @@ class AsyncLLMClient(SingleEngineClient):
         self.timeout_s = timeout_s
         self._labels: tuple[str | None, str | None] = (None, None)
         """The weight version before the last update this client finished, and its own."""
+        self._staged: bool | None = None
+        """Whether the engine stages updates into shadows (asked at the first finish)."""
 
     def _run(self, what: str, make: Callable[[], Awaitable[T]]) -> T:
         if threading.get_ident() == getattr(self.loop, "_thread_id", None):
@@ -125,9 +150,17 @@ class AsyncLLMClient(SingleEngineClient):
         before = self._labels[1]
         if before is None:
             before = str(self._run("get_weight_version", self.engine.get_weight_version))
+        self.wait_staged(self.timeout_s)
         self._run("finish_weight_update",
                   lambda: self.engine.finish_weight_update(weight_version=weight_version))
         self._labels = (before, weight_version if weight_version is not None else before)
+
+    def wait_staged(self, timeout_s: float) -> None:
+        """Return once no worker is still loading the open update into its shadow (a
+        `StagingClient`: vLLM runs a finish on its engine core, so a finish that waited there
+        would hold generation)."""
+        if self._staged is not False:
+            self._staged = wait_loaded(self.worker_states, timeout_s)
 
     def rollback_weights(self) -> str:
         """Make the version before the last update live again on every worker of a staged
@@ -187,13 +220,12 @@ class ServerClient(HTTPClient):
     received tensors), so requests name it as their ``model`` (`generate(..., lora=name)`).
     That route needs ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``."""
 
-    finish_after_data = True
-    """As `AsyncLLMClient.finish_after_data`."""
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._listed: set[str] = set()
         """Adapters the server's model list knows."""
+        self._staged: bool | None = None
+        """Whether the engine stages updates into shadows (asked at the first finish)."""
         self._arriving: set[str] = set()
         """Adapters the open update carries that the list does not know yet."""
 
@@ -214,9 +246,10 @@ class ServerClient(HTTPClient):
         self._request("POST", "/update_weights", json_body={"update_info": wrap(update_info)})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """POST /finish_weight_update; then name each new adapter of the update to the
-        server's model list."""
+        """POST /finish_weight_update (once a staged engine's shadows are loaded); then name
+        each new adapter of the update to the server's model list."""
         try:
+            self.wait_staged(self.timeout_s)
             super().finish_weight_update(weight_version)
         except BaseException:
             self._arriving = set()
@@ -224,6 +257,11 @@ class ServerClient(HTTPClient):
         arriving, self._arriving = sorted(self._arriving), set()
         for adapter in arriving:
             self.list_adapter(adapter)
+
+    def wait_staged(self, timeout_s: float) -> None:
+        """As `AsyncLLMClient.wait_staged`."""
+        if self._staged is not False:
+            self._staged = wait_loaded(self.worker_states, timeout_s)
 
     def list_adapter(self, name: str) -> None:
         """Name in-memory adapter `name` to the server's model list (once; the update that

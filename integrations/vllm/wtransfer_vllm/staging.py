@@ -96,11 +96,10 @@ class ShadowStaging(WeightTarget):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy each complete tensor into its host buffer and queue it for the loader."""
+        """Copy each complete tensor into its host buffer and queue it for the loader (which
+        also digests it: a digest of a large tensor would hold vLLM's step loop)."""
         queued = []
         for name, tensor in weights:
-            if not self.model_target.note(name, tensor):
-                continue  # an adapter: kept in memory, no shadow needed
             buffer = self._buffer(name)
             buffer.copy_(tensor)
             queued.append((name, buffer))
@@ -112,13 +111,15 @@ class ShadowStaging(WeightTarget):
             self._loads.append(self._loader.submit(self._load_queued))
 
     def _load_queued(self) -> None:
-        """On the loader thread: feed everything queued so far to the shadow, in one call."""
+        """On the loader thread: note everything queued so far (digests; adapters are kept
+        in memory, no shadow needed) and feed the checkpoint tensors to the shadow, in one
+        call."""
         with self._queue_lock:
             batch, self._queue = self._queue, []
-        if batch:
-            t0 = time.perf_counter()
-            self.shadow.load(batch)
-            import sys as _s; print(f"PROBE load {[n for n,_ in batch][:2]} {len(batch)} {time.perf_counter()-t0:.4f}", file=_s.stderr, flush=True)
+        checkpoint = [(name, tensor) for name, tensor in batch
+                      if self.model_target.note(name, tensor)]
+        if checkpoint:
+            self.shadow.load(checkpoint)
 
     def _wait_loads(self) -> None:
         deadline = time.monotonic() + self.timeout_s
