@@ -79,7 +79,8 @@ class WTransferEngine(WeightTransferEngine[Any, Any]):
     def __init__(self, config: Any, vllm_config: Any, device: torch.device,
                  model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        install()  # a call failing on some workers fails once, on the last
+        self._end_update = install()  # a call failing on some workers fails once, on the
+        # last; `_end_update` ends a failed update on this worker as vLLM's worker would
         self.target = VLLMTarget(model, vllm_config.model_config)
         self.staging: ShadowStaging | None = None
         """The shadow staged updates land in (None: updates load into the live model)."""
@@ -110,11 +111,15 @@ class WTransferEngine(WeightTransferEngine[Any, Any]):
 
     def init_transfer_engine(self, init_info: Any) -> None:
         """Join the trainer's transfer (open staging, form groups)."""
+        self._received = []  # (a new sender: what the old one left is moot)
         with relaying():
             self.receiver.init_transfer_engine(init_info)
 
     def start_weight_update(self) -> None:
-        """Open an update; vLLM's layerwise reload starts with the first accepted tensors."""
+        """Open an update; vLLM's layerwise reload starts with the first accepted tensors.
+        Update calls of an earlier update still received in the background (one that failed
+        without a finish) are its own: they are not this update's."""
+        self._received = []
         with relaying():
             self.receiver.start_weight_update()
 
@@ -128,13 +133,25 @@ class WTransferEngine(WeightTransferEngine[Any, Any]):
         staged engine whose backend's data plane paces the sender (nccl, ucx: their one
         update call carries the whole transfer, which would hold vLLM's engine core)."""
         if self.staging is not None and not self.receiver.calls_read_sender_memory:
-            self._received.append(self._receiving.submit(self._receive, update_info))
+            self._received.append(self._receiving.submit(self._receive_in_background,
+                                                         update_info))
             return
         self._receive(update_info)
 
     def _receive(self, update_info: Any) -> None:
         with relaying():
             self.receiver.update_weights(update_info)
+
+    def _receive_in_background(self, update_info: Any) -> None:
+        """`_receive` on our thread: a failure there answers no call of vLLM's, so the
+        update is ended here as vLLM's worker ends one whose call raised (the next start
+        is then taken); the finish, if it comes, raises it."""
+        try:
+            self._receive(update_info)
+        except BaseException:
+            if self._end_update is not None:
+                self._end_update()
+            raise
 
     def _settle_received(self) -> None:
         """Wait for the update calls received in the background (within the transfer's
@@ -186,12 +203,13 @@ class WTransferEngine(WeightTransferEngine[Any, Any]):
     def rollback(self) -> int:
         """Make the version before the last staged commit live again (a swap back: its
         layers' twins still hold it); returns how many layers changed."""
-        if self.staging is None:
-            raise LifecycleError("wtransfer-vllm: rollback needs a staged engine "
-                                 "(engine_kwargs(backend, staged=True))")
-        if self.receiver.state is ReceiverState.UPDATING:
-            raise LifecycleError("wtransfer-vllm: an update is open; finish it first")
-        return self.staging.rollback()
+        with relaying():
+            if self.staging is None:
+                raise LifecycleError("wtransfer-vllm: rollback needs a staged engine "
+                                     "(engine_kwargs(backend, staged=True))")
+            if self.receiver.state is ReceiverState.UPDATING:
+                raise LifecycleError("wtransfer-vllm: an update is open; finish it first")
+            return self.staging.rollback()
 
 
 def shadow_mode(vllm_config: Any) -> CommitMode:

@@ -129,15 +129,17 @@ def _building_worker() -> Any:
     return None
 
 
-def install() -> None:
+def install() -> Callable[[], None] | None:
     """Put `fail_together` around the weight-transfer methods of the vLLM worker building
-    our engine (see the module docstring); a warning where none is found."""
+    our engine (see the module docstring); a warning where none is found. Returns what ends
+    a failed update on that worker, as vLLM's worker does when a call raises on it (None
+    without a worker)."""
     worker = _building_worker()
     if worker is None:
         log.warning("wtransfer-vllm: no vLLM worker found building the weight-transfer "
                     "engine; with several workers a failed update may leave vLLM's replies "
                     "out of step")
-        return
+        return None
 
     def ended() -> None:  # what vLLM's worker does when an update call raises on it
         worker._weight_update_active = False
@@ -156,3 +158,4 @@ def install() -> None:
             return fail_together(lambda: _original(*args, **kwargs), timeout_s(), ended)
 
         setattr(worker, name, functools.wraps(original)(together))
+    return ended

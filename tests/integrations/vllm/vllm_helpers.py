@@ -23,7 +23,7 @@ ENGINE_ARGS = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32"
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10], [42]]
 
 
-def save_qwen3(path, seed):
+def save_qwen3(path, seed, max_positions=512):
     """A tiny random Qwen3 (head_dim 32: CPU attention refuses 16) saved as safetensors;
     returns the transformers model (the trainer's copy)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -32,7 +32,7 @@ def save_qwen3(path, seed):
     config = Qwen3Config(vocab_size=1024, hidden_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                          intermediate_size=256, tie_word_embeddings=False,
-                         max_position_embeddings=512, torch_dtype="float32")
+                         max_position_embeddings=max_positions, torch_dtype="float32")
     model = Qwen3ForCausalLM(config).eval()
     model.save_pretrained(path)
     return model
@@ -65,9 +65,8 @@ class InProcessVLLM:
         extra = wtransfer_vllm.engine_kwargs(backend, staged=staged) if backend else {}
 
         async def start():
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir),
-                                                             **ENGINE_ARGS, **extra,
-                                                             **engine_args))
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(
+                model=str(model_dir), **{**ENGINE_ARGS, **extra, **engine_args}))
 
         self.llm = self.thread.run(start())
         self.client = (wtransfer_vllm.AsyncLLMClient(self.llm, loop=self.thread.loop)
@@ -168,10 +167,11 @@ def init_info(backend, **fields):
     if backend == "nccl":
         from wtransfer_nccl import NCCLTrainerInitInfo
 
-        return NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=60, **fields)
+        return NCCLTrainerInitInfo(**{"master_address": "127.0.0.1", "world_size": 2,
+                                      "timeout_s": 60, **fields})
     from wtransfer_ipc import IPCTrainerInitInfo
 
-    return IPCTrainerInitInfo(timeout_s=60, **fields)
+    return IPCTrainerInitInfo(**{"timeout_s": 60, **fields})
 
 
 def send(backend, client, model, version, **fields):
