@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import statistics
 import sys
@@ -150,9 +151,8 @@ def run(size: str, backend: str, mode: str, repeats: int, source_s: float, root:
         inside = [t for t in times if started <= t <= done]
         edges = [t for t in times if t < started][-1:] + inside + \
             [t for t in times if t > done][:1]
-        window = [b - a for a, b in zip(edges, edges[1:], strict=False)]
-        outside = [b - a for a, b in zip(times, times[1:], strict=False)
-                   if b < started or a > done]
+        window = [b - a for a, b in itertools.pairwise(edges)]
+        outside = [b - a for a, b in itertools.pairwise(times) if b < started or a > done]
         step = statistics.median(outside)
         gaps.append(max(window) * 1e3)
         steps.append(step * 1e3)

@@ -27,7 +27,7 @@ import copy
 import logging
 from collections.abc import Iterable
 from types import MethodType
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -154,8 +154,9 @@ class Shadow:
         twin = copy.copy(module)
         done[id(module)] = twin
         if _owns_weights(module):
-            twin._parameters = {n: None if p is None else self._twin_tensor(p, module, twin)
-                                for n, p in module._parameters.items()}
+            twin._parameters = {  # (the clones keep the class: Parameter or vLLM's own)
+                n: None if p is None else cast(nn.Parameter, self._twin_tensor(p, module, twin))
+                for n, p in module._parameters.items()}
             twin._buffers = {n: None if b is None else self._twin_tensor(b, module, twin)
                              for n, b in module._buffers.items()}
             twin._non_persistent_buffers_set = set(module._non_persistent_buffers_set)

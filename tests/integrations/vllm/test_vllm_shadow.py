@@ -184,7 +184,7 @@ def test_non_finite_weights_are_refused_and_a_rollback_swaps_the_last_version_ba
             poisoned.model.layers[1].mlp.up_proj.weight[2, 3] = float("nan")
         with wtransfer.trainer_init(init_info("ipc", bucket_bytes=64 << 10), client=client,
                                     source=wtransfer.ModuleSource(poisoned)) as sender, \
-                pytest.raises(NonFiniteError, match="up_proj.weight' holds NaN"):
+                pytest.raises(NonFiniteError, match=r"up_proj\.weight' holds NaN"):
             sender.send_weights(weight_version="nan")
         assert client.fingerprint() == wtransfer.fingerprint(base.state_dict())
         for version, model in (("v1", new), ("v2", newer)):
