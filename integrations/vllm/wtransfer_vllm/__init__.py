@@ -19,8 +19,9 @@ from wtransfer_vllm.names import BACKEND_PREFIX, WORKER_EXTENSION, vllm_backend_
 def engine_kwargs(backend: str, *, staged: bool = False) -> dict[str, Any]:
     """The vLLM engine arguments that serve wtransfer backend `backend`: the weight-transfer
     config, and the worker extension that lets clients read fingerprints. With `staged`,
-    updates land in host memory while vLLM generates and reach the model only at finish
-    (pause around it: ``send_weights(..., pause="keep")``)."""
+    updates load into a shadow of the model's layers while vLLM generates and go live between
+    two steps (`wtransfer_vllm.staging`); ``send_weights(..., pause="keep")`` pauses only
+    around that commit."""
     return {"weight_transfer_config": {"backend": vllm_backend_name(backend, staged=staged)},
             "worker_extension_cls": WORKER_EXTENSION}
 

@@ -15,6 +15,6 @@ live at finish."""
 
 
 def vllm_backend_name(backend: str, *, staged: bool = False) -> str:
-    """The vLLM backend name of wtransfer backend `backend` (its host-staged engine)."""
+    """The vLLM backend name of wtransfer backend `backend` (its shadow-staged engine)."""
     name = backend if backend.startswith(BACKEND_PREFIX) else BACKEND_PREFIX + backend
     return name + STAGED_SUFFIX if staged and not name.endswith(STAGED_SUFFIX) else name

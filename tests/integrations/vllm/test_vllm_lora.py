@@ -124,3 +124,34 @@ def test_vllm_serve_names_an_in_memory_adapter_like_one_from_disk(tmp_path):
         assert server.greedy(lora="disk") == from_disk and server.greedy() == plain
     finally:
         server.close()
+
+
+def test_a_base_update_through_the_shadow_keeps_an_in_memory_adapter_serving(tmp_path):
+    """A staged engine with adapters: an adapter arrives in memory (no shadow: it is not a
+    checkpoint tensor), then a base update loads into the shadow and commits. The adapter's
+    requests then get the tokens of a fresh engine started from the new base with the same
+    adapter from disk (the adapter rides on the swapped base layers); the base's, a fresh
+    engine's on the new base."""
+    base = save_qwen3(tmp_path / "base", seed=0)
+    new_base = save_qwen3(tmp_path / "new", seed=1)
+    adapter = peft_adapter(base, rank=4, seed=3)
+    save_peft(tmp_path / "disk-adapter", adapter, rank=4, alpha=8)
+    disk = LoRARequest(lora_name="disk", lora_int_id=7, lora_path=str(tmp_path / "disk-adapter"))
+    fresh = InProcessVLLM(tmp_path / "new", **LORA_ARGS)
+    try:
+        want_plain, want_adapter = fresh.greedy(), fresh.greedy(lora_request=disk)
+    finally:
+        fresh.close()
+    vllm = InProcessVLLM(tmp_path / "base", backend="ipc", staged=True, **LORA_ARGS)
+    try:
+        with wtransfer.trainer_init(init_info("ipc", bucket_bytes=64 << 10), client=vllm.client,
+                                    source=LoRASource("math", adapter, lora_alpha=8)) as sender:
+            sender.send_weights(weight_version="math-1")
+        with wtransfer.trainer_init(init_info("ipc", bucket_bytes=64 << 10), client=vllm.client,
+                                    source=wtransfer.ModuleSource(new_base)) as sender:
+            sender.send_weights(weight_version="base-2")
+        assert vllm.client.worker_states()[0]["staging"] == "swap"
+        assert vllm.greedy() == want_plain
+        assert vllm.greedy(lora_request=wtransfer_vllm.lora_request("math")) == want_adapter
+    finally:
+        vllm.close()
