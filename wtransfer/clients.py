@@ -15,10 +15,12 @@ deadline becomes `TransferTimeout`. It needs httpx (the `serve` extra), imported
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from wtransfer import wire
 from wtransfer.errors import (
@@ -30,11 +32,19 @@ from wtransfer.errors import (
     relayed_kind,
     remote_error,
 )
-from wtransfer.protocol import CallQueue, InitFor, PendingCall, WeightSyncClient
+from wtransfer.protocol import (
+    CallQueue,
+    FutureCall,
+    InitFor,
+    PendingCall,
+    TwoPhaseClient,
+    WeightSyncClient,
+)
 from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.records import PauseMode, check_pause_mode
 
 T = TypeVar("T")
+log = logging.getLogger("wtransfer.clients")
 
 
 class SingleEngineClient:
@@ -84,6 +94,14 @@ class LocalClient(SingleEngineClient):
         """Deliver one part of the update."""
         self.engine.update_weights(update_info)
 
+    def stage_weight_update(self) -> None:
+        """Check the open update without making it live."""
+        self.engine.stage_weight_update()
+
+    def discard_weight_update(self, reason: str) -> None:
+        """Fail the open update on purpose."""
+        self.engine.discard_weight_update(reason)
+
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Finish the update and label the weights `weight_version`."""
         self.engine.finish_weight_update(weight_version)
@@ -96,46 +114,124 @@ class LocalClient(SingleEngineClient):
         return f"LocalClient({type(self.engine).__name__})"
 
 
-class FanoutClient:
-    """Sends every call to each client concurrently; a failure names the instance.
+OnFailure = Literal["abort", "drop"]
+"""What a `FanoutClient` does when an instance fails an update: "abort" it on every instance,
+or "drop" the instance and land the update on the others."""
 
-    Used for independent engines behind an external load balancer: each instance receives the
-    same weights. `fingerprint()` returns the common digest and raises `IntegrityError` when the
-    instances disagree.
+
+class FanoutClient:
+    """A fleet of engine instances behind an external load balancer, updated as one.
+
+    Every call goes to each instance concurrently; an instance's failure names it (its
+    client's repr: URL or address). The finish has two phases where every instance can check
+    an update without making it live (`TwoPhaseClient`: our engine and receivers): every
+    instance stages, then every instance commits, each at its next step boundary.
+
+    - ``on_failure="abort"`` (the default): all or nothing. An instance that fails before the
+      commit fails the update on every instance: each keeps its previous weights and version
+      (staged engines drop their shadows; in-place ones roll back where enabled) and keeps
+      serving; the error names each failed instance.
+    - ``on_failure="drop"``: a failed (or dead) instance leaves the fleet and the update lands on
+      the others; the sender's `TransferStats.dropped` names it. Later updates go to the
+      survivors (a backend whose one group spans every instance, nccl, re-forms it for them).
+
+    `add(client)` joins an instance: the sender's next `send_weights` initializes the
+    transport to it first. `fingerprint()` returns the common digest and raises
+    `IntegrityError` when the instances disagree.
     """
 
-    def __init__(self, clients: Sequence[WeightSyncClient]) -> None:
+    def __init__(self, clients: Sequence[WeightSyncClient], *,
+                 on_failure: OnFailure = "abort") -> None:
         if not clients:
             raise ConfigError("FanoutClient needs at least one client")
+        if on_failure not in ("abort", "drop"):
+            raise ConfigError(f"on_failure must be 'abort' or 'drop', got {on_failure!r}")
         self.clients = list(clients)
-        self._pool = ThreadPoolExecutor(max_workers=len(self.clients),
-                                        thread_name_prefix="wtransfer-fanout")
-        self._queues: list[CallQueue] | None = None
+        self.on_failure: OnFailure = on_failure
+        self.generation = 0
+        """Counts changes of membership (an instance added or dropped)."""
+        self.joined = 0
+        """Counts instances added (`add`): a sender initializes the transport again."""
+        self._dropped: list[str] = []
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="wtransfer-fanout")
+        self._queues: dict[int, CallQueue] = {}
+
+    def add(self, client: WeightSyncClient) -> None:
+        """Join an instance: the next update reaches it too (the sender initializes the
+        transport to it first)."""
+        self.clients.append(client)
+        self.joined += 1
+        self.generation += 1
+
+    def prune(self) -> bool:
+        """Drop the instances that no longer answer a short call (`num_workers`); whether
+        any was dropped. Never drops the last one."""
+        clients = list(self.clients)
+        futures = [self._pool.submit(c.num_workers) for c in clients]
+        silent = []
+        for client, fut in zip(clients, futures, strict=True):
+            try:
+                fut.result(timeout=PRUNE_WAIT_S)
+            except Exception as exc:  # (a timeout too: it does not answer)
+                silent.append((client, exc))
+        if not silent or len(silent) == len(clients):
+            return False
+        self._drop(silent)
+        return True
+
+    def take_dropped(self) -> list[str]:
+        """The instances dropped since the last call (their clients' reprs), once."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def _drop(self, failures: list[tuple[WeightSyncClient, BaseException]]) -> None:
+        for client, exc in failures:
+            if client in self.clients:
+                self.clients.remove(client)
+                self._dropped.append(repr(client))
+                self.generation += 1
+                log.warning("fleet: dropped %r (%s: %s)", client, type(exc).__name__, exc)
+                queue = self._queues.pop(id(client), None)
+                if queue is not None:
+                    queue.close()
+
+    def settle(self, failures: list[tuple[WeightSyncClient, BaseException]], total: int
+               ) -> None:
+        """After a call on `total` instances: nothing when none failed; in drop mode the
+        failed ones leave the fleet, unless none is left; else the error naming them."""
+        if not failures:
+            return
+        if self.on_failure == "drop" and len(failures) < total:
+            self._drop(failures)
+            return
+        raise self.failed(failures, total)
 
     def map(self, call: Callable[[WeightSyncClient, int], T]) -> list[T]:
-        """Run `call(client, index)` on every client at once; raise on any failure."""
-        futures = [self._pool.submit(call, c, i) for i, c in enumerate(self.clients)]
+        """Run `call(client, index)` on every instance at once; the results of those that
+        succeeded (`settle` decides what a failure does)."""
+        clients = list(self.clients)
+        futures = [self._pool.submit(call, c, i) for i, c in enumerate(clients)]
         results: list[T] = []
-        failures: list[tuple[int, BaseException]] = []
-        for i, fut in enumerate(futures):
+        failures: list[tuple[WeightSyncClient, BaseException]] = []
+        for client, fut in zip(clients, futures, strict=True):
             try:
                 results.append(fut.result())
             except Exception as exc:
-                failures.append((i, exc))
-        if failures:
-            raise self.failed(failures)
+                failures.append((client, exc))
+        self.settle(failures, len(clients))
         return results
 
-    def failed(self, failures: list[tuple[int, BaseException]]) -> Exception:
-        """One error for the instances that failed (index, error), led by the first that is
-        not a timeout (others often time out only because of it): a `PeerError` of its kind
+    def failed(self, failures: list[tuple[WeightSyncClient, BaseException]],
+               total: int | None = None) -> Exception:
+        """One error for the instances that failed, led by the first that is not a timeout
+        (others often time out only because of it): a `PeerError` of its kind
         (`errors.remote_error`), or `TransferTimeout` when every one timed out; the message
         names each instance."""
         first = next((e for _, e in failures if not isinstance(e, TransferTimeout)),
                      failures[0][1])
-        where = ", ".join(f"#{j} ({self.clients[j]!r})" for j, _ in failures)
-        message = f"{len(failures)} of {len(self.clients)} instance(s) failed: {where}; " \
-                  f"first error: {type(first).__name__}: {first}"
+        where = ", ".join(repr(c) for c, _ in failures)
+        message = f"{len(failures)} of {total or len(self.clients)} instance(s) failed: " \
+                  f"{where}; first error: {type(first).__name__}: {first}"
         kind = first.remote_type if isinstance(first, PeerError) and first.remote_type \
             else type(first).__name__
         error = TransferTimeout(message) if isinstance(first, TransferTimeout) \
@@ -143,26 +239,37 @@ class FanoutClient:
         error.__cause__ = first
         return error
 
-    def submit(self, method: str, *, after: FanoutCall | None = None,
-               **args: Any) -> FanoutCall:
+    def submit(self, method: str, *, after: PendingCall | None = None,
+               **args: Any) -> PendingCall:
         """Issue ``method(**args)`` on every instance without waiting (pipelined on each
         instance whose client pipelines; in submission order per instance either way). With
-        `after`, each instance runs it only if its part of that call succeeded."""
-        if self._queues is None:
-            self._queues = [CallQueue(c) for c in self.clients]
-        if after is not None and after.fanout is not self:
+        `after`, each instance runs it only if its part of that call succeeded. A finish runs
+        in its two phases once `after` is settled (`finish_weight_update`)."""
+        if after is not None and not isinstance(after, (FanoutCall, FutureCall)):
             raise TypeError("'after' must be a call of this FanoutClient")
-        return FanoutCall(self, [
-            q.submit(method, after=after.calls[i] if after is not None else None, **args)
-            for i, q in enumerate(self._queues)])
+        if method == "finish_weight_update":
+            def finish() -> None:
+                if after is not None:
+                    after.result(FINISH_WAIT_S)
+                self.finish_weight_update(**args)
+
+            return FutureCall(self._pool.submit(finish), method)
+        calls = []
+        for client in self.clients:
+            queue = self._queues.get(id(client))
+            if queue is None:
+                queue = self._queues[id(client)] = CallQueue(client)
+            before = after.of(client) if isinstance(after, FanoutCall) else None
+            calls.append((client, queue.submit(method, after=before, **args)))
+        return FanoutCall(self, calls)
 
     def workers_per_engine(self) -> list[int]:
-        """Receiving workers behind each client, in order."""
-        return [check_workers(c, n) for c, n in zip(
-            self.clients, self.map(lambda c, _: c.num_workers()), strict=True)]
+        """Receiving workers behind each instance, in order."""
+        counts = self.map(lambda c, _: (c, c.num_workers()))
+        return [check_workers(c, n) for c, n in counts]
 
     def num_workers(self) -> int:
-        """Receiving workers behind every client together."""
+        """Receiving workers behind every instance together."""
         return sum(self.workers_per_engine())
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -170,12 +277,12 @@ class FanoutClient:
         self.map(lambda c, _: c.init_weight_transfer_engine(init_info))
 
     def init_each_engine(self, info_for: InitFor) -> None:
-        """Initialize client i's engines with ``info_for(first, n)``, where `first` counts the
-        workers of clients 0..i-1 and `n` is client i's own."""
+        """Initialize instance i's engines with ``info_for(first, n)``, where `first` counts
+        the workers of instances 0..i-1 and `n` is instance i's own."""
         counts = self.workers_per_engine()
-        firsts = [sum(counts[:i]) for i in range(len(counts))]
-        self.map(lambda c, i: c.init_each_engine(
-            lambda first, n: info_for(firsts[i] + first, n)))
+        firsts = {id(c): sum(counts[:i]) for i, c in enumerate(self.clients)}
+        self.map(lambda c, _: c.init_each_engine(
+            lambda first, n: info_for(firsts[id(c)] + first, n)))
 
     def start_weight_update(self) -> None:
         """Open an update on every instance."""
@@ -186,37 +293,81 @@ class FanoutClient:
         self.map(lambda c, _: c.update_weights(update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """Finish on every instance with the same version label."""
+        """Stage the update on every instance, then commit it on every one (see the class
+        docstring); instances that cannot stage (`TwoPhaseClient`) finish in one call, with
+        the others' commits."""
+        clients = list(self.clients)
+        futures = [self._pool.submit(self._stage, c) for c in clients]
+        failures = []
+        for client, fut in zip(clients, futures, strict=True):
+            try:
+                fut.result()
+            except Exception as exc:
+                failures.append((client, exc))
+        if failures and (self.on_failure == "abort" or len(failures) == len(clients)):
+            reason = f"another instance of the fleet failed it: {failures[0][1]}"[:500]
+            failed = [f for f, _ in failures]
+            staged = [c for c in clients if isinstance(c, TwoPhaseClient)
+                      and not any(c is f for f in failed)]
+            for fut in [self._pool.submit(c.discard_weight_update, reason) for c in staged]:
+                with contextlib.suppress(Exception):  # the error to report is the failure
+                    fut.result()
+        self.settle(failures, len(clients))
         self.map(lambda c, _: c.finish_weight_update(weight_version))
+
+    @staticmethod
+    def _stage(client: WeightSyncClient) -> None:
+        if isinstance(client, TwoPhaseClient):
+            client.stage_weight_update()
 
     def fingerprint(self) -> dict[str, str]:
         """The digest all instances agree on; `IntegrityError` naming those that differ."""
-        prints = self.map(lambda c, _: c.fingerprint())
-        odd = [i for i, p in enumerate(prints) if p != prints[0]]
+        prints = self.map(lambda c, _: (c, c.fingerprint()))
+        odd = [repr(c) for c, p in prints if p != prints[0][1]]
         if odd:
-            raise IntegrityError(f"instances {odd} hold different weights from instance 0")
-        return prints[0]
+            raise IntegrityError(f"instances {odd} hold different weights from "
+                                 f"{prints[0][0]!r}")
+        return prints[0][1]
+
+    def summary(self, weight_version: str | None, dropped: Sequence[str] = ()) -> str:
+        """One line about the fleet after an update: instances, the version, dropped ones."""
+        line = f"fleet: {len(self.clients)} instance(s) at {weight_version!r}"
+        if dropped:
+            line += f"; dropped {', '.join(dropped)}"
+        return line
 
     def close(self) -> None:
         """Stop the worker threads."""
         self._pool.shutdown(wait=False)
-        for queue in self._queues or []:
+        for queue in self._queues.values():
             queue.close()
 
     def __repr__(self) -> str:
-        return f"FanoutClient({self.clients!r})"
+        return f"FanoutClient({self.clients!r}, on_failure={self.on_failure!r})"
+
+
+PRUNE_WAIT_S = 10.0
+"""How long `FanoutClient.prune` waits for an instance's answer before dropping it."""
+FINISH_WAIT_S = 24 * 3600.0
+"""How long a pipelined fleet finish waits for the update calls before it (the sender's own
+settle holds the transfer's deadline and stops waiting first)."""
 
 
 class FanoutCall:
     """One call issued on every instance of a `FanoutClient` (a `PendingCall`)."""
 
-    def __init__(self, fanout: FanoutClient, calls: list[PendingCall]) -> None:
+    def __init__(self, fanout: FanoutClient,
+                 calls: list[tuple[WeightSyncClient, PendingCall]]) -> None:
         self.fanout = fanout
         self.calls = calls
 
+    def of(self, client: WeightSyncClient) -> PendingCall | None:
+        """This call's part on `client` (None: it was not issued there)."""
+        return next((call for c, call in self.calls if c is client), None)
+
     def done(self) -> bool:
         """Whether every instance answered, or one failed (never blocks)."""
-        finished = [call for call in self.calls if call.done()]
+        finished = [call for _, call in self.calls if call.done()]
         if len(finished) == len(self.calls):
             return True
         for call in finished:
@@ -227,20 +378,22 @@ class FanoutCall:
         return False
 
     def result(self, timeout_s: float, spin_from: float | None = None) -> None:
-        """Wait up to `timeout_s` for every instance; raise as `FanoutClient.map` does."""
+        """Wait up to `timeout_s` for every instance; failures as `FanoutClient.settle`
+        says."""
         deadline = time.monotonic() + timeout_s
-        failures: list[tuple[int, BaseException]] = []
-        for i, call in enumerate(self.calls):
+        failures: list[tuple[WeightSyncClient, BaseException]] = []
+        for client, call in self.calls:
+            if client not in self.fanout.clients:
+                continue  # dropped by an earlier call
             try:
                 call.result(max(0.0, deadline - time.monotonic()), spin_from)
             except Exception as exc:
-                failures.append((i, exc))
-        if failures:
-            raise self.fanout.failed(failures)
+                failures.append((client, exc))
+        self.fanout.settle(failures, len(self.calls))
 
     def cancel(self) -> None:
         """Stop waiting on every instance."""
-        for call in self.calls:
+        for _, call in self.calls:
             call.cancel()
 
 
@@ -320,8 +473,8 @@ class HTTPClient(SingleEngineClient):
                             f"{exc}") from None
         if response.status_code >= 500:
             # a server that failed inside a request may close the connection without saying
-            # so; the next call must not find it in the pool
-            self._http.close()
+            # so; the next call must not find it in the pool. The old pool is left to the
+            # calls still using it on other threads (a fleet's), closed when it is collected
             self._http = self._connect()
         if response.status_code >= 400:
             raise from_reply(_error_fields(response), f"{method} {path} -> "
@@ -343,6 +496,14 @@ class HTTPClient(SingleEngineClient):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """POST /update_weights (msgpack body)."""
         self._request("POST", "/update_weights", packed={"update_info": update_info})
+
+    def stage_weight_update(self) -> None:
+        """POST /stage_weight_update."""
+        self._request("POST", "/stage_weight_update")
+
+    def discard_weight_update(self, reason: str) -> None:
+        """POST /discard_weight_update."""
+        self._request("POST", "/discard_weight_update", json_body={"reason": reason})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """POST /finish_weight_update."""

@@ -68,6 +68,38 @@ class PausingClient(Protocol):
 
 
 @runtime_checkable
+class TwoPhaseClient(Protocol):
+    """A client whose engine can check an update without making it live (our engine, our
+    receivers): a `FanoutClient` stages every instance before any commits, so a fleet
+    updates all or nothing."""
+
+    def stage_weight_update(self) -> None:
+        """Everything of the finish but making the update live."""
+
+    def discard_weight_update(self, reason: str) -> None:
+        """Fail the open update on purpose: nothing of it goes live."""
+
+
+@runtime_checkable
+class FleetClient(Protocol):
+    """A client over a fleet whose membership changes (`FanoutClient`): a sender connects
+    again when instances joined (or, for a transport fixed at connect, left), and in drop
+    mode retries an update that failed everywhere on the instances that still answer."""
+
+    on_failure: str
+    generation: int
+    """Changes of membership so far (instances added or dropped)."""
+    joined: int
+    """Instances added so far."""
+
+    def take_dropped(self) -> list[str]:
+        """The instances dropped since the last call (named), once."""
+
+    def prune(self) -> bool:
+        """Drop the instances that do not answer; whether any was dropped."""
+
+
+@runtime_checkable
 class StagingClient(Protocol):
     """A client whose engine runs a finish on the thread that steps it, while the update's
     bytes are still being staged beside the steps (vLLM's staged engines load them into a

@@ -234,6 +234,9 @@ class TransferStats:
     """Delta updates: the fraction of the model's elements whose bits changed."""
     delta_base_bytes: int = 0
     """Delta-enabled senders: bytes of the last-sent copy the sender keeps to diff against."""
+    dropped: list[str] | None = None
+    """A fleet in drop mode (`FanoutClient(on_failure="drop")`): the instances that failed
+    this update and left the fleet (None: the client is no such fleet)."""
 
     @property
     def gbps(self) -> float:

@@ -39,17 +39,27 @@ from wtransfer.errors import (
     ok_reply,
     reply_result,
 )
-from wtransfer.protocol import SPIN_WINDOW_S, LabelledClient, WeightSyncClient, spinning
+from wtransfer.protocol import (
+    SPIN_WINDOW_S,
+    LabelledClient,
+    TwoPhaseClient,
+    WeightSyncClient,
+    spinning,
+)
 from wtransfer.receiver.engine import WeightTransferEngine
 
 SERVED = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
           "finish_weight_update", "fingerprint", "num_workers")
+TWO_PHASE = ("stage_weight_update", "discard_weight_update")
+"""The `TwoPhaseClient` methods a `ReceiverServer` serves too."""
 """The `WeightSyncClient` methods a `ReceiverServer` serves (`init_each_engine` is
 `init_weight_transfer_engine` for the one engine a server fronts), plus "status"."""
 
 _METHODS: dict[str, tuple[str, ...]] = {
     **{name: tuple(inspect.signature(getattr(WeightSyncClient, name)).parameters)[1:]
        for name in SERVED},
+    **{name: tuple(inspect.signature(getattr(TwoPhaseClient, name)).parameters)[1:]
+       for name in TWO_PHASE},
     "status": (),
 }
 _POLL_MS = 100
@@ -488,6 +498,14 @@ class RPCClient(SingleEngineClient):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Deliver one part of the update; returns once the receiver consumed it."""
         self.call("update_weights", update_info=update_info)
+
+    def stage_weight_update(self) -> None:
+        """Check the open update remotely without making it live."""
+        self.call("stage_weight_update")
+
+    def discard_weight_update(self, reason: str) -> None:
+        """Fail the open update remotely, on purpose."""
+        self.call("discard_weight_update", reason=reason)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Finish the update remotely and label the weights."""

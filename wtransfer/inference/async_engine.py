@@ -153,6 +153,15 @@ class AsyncEngine:
         """Receive one part of the update."""
         await self._call("update_weights", update_info)
 
+    async def stage_weight_update(self) -> None:
+        """Check the open update on every rank without making it live (a fleet's first
+        phase; `finish_weight_update` then commits it)."""
+        await self._call("stage_weight_update")
+
+    async def discard_weight_update(self, reason: str) -> None:
+        """Fail the open update on purpose: nothing of it goes live."""
+        await self._call("discard_weight_update", reason)
+
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Complete the update; `weight_version` labels the tokens produced from now on (a
         staged update returns once its commit made the new weights live)."""
@@ -230,6 +239,14 @@ class LocalEngineClient(SingleEngineClient):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Deliver one part of the update to every rank."""
         self.engine.call("update_weights", update_info)
+
+    def stage_weight_update(self) -> None:
+        """Check the open update on every rank, nothing live yet."""
+        self.engine.call("stage_weight_update")
+
+    def discard_weight_update(self, reason: str) -> None:
+        """Fail the open update on every rank."""
+        self.engine.call("discard_weight_update", reason)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Finish on every rank and relabel the weights."""

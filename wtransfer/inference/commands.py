@@ -51,6 +51,13 @@ class EngineCommands(Protocol):
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Complete the update and, in the same step, relabel the weights."""
 
+    def stage_weight_update(self) -> None:
+        """Everything of the finish but making the update live (a fleet stages every
+        instance before any commits)."""
+
+    def discard_weight_update(self, reason: str) -> None:
+        """Fail the open update on purpose (another instance failed it): nothing goes live."""
+
     def rollback_weights(self) -> None:
         """Swap the previous weight version back in (staged swap updates)."""
 
@@ -84,7 +91,7 @@ def check_command(command: str) -> None:
 
 TRANSFER_COMMANDS: frozenset[str] = frozenset({
     "init_weight_transfer_engine", "start_weight_update", "update_weights",
-    "finish_weight_update"})
+    "stage_weight_update", "discard_weight_update", "finish_weight_update"})
 """The commands a staging replica runs on its transfer lane, off the step loop."""
 
 

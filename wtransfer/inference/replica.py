@@ -358,6 +358,17 @@ class Replica:
         """Receive one part of the update on every rank; a failure closes the update."""
         self._everywhere("update_weights", update_info)
 
+    def stage_weight_update(self) -> None:
+        """Check the open update on every rank (complete, sound, post-processed) without
+        making it live; the finish that follows commits it."""
+        self._everywhere("stage_weight_update")
+
+    def discard_weight_update(self, reason: str) -> None:
+        """Fail the open update on every rank (a fleet's other instance failed it): staged,
+        the shadow is dropped; in place, rolled back where enabled."""
+        self._everywhere("discard_weight_update", reason)
+        self.stall.close()
+
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Complete an in-place update and, in the same step, relabel the weights (a staged
         update finishes in two halves: `finish_staged`, then `commit_staged`)."""

@@ -63,6 +63,7 @@ HEALTH_TIMEOUT_S = 2.0
 _GENERATE_FIELDS = ("token_ids", "sampling_params", "request_id", "stream", "lora")
 DEV_ROUTES = ("/pause", "/resume", "/is_paused", "/abort_requests",
               "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+              "/stage_weight_update", "/discard_weight_update",
               "/finish_weight_update", "/rollback_weights", "/update_weight_version",
               "/weight_info",
               "/weight_fingerprint")
@@ -365,6 +366,17 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, body_of: BodyOf) -> None:
     @app.post("/update_weights")
     async def update(request: Request) -> dict[str, str]:
         await engine.update_weights(await arg(request, "update_info", dict))
+        return {"status": "ok"}
+
+    @app.post("/stage_weight_update")
+    async def stage(request: Request) -> dict[str, str]:
+        await body_of(request, ())
+        await engine.stage_weight_update()
+        return {"status": "ok"}
+
+    @app.post("/discard_weight_update")
+    async def discard(request: Request) -> dict[str, str]:
+        await engine.discard_weight_update(await arg(request, "reason", str, "discarded"))
         return {"status": "ok"}
 
     @app.post("/finish_weight_update")

@@ -125,6 +125,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         self._joined = False
         """Whether an update call has landed in the open update (one a replaced sender's
         start opened has none)."""
+        self._staged = False
+        """Whether the open update was checked and post-processed (`stage_weight_update`)."""
         self._superseded = False
         """Whether the last update failed because a new sender initialized the receiver (its
         old sender's finish is then told it was replaced)."""
@@ -296,6 +298,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             self._start()
             self._before_start = (self._state, self.failure)
             self._superseded = False
+            self._staged = False
             self._token = None
             self._joined = False
             self.failure = None
@@ -364,7 +367,10 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                   else getattr(update_info, "sender_id", None))
         if not isinstance(sender, str) or sender == self.init_info.sender_id:
             return
-        if self._state is ReceiverState.UPDATING and not self._joined:
+        aborting = (update_info.get("abort") if isinstance(update_info, Mapping)
+                    else getattr(update_info, "abort", None)) is not None
+        if self._state is ReceiverState.UPDATING and not self._joined and not aborting:
+            # (a replaced sender's late abort never withdraws the current sender's update)
             self._session = None  # nothing of it arrived: no backend or target state to undo
             self._state, self.failure = self._before_start
         raise SenderReplacedError(f"{self.backend_name}: this sender was replaced by a newer "
@@ -385,16 +391,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 check_version(weight_version)
             session = self._session
             assert session is not None
-            try:
-                session.finish()
-            except BaseException as exc:  # every byte arrived: the channel is idle
-                self._fail(f"{type(exc).__name__}: {exc}", channel_busy=False)
-                raise
-            try:
-                self._finish()
-            except BaseException as exc:
-                self._fail(f"{type(exc).__name__}: {exc}")
-                raise
+            self._stage(session)
             try:
                 self.target.finish()
             except BaseException as exc:
@@ -408,6 +405,41 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             self._session = None
             self.torn = False
             self._state = ReceiverState.READY
+
+    def _stage(self, session: UpdateSession) -> None:
+        """The open update's checks and the backend's post-processing, once: every byte
+        arrived, no value is NaN or infinite; a failure fails the update."""
+        if self._staged:
+            return
+        try:
+            session.finish()
+        except BaseException as exc:  # every byte arrived: the channel is idle
+            self._fail(f"{type(exc).__name__}: {exc}", channel_busy=False)
+            raise
+        try:
+            self._finish()
+        except BaseException as exc:
+            self._fail(f"{type(exc).__name__}: {exc}")
+            raise
+        self._staged = True
+
+    def stage_weight_update(self) -> None:
+        """Everything `finish_weight_update` does before the update goes live: it is checked
+        complete and sound and post-processed, and stays open. A fleet stages every instance
+        before any commits (`finish_weight_update`) or, if one failed, discards it on every
+        other (`discard_weight_update`)."""
+        with self._call():
+            self._require(ReceiverState.UPDATING, action="stage a weight update")
+            assert self._session is not None
+            self._stage(self._session)
+
+    def discard_weight_update(self, reason: str) -> None:
+        """Fail the open update on purpose (another instance of the fleet failed it): a
+        staging target drops what it staged, an in-place one rolls back where enabled, as
+        for any failed update; nothing when no update is open."""
+        with self._call():
+            if self._state is ReceiverState.UPDATING:
+                self._fail(f"discarded: {reason}", channel_busy=False)
 
     def shutdown(self) -> None:
         """Release every resource (staging buffers, groups); idempotent."""

@@ -139,6 +139,13 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                                          self.source.layouts(self.ranks.sender_index or 0))
         return fragment
 
+    @property
+    def fixed_receivers(self) -> bool:
+        """Packed host staging is reached by update calls alone (a fleet that lost an
+        instance goes on without connecting again); CUDA staging keeps events per worker,
+        and M->N a plan per worker."""
+        return bool(self._packed) or self.m2n
+
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         """CUDA staging of one sender: each engine gets one event per slot for each of its
         workers to record once it read the slot (`IPCInitInfo.free_events`)."""

@@ -92,6 +92,15 @@ class ShardWeights:
             check_version(weight_version)
         self._receiver().finish_weight_update(weight_version)
 
+    def stage_weight_update(self) -> None:
+        """Check the open update (`WeightTransferEngine.stage_weight_update`)."""
+        self._receiver().stage_weight_update()
+
+    def discard_weight_update(self, reason: str) -> None:
+        """Fail the open update on purpose (nothing when none is open)."""
+        if self.receiver is not None:
+            self.receiver.discard_weight_update(reason)
+
     def commit(self, previous_version: str) -> None:
         """Make a staged update live (between two steps)."""
         if self.staging is not None:

@@ -1,0 +1,185 @@
+"""A fleet of `wtransfer serve` instances updated as one (`FanoutClient`): all or nothing by
+default, dropping dead instances on request, and growing while training. Real servers in
+child processes, one SIGKILLed mid-update, over ipc and nccl (gloo)."""
+
+import os
+import signal
+import time
+
+import pytest
+from test_http import Server
+from wtransfer_ipc import IPCTrainerInitInfo
+from wtransfer_nccl import NCCLTrainerInitInfo
+
+import wtransfer
+from wtransfer.errors import WTransferError
+from wtransfer.inference.model import load_model
+
+BACKENDS = ["ipc", "nccl"]
+
+
+def info(backend, timeout_s=10.0):
+    if backend == "nccl":
+        return NCCLTrainerInitInfo(master_address="127.0.0.1", bucket_bytes=1 << 14,
+                                   timeout_s=timeout_s)
+    return IPCTrainerInitInfo(bucket_bytes=1 << 14, timeout_s=timeout_s)
+
+
+def serve(backend):
+    return Server("--dev-mode", "--weight-transfer-backend", backend, "--batch-invariant")
+
+
+class KillingSource(wtransfer.ModuleSource):
+    """The trainer's tensors, slowly; after `after` of them, `server` is SIGKILLed (an
+    instance dying mid-update)."""
+
+    def __init__(self, model, server, after=6):
+        super().__init__(model)
+        self.server, self.after = server, after
+
+    def tensors(self):
+        for index, item in enumerate(super().tensors()):
+            if index == self.after and self.server.proc.poll() is None:
+                os.kill(self.server.proc.pid, signal.SIGKILL)
+                self.server.proc.wait(10)
+            time.sleep(0.02)
+            yield item
+
+
+def greedy(server):
+    body = {"token_ids": [3, 4, 5], "sampling_params": {"max_tokens": 6, "temperature": 0}}
+    reply = server.http.post("/inference/v1/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_or_nothing_an_instance_killed_mid_update_leaves_the_other_as_it_was(backend):
+    """Default fleet: one instance dies mid-update, so none commits: the survivor keeps its
+    fingerprint and version and serves; the error names the dead instance; the next update,
+    to a fleet of the survivor alone, lands."""
+    survivor, doomed = serve(backend), serve(backend)
+    try:
+        clients = [wtransfer.HTTPClient(s.url) for s in (survivor, doomed)]
+        fleet = wtransfer.FanoutClient(clients)
+        before = clients[0].fingerprint()
+        trainer = load_model("tiny", seed=7)
+        start = time.monotonic()
+        with pytest.raises(WTransferError) as err, \
+                wtransfer.trainer_init(info(backend), client=fleet,
+                                       source=KillingSource(trainer, doomed)) as sender:
+            sender.send_weights(weight_version="v1")
+        assert time.monotonic() - start < 60  # within the deadlines
+        assert repr(clients[1]) in str(err.value)
+        assert clients[0].fingerprint() == before
+        assert survivor.http.get("/weight_info").json()["weight_version"] == "default"
+        assert greedy(survivor)["weight_versions"][0]["version"] == "default"
+        with wtransfer.trainer_init(info(backend), client=wtransfer.FanoutClient(clients[:1]),
+                                    source=wtransfer.ModuleSource(trainer)) as sender:
+            sender.send_weights(weight_version="v2")
+        assert clients[0].fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+    finally:
+        survivor.stop()
+        doomed.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_drop_mode_lands_the_update_on_the_survivors_and_names_the_dropped(backend):
+    """`on_failure="drop"`: the dead instance leaves the fleet, the update lands on the other
+    (nccl: the group is formed again for the survivor and the update sent again), and
+    `TransferStats.dropped` names it; the next update goes to the survivor."""
+    survivor, doomed = serve(backend), serve(backend)
+    try:
+        clients = [wtransfer.HTTPClient(s.url) for s in (survivor, doomed)]
+        fleet = wtransfer.FanoutClient(clients, on_failure="drop")
+        trainer = load_model("tiny", seed=8)
+        with wtransfer.trainer_init(info(backend), client=fleet,
+                                    source=KillingSource(trainer, doomed)) as sender:
+            stats = sender.send_weights(weight_version="v1")
+            assert stats.dropped == [repr(clients[1])]
+            assert fleet.clients == clients[:1]
+            assert clients[0].fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+            assert greedy(survivor)["weight_versions"][0]["version"] == "v1"
+            trainer = load_model("tiny", seed=9)
+            sender.source = wtransfer.ModuleSource(trainer)
+            stats = sender.send_weights(weight_version="v2")
+            assert stats.dropped == []
+        assert clients[0].fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+    finally:
+        survivor.stop()
+        doomed.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_instance_added_while_training_gets_the_next_update(backend):
+    first, second = serve(backend), serve(backend)
+    try:
+        fleet = wtransfer.FanoutClient([wtransfer.HTTPClient(first.url)])
+        trainer = load_model("tiny", seed=10)
+        with wtransfer.trainer_init(info(backend), client=fleet,
+                                    source=wtransfer.ModuleSource(trainer)) as sender:
+            sender.send_weights(weight_version="v1")
+            joined = wtransfer.HTTPClient(second.url)
+            fleet.add(joined)
+            assert joined.fingerprint() != wtransfer.fingerprint(trainer.state_dict())
+            sender.send_weights(weight_version="v2")
+        assert joined.fingerprint() == fleet.fingerprint() == \
+            wtransfer.fingerprint(trainer.state_dict())
+        assert second.http.get("/weight_info").json()["weight_version"] == "v2"
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_a_fleet_stages_every_instance_before_any_commits():
+    """One instance fails at the finish's first phase (staging: here its client raises, as
+    an instance that dies or refuses there would): the other instance, which staged the
+    update, discards it, so nothing goes live anywhere; no instance was asked to commit."""
+    from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient
+
+    engines = [AsyncEngine(EngineConfig(model="tiny", update_staging="swap"))
+               for _ in range(2)]
+    events = []
+
+    class Watching(LocalEngineClient):
+        def __init__(self, engine, name, fails=False):
+            super().__init__(engine)
+            self.name, self.fails = name, fails
+
+        def stage_weight_update(self):
+            events.append(("stage", self.name))
+            if self.fails:
+                raise WTransferError(f"{self.name} failed while staging")
+            super().stage_weight_update()
+
+        def discard_weight_update(self, reason):
+            events.append(("discard", self.name))
+            super().discard_weight_update(reason)
+
+        def finish_weight_update(self, weight_version=None):
+            events.append(("finish", self.name))
+            super().finish_weight_update(weight_version)
+
+        def __repr__(self):
+            return self.name
+
+    try:
+        clients = [Watching(engines[0], "good"), Watching(engines[1], "bad", fails=True)]
+        before = [c.fingerprint() for c in clients]
+        trainer = load_model("tiny", seed=11)
+        with pytest.raises(WTransferError, match=r"1 of 2 instance\(s\) failed: bad"), \
+                wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=1 << 14),
+                                       client=wtransfer.FanoutClient(clients),
+                                       source=wtransfer.ModuleSource(trainer)) as sender:
+            sender.send_weights(weight_version="v1")
+        assert sorted(events) == [("discard", "good"), ("stage", "bad"), ("stage", "good")]
+        assert [c.fingerprint() for c in clients] == before
+        assert [c.weight_version for c in clients] == ["default", "default"]
+        with wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=1 << 14),
+                                    client=wtransfer.FanoutClient(clients[:1]),
+                                    source=wtransfer.ModuleSource(trainer)) as sender:
+            sender.send_weights(weight_version="v2")  # the good one takes the next update
+        assert clients[0].fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+    finally:
+        for engine in engines:
+            engine.shutdown()
