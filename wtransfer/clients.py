@@ -177,6 +177,9 @@ class FanoutClient:
         if not silent or len(silent) == len(clients):
             return False
         self._drop(silent)
+        queues, self._queues = self._queues, {}  # the failed update's calls still queued
+        for queue in queues.values():  # there end on their own; the retry's go out anew
+            queue.close()
         return True
 
     def take_dropped(self) -> list[str]:
@@ -360,16 +363,20 @@ class FanoutCall:
                  calls: list[tuple[WeightSyncClient, PendingCall]]) -> None:
         self.fanout = fanout
         self.calls = calls
+        self.generation = fanout.generation
+        """The fleet's membership when issued: once it changed (an instance dropped), this
+        call's failures no longer change it."""
 
     def of(self, client: WeightSyncClient) -> PendingCall | None:
         """This call's part on `client` (None: it was not issued there)."""
         return next((call for c, call in self.calls if c is client), None)
 
     def done(self) -> bool:
-        """Whether every instance answered, or one failed (never blocks)."""
-        finished = [call for _, call in self.calls if call.done()]
-        if len(finished) == len(self.calls):
-            return True
+        """Whether every instance answered, or (all or nothing) one failed; never blocks."""
+        live = [call for client, call in self.calls if client in self.fanout.clients]
+        finished = [call for call in live if call.done()]
+        if len(finished) == len(live) or self.fanout.on_failure == "drop":
+            return len(finished) == len(live)
         for call in finished:
             try:
                 call.result(0)
@@ -389,6 +396,8 @@ class FanoutCall:
                 call.result(max(0.0, deadline - time.monotonic()), spin_from)
             except Exception as exc:
                 failures.append((client, exc))
+        if failures and self.generation != self.fanout.generation:
+            raise self.fanout.failed(failures, len(self.calls))  # (a stale call)
         self.fanout.settle(failures, len(self.calls))
 
     def cancel(self) -> None:

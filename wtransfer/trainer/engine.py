@@ -405,12 +405,13 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                 else self._send_delta(weight_version, self.delta))
 
     def _reconnect(self) -> None:
-        """A lone sender's receivers lost its init (their engine restarted): rebuild the
-        backend's side of the transport and initialize them again; the next update is sent
-        in full."""
+        """Rebuild the backend's side of the transport and initialize the receivers again,
+        as a new sender (their engine restarted, or the fleet changed); the next update is
+        sent in full."""
         self._close()
         self.connected = False
         self.receivers_hold = None
+        self.sender_id = new_sender_id()  # late calls of the last connection: refused
         if self.delta is not None:
             self.delta.forget()
         self.connect()
