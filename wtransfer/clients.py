@@ -168,7 +168,7 @@ class FanoutClient:
         any was dropped. Never drops the last one."""
         clients = list(self.clients)
         futures = [self._pool.submit(c.num_workers) for c in clients]
-        silent = []
+        silent: list[tuple[WeightSyncClient, BaseException]] = []
         for client, fut in zip(clients, futures, strict=True):
             try:
                 fut.result(timeout=PRUNE_WAIT_S)
@@ -301,7 +301,7 @@ class FanoutClient:
         the others' commits."""
         clients = list(self.clients)
         futures = [self._pool.submit(self._stage, c) for c in clients]
-        failures = []
+        failures: list[tuple[WeightSyncClient, BaseException]] = []
         for client, fut in zip(clients, futures, strict=True):
             try:
                 fut.result()
