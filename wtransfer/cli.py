@@ -94,6 +94,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                        "off": False}[args.update_rollback],
                                       update_staging=None if args.update_staging == "auto"
                                       else args.update_staging))
+    if args.weights_from:
+        from wtransfer.inference.join import join_from_peer
+
+        try:
+            version = join_from_peer(engine, args.weights_from, host=args.host,
+                                     api_key=args.peer_api_key
+                                     or os.environ.get("WTRANSFER_PEER_API_KEY"))
+        except BaseException:
+            engine.shutdown()  # a half-loaded model is never served
+            raise
+        print(f"wtransfer serve: joined from {args.weights_from}: weight version {version!r}",
+              flush=True)
     app = build_app(engine, dev_mode=args.dev_mode, api_key=api_key)
     print(serve_banner(args, engine.call("weight_info"), api_key is not None), flush=True)
 
@@ -284,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "(wtransfer.trainer.lora.LoRASource), needs staged updates")
     serve.add_argument("--max-lora-rank", type=int, default=16,
                        help="the largest adapter rank a slot holds")
+    serve.add_argument("--weights-from", default=None, metavar="URL",
+                       help="start with the current weights and weight version of the running "
+                            "instance at URL (its --dev-mode routes), copied engine to engine "
+                            "over this server's backend before serving")
+    serve.add_argument("--peer-api-key", default=None,
+                       help="the --api-key of the instance --weights-from names (or set "
+                            "WTRANSFER_PEER_API_KEY)")
     serve.add_argument("--update-rollback", choices=["auto", "on", "off"], default="auto",
                        help="restore the old weights when an update fails (auto: when the "
                             "model fits in half the available host memory)")

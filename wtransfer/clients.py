@@ -506,6 +506,13 @@ class HTTPClient(SingleEngineClient):
         """POST /update_weights (msgpack body)."""
         self._request("POST", "/update_weights", packed={"update_info": update_info})
 
+    def push_weights(self, address: str, backend: str, init_fields: dict[str, Any]
+                     ) -> dict[str, Any]:
+        """POST /push_weights: the server sends its live weights to the receiver served at
+        `address` (an instance joining from it); their version and fingerprint."""
+        return dict(self._request("POST", "/push_weights", json_body={
+            "address": address, "backend": backend, "init_fields": init_fields}))
+
     def stage_weight_update(self) -> None:
         """POST /stage_weight_update."""
         self._request("POST", "/stage_weight_update")

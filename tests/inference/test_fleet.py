@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from test_http import Server
+from test_http import KEY, Server
 from wtransfer_ipc import IPCTrainerInitInfo
 from wtransfer_nccl import NCCLTrainerInitInfo
 
@@ -183,3 +183,53 @@ def test_a_fleet_stages_every_instance_before_any_commits():
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_new_instance_joins_from_a_peer_with_its_weights_and_version(backend):
+    """`wtransfer serve --weights-from URL`: a new instance starts with a running peer's
+    weights (fingerprints equal) and version, copied engine to engine with no trainer, and
+    serves them; the peer's API key guards the copy."""
+    peer = Server("--dev-mode", "--weight-transfer-backend", backend, "--batch-invariant",
+                  "--api-key", KEY)
+    joiner = None
+    try:
+        trainer = load_model("tiny", seed=12)
+        client = wtransfer.HTTPClient(peer.url, api_key=KEY)
+        with wtransfer.trainer_init(info(backend), client=client,
+                                    source=wtransfer.ModuleSource(trainer)) as sender:
+            sender.send_weights(weight_version="step-12")
+        joiner = Server("--dev-mode", "--weight-transfer-backend", backend, "--batch-invariant",
+                        "--weights-from", peer.url, "--peer-api-key", KEY)
+        assert "joined from" in joiner.output() and "'step-12'" in joiner.output()
+        joined = wtransfer.HTTPClient(joiner.url)
+        assert joined.fingerprint() == client.fingerprint() == \
+            wtransfer.fingerprint(trainer.state_dict())
+        assert joiner.http.get("/weight_info").json()["weight_version"] == "step-12"
+        assert greedy(joiner) == greedy(peer)
+    finally:
+        peer.stop()
+        if joiner is not None:
+            joiner.stop()
+
+
+def test_joining_from_a_peer_that_refuses_or_is_gone_fails_before_serving(tmp_path):
+    """A wrong key, or no peer at all: `wtransfer serve --weights-from` exits with one line
+    naming what failed, and never serves."""
+    import subprocess
+    import sys
+
+    from wtransfer.launch.processes import free_port
+
+    peer = Server("--dev-mode", "--api-key", KEY)
+    try:
+        for url, says in ((peer.url, "401"), (f"http://127.0.0.1:{free_port()}",
+                                               "cannot reach the server")):
+            out = subprocess.run([sys.executable, "-m", "wtransfer", "serve", "--model", "tiny",
+                                  "--port", "0", "--weights-from", url],
+                                 capture_output=True, text=True, timeout=120)
+            assert out.returncode == 2, out.stdout + out.stderr
+            assert says in out.stderr and "Traceback" not in out.stderr, out.stderr
+            assert "joined from" not in out.stdout
+    finally:
+        peer.stop()

@@ -41,6 +41,7 @@ class Server:
         except BaseException:  # a server that did not come up must not outlive the test
             self.proc.kill()
             self.proc.wait(timeout=30)
+            print(f"the server did not come up; its output:\n{self.output()[-3000:]}")
             raise
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=60)
 

@@ -167,6 +167,12 @@ class AsyncEngine:
         staged update returns once its commit made the new weights live)."""
         await self._call("finish_weight_update", weight_version)
 
+    async def push_weights(self, address: str, backend: str, init_fields: dict[str, Any]
+                           ) -> dict[str, Any]:
+        """Send the live weights to the receiver at `address` (a joining instance); their
+        version and fingerprint (`Replica.push_weights`)."""
+        return dict(await self._call("push_weights", address, backend, init_fields))
+
     async def rollback_weights(self) -> None:
         """Swap the previous weight version back in, with its label (staged swap updates:
         possible once after a commit, until the next update starts); requests in flight are
@@ -203,6 +209,12 @@ class AsyncEngine:
         server = ReceiverServer(LocalEngineClient(self), address).start()
         self._servers.append(server)
         return server.address
+
+    def stop_rpc(self, address: str) -> None:
+        """Stop serving the weight-sync calls at `address` (from `serve_rpc`)."""
+        for server in [s for s in self._servers if s.address == address]:
+            server.close()
+            self._servers.remove(server)
 
     def shutdown(self) -> None:
         """Stop serving, abort live requests, stop the engine thread."""

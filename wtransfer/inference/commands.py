@@ -58,6 +58,11 @@ class EngineCommands(Protocol):
     def discard_weight_update(self, reason: str) -> None:
         """Fail the open update on purpose (another instance failed it): nothing goes live."""
 
+    def push_weights(self, address: str, backend: str, init_fields: dict[str, Any]
+                     ) -> dict[str, Any]:
+        """Send the live weights, as a trainer would, to the receiver served at `address` (a
+        new instance joining from this one); their version and fingerprint."""
+
     def rollback_weights(self) -> None:
         """Swap the previous weight version back in (staged swap updates)."""
 
@@ -91,7 +96,8 @@ def check_command(command: str) -> None:
 
 TRANSFER_COMMANDS: frozenset[str] = frozenset({
     "init_weight_transfer_engine", "start_weight_update", "update_weights",
-    "stage_weight_update", "discard_weight_update", "finish_weight_update"})
+    "stage_weight_update", "discard_weight_update", "finish_weight_update",
+    "push_weights"})
 """The commands a staging replica runs on its transfer lane, off the step loop."""
 
 

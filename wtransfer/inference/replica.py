@@ -401,6 +401,32 @@ class Replica:
         self.commit_ms = (time.perf_counter() - started) * 1e3
         self.stall.close()
 
+    def push_weights(self, address: str, backend: str, init_fields: dict[str, Any]
+                     ) -> dict[str, Any]:
+        """Send the live weights to the receiver served at `address` over `backend` (its
+        trainer init info from `init_fields`), as a trainer would: a new instance joins from
+        this one. Runs between updates (staged: on the transfer lane, while generating); the
+        version and fingerprint it sent."""
+        if self.workers is not None:
+            raise ConfigError("an instance with tensor_parallel_size > 1 cannot send its "
+                              "weights to a joining one yet; join from an instance with one "
+                              "worker")
+        if self.update_open:
+            raise LifecycleError("an update is open here; join once it finished")
+        from wtransfer.registry import get_backend, trainer_init
+        from wtransfer.rpc import RPCClient
+        from wtransfer.trainer.source import ModuleSource
+
+        info = get_backend(backend).sender_class().init_info_cls
+        fields = parse_record(info, init_fields, where="push_weights init_fields")
+        client = RPCClient(address, timeout_s=fields.timeout_s)
+        try:
+            with trainer_init(fields, client=client, source=ModuleSource(self.model)) as sender:
+                sender.send_weights(weight_version=self.weight_version)
+        finally:
+            client.close()
+        return {"weight_version": self.weight_version, "fingerprint": self.fingerprint()}
+
     def rollback_weights(self) -> None:
         """Swap the previous version back in on every rank (staged swap updates, once after a
         commit until the next update starts), with its label; requests in flight re-prefill."""

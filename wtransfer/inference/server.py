@@ -63,7 +63,7 @@ HEALTH_TIMEOUT_S = 2.0
 _GENERATE_FIELDS = ("token_ids", "sampling_params", "request_id", "stream", "lora")
 DEV_ROUTES = ("/pause", "/resume", "/is_paused", "/abort_requests",
               "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-              "/stage_weight_update", "/discard_weight_update",
+              "/stage_weight_update", "/discard_weight_update", "/push_weights",
               "/finish_weight_update", "/rollback_weights", "/update_weight_version",
               "/weight_info",
               "/weight_fingerprint")
@@ -367,6 +367,13 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, body_of: BodyOf) -> None:
     async def update(request: Request) -> dict[str, str]:
         await engine.update_weights(await arg(request, "update_info", dict))
         return {"status": "ok"}
+
+    @app.post("/push_weights")
+    async def push(request: Request) -> dict[str, Any]:
+        body = await body_of(request, ("address", "backend", "init_fields"))
+        return await engine.push_weights(field(body, "address", str),
+                                         field(body, "backend", str),
+                                         field(body, "init_fields", dict, {}))
 
     @app.post("/stage_weight_update")
     async def stage(request: Request) -> dict[str, str]:
