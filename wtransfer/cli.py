@@ -41,9 +41,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                        data_parallel_size=args.data_parallel_size, engine=args.engine,
                        trainer_ranks=args.trainer_ranks,
                        tensor_parallel_size=args.tensor_parallel_size,
-                       ray_engines=args.engines if args.ray else 0,
+                       ray_engines=(args.engines or 2) if args.ray else 0,
                        ray_address=args.ray_address, update_staging=args.update_staging,
-                       lora=args.lora, delta=args.delta)
+                       lora=args.lora, delta=args.delta,
+                       fleet=1 if args.ray else args.engines or 1)
 
 
 def cmd_transfer_demo(args: argparse.Namespace) -> int:
@@ -237,8 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve the policy from engine actors on Ray (needs the ray extra)")
     rl.add_argument("--ray-address", default=None,
                     help="with --ray: the cluster to join (None: start a local one)")
-    rl.add_argument("--engines", type=_positive, default=2,
-                    help="with --ray: how many engine actors")
+    rl.add_argument("--engines", type=_positive, default=None,
+                    help="how many engines serve the policy: with --ray, engine actors "
+                         "(default 2); else wtransfer serve instances updated as one fleet, "
+                         "one killed and replaced mid-run (default 1: one server)")
     rl.set_defaults(func=cmd_demo)
     demo = sub.add_parser("transfer-demo", formatter_class=fmt,
                           help="push a model's weights into another process and prove they "

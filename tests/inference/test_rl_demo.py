@@ -20,6 +20,19 @@ def test_reduced_demo_validates_and_labels_every_update(tmp_path, capsys):
     assert "mid-flight keep requests checked against a fresh engine: 6, mismatches: 0" in printed
 
 
+def test_reduced_demo_on_a_fleet_kills_an_instance_and_a_new_one_joins(tmp_path, capsys):
+    """`--engines 2`: two servers updated as one; mid-run one is SIGKILLed and a replacement
+    joins from the other with the current version; the next update drops the dead one and
+    reaches the new one; validation passes."""
+    code = run_rl_demo(steps=4, prompts_per_step=4, group=4, run_dir=str(tmp_path), fleet=2)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "fleet: killed instance http://127.0.0.1:" in out
+    assert "joined from http://127.0.0.1:" in out and "at 'step-2'" in out
+    assert "fleet: 2 instance(s) at 'step-3'; dropped HTTPClient(" in out
+    assert "validation                         PASSED" in out
+
+
 def test_reduced_demo_on_a_data_parallel_server(tmp_path, capsys):
     code = run_rl_demo(steps=2, prompts_per_step=4, group=4, run_dir=str(tmp_path),
                        data_parallel_size=2)

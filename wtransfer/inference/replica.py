@@ -418,7 +418,7 @@ class Replica:
         from wtransfer.trainer.source import ModuleSource
 
         info = get_backend(backend).sender_class().init_info_cls
-        fields = parse_record(info, init_fields, where="push_weights init_fields")
+        fields: Any = parse_record(info, init_fields, where="push_weights init_fields")
         client = RPCClient(address, timeout_s=fields.timeout_s)
         try:
             with trainer_init(fields, client=client, source=ModuleSource(self.model)) as sender:

@@ -142,7 +142,7 @@ def _policy_server(engine: str, local: bool, model: str, backend: str,
                    data_parallel_size: int, ray_engines: int = 0,
                    ray_address: str | None = None, update_staging: str = "auto",
                    tensor_parallel_size: int = 1, max_loras: int = 0,
-                   log_path: Path | None = None) -> Any:
+                   log_path: Path | None = None, fleet: int = 1) -> Any:
     """The server the demo generates from (and prints which)."""
     if ray_engines:
         from wtransfer.demos.rl.ray_server import RayPolicyServer
@@ -163,6 +163,15 @@ def _policy_server(engine: str, local: bool, model: str, backend: str,
                                 data_parallel_size=data_parallel_size)
     if engine != "wtransfer":
         raise ConfigError(f"engine must be 'wtransfer' or 'vllm', got {engine!r}")
+    if fleet > 1:
+        from wtransfer.demos.rl.fleet import FleetPolicyServer
+
+        print(f"wtransfer demo: async GRPO on chain-parity, backend={backend}, server=a fleet "
+              f"of {fleet} wtransfer serve instances behind a round-robin balancer (one killed "
+              "and replaced mid-run)")
+        assert log_path is not None
+        return FleetPolicyServer(engines=fleet, log_dir=log_path.parent, model=model, seed=0,
+                                 backend=backend, update_staging=update_staging)
     where = "in-process engine" if local else "wtransfer serve (child process, HTTP)"
     print(f"wtransfer demo: async GRPO on chain-parity, backend={backend}, server={where}{dp}")
     if local:
@@ -252,13 +261,22 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
                 data_parallel_size: int = 1, engine: str = "wtransfer",
                 trainer_ranks: int = 1, ray_engines: int = 0,
                 ray_address: str | None = None, update_staging: str = "auto",
-                tensor_parallel_size: int = 1, lora: bool = False, delta: bool = False) -> int:
+                tensor_parallel_size: int = 1, lora: bool = False, delta: bool = False,
+                fleet: int = 1) -> int:
     """Run the demo; returns the exit code (0 when both validations passed). `engine` is
     "wtransfer" (our engine) or "vllm" (an in-process vLLM AsyncLLM); with `trainer_ranks` > 1
     the policy is trained by that many FSDP2 ranks (this process and helper processes); with
     `ray_engines` > 0 it is served by that many engine actors on Ray (`ray_address`, or a
     local cluster); with `lora` only a LoRA adapter is trained and sent; with `delta` each
-    update after the first sends only the elements that changed (`WireParams.delta`)."""
+    update after the first sends only the elements that changed (`WireParams.delta`); with
+    `fleet` > 1 it is served by that many `wtransfer serve` instances updated as one, one of
+    them killed and replaced by an instance joining from another mid-run."""
+    if fleet > 1 and (local or engine != "wtransfer" or ray_engines or lora
+                      or data_parallel_size > 1 or tensor_parallel_size > 1
+                      or trainer_ranks > 1):
+        raise ConfigError("--engines N (a fleet) runs wtransfer serve instances of one worker "
+                          "each, trained by one rank: drop --local, --engine vllm, --lora, "
+                          "--data/--tensor-parallel-size and --trainer-ranks")
     _check_options(steps=steps, backend=backend, data_parallel_size=data_parallel_size,
                    tensor_parallel_size=tensor_parallel_size,
                    trainer_ranks=trainer_ranks, prompts_per_step=prompts_per_step, group=group)
@@ -276,7 +294,8 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
     model = VLLM_MODEL if engine == "vllm" else MODEL
     server = _policy_server(engine, local, model, backend, data_parallel_size, ray_engines,
                             ray_address, update_staging, tensor_parallel_size,
-                            max_loras=1 if lora else 0, log_path=out_dir / "server.log")
+                            max_loras=1 if lora else 0, log_path=out_dir / "server.log",
+                            fleet=fleet)
     try:
         if ray_engines:  # addresses as Ray sees this node; one worker per engine actor
             from wtransfer.ray import trainer_init_info
@@ -353,6 +372,12 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
                 paused_ms = (time.perf_counter() - t0) * 1e3
             straddled = sum(len(r.versions) > 1 for r in rollouts)
             moved = stats.wire_bytes if stats.wire_bytes is not None else stats.bytes
+            if fleet > 1 and step == steps // 2:  # one instance dies, a new one joins
+                server.churn()
+                for event in server.events:
+                    print(f"  fleet: {event}")
+            if fleet > 1 and (stats.dropped or step == steps // 2 + 1):
+                print(f"  {server.client.summary(version(), stats.dropped or [])}")
             record = StepRecord(step, statistics.fmean(r.reward for r in rollouts),
                                 stats.seconds * 1e3, stats.gbps, moved / 1024,
                                 stats.changed_fraction, paused_ms,
