@@ -10,7 +10,7 @@ the engine runs them in the order they were submitted without a round trip per c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -97,6 +97,9 @@ class FleetClient(Protocol):
 
     def prune(self) -> bool:
         """Drop the instances that do not answer; whether any was dropped."""
+
+    def summary(self, weight_version: str | None, dropped: Sequence[str] = ()) -> str:
+        """One line about the fleet after an update."""
 
 
 @runtime_checkable

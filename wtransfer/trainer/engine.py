@@ -222,6 +222,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self._last_update_s: float | None = None
         """How long the last update that succeeded took (`_reply_due`)."""
         self._update_start = 0.0
+        self._last_version: str | None = None
+        """The label of the update in progress (for the fleet's summary line)."""
         self._fleet_seen = (0, 0)
         """The fleet's (joined, generation) when this sender connected."""
 
@@ -337,6 +339,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                                   f"pause its engine; {client!r} cannot")
             self._pause = (client, check_pause_mode(pause))
         fleet = self.client if isinstance(self.client, FleetClient) else None
+        self._last_version = weight_version
         try:
             try:
                 self._follow_fleet(fleet)
@@ -389,9 +392,11 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
 
     def _with_dropped(self, stats: TransferStats, fleet: FleetClient | None) -> TransferStats:
         """`stats` naming the instances the fleet dropped during the update."""
-        if fleet is None or fleet.on_failure != "drop":
+        if fleet is None:
             return stats
-        return replace(stats, dropped=fleet.take_dropped())
+        dropped = fleet.take_dropped()
+        log.info(fleet.summary(self._last_version, dropped))
+        return replace(stats, dropped=dropped) if fleet.on_failure == "drop" else stats
 
     @property
     def fixed_receivers(self) -> bool:
