@@ -26,6 +26,7 @@ from wtransfer import wire
 from wtransfer.errors import (
     ConfigError,
     IntegrityError,
+    LifecycleError,
     PeerError,
     TransferTimeout,
     from_reply,
@@ -34,7 +35,6 @@ from wtransfer.errors import (
 )
 from wtransfer.protocol import (
     CallQueue,
-    FutureCall,
     InitFor,
     PendingCall,
     TwoPhaseClient,
@@ -248,15 +248,10 @@ class FanoutClient:
         instance whose client pipelines; in submission order per instance either way). With
         `after`, each instance runs it only if its part of that call succeeded. A finish runs
         in its two phases once `after` is settled (`finish_weight_update`)."""
-        if after is not None and not isinstance(after, (FanoutCall, FutureCall)):
+        if after is not None and not isinstance(after, (FanoutCall, FleetFinish)):
             raise TypeError("'after' must be a call of this FanoutClient")
         if method == "finish_weight_update":
-            def finish() -> None:
-                if after is not None:
-                    after.result(FINISH_WAIT_S)
-                self.finish_weight_update(**args)
-
-            return FutureCall(self._pool.submit(finish), method)
+            return FleetFinish(self, after, args.get("weight_version"))
         calls = []
         for client in self.clients:
             queue = self._queues.get(id(client))
@@ -351,9 +346,58 @@ class FanoutClient:
 
 PRUNE_WAIT_S = 10.0
 """How long `FanoutClient.prune` waits for an instance's answer before dropping it."""
-FINISH_WAIT_S = 24 * 3600.0
-"""How long a pipelined fleet finish waits for the update calls before it (the sender's own
-settle holds the transfer's deadline and stops waiting first)."""
+class FleetFinish:
+    """A fleet's finish issued behind its update calls (a `PendingCall`): its two phases run
+    on the thread that settles it, once the calls before it are answered (no second thread
+    waits on the same calls)."""
+
+    def __init__(self, fanout: FanoutClient, after: PendingCall | None,
+                 weight_version: str | None) -> None:
+        self.fanout = fanout
+        self.after = after
+        self.weight_version = weight_version
+        self._ran = False
+        self._failure: BaseException | None = None
+
+    def _run(self) -> None:
+        self._ran = True
+        try:
+            self.fanout.finish_weight_update(self.weight_version)
+        except BaseException as exc:
+            self._failure = exc
+
+    def done(self) -> bool:
+        """Whether the finish ran: it runs here, once the calls before it are answered
+        (their data moved: the finish itself is short)."""
+        if not self._ran and (self.after is None or self.after.done()):
+            try:
+                if self.after is not None:
+                    self.after.result(0)
+            except BaseException as exc:  # (the call before failed: no finish)
+                self._ran, self._failure = True, LifecycleError(
+                    f"finish_weight_update skipped: the call before it failed ({exc})")
+            else:
+                self._run()
+        return self._ran
+
+    def result(self, timeout_s: float, spin_from: float | None = None) -> None:
+        """Wait for the calls before it (up to `timeout_s`), run both phases, raise their
+        failure."""
+        if not self._ran:
+            if self.after is not None:
+                try:
+                    self.after.result(timeout_s, spin_from)
+                except BaseException as exc:
+                    self._ran, self._failure = True, LifecycleError(
+                        f"finish_weight_update skipped: the call before it failed ({exc})")
+            if not self._ran:
+                self._run()
+        if self._failure is not None:
+            raise self._failure
+
+    def cancel(self) -> None:
+        """Never run."""
+        self._ran = True
 
 
 class FanoutCall:

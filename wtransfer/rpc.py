@@ -23,7 +23,7 @@ import select
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
@@ -346,8 +346,16 @@ class RPCCall:
     def done(self) -> bool:
         """Whether the reply is in; never blocks."""
         if self._reply is None and self.client._arrived(self.call_id):
-            self._reply = self.client._collect(self.call_id, 0.0)
+            self._take(0.0)
         return self._reply is not None
+
+    def _take(self, deadline: float, spin_from: float | None = None) -> None:
+        """Wait (until `deadline`) for the reply; several threads may wait on one call (a
+        fleet's finish and its sender): whichever reads it files it here for all."""
+        reply = self.client._collect(self.call_id, deadline, spin_from,
+                                     taken=lambda: self._reply is not None)
+        if reply is not None:
+            self._reply = reply
 
     def result(self, timeout_s: float | None = None, spin_from: float | None = None) -> Any:
         """The call's result; `PeerError` (typed by the remote error) if it failed there,
@@ -356,7 +364,7 @@ class RPCCall:
         if self._reply is None:
             deadline = self.deadline if timeout_s is None else min(
                 self.deadline, time.monotonic() + timeout_s)
-            self._reply = self.client._collect(self.call_id, deadline, spin_from)
+            self._take(deadline, spin_from)
             if self._reply is None:
                 waited = self.timeout_s if deadline == self.deadline else timeout_s
                 raise TransferTimeout(self.client._silence(self.method, waited or 0.0))
@@ -439,8 +447,8 @@ class RPCClient(SingleEngineClient):
         return (f"{method}: no answer from {self.address} within {timeout_s:g}s; is the "
                 "receiver process alive?")
 
-    def _collect(self, call_id: int, deadline: float,
-                 spin_from: float | None = None) -> bytes | None:
+    def _collect(self, call_id: int, deadline: float, spin_from: float | None = None,
+                 taken: Callable[[], bool] | None = None) -> bytes | None:
         """The reply body of `call_id` once in, or None at `deadline`. Whoever waits reads
         every reply that arrives and files it by id; the lock is given up every few ms so
         another thread's request or wait is never held behind a long one. From `spin_from`
@@ -451,6 +459,8 @@ class RPCClient(SingleEngineClient):
             with self._lock:
                 if call_id in self._replies:
                     return self._replies.pop(call_id)
+                if taken is not None and taken():
+                    return None  # another thread took it for the same call
                 now = time.monotonic()
                 left = deadline - now
                 if left <= 0:
