@@ -100,9 +100,9 @@ def doc_commands():
     return found
 
 
-def test_every_command_the_docs_show_parses_and_plan_commands_run():
+def test_every_command_the_docs_show_parses():
     """A reader copies a command from a page: it must be one the CLI takes as written (no
-    `[--flag]` synopsis inside a block); `wtransfer plan` commands are run (they plan)."""
+    `[--flag]` synopsis inside a block, no flag it lacks)."""
     from wtransfer.cli import build_parser
 
     commands = doc_commands()
@@ -112,7 +112,3 @@ def test_every_command_the_docs_show_parses_and_plan_commands_run():
             build_parser().parse_args(args)
         except SystemExit:
             pytest.fail(f"{page}: `wtransfer {' '.join(args)}` is not a command the CLI takes")
-        if args[0] == "plan":
-            out = subprocess.run([sys.executable, "-m", "wtransfer", *args], cwd=ROOT,
-                                 capture_output=True, text=True, timeout=300)
-            assert out.returncode == 0 and "predicted" in out.stdout, (page, out.stderr)

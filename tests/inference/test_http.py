@@ -454,7 +454,7 @@ def test_a_replaced_sender_changes_nothing_over_http_on_every_data_parallel_rank
         server.stop()
 
 
-@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+@pytest.mark.parametrize("backend", ["ipc", pytest.param("nccl", marks=pytest.mark.extended)])
 def test_a_delta_sender_initializes_a_restarted_engine_again_and_sends_in_full(backend):
     """The engine restarts on the same URL between two steps (it lost the sender's init and
     the delta's base): the next send_weights initializes it again by itself and lands in
