@@ -76,6 +76,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from wtransfer.inference.server import build_app
 
     api_key = args.api_key or os.environ.get("WTRANSFER_API_KEY")
+    if (args.role == "decode") != (args.prefill_url is not None):
+        raise ConfigError("--role decode and --prefill-url URL go together: a decode "
+                          "instance needs its prefill instance, and only it has one")
     listener = _listen(args.host, args.port)  # a taken port fails before the model loads
     args.port = listener.getsockname()[1]  # (--port 0: the one the system gave)
     engine = AsyncEngine(EngineConfig(model=args.model, device=args.device,
@@ -107,7 +110,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise
         print(f"wtransfer serve: joined from {args.weights_from}: weight version {version!r}",
               flush=True)
-    app = build_app(engine, dev_mode=args.dev_mode, api_key=api_key)
+    from wtransfer.inference.disaggregation import Disaggregation
+    from wtransfer.inference.join import reachable_host
+
+    pd = Disaggregation(role=args.role, prefill_url=args.prefill_url,
+                        prefill_api_key=args.prefill_api_key
+                        or os.environ.get("WTRANSFER_PREFILL_API_KEY"),
+                        url=f"http://{reachable_host(args.host)}:{args.port}", api_key=api_key)
+    try:
+        pd.setup(engine)
+    except BaseException:
+        engine.shutdown()
+        raise
+    app = build_app(engine, dev_mode=args.dev_mode, api_key=api_key, pd=pd)
     print(serve_banner(args, engine.call("weight_info"), api_key is not None), flush=True)
 
     class GracefulServer(uvicorn.Server):
@@ -299,6 +314,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "(wtransfer.trainer.lora.LoRASource), needs staged updates")
     serve.add_argument("--max-lora-rank", type=int, default=16,
                        help="the largest adapter rank a slot holds")
+    serve.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
+                       help="prefill/decode disaggregation: a prefill instance computes "
+                            "prompts' K/V and hands it over; a decode instance (with "
+                            "--prefill-url) decodes from it")
+    serve.add_argument("--prefill-url", default=None, metavar="URL",
+                       help="with --role decode: the prefill instance")
+    serve.add_argument("--prefill-api-key", default=None,
+                       help="the --api-key of the prefill instance (or set "
+                            "WTRANSFER_PREFILL_API_KEY)")
     serve.add_argument("--weights-from", default=None, metavar="URL",
                        help="start with the current weights and weight version of the running "
                             "instance at URL (its --dev-mode routes), copied engine to engine "

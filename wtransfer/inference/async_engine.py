@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +41,17 @@ def check_runtime(config: EngineConfig) -> None:
                               "GPU(s)")
     elif device != "cpu":
         raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """What a prefill instance computed for a request: its first token and logprob, the
+    weight version, and the prompt's K/V per layer (None: the hand-over failed)."""
+
+    token: int
+    logprob: float
+    version: str
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None
 
 
 class AsyncEngine:
@@ -91,12 +103,15 @@ class AsyncEngine:
             raise TransferTimeout(f"{command} did not complete within {timeout:g}s") from None
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None
-                       = None, request_id: str | None = None
+                       = None, request_id: str | None = None, *, capture_kv: bool = False,
+                       prefilled: Prefilled | None = None
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Stream cumulative outputs of one request; leaving the loop early aborts it.
 
         A `request_id` that is already running is refused (`ConfigError`) without touching
-        the running request.
+        the running request. With `capture_kv` the prompt's K/V is kept for a decode
+        instance (`take_captured`); with `prefilled`, a prefill instance's result, the
+        request decodes from its K/V when the weight versions match (`Replica.add_prefilled`).
         """
         rid = request_id or uuid.uuid4().hex
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -105,8 +120,15 @@ class AsyncEngine:
             raise ConfigError(f"request id {rid!r} is already running; use a unique id")
         added = finished = False
         try:
-            await self._call("add_request", rid, list(prompt_token_ids),
-                             sampling_params or SamplingParams())
+            params = sampling_params or SamplingParams()
+            if prefilled is not None:
+                await self._call("add_prefilled", rid, list(prompt_token_ids), params,
+                                 prefilled.token, prefilled.logprob, prefilled.version,
+                                 prefilled.kv)
+            elif capture_kv:
+                await self._call("add_request", rid, list(prompt_token_ids), params, True)
+            else:
+                await self._call("add_request", rid, list(prompt_token_ids), params)
             added = True
             while not finished:
                 output = await queue.get()
@@ -116,6 +138,11 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             if added and not finished:
                 self.core.submit("abort", [rid])
+
+    async def take_captured(self, request_id: str) -> dict[str, Any] | None:
+        """The prompt K/V, first token and version kept for a `capture_kv` request, once."""
+        captured = await self._call("take_captured", request_id)
+        return None if captured is None else dict(captured)
 
     async def abort_requests(self, request_ids: list[str] | None = None) -> int:
         """Abort the given requests (all when None); returns how many were live."""

@@ -24,8 +24,18 @@ class EngineCommands(Protocol):
     """Every command an engine replica serves (see the module docstring)."""
 
     def add_request(self, request_id: str, prompt: list[int],
-                    params: SamplingParams | dict[str, Any]) -> None:
-        """Queue a request; refused (nothing else touched) when invalid or its id is live."""
+                    params: SamplingParams | dict[str, Any], capture_kv: bool = False) -> None:
+        """Queue a request; refused (nothing else touched) when invalid or its id is live;
+        with `capture_kv` its prompt's K/V is kept at its first token (`take_captured`)."""
+
+    def add_prefilled(self, request_id: str, prompt: list[int],
+                      params: SamplingParams | dict[str, Any], token: int, logprob: float,
+                      version: str, kv: Any) -> str:
+        """A request prefilled by a prefill instance: decoded from its K/V under the same
+        weight version, else prefilled here; "remote" or "local"."""
+
+    def take_captured(self, request_id: str) -> dict[str, Any] | None:
+        """A captured prompt's K/V, first token and version, once."""
 
     def abort(self, request_ids: list[str] | None) -> int:
         """Finish the given requests (all when None) with finish_reason "abort"."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from wtransfer.errors import MetadataError
-from wtransfer.packing import DTYPES, TensorMeta, dtype_name
+from wtransfer.packing import TensorMeta, dtype_name
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.trainer.source import WeightSource
 
@@ -180,6 +180,59 @@ def kv_shape(runner: Any, max_tokens: int) -> KVShape:
                    dtype=dtype_name(k.dtype), max_tokens=max_tokens)
 
 
-def check_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a KV dtype name."""
-    return DTYPES[name]
+KV_BUCKET_BYTES = 4 << 20
+"""Staging bucket of a KV hand-over (a prompt's K/V is megabytes, not gigabytes)."""
+
+
+class KVHandover:
+    """A prefill instance's senders of handed-over K/V: one per decode instance and backend,
+    kept across requests (one hand-over at a time on each)."""
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.timeout_s = timeout_s
+        self._senders: dict[tuple[str, str], Any] = {}
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._guard = threading.Lock()
+        self.bytes_sent = 0
+        """K/V bytes handed over so far (a counter for /metrics)."""
+
+    def send(self, url: str, api_key: str | None, backend: str, init_fields: dict[str, Any],
+             request_id: str, kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             version: str) -> int:
+        """Hand `request_id`'s K/V over to the decode instance whose hand-over routes are at
+        `url` (its ``/kv``), labelled `version`; the bytes moved. A failed hand-over drops that
+        instance's sender (the next one connects again)."""
+        from wtransfer.clients import HTTPClient
+        from wtransfer.registry import get_backend, trainer_init
+        from wtransfer.wire import parse_record
+
+        key = (url, backend)
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            sender = self._senders.get(key)
+            source = KVSource(request_id, kv)
+            if sender is None:
+                info = get_backend(backend).sender_class().init_info_cls
+                fields: Any = parse_record(info, {"bucket_bytes": KV_BUCKET_BYTES,
+                                             "timeout_s": self.timeout_s, **init_fields},
+                                      where="KV hand-over init_fields")
+                sender = trainer_init(fields, client=HTTPClient(url, api_key=api_key,
+                                                                timeout_s=self.timeout_s),
+                                      source=source)
+                self._senders[key] = sender
+            sender.source = source
+            try:
+                stats = sender.send_weights(weight_version=version)
+            except BaseException:
+                self._senders.pop(key, None)
+                sender.shutdown()
+                raise
+            self.bytes_sent += stats.bytes
+            return int(stats.bytes)
+
+    def close(self) -> None:
+        """Shut every sender down."""
+        for sender in self._senders.values():
+            sender.shutdown()
+        self._senders = {}

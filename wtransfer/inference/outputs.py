@@ -38,6 +38,8 @@ class CompletionOutput:
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
     error: str | None = None
     """With finish_reason "error": what failed while computing this request."""
+    prefilled_by: str = "local"
+    """Where the prompt was prefilled: "local", or "remote" (a prefill instance's KV)."""
 
     def to_wire(self) -> dict[str, Any]:
         """The HTTP API's "choice" object (a logprob that is not finite as null: strict JSON)."""
@@ -46,7 +48,8 @@ class CompletionOutput:
             else [lp if math.isfinite(lp) else None for lp in self.logprobs])
         out = {"index": self.index, "token_ids": self.token_ids, "logprobs": logprobs,
                "finish_reason": self.finish_reason,
-               "weight_versions": [s.to_wire() for s in self.weight_versions]}
+               "weight_versions": [s.to_wire() for s in self.weight_versions],
+               "prefilled_by": self.prefilled_by}
         if self.error is not None:
             out["error"] = self.error
         return out
@@ -58,7 +61,7 @@ class CompletionOutput:
                    [math.nan if lp is None else lp for lp in data["logprobs"]],
                    data["finish_reason"],
                    [WeightVersionSpan.from_wire(s) for s in data["weight_versions"]],
-                   data.get("error"))
+                   data.get("error"), str(data.get("prefilled_by", "local")))
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,11 @@ class Replica:
         the re-prefill it asks for is computed by the steps after it)."""
         self._sequences: dict[str, Sequence] = {}
         self._drained: list[tuple[Future[None], bool]] = []
+        self.captured: dict[str, dict[str, Any]] = {}
+        """Prompt K/V kept for a decode instance (`add_request(capture_kv=True)`), by
+        request id, until `take_captured`."""
+        self.prefilled = {"remote": 0, "local": 0}
+        """Requests prefilled here and (a decode instance's) by a prefill instance."""
 
     @property
     def receiver(self) -> WeightTransferEngine[Any, Any] | None:
@@ -189,6 +194,8 @@ class Replica:
                 continue
             token, logprob = result
             seq.append(token, logprob, self._version_of(seq))
+            if seq.capture_kv and len(seq.output) == 1:
+                self._capture(seq)
             seq.num_computed = len(seq) - 1
             self.blocks.commit(seq)
             self.tokens_generated += 1
@@ -214,8 +221,79 @@ class Replica:
     # -- requests (engine thread) -----------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: list[int],
-                    params: SamplingParams | dict[str, Any]) -> None:
-        """Queue a request (validated here, so errors reach the caller)."""
+                    params: SamplingParams | dict[str, Any], capture_kv: bool = False) -> None:
+        """Queue a request (validated here, so errors reach the caller); with `capture_kv`
+        its prompt's K/V is kept when its first token is sampled (`take_captured`)."""
+        seq = self._new_sequence(request_id, prompt, params)
+        seq.capture_kv = capture_kv
+        self.scheduler.add(seq)
+        self._sequences[request_id] = seq
+        self.prefilled["local"] += 1
+
+    def add_prefilled(self, request_id: str, prompt: list[int],
+                      params: SamplingParams | dict[str, Any], token: int, logprob: float,
+                      version: str, kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> str:
+        """A request whose prompt a prefill instance computed under weight `version` (its
+        K/V per layer, [prompt tokens, KV heads, head dim], and first token): decoded from
+        that K/V only while the live weights are that version and it fits now; otherwise
+        prefilled here, so every token is computed by one version. Returns "remote" or
+        "local"."""
+        seq = self._new_sequence(request_id, prompt, params)
+        if kv is None or version != self.weight_version or self.workers is not None \
+                or not self._write_prompt_kv(seq, kv):
+            self.scheduler.add(seq)
+            self._sequences[request_id] = seq
+            self.prefilled["local"] += 1
+            return "local"
+        seq.prefilled_by = "remote"
+        self._sequences[request_id] = seq
+        self.prefilled["remote"] += 1
+        seq.append(token, logprob, version)
+        self.tokens_generated += 1
+        if seq.finish_reason is not None:
+            self._finish(seq)
+        self.emit(seq.to_output())
+        return "remote"
+
+    def _write_prompt_kv(self, seq: Sequence, kv: list[tuple[torch.Tensor, torch.Tensor]]
+                         ) -> bool:
+        """Give `seq` blocks, write its prompt's K/V into them and run it; False (nothing
+        changed) when it cannot run now or the K/V does not fit this cache."""
+        cache = self.runner.kv
+        n = len(seq.prompt)
+        if len(kv) != len(cache) or any(k.shape != (n, *c.shape[1:]) or v.shape != k.shape
+                                        for (k, v), (c, _) in zip(kv, cache, strict=True)):
+            return False
+        if not self.blocks.allocate(seq):
+            return False
+        if not self.scheduler.admit_prefilled(seq):
+            self.blocks.free(seq)
+            return False
+        start = seq.num_computed  # (blocks the prefix cache held already)
+        slots = self.runner._slots(seq.block_table, start, n)
+        with torch.no_grad():
+            for (k_cache, v_cache), (k, v) in zip(cache, kv, strict=True):
+                k_cache[slots] = k[start:].to(k_cache.device, k_cache.dtype)
+                v_cache[slots] = v[start:].to(v_cache.device, v_cache.dtype)
+        seq.num_computed = n
+        return True
+
+    def take_captured(self, request_id: str) -> dict[str, Any] | None:
+        """The prompt K/V (per layer), first token, logprob and weight version of a request
+        queued with `capture_kv`, once; None when there is none."""
+        return self.captured.pop(request_id, None)
+
+    def _capture(self, seq: Sequence) -> None:
+        """Keep `seq`'s prompt K/V (on the host) with its first token and version."""
+        slots = self.runner._slots(seq.block_table, 0, len(seq.prompt))
+        self.captured[seq.request_id] = {
+            "kv": [(k[slots].cpu(), v[slots].cpu()) for k, v in self.runner.kv],
+            "token": seq.output[0], "logprob": seq.logprobs[0],
+            "version": self._version_of(seq)}
+
+    def _new_sequence(self, request_id: str, prompt: list[int],
+                      params: SamplingParams | dict[str, Any]) -> Sequence:
+        """A validated sequence (nothing queued yet)."""
         params = parse_record(SamplingParams, params, where="sampling_params")
         vocab = self.model.config.vocab_size
         if not prompt:
@@ -230,9 +308,7 @@ class Replica:
                 raise ConfigError(f"lora {params.lora!r}: this engine serves no adapters; "
                                   "start it with max_loras > 0")
             self.adapters.slot(params.lora)  # an unknown adapter is refused here
-        seq = Sequence(request_id, prompt, params)
-        self.scheduler.add(seq)
-        self._sequences[request_id] = seq
+        return Sequence(request_id, prompt, params)
 
     def abort(self, request_ids: list[str] | None) -> int:
         """Finish the given requests (all when None) with finish_reason "abort"."""
@@ -545,4 +621,6 @@ class Replica:
                 "last_update_bytes": self.receiver.last_update_bytes if self.receiver else 0,
                 "last_update_seconds": self.receiver.last_update_seconds if self.receiver else 0,
                 "torn": self.torn,
-                "update_stall_ms": self.stall.last_ms}
+                "update_stall_ms": self.stall.last_ms,
+                "prefilled_remote": self.prefilled["remote"],
+                "prefilled_local": self.prefilled["local"]}

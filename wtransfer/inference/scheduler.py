@@ -59,6 +59,16 @@ class Scheduler:
                               f"= {limits[tightest]} tokens")
         self.waiting.append(seq)
 
+    def admit_prefilled(self, seq: Sequence) -> bool:
+        """Run a sequence whose prompt's K/V is already in its blocks (a decode instance's
+        remote prefill) at once, when new sequences are admitted and one more fits; False
+        (nothing changed) otherwise."""
+        if self.state is not PauseState.UNPAUSED or len(self.running) >= self.max_num_seqs:
+            return False
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return True
+
     def has_work(self) -> bool:
         """Whether a step would compute anything."""
         if self.state is PauseState.PAUSED_ALL:

@@ -37,6 +37,11 @@ class Sequence:
         self.num_computed = 0
         """Tokens whose K/V are in the cache."""
         self.arrival = next(_arrivals)
+        self.capture_kv = False
+        """Keep the prompt's K/V when its first token is sampled (a prefill instance hands it
+        over to a decode instance: `wtransfer.inference.handover`)."""
+        self.prefilled_by = "local"
+        """Where the prompt's K/V was computed: "local", or "remote" (a prefill instance)."""
 
     @property
     def tokens(self) -> list[int]:
@@ -70,6 +75,6 @@ class Sequence:
         spans = [WeightVersionSpan(str(v), int(s), int(e))  # type: ignore[call-overload]
                  for v, s, e in self.spans]
         completion = CompletionOutput(0, list(self.output), list(self.logprobs),
-                                      self.finish_reason, spans, self.error)
+                                      self.finish_reason, spans, self.error, self.prefilled_by)
         return RequestOutput(self.request_id, list(self.prompt), [completion],
                              self.status is SeqStatus.FINISHED)

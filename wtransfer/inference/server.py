@@ -16,6 +16,7 @@ import contextlib
 import hmac
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -39,6 +40,7 @@ from wtransfer.errors import (
     error_kind,
 )
 from wtransfer.inference.async_engine import AsyncEngine
+from wtransfer.inference.disaggregation import Disaggregation
 from wtransfer.inference.http_body import (
     BodyTooLarge,
     Unauthorized,
@@ -86,6 +88,11 @@ METRICS_HELP = {
                             "until the first step after it",
     "prefix_cache_hit_blocks_total": "KV blocks reused from the prefix cache",
     "preemptions_total": "sequences preempted for lack of KV blocks",
+    "prefilled_remote_total": "requests decoded from a prefill instance's K/V (same version)",
+    "prefilled_local_total": "requests prefilled here",
+    "kv_bytes_received_total": "K/V bytes handed over to this decode instance",
+    "remote_prefill_failures_total": "remote prefills that failed (prefilled here instead)",
+    "kv_bytes_sent_total": "K/V bytes this prefill instance handed over",
 }
 """What each /metrics line counts (its HELP line)."""
 
@@ -149,8 +156,9 @@ async def _until_disconnected(request: Request) -> None:
 
 
 def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | None = None,
-              max_body_bytes: int = 64 << 20) -> FastAPI:
-    """The FastAPI application serving `engine`."""
+              max_body_bytes: int = 64 << 20, pd: Disaggregation | None = None) -> FastAPI:
+    """The FastAPI application serving `engine` (with `pd`, its part in prefill/decode
+    disaggregation: `wtransfer.inference.disaggregation`)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -159,6 +167,8 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
                         "this server to untrusted clients")
         yield
         engine.shutdown()  # live requests end with finish_reason="abort", none dropped
+        if pd is not None:
+            pd.close()
 
     app = FastAPI(title="wtransfer", lifespan=lifespan, redirect_slashes=False)
     counters = {"requests": 0}
@@ -221,6 +231,9 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
                                      else s["update_stall_ms"]),
             "prefix_cache_hit_blocks_total": s["prefix_cache_hits"],
             "preemptions_total": s["preemptions"],
+            "prefilled_remote_total": s.get("prefilled_remote", 0),
+            "prefilled_local_total": s.get("prefilled_local", 0),
+            **(pd.metrics() if pd is not None else {}),
         }
         lines = []
         for name, value in values.items():
@@ -248,7 +261,11 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
         rid = field(body, "request_id", str, None)
         stream = field(body, "stream", bool, False)
         counters["requests"] += 1
-        outputs = engine.generate(token_ids, params, request_id=rid)
+        prefilled = None
+        if pd is not None and pd.role == "decode":
+            rid = rid or uuid.uuid4().hex
+            prefilled = await pd.prefilled(engine, token_ids, params, rid)
+        outputs = engine.generate(token_ids, params, request_id=rid, prefilled=prefilled)
         first = await outputs.__anext__()  # surfaces validation errors before streaming
         if stream:
             return StreamingResponse(_events(first, outputs), media_type="text/event-stream")
@@ -275,6 +292,8 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
 
     if dev_mode:
         _add_dev_routes(app, engine, body_of)
+    if pd is not None:
+        pd.add_routes(app, engine, body_of)
     return app
 
 
