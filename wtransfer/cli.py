@@ -44,7 +44,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                        ray_engines=(args.engines or 2) if args.ray else 0,
                        ray_address=args.ray_address, update_staging=args.update_staging,
                        lora=args.lora, delta=args.delta,
-                       fleet=1 if args.ray else args.engines or 1)
+                       fleet=1 if args.ray else args.engines or 1, pd=args.pd)
 
 
 def cmd_transfer_demo(args: argparse.Namespace) -> int:
@@ -249,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after the first update send only the elements that changed (the "
                          "table's changed column shows the fraction; LoRA adapters always "
                          "travel whole)")
+    rl.add_argument("--pd", action="store_true",
+                    help="serve the policy from a prefill and a decode instance (P/D): the "
+                         "decode instance decodes from the prefill instance's K/V of the same "
+                         "weight version")
     rl.add_argument("--ray", action="store_true",
                     help="serve the policy from engine actors on Ray (needs the ray extra)")
     rl.add_argument("--ray-address", default=None,

@@ -33,6 +33,17 @@ def test_reduced_demo_on_a_fleet_kills_an_instance_and_a_new_one_joins(tmp_path,
     assert "validation                         PASSED" in out
 
 
+def test_reduced_demo_on_a_prefill_and_a_decode_instance(tmp_path, capsys):
+    """`--pd`: a prefill and a decode instance updated as one; requests decode from handed-
+    over K/V; the validation (mid-flight tokens, fingerprints of both) passes."""
+    code = run_rl_demo(steps=2, prompts_per_step=4, group=4, run_dir=str(tmp_path), pd=True)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    remote = int(out.split("P/D: ")[1].split(" request(s) decoded")[0])
+    assert remote > 0, out
+    assert "validation                         PASSED" in out
+
+
 def test_reduced_demo_on_a_data_parallel_server(tmp_path, capsys):
     code = run_rl_demo(steps=2, prompts_per_step=4, group=4, run_dir=str(tmp_path),
                        data_parallel_size=2)

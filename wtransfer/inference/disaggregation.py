@@ -20,14 +20,15 @@ import logging
 import math
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlparse
 
+import httpx
 from fastapi import FastAPI, Request
 
-from wtransfer.clients import HTTPClient
-from wtransfer.errors import LifecycleError, WTransferError
+from wtransfer.errors import LifecycleError, PeerError, WTransferError
 from wtransfer.inference.async_engine import AsyncEngine, Prefilled
 from wtransfer.inference.handover import KVHandover, KVTarget, kv_shape
 from wtransfer.inference.http_body import field as body_field
@@ -60,6 +61,14 @@ class Disaggregation:
     receiver: WeightTransferEngine[Any, Any] | None = None
     handover: KVHandover | None = None
     counts: dict[str, int] = field(default_factory=lambda: {"failed": 0})
+    lane: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        1, thread_name_prefix="wtransfer-kv"))
+    """Where this instance's blocking hand-over work runs (the receiver's calls, or the
+    sends): never behind the event loop's other threads, which hundreds of requests waiting
+    on their prefills could hold."""
+
+    async def _on_lane(self, call: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.lane, call, *args)
 
     def setup(self, engine: AsyncEngine) -> None:
         """Build the hand-over ends this role needs (P/D runs on one worker per engine)."""
@@ -89,18 +98,21 @@ class Disaggregation:
         body = {"token_ids": token_ids, "sampling_params": record_to_wire(params),
                 "request_id": request_id, "kv_url": self.url.rstrip("/") + "/kv",
                 "kv_api_key": self.api_key, "backend": backend, "init_fields": init_fields}
-        client = HTTPClient(self.prefill_url, api_key=self.prefill_api_key,
-                            timeout_s=self.timeout_s)
-        try:
-            reply = await asyncio.to_thread(client._request, "POST", "/prefill",
-                                            json_body=body)
-        except WTransferError as exc:
+        headers = ({"Authorization": f"Bearer {self.prefill_api_key}"}
+                   if self.prefill_api_key else {})
+        try:  # (an async request: no thread waits while the prefill instance works)
+            async with httpx.AsyncClient(base_url=self.prefill_url, headers=headers,
+                                         timeout=self.timeout_s) as http:
+                response = await http.post("/prefill", json=body)
+            if response.status_code != 200:
+                raise PeerError(f"POST {self.prefill_url}/prefill -> {response.status_code}: "
+                                f"{response.text[:300]}")
+            reply = response.json()
+        except (WTransferError, httpx.HTTPError, ValueError) as exc:
             self.counts["failed"] += 1
             log.warning("remote prefill of %s failed; prefilling here: %s", request_id, exc)
             self.kv.take(request_id)
             return None
-        finally:
-            client.close()
         logprob = reply.get("logprob")
         return Prefilled(int(reply["token"]), math.nan if logprob is None else float(logprob),
                          str(reply["weight_version"]), self.kv.take(request_id))
@@ -130,7 +142,7 @@ class Disaggregation:
             if captured is None:
                 raise LifecycleError(f"request {rid!r} ended before its first token; no K/V "
                                      "to hand over")
-            moved = await asyncio.to_thread(
+            moved = await self._on_lane(
                 handover.send, body_field(body, "kv_url", str),
                 body_field(body, "kv_api_key", str, None), body_field(body, "backend", str),
                 body_field(body, "init_fields", dict, {}), rid, captured["kv"],
@@ -151,26 +163,26 @@ class Disaggregation:
         @app.post("/kv/init_weight_transfer_engine")
         async def kv_init(request: Request) -> dict[str, str]:
             info = body_field(await body_of(request, ("init_info",)), "init_info", dict)
-            await asyncio.to_thread(receiver.init_transfer_engine, info)
+            await self._on_lane(receiver.init_transfer_engine, info)
             return {"status": "ok"}
 
         @app.post("/kv/start_weight_update")
         async def kv_start(request: Request) -> dict[str, str]:
             await body_of(request, ())
-            await asyncio.to_thread(receiver.start_weight_update)
+            await self._on_lane(receiver.start_weight_update)
             return {"status": "ok"}
 
         @app.post("/kv/update_weights")
         async def kv_update(request: Request) -> dict[str, str]:
             info = body_field(await body_of(request, ("update_info",)), "update_info", dict)
-            await asyncio.to_thread(receiver.update_weights, info)
+            await self._on_lane(receiver.update_weights, info)
             return {"status": "ok"}
 
         @app.post("/kv/finish_weight_update")
         async def kv_finish(request: Request) -> dict[str, str]:
             version = body_field(await body_of(request, ("weight_version",)),
                                  "weight_version", str, None)
-            await asyncio.to_thread(receiver.finish_weight_update, version)
+            await self._on_lane(receiver.finish_weight_update, version)
             return {"status": "ok"}
 
     def metrics(self) -> dict[str, int]:
@@ -184,7 +196,8 @@ class Disaggregation:
         return out
 
     def close(self) -> None:
-        """Release the hand-over ends."""
+        """Release the hand-over ends and the lane."""
+        self.lane.shutdown(wait=False, cancel_futures=True)
         if self.handover is not None:
             self.handover.close()
         if self.receiver is not None:

@@ -142,7 +142,7 @@ def _policy_server(engine: str, local: bool, model: str, backend: str,
                    data_parallel_size: int, ray_engines: int = 0,
                    ray_address: str | None = None, update_staging: str = "auto",
                    tensor_parallel_size: int = 1, max_loras: int = 0,
-                   log_path: Path | None = None, fleet: int = 1) -> Any:
+                   log_path: Path | None = None, fleet: int = 1, pd: bool = False) -> Any:
     """The server the demo generates from (and prints which)."""
     if ray_engines:
         from wtransfer.demos.rl.ray_server import RayPolicyServer
@@ -163,6 +163,14 @@ def _policy_server(engine: str, local: bool, model: str, backend: str,
                                 data_parallel_size=data_parallel_size)
     if engine != "wtransfer":
         raise ConfigError(f"engine must be 'wtransfer' or 'vllm', got {engine!r}")
+    if pd:
+        from wtransfer.demos.rl.fleet import PDPolicyServer
+
+        print(f"wtransfer demo: async GRPO on chain-parity, backend={backend}, server=a prefill "
+              "and a decode wtransfer serve instance (P/D), updated as one")
+        assert log_path is not None
+        return PDPolicyServer(log_dir=log_path.parent, model=model, seed=0, backend=backend,
+                              update_staging=update_staging)
     if fleet > 1:
         from wtransfer.demos.rl.fleet import FleetPolicyServer
 
@@ -262,7 +270,7 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
                 trainer_ranks: int = 1, ray_engines: int = 0,
                 ray_address: str | None = None, update_staging: str = "auto",
                 tensor_parallel_size: int = 1, lora: bool = False, delta: bool = False,
-                fleet: int = 1) -> int:
+                fleet: int = 1, pd: bool = False) -> int:
     """Run the demo; returns the exit code (0 when both validations passed). `engine` is
     "wtransfer" (our engine) or "vllm" (an in-process vLLM AsyncLLM); with `trainer_ranks` > 1
     the policy is trained by that many FSDP2 ranks (this process and helper processes); with
@@ -271,12 +279,14 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
     update after the first sends only the elements that changed (`WireParams.delta`); with
     `fleet` > 1 it is served by that many `wtransfer serve` instances updated as one, one of
     them killed and replaced by an instance joining from another mid-run."""
-    if fleet > 1 and (local or engine != "wtransfer" or ray_engines or lora
+    if (fleet > 1 or pd) and (local or engine != "wtransfer" or ray_engines or lora
                       or data_parallel_size > 1 or tensor_parallel_size > 1
                       or trainer_ranks > 1):
-        raise ConfigError("--engines N (a fleet) runs wtransfer serve instances of one worker "
-                          "each, trained by one rank: drop --local, --engine vllm, --lora, "
-                          "--data/--tensor-parallel-size and --trainer-ranks")
+        raise ConfigError("--engines N (a fleet) and --pd run wtransfer serve instances of one "
+                          "worker each, trained by one rank: drop --local, --engine vllm, "
+                          "--lora, --data/--tensor-parallel-size and --trainer-ranks")
+    if fleet > 1 and pd:
+        raise ConfigError("--engines N and --pd: choose one")
     _check_options(steps=steps, backend=backend, data_parallel_size=data_parallel_size,
                    tensor_parallel_size=tensor_parallel_size,
                    trainer_ranks=trainer_ranks, prompts_per_step=prompts_per_step, group=group)
@@ -295,7 +305,7 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
     server = _policy_server(engine, local, model, backend, data_parallel_size, ray_engines,
                             ray_address, update_staging, tensor_parallel_size,
                             max_loras=1 if lora else 0, log_path=out_dir / "server.log",
-                            fleet=fleet)
+                            fleet=fleet, pd=pd)
     try:
         if ray_engines:  # addresses as Ray sees this node; one worker per engine actor
             from wtransfer.ray import trainer_init_info
@@ -386,6 +396,11 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
             _print_row(record)
         for f in pending[1]:
             f.result(timeout=300)
+        if pd:
+            remote, local = server.prefilled()
+            print(f"  P/D: {remote} request(s) decoded from the prefill instance's K/V, "
+                  f"{local} prefilled on the decode instance (another weight version, or its "
+                  "re-prefills at commits)")
         ok, problems = _validate(server, trainer, streams, version)
         trainer.close()
     finally:

@@ -121,3 +121,72 @@ class FleetPolicyServer:
         self.client.close()
         for member in self.members:
             member.close()
+
+
+class PDPolicyServer:
+    """A prefill and a decode instance (P/D): requests go to the decode instance, which asks
+    the prefill one for each prompt's K/V; both are updated as one (`FanoutClient`)."""
+
+    def __init__(self, *, log_dir: Path | None = None, **server: Any) -> None:
+        def log(name: str) -> Path | None:
+            return log_dir / f"server-{name}.log" if log_dir is not None else None
+
+        self.prefill = HTTPPolicyServer(**server, log_path=log("prefill"),
+                                        extra_args=("--role", "prefill"))
+        self.decode = HTTPPolicyServer(**server, log_path=log("decode"), extra_args=(
+            "--role", "decode", "--prefill-url", self.prefill.url))
+        self.client = FanoutClient([self.prefill.client, self.decode.client])
+        self.model = self.decode.model
+        self.staging = self.decode.staging
+
+    def generate(self, prompts: list[list[int]], params: dict[str, Any]
+                 ) -> list[Future[dict[str, Any]]]:
+        """Through the decode instance."""
+        return self.decode.generate(prompts, params)
+
+    def stream(self, prompt: list[int], params: dict[str, Any]) -> Stream:
+        """Through the decode instance."""
+        return self.decode.stream(prompt, params)
+
+    def pause(self, mode: str, clear_cache: bool) -> None:
+        """Pause both instances."""
+        self.decode.pause(mode, clear_cache)
+        self.prefill.pause(mode, clear_cache)
+
+    def resume(self) -> None:
+        """Resume both instances."""
+        self.prefill.resume()
+        self.decode.resume()
+
+    def weight_version(self) -> str:
+        """The decode instance's weight version."""
+        return self.decode.weight_version()
+
+    def weight_info(self) -> dict[str, Any]:
+        """The decode instance's weight info."""
+        return self.decode.weight_info()
+
+    def stall_ms(self) -> float | None:
+        """The decode instance's last update stall."""
+        return self.decode.stall_ms()
+
+    def inflight(self) -> int:
+        """Requests on the decode instance."""
+        return self.decode.inflight()
+
+    def prefilled(self) -> tuple[int, int]:
+        """Requests the decode instance decoded from handed-over K/V, and prefilled itself."""
+        lines = dict(line.split(" ", 1) for line in self.decode.http.get("/metrics").text
+                     .splitlines() if line.startswith("wtransfer_prefilled_"))
+        return (int(float(lines["wtransfer_prefilled_remote_total"])),
+                int(float(lines["wtransfer_prefilled_local_total"])))
+
+    def reference(self, state: dict[str, torch.Tensor]) -> FreshEngineReference:
+        """Greedy continuations from a fresh engine holding the weights `state`."""
+        return FreshEngineReference(self.model, state)
+
+    def close(self) -> None:
+        """Stop both instances."""
+        self.client.close()
+        self.decode.close()
+        self.prefill.close()

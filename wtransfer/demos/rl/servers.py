@@ -100,7 +100,8 @@ class HTTPPolicyServer:
                  update_staging: str = "auto", tensor_parallel_size: int = 1,
                  start_timeout_s: float = 120, update_rollback: str = "auto",
                  max_loras: int = 0, max_lora_rank: int = 16, device: str = "cpu",
-                 log_path: Path | None = None, weights_from: str | None = None):
+                 log_path: Path | None = None, weights_from: str | None = None,
+                 extra_args: tuple[str, ...] = ()):
         self.model = model
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -117,7 +118,7 @@ class HTTPPolicyServer:
              "--data-parallel-size", str(data_parallel_size),
              "--tensor-parallel-size", str(tensor_parallel_size),
              "--max-loras", str(max_loras), "--max-lora-rank", str(max_lora_rank),
-             *(["--weights-from", weights_from] if weights_from else [])],
+             *(["--weights-from", weights_from] if weights_from else []), *extra_args],
             stdout=subprocess.DEVNULL, stderr=self._log)
         self.http = http_session(self.url, timeout=300, max_connections=256)
         deadline = time.monotonic() + start_timeout_s
