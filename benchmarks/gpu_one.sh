@@ -14,6 +14,8 @@
 #     bash benchmarks/gpu_one.sh trace    # a timeline of the trainer and the engine through
 #                                         # 8B zero-copy updates (where the time goes)
 #     bash benchmarks/gpu_one.sh finite   # what refusing NaN/inf costs an 8B zero-copy update
+#     bash benchmarks/gpu_one.sh engine   # the engine's GPU tests, then benchmarks/stall.py on
+#                                         # CUDA (MODELS, INFLIGHT, MODES: what to run)
 #     bash benchmarks/gpu_one.sh profile  # py-spy of the engine and ranks during the 8B
 #                                         # 2 -> TP=2 updates (one sender, then M->N); needs
 #                                         # the py-spy wheel in .whl/ (pip download py-spy)
@@ -99,6 +101,14 @@ finite)
     echo "$(ts) the finite check: an 8B update with it and without, the check alone, one copy"
     timeout 300 python3 benchmarks/finite_check.py --model qwen3-8b --device cuda:0 \
         --repeats 5 2>&1 | tee $OUT/finite.txt | tail -8; echo "rc $?" ;;
-*) echo "usage: gpu_one.sh suite|paths|ipc|ucx|peers|m2n|trace|profile|finite"; exit 2 ;;
+engine)
+    echo "$(ts) the engine's GPU tests (CUDA graphs, memory given back at shutdown)"
+    timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/inference \
+        > $OUT/engine-tests.txt 2>&1; echo "rc $?"; tail -5 $OUT/engine-tests.txt
+    echo "$(ts) decode speed and update stall: ${MODELS:=qwen3-0.6b,qwen3-8b} x ${INFLIGHT:=16}"
+    timeout ${STALL_S:-330} python3 benchmarks/stall.py --device cuda --models $MODELS \
+        --inflight $INFLIGHT --modes "${MODES:-none,none eager,staged,staged copy}" \
+        --updates 3 2>&1 | tee $OUT/stall.txt | tail -30; echo "rc $?" ;;
+*) echo "usage: gpu_one.sh suite|paths|ipc|ucx|peers|m2n|trace|profile|finite|engine"; exit 2 ;;
 esac
 echo "$(ts) done"

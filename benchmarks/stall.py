@@ -1,6 +1,7 @@
 """Benchmark: what a weight update costs a serving engine, paused against staged.
 
     python benchmarks/stall.py --models tiny,qwen3-0.6b --inflight 16 --updates 5
+    python benchmarks/stall.py --device cuda --models qwen3-0.6b,qwen3-8b --inflight 16,64
 
 A steady streaming load (`--inflight` greedy requests, each replaced as it finishes) runs on
 an in-process engine while a trainer thread pushes its weights over ipc every `--every-s`:
@@ -9,8 +10,14 @@ an in-process engine while a trainer thread pushes its weights over ipc every `-
 - **paused**: ``pause(keep, clear_cache)``, update in place, resume (``update_staging=off``);
 - **staged**: the update lands in the shadow while the engine steps, committed by a swap at a
   step boundary, with the requests in flight re-prefilled (``update_staging=swap``);
-- **staged, keep KV**: the same, keeping the requests' KV (``update_reprefill=False``): what
-  the commit alone costs.
+- **staged keep KV**: the same, keeping the requests' KV (``update_reprefill=False``): what
+  the commit alone costs;
+- **staged copy**: staged, committed by copying the shadow into the live weights (their
+  addresses stay: captured CUDA graphs stay valid);
+- **none eager**: no updates, every step eager (no CUDA graphs): what the graphs bring.
+
+The floor, measured in the same run on the same device: one read of every weight (a decode
+step cannot take less); each mode's step interval is reported against it.
 
 Per mode: tokens/s over the window (and its ratio to **none**), and per update the median of
 `update_stall_ms` (the longest time the update kept the engine from computing: between the end
@@ -30,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
@@ -42,7 +50,9 @@ from common import print_table, write_json
 MODES: dict[str, dict[str, Any]] = {
          "none": {"update_staging": "off"}, "paused": {"update_staging": "off"},
          "staged": {"update_staging": "swap"},
-         "staged, keep KV": {"update_staging": "swap", "update_reprefill": False}}
+         "staged keep KV": {"update_staging": "swap", "update_reprefill": False},
+         "staged copy": {"update_staging": "copy"},
+         "none eager": {"update_staging": "off", "cuda_graphs": False}}
 
 
 async def load(engine: AsyncEngine, inflight: int, max_tokens: int, stop: asyncio.Event,
@@ -76,11 +86,31 @@ async def step_interval(engine: AsyncEngine, window_s: float = 1.0) -> float:
     return statistics.median(samples) if samples else float("nan")
 
 
+def weight_read_ms(engine: AsyncEngine, repeats: int = 5) -> float:
+    """Median time to read every weight of the engine's model once (a sum per tensor)."""
+    model = engine.core.model  # type: ignore[attr-defined]  # (in process: an EngineCore)
+    params = [p.detach() for p in model.parameters()]
+    device = params[0].device
+    times = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        for p in params:
+            p.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times[1:])
+
+
 async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: float,
-                   max_tokens: int) -> dict[str, Any]:
+                   max_tokens: int, device: str) -> dict[str, Any]:
+    updating = not mode.startswith("none")
     engine = AsyncEngine(EngineConfig(model=model, max_num_seqs=max(64, inflight),
-                                      **MODES[mode]))
-    trainer = load_model(model, seed=1)
+                                      device=device, **MODES[mode]))
+    floor = weight_read_ms(engine) if not updating else float("nan")
+    trainer = load_model(model, seed=1, device=device)
     stop, counted = asyncio.Event(), [0]
     driving = asyncio.create_task(load(engine, inflight, max_tokens, stop, counted))
     await asyncio.sleep(1.0)  # every request streaming
@@ -91,7 +121,7 @@ async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: 
     interval = await step_interval(engine)
     stalls, commits, transfers = [], [], []
     start, base = time.perf_counter(), counted[0]
-    for k in range(updates if mode != "none" else 0):
+    for k in range(updates if updating else 0):
         await asyncio.sleep(every_s)
         if mode == "paused":
             await engine.pause_generation(mode="keep", clear_cache=True)
@@ -105,7 +135,7 @@ async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: 
             info = await engine.weight_info()
         stalls.append(info["update_stall_ms"])
         commits.append(info["update_commit_ms"])
-    if mode == "none":
+    if not updating:
         await asyncio.sleep(every_s * updates)
     elapsed = time.perf_counter() - start
     tokens = counted[0] - base
@@ -114,7 +144,9 @@ async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: 
     await asyncio.wait_for(driving, 120)
     sender.shutdown()
     engine.shutdown()
-    return {"model": model, "mode": mode, "tokens_per_s": tokens / elapsed,
+    del engine, sender, client
+    return {"model": model, "mode": mode, "inflight": inflight, "floor_ms": floor,
+            "tokens_per_s": tokens / elapsed,
             "step_ms": interval * 1e3,
             "transfer_ms": statistics.median(transfers) if transfers else float("nan"),
             "stall_ms": statistics.median(stalls) if stalls else float("nan"),
@@ -125,26 +157,35 @@ async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny,qwen3-0.6b")
-    parser.add_argument("--inflight", type=int, default=16)
+    parser.add_argument("--inflight", default="16",
+                        help="concurrent requests; several: comma-separated")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--modes", default="none,paused,staged,staged keep KV",
+                        help=f"comma-separated, of: {', '.join(MODES)}")
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--every-s", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     rows = []
     for model in args.models.split(","):
-        for mode in MODES:
-            row = asyncio.run(run_mode(model, mode, args.inflight, args.updates, args.every_s,
-                                       args.max_tokens))
-            rows.append(row)
-            print(f"  {model} {mode}: {row['tokens_per_s']:.0f} tok/s, stall "
-                  f"{row['stall_ms']:.1f} ms", flush=True)
-        floor = next(r for r in rows if r["model"] == model and r["mode"] == "none")
-        for r in rows:
-            if r["model"] == model:
+        for inflight in [int(n) for n in args.inflight.split(",")]:
+            mine = []
+            modes = [m.strip() for m in args.modes.split(",")]
+            for mode in ["none", *[m for m in modes if m != "none"]]:
+                row = asyncio.run(run_mode(model, mode, inflight, args.updates, args.every_s,
+                                           args.max_tokens, args.device))
+                mine.append(row)
+                print(f"  {model} x{inflight} {mode}: {row['tokens_per_s']:.0f} tok/s, step "
+                      f"{row['step_ms']:.1f} ms, stall {row['stall_ms']:.1f} ms", flush=True)
+            floor = mine[0]
+            for r in mine:
                 r["vs_none"] = r["tokens_per_s"] / floor["tokens_per_s"]
-    print_table(rows, [("model", "model", ""), ("mode", "mode", ""),
+                r["step_vs_floor"] = r["step_ms"] / floor["floor_ms"]
+            rows += mine
+    print_table(rows, [("model", "model", ""), ("inflight", "seqs", "d"), ("mode", "mode", ""),
                        ("tokens_per_s", "tok/s", ".0f"), ("vs_none", "vs none", ".3f"),
-                       ("step_ms", "step ms", ".2f"), ("transfer_ms", "transfer ms", ".1f"),
+                       ("step_ms", "step ms", ".2f"), ("step_vs_floor", "step/floor", ".2f"),
+                       ("transfer_ms", "transfer ms", ".1f"),
                        ("stall_ms", "stall ms", ".2f"), ("commit_ms", "commit ms", ".3f"),
                        ("updates", "updates", "d")])
     print(f"wrote {write_json('stall', rows, vars(args))}")

@@ -90,7 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                       dp_sync_interval=args.dp_sync_interval,
                                       batch_invariant=args.batch_invariant, seed=args.seed,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
-                                      num_kv_blocks=args.num_kv_blocks,
+                                      num_kv_blocks=args.num_kv_blocks or 1024,
+                                      kv_cache_memory_fraction=_kv_fraction(args),
                                       max_num_seqs=args.max_num_seqs,
                                       max_loras=args.max_loras,
                                       max_lora_rank=args.max_lora_rank,
@@ -137,6 +138,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   timeout_keep_alive=SERVER_KEEPALIVE_S,
                                   timeout_graceful_shutdown=30)).run(sockets=[listener])
     return 0
+
+
+def _kv_fraction(args: argparse.Namespace) -> float | None:
+    """The KV cache's share of free device memory: given, or 0.8 on one CUDA worker without
+    --num-kv-blocks (None: sized by block count)."""
+    if args.kv_cache_memory_fraction is not None:
+        return float(args.kv_cache_memory_fraction)
+    one_worker = args.tensor_parallel_size == 1 and args.data_parallel_size == 1
+    if args.num_kv_blocks is None and args.device.startswith("cuda") and one_worker:
+        return 0.8
+    return None
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -298,8 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a sequence's tokens never depend on its batch-mates")
     serve.add_argument("--max-num-batched-tokens", type=int, default=4096,
                        help="token budget of one step (prompt + max_tokens must fit it + 1)")
-    serve.add_argument("--num-kv-blocks", type=int, default=1024,
-                       help="KV-cache blocks of 16 tokens")
+    serve.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="KV-cache blocks of 16 tokens (default: 1024; on one CUDA worker, "
+                            "what --kv-cache-memory-fraction of the free memory holds)")
+    serve.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                       help="on CUDA, one worker: the fraction of the memory free after the "
+                            "weights and the shadow that the KV cache takes (default 0.8 "
+                            "unless --num-kv-blocks is given)")
     serve.add_argument("--max-num-seqs", type=int, default=64,
                        help="sequences computed in one step")
     serve.add_argument("--update-staging", choices=["auto", "off", "swap", "copy"],

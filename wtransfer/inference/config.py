@@ -157,10 +157,17 @@ class EngineConfig:
     weight_transfer_backend: str = "ipc"
     block_size: int = 16
     num_kv_blocks: int = 1024
+    kv_cache_memory_fraction: float | None = None
+    """On CUDA: size the KV cache to this fraction of the device memory free once the weights
+    (and the shadow) are in place, instead of `num_kv_blocks` (`wtransfer serve --device cuda`
+    uses 0.8 unless given --num-kv-blocks). One worker per engine."""
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     """Token budget of one step; a prompt (plus tokens so far, on re-prefill) must fit in it."""
     enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
+    """Replay decode steps as CUDA graphs where they apply (CUDA, one worker, a dense model,
+    no adapters: `wtransfer.inference.decode_graphs`); False: every step eager."""
     batch_invariant: bool = False
     """Compute each sequence on its own so its tokens never depend on its batch-mates (and turn
     prefix caching off, whose cached blocks come from other sequences' computations)."""
@@ -213,6 +220,14 @@ class EngineConfig:
         if self.update_rollback not in (None, True, False):
             raise ConfigError(f"EngineConfig.update_rollback must be True, False or None "
                               f"(auto), got {self.update_rollback!r}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and not (math.isfinite(fraction) and 0 < fraction <= 0.95):
+            raise ConfigError(f"EngineConfig.kv_cache_memory_fraction must be in (0, 0.95], "
+                              f"got {fraction!r}")
+        if fraction is not None and (self.tensor_parallel_size > 1
+                                     or self.data_parallel_size > 1):
+            raise ConfigError("kv_cache_memory_fraction sizes one worker's KV cache; with "
+                              "tensor or data parallelism give num_kv_blocks")
         for name in ("step_timeout_s", "call_timeout_s"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ConfigError(f"EngineConfig.{name} must be a positive number")

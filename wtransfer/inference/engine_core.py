@@ -133,4 +133,4 @@ class EngineCore(Replica):
             self._thread.join(timeout=self.config.step_timeout_s)
         if self._lane is not None:
             self._lane.shutdown()
-        self.close()
+        self.close(release=not self._thread.is_alive())  # a step still running keeps its model

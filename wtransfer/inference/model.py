@@ -2,7 +2,8 @@
 
 Parameter names are exactly the checkpoint's (``model.layers.0.self_attn.q_proj.weight``...), so
 the trainer trains, and sends, the very module the engine serves. Attention reads and writes a
-paged KV cache through an `AttentionBatch` that the engine's runner builds for each step.
+paged KV cache through an `AttentionBatch` the engine's runner lays out once per step
+(`wtransfer.inference.attention`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.inference.attention import AttentionBatch, attend
 from wtransfer.inference.config import MODEL_CONFIGS, ModelConfig
 from wtransfer.inference.experts import Experts
 from wtransfer.inference.fp8_linear import Fp8Linear, quantize_model
@@ -32,29 +33,6 @@ from wtransfer.inference.parallel import (
     layouts,
 )
 from wtransfer.packing import DTYPES
-
-
-@dataclass
-class Segment:
-    """One sequence's tokens in a step: rows [start, end) of the flat batch."""
-
-    start: int
-    end: int
-    slots: torch.Tensor
-    """KV-cache slot of each new token."""
-    context_slots: torch.Tensor
-    """KV-cache slots of every position 0..T-1 the new tokens attend to (new ones included)."""
-    positions: torch.Tensor
-    """Absolute position of each new token."""
-
-
-@dataclass
-class AttentionBatch:
-    """The paged KV cache (one (K, V) pair of [slots, kv_heads, head_dim] per layer) and the
-    segments of the tokens being computed."""
-
-    kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    segments: Sequence[Segment]
 
 
 class RMSNorm(nn.Module):
@@ -70,16 +48,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    dim = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim))
-    freqs = positions.to(torch.float32)[:, None] * inv[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
-    xf = x.float()
-    half = torch.cat([-xf[..., dim // 2 :], xf[..., : dim // 2]], dim=-1)
-    return (xf * emb.cos() + half * emb.sin()).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -103,27 +71,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """Attend each segment's new tokens to its cached context."""
+        """Attend the batch's new tokens to their sequences' cached context."""
         n = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(n, self.heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        k_cache, v_cache = batch.kv[self.layer]
-        out = torch.empty_like(q)
-        group = self.heads // self.kv_heads
-        for seg in batch.segments:
-            qs = _rotate(q[seg.start : seg.end], seg.positions, self.theta)
-            k_cache[seg.slots] = _rotate(k[seg.start : seg.end], seg.positions, self.theta)
-            v_cache[seg.slots] = v[seg.start : seg.end]
-            keys = k_cache[seg.context_slots].repeat_interleave(group, dim=1)
-            values = v_cache[seg.context_slots].repeat_interleave(group, dim=1)
-            mask = None
-            if seg.end - seg.start > 1:
-                key_pos = torch.arange(keys.shape[0], device=x.device)
-                mask = key_pos[None, :] <= seg.positions[:, None]
-            att = F.scaled_dot_product_attention(qs.transpose(0, 1), keys.transpose(0, 1),
-                                                 values.transpose(0, 1), attn_mask=mask)
-            out[seg.start : seg.end] = att.transpose(0, 1)
+        out = attend(q, k, v, self.layer, batch)
         return self.par.all_reduce(self.o_proj(out.reshape(n, self.heads * self.head_dim)))
 
 
@@ -252,13 +205,15 @@ class Qwen3ForCausalLM(nn.Module):
               for _ in range(cfg.num_hidden_layers)]
         segments, start = [], 0
         for seq in sequences:
-            slots = torch.arange(start, start + len(seq), device=device)
-            segments.append(Segment(start, start + len(seq), slots, slots,
-                                    torch.arange(len(seq), device=device)))
+            segments.append((start, start + len(seq), 0, len(seq),
+                             list(range(start, start + len(seq)))))
             start += len(seq)
+        batch = AttentionBatch.build(kv, segments, block_size=1,
+                                     gqa_group=cfg.num_attention_heads // cfg.num_key_value_heads,
+                                     head_dim=cfg.head_dim, theta=cfg.rope_theta, device=device)
         flat = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
-        logits = self.logits(self(flat, AttentionBatch(kv, segments)))
-        return [logits[seg.start : seg.end] for seg in segments]
+        logits = self.logits(self(flat, batch))
+        return [logits[a:b] for a, b, *_ in segments]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

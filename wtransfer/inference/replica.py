@@ -32,6 +32,7 @@ from wtransfer.inference.parallel import (
     worker_device,
 )
 from wtransfer.inference.params import SamplingParams
+from wtransfer.inference.release import return_device_memory
 from wtransfer.inference.runner import ModelRunner
 from wtransfer.inference.scheduler import PauseState, Scheduler
 from wtransfer.inference.sequence import Sequence
@@ -118,13 +119,15 @@ class Replica:
         start: `EngineConfig.update_rollback`, or auto; staged updates never touch the live
         weights, so they need none)."""
         self.target = self.weights.live
-        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.prefix_caching)
+        self.runner = ModelRunner(self.model, config, before_forward=(
+            self.workers.step if self.workers is not None else None),
+            lora=(self.lora_rows, self._slot_of) if self.lora_rows is not None else None,
+            weights_epoch=self._weights_epoch)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
+                                   config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.model.config.max_position_embeddings)
-        self.runner = ModelRunner(self.model, config, before_forward=(
-            self.workers.step if self.workers is not None else None),
-            lora=(self.lora_rows, self._slot_of) if self.lora_rows is not None else None)
         self.weight_version = "default"
         self.steps = 0
         self.tokens_generated = 0
@@ -140,6 +143,10 @@ class Replica:
         request id, until `take_captured`."""
         self.prefilled = {"remote": 0, "local": 0}
         """Requests prefilled here and (a decode instance's) by a prefill instance."""
+
+    def _weights_epoch(self) -> int:
+        """Moves whenever weight storages are exchanged (a swap commit or rollback)."""
+        return self.staging.swaps if self.staging is not None else 0
 
     @property
     def receiver(self) -> WeightTransferEngine[Any, Any] | None:
@@ -270,7 +277,7 @@ class Replica:
             self.blocks.free(seq)
             return False
         start = seq.num_computed  # (blocks the prefix cache held already)
-        slots = self.runner._slots(seq.block_table, start, n)
+        slots = self.runner.slots_of(seq.block_table, start, n)
         with torch.no_grad():
             for (k_cache, v_cache), (k, v) in zip(cache, kv, strict=True):
                 k_cache[slots] = k[start:].to(k_cache.device, k_cache.dtype)
@@ -285,7 +292,7 @@ class Replica:
 
     def _capture(self, seq: Sequence) -> None:
         """Keep `seq`'s prompt K/V (on the host) with its first token and version."""
-        slots = self.runner._slots(seq.block_table, 0, len(seq.prompt))
+        slots = self.runner.slots_of(seq.block_table, 0, len(seq.prompt))
         self.captured[seq.request_id] = {
             "kv": [(k[slots].cpu(), v[slots].cpu()) for k, v in self.runner.kv],
             "token": seq.output[0], "logprob": seq.logprobs[0],
@@ -588,11 +595,16 @@ class Replica:
         return [self.weights.info(), *self.workers.wait(self.workers.call_all("info", ()),
                                                         "info")]
 
-    def close(self) -> None:
-        """Release every rank's receiver and stop the workers."""
+    def close(self, *, release: bool = True) -> None:
+        """Release every rank's receiver and stop the workers; with `release` (nothing runs
+        the model any more) give the weights, the shadow and the KV cache back to the device."""
         self.weights.shutdown()
         if self.workers is not None:
             self.workers.close()
+        if release:
+            self.weights.release()
+            self.runner.release()
+            return_device_memory(self.runner.device)
 
     def weight_info(self) -> dict[str, Any]:
         """The weight label, the receiver's update state, and whether a failed update left

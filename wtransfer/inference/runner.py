@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -9,11 +10,16 @@ from typing import Any
 
 import torch
 
+from wtransfer.errors import ConfigError
+from wtransfer.inference.attention import AttentionBatch
 from wtransfer.inference.config import EngineConfig
+from wtransfer.inference.decode_graphs import DecodeGraphs
 from wtransfer.inference.lora import LoRARows
-from wtransfer.inference.model import AttentionBatch, Qwen3ForCausalLM, Segment
+from wtransfer.inference.model import Qwen3ForCausalLM
 from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,8 @@ class ModelRunner:
 
     def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig,
                  before_forward: Callable[[StepPlan], None] | None = None,
-                 lora: tuple[LoRARows, Callable[[Sequence], int]] | None = None) -> None:
+                 lora: tuple[LoRARows, Callable[[Sequence], int]] | None = None,
+                 weights_epoch: Callable[[], int] = lambda: 0) -> None:
         self.model = model
         self.config = config
         self.before_forward = before_forward
@@ -52,18 +59,32 @@ class ModelRunner:
         """The model's adapter rows and each sequence's slot (None: no adapters)."""
         cfg = model.config
         param = next(model.parameters())
-        slots = config.num_kv_blocks * config.block_size
-        shape = (slots, cfg.num_key_value_heads // model.par.size, cfg.head_dim)
+        slot = (cfg.num_key_value_heads // model.par.size, cfg.head_dim)
+        self.num_blocks = kv_blocks(config, param.device, slot, param.dtype,
+                                    cfg.num_hidden_layers)
+        """KV blocks of the cache (`EngineConfig.num_kv_blocks`, or sized from free memory)."""
+        shape = ((self.num_blocks + 1) * config.block_size, *slot)  # + a scratch block
         self.kv = [(torch.zeros(shape, dtype=param.dtype, device=param.device),
                     torch.zeros(shape, dtype=param.dtype, device=param.device))
                    for _ in range(cfg.num_hidden_layers)]
         self.device = param.device
         self._generators: dict[str, torch.Generator] = {}
+        self.graphs: DecodeGraphs | None = None
+        """Decode steps as CUDA graphs (`EngineConfig.cuda_graphs`; None: every step eager)."""
+        if (config.cuda_graphs and self.device.type == "cuda" and model.par.size == 1
+                and lora is None and not cfg.num_experts):
+            self.graphs = DecodeGraphs(model, self.kv, block_size=config.block_size,
+                                       scratch_block=self.num_blocks,
+                                       max_seqs=config.max_num_seqs,
+                                       longest_context=min(cfg.max_position_embeddings, 8192),
+                                       epoch=weights_epoch)
 
-    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+    def slots_of(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        """Cache slots of positions [start, end) of a sequence whose block table is `table`."""
         bs = self.config.block_size
-        return torch.tensor([table[p // bs] * bs + p % bs for p in range(start, end)],
-                            dtype=torch.long, device=self.device)
+        positions = torch.arange(start, end, device=self.device)
+        blocks = torch.tensor(table, dtype=torch.long, device=self.device)
+        return blocks[positions // bs] * bs + positions % bs
 
     def plan(self, seqs: Seq[Sequence]) -> StepPlan:
         """The plan of one forward over `seqs` (each sequence's tokens not computed yet)."""
@@ -79,14 +100,14 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run one planned forward; the logits of each sequence's last row."""
-        segments = []
-        for row, row_end, start, end, table in plan.segments:
-            context = self._slots(table, 0, end)
-            segments.append(Segment(row, row_end, context[start:end], context,
-                                    torch.arange(start, end, device=self.device)))
-        hidden = self.model(torch.tensor(plan.ids, dtype=torch.long, device=self.device),
-                            AttentionBatch(self.kv, segments))
-        return self.model.logits(hidden[[s[1] - 1 for s in plan.segments]])
+        cfg = self.model.config
+        batch = AttentionBatch.build(
+            self.kv, plan.segments, block_size=self.config.block_size,
+            gqa_group=cfg.num_attention_heads // cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, theta=cfg.rope_theta, device=self.device)
+        hidden = self.model(torch.tensor(plan.ids, dtype=torch.long, device=self.device), batch)
+        last = torch.tensor([s[1] - 1 for s in plan.segments], device=self.device)
+        return self.model.logits(hidden[last])
 
     def _forward(self, seqs: Seq[Sequence]) -> torch.Tensor:
         plan = self.plan(seqs)
@@ -100,6 +121,10 @@ class ModelRunner:
                                       for _ in range(row, end)], device=self.device)
             rows.used = sorted({s for s in slots if s >= 0})
             rows.uniform = slots[0] if slots[0] >= 0 and len(set(slots)) == 1 else None
+        if self.graphs is not None and self.graphs.fits(plan.segments):
+            logits = self.graphs.run(plan.segments, plan.ids)
+            if logits is not None:
+                return logits
         return self.execute(plan)
 
     def run(self, seqs: Seq[Sequence]) -> list[tuple[int, float] | None]:
@@ -110,15 +135,31 @@ class ModelRunner:
             logits = torch.cat([self._forward([s]) for s in seqs])
         else:
             logits = self._forward(seqs)
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
-        return [self._sample(row, seq) if ok else None
-                for row, seq, ok in zip(logits, seqs, finite, strict=True)]
+        return self._sample_all(logits, seqs)
+
+    def _sample_all(self, logits: torch.Tensor, seqs: Seq[Sequence]
+                    ) -> list[tuple[int, float] | None]:
+        """One (token, logprob) per row of `logits`, None where a row is not finite. Greedy
+        rows are decided together, with one read back to the host; sampled rows one by one
+        (each may have its own generator, top-k and top-p)."""
+        greedy = logits.argmax(dim=-1)
+        chosen = torch.log_softmax(logits, dim=-1).gather(1, greedy[:, None])[:, 0]
+        finite = torch.isfinite(logits).all(dim=-1)
+        tokens, logprobs, ok = torch.stack(
+            [greedy.to(torch.float64), chosen.to(torch.float64),
+             finite.to(torch.float64)]).tolist()
+        out: list[tuple[int, float] | None] = []
+        for i, seq in enumerate(seqs):
+            if not ok[i]:
+                out.append(None)
+            elif seq.params.temperature == 0:
+                out.append((int(tokens[i]), float(logprobs[i])))
+            else:
+                out.append(self._sample(logits[i], seq))
+        return out
 
     def _sample(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, float]:
         params: SamplingParams = seq.params
-        if params.temperature == 0:
-            token = int(torch.argmax(logits))
-            return token, float(torch.log_softmax(logits, -1)[token])
         scaled = logits / params.temperature
         logprobs = torch.log_softmax(scaled, -1)
         probs = _filter(logprobs.exp(), params.top_k, params.top_p)
@@ -131,9 +172,37 @@ class ModelRunner:
         token = int(torch.multinomial(probs, 1, generator=generator))
         return token, float(logprobs[token])
 
+    def release(self) -> None:
+        """Drop the KV cache (the runner never runs again)."""
+        self.kv = []
+        self.graphs = None
+        self._generators.clear()
+
     def forget(self, request_id: str) -> None:
         """Drop per-request sampling state of a finished request."""
         self._generators.pop(request_id, None)
+
+
+def kv_blocks(config: EngineConfig, device: torch.device, slot_shape: tuple[int, int],
+              dtype: torch.dtype, layers: int) -> int:
+    """How many KV blocks to allocate: `num_kv_blocks`, or on CUDA with
+    `kv_cache_memory_fraction` that fraction of the memory free now (the weights and the
+    shadow are in place), said in the log."""
+    fraction = config.kv_cache_memory_fraction
+    if fraction is None or device.type != "cuda":
+        return config.num_kv_blocks
+    free, total = torch.cuda.mem_get_info(device)
+    per_block = (2 * layers * config.block_size * slot_shape[0] * slot_shape[1]
+                 * torch.empty(0, dtype=dtype).element_size())
+    blocks = int(free * fraction) // per_block
+    if blocks < 1:
+        raise ConfigError(f"no room for a KV cache on {device}: {free / 2**30:.2f} GiB free of "
+                          f"{total / 2**30:.2f} GiB after the weights, one block needs "
+                          f"{per_block / 2**20:.1f} MiB")
+    log.info("KV cache on %s: %d blocks of %d tokens (%.2f GiB), %.2f of the %.2f GiB free "
+             "after the weights and the shadow", device, blocks, config.block_size,
+             blocks * per_block / 2**30, fraction, free / 2**30)
+    return blocks
 
 
 def _filter(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

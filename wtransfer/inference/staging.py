@@ -60,6 +60,8 @@ class StagedWeights:
         """Tensors (by owner name) written into the shadow since the last `prepare`."""
         self._differ: set[str] = set()
         """Tensors whose shadow differs from the live one (what `prepare` levels)."""
+        self.swaps = 0
+        """Storage exchanges so far (captured CUDA graphs read the old addresses after one)."""
         self.previous: str | None = None
         """The version label the shadow holds after a swap commit (what `rollback` brings
         back), else None."""
@@ -134,5 +136,6 @@ class StagedWeights:
             held = live.data
             live.data = self.shadow[name]
             self.shadow[name] = held
+        self.swaps += bool(names)
         if names and self.shadow[names[0]].is_cuda:
             torch.cuda.current_stream().synchronize()

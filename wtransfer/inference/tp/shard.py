@@ -15,6 +15,7 @@ from torch import nn
 
 from wtransfer.errors import LifecycleError, NotInitializedError
 from wtransfer.inference.lora import AdapterTable, LoRATarget
+from wtransfer.inference.release import release_module
 from wtransfer.inference.shard_target import ShardTarget
 from wtransfer.inference.staging import StagedWeights, StagingMode
 from wtransfer.quant.target import Fp8Target
@@ -130,3 +131,9 @@ class ShardWeights:
         """Release the receiver."""
         if self.receiver is not None:
             self.receiver.shutdown()
+
+    def release(self) -> None:
+        """Drop the weights and the shadow (after `shutdown`, the model never runs again)."""
+        if self.staging is not None:
+            self.staging.shadow.clear()
+        release_module(self.model)

@@ -1,0 +1,118 @@
+"""Decode steps replayed as CUDA graphs (`wtransfer.inference.decode_graphs`).
+
+On the host the padded static layout runs eagerly (no capture): its tokens must be the eager
+path's, across batch and context buckets. On CUDA the same tests capture real graphs, and a
+staged swap commit (which moves the weights' addresses) must not leave a graph reading the old
+weights. An engine's shutdown gives its device memory back.
+"""
+
+import asyncio
+
+import pytest
+import torch
+from engine_helpers import collect, run
+from wtransfer_ipc import IPCTrainerInitInfo
+
+import wtransfer
+from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient, SamplingParams
+from wtransfer.inference.decode_graphs import DecodeGraphs
+from wtransfer.inference.model import load_model
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
+
+
+def engine_on(device, *, graphs, **config):
+    """A tiny float32 engine; on the host with `graphs`, the static layout replayed eagerly."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    engine = AsyncEngine(EngineConfig(model="tiny", device=device, cuda_graphs=graphs,
+                                      **config))
+    runner = engine.core.runner
+    if graphs and device == "cpu":
+        runner.graphs = DecodeGraphs(runner.model, runner.kv, block_size=16,
+                                     scratch_block=runner.num_blocks,
+                                     max_seqs=engine.core.config.max_num_seqs,
+                                     longest_context=2048, epoch=engine.core._weights_epoch,
+                                     capture=False)
+    assert (runner.graphs is not None) == graphs
+    return engine
+
+
+def requests(n):
+    """Prompts of several lengths; the last one long enough that its context crosses the
+    first context bucket (256) while it decodes."""
+    out = {f"r{i}": [(11 * i + 3 * j) % 256 for j in range(2 + i % 7)] for i in range(n - 1)}
+    out["long"] = [(5 * j) % 256 for j in range(250)]
+    return out
+
+
+async def tokens_of(engine, prompts):
+    outs = await asyncio.gather(*(collect(engine, rid, p, GREEDY) for rid, p in prompts.items()))
+    return {rid: o.outputs[0].token_ids for rid, o in zip(prompts, outs, strict=True)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", [5, 12])
+def test_decode_graphs_give_the_eager_tokens(device, batch):
+    async def main():
+        eager, graphed = (engine_on(device, graphs=False), engine_on(device, graphs=True))
+        try:
+            prompts = requests(batch)
+            want = await tokens_of(eager, prompts)
+            assert await tokens_of(graphed, prompts) == want
+            graphs = graphed.core.runner.graphs
+            assert graphs.disabled is None
+            buckets = set(graphs._graphs)
+            assert {c for _, c in buckets} == {256, 512}, buckets  # the long one moved on
+            assert {b for b, _ in buckets} >= {8 if batch == 5 else 16}, buckets
+        finally:
+            eager.shutdown()
+            graphed.shutdown()
+    run(main())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_swap_commit_makes_graphs_read_the_new_weights(device):
+    """After a staged swap commit every decode graph is built again: the tokens are those of
+    a fresh engine holding the new weights, never of the old ones."""
+    async def main():
+        engine = engine_on(device, graphs=True, update_staging="swap")
+        fresh = engine_on(device, graphs=False, seed=1)
+        try:
+            prompts = requests(4)
+            before = await tokens_of(engine, prompts)
+            graphs = engine.core.runner.graphs
+            built = graphs.built
+            trainer = load_model("tiny", seed=1)
+            client = LocalEngineClient(engine)
+            with wtransfer.trainer_init(IPCTrainerInitInfo(timeout_s=60), client=client,
+                                        source=wtransfer.ModuleSource(trainer)) as sender:
+                await asyncio.to_thread(sender.send_weights, "v1")
+            after = await tokens_of(engine, prompts)
+            assert after == await tokens_of(fresh, prompts) and after != before
+            assert graphs.built > built
+        finally:
+            engine.shutdown()
+            fresh.shutdown()
+    run(main())
+
+
+@pytest.mark.gpu
+def test_shutdown_gives_the_device_memory_back():
+    """Engines created and shut down one after another (their objects kept, as a caller
+    may) leave the allocator where it started."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    kept = []
+    for _ in range(3):
+        engine = AsyncEngine(EngineConfig(model="small", device="cuda", update_staging="swap"))
+        run(collect(engine, "r", [1, 2, 3], GREEDY))
+        assert torch.cuda.memory_allocated() > start
+        engine.shutdown()
+        kept.append(engine)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() <= start + (1 << 20), (
+            torch.cuda.memory_allocated() - start)

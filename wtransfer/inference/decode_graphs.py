@@ -1,0 +1,175 @@
+"""Decode steps replayed as CUDA graphs.
+
+A decode-only step (every sequence computes one token) of a dense model on one CUDA device is
+the same few thousand kernel launches every time; `DecodeGraphs` captures it once per
+(batch-size bucket, context-length bucket) with static inputs and replays it. Padding rows
+compute a dummy token against a scratch KV slot no sequence owns; padding keys are masked.
+
+A graph holds the addresses of the weights it read. A staged `swap` commit (and a rollback)
+exchanges weight storages, so the runner's `epoch` moves and every graph is dropped and
+captured again on next use; in-place updates and `copy` commits keep the addresses.
+docs/inference.md says what each costs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from wtransfer.inference.attention import AttentionBatch, AttentionGroup, rotary_tables
+from wtransfer.inference.model import Qwen3ForCausalLM
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+"""Batch sizes a graph is captured for (a step runs in the smallest that holds it)."""
+SHORTEST_CONTEXT = 256
+"""The smallest context bucket; buckets double from it up to `longest_context`."""
+
+
+@dataclass
+class _Graph:
+    """One captured decode forward and its static inputs and output."""
+
+    host: torch.Tensor
+    """[B * (3 + blocks)] int64 staging of the inputs on the host (pinned on CUDA)."""
+    inputs: torch.Tensor
+    """The same on the device; the views below are slices of it."""
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    tables: torch.Tensor
+    """[B, blocks] block table of each row (blocks * block_size = the context bucket)."""
+    logits: torch.Tensor
+    """[B, vocab] float32 output."""
+    graph: torch.cuda.CUDAGraph | None
+    """None: replayed eagerly from the static inputs (on the host: tests of the layout)."""
+
+
+class DecodeGraphs:
+    """Captured decode forwards of `model` over the cache `kv` (see the module docstring)."""
+
+    def __init__(self, model: Qwen3ForCausalLM, kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 *, block_size: int, scratch_block: int, max_seqs: int, longest_context: int,
+                 epoch: Callable[[], int], capture: bool = True) -> None:
+        self.model = model
+        self.kv = kv
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        """A KV block no sequence owns: padding rows write and read it."""
+        self.batch_buckets = [b for b in BATCH_BUCKETS if b < max_seqs] + [max_seqs]
+        self.longest_context = longest_context
+        self.epoch = epoch
+        self.capture = capture
+        self.device = next(model.parameters()).device
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._epoch = epoch()
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.built = 0
+        """Graphs built (captured on CUDA) since start; a swap commit makes the next decode
+        steps build theirs again."""
+        self.disabled: str | None = None
+        """Why graphs are off for good (a capture failed), else None."""
+
+    def fits(self, segments: Sequence[tuple[int, int, int, int, list[int]]]) -> bool:
+        """Whether a step of `segments` can replay a graph: decode only, within the buckets."""
+        return (self.disabled is None and len(segments) <= self.batch_buckets[-1]
+                and all(s[1] - s[0] == 1 for s in segments)
+                and max(s[3] for s in segments) <= self.longest_context)
+
+    def run(self, segments: Sequence[tuple[int, int, int, int, list[int]]],
+            ids: Sequence[int]) -> torch.Tensor | None:
+        """The logits [len(segments), vocab] of a decode step (`fits` said yes); None when
+        capturing failed (graphs are then off for good: the step runs eagerly)."""
+        if self.epoch() != self._epoch:
+            self._graphs.clear()  # the weights moved: captured addresses are stale
+            self._epoch = self.epoch()
+        batch = next(b for b in self.batch_buckets if b >= len(segments))
+        context = SHORTEST_CONTEXT
+        while context < max(s[3] for s in segments):
+            context *= 2
+        graph = self._graphs.get((batch, context))
+        if graph is None:
+            try:
+                graph = self._new(batch, context)
+            except Exception as exc:  # (a kernel that cannot be captured: run eagerly)
+                self.disabled = f"{type(exc).__name__}: {exc}"
+                log.warning("CUDA graphs are off for this engine, every step runs eagerly: "
+                            "capturing a decode step failed: %s", self.disabled)
+                self._graphs.clear()
+                return None
+            self._graphs[(batch, context)] = graph
+        self._fill(graph, segments, ids)
+        if graph.graph is not None:
+            graph.graph.replay()
+        else:
+            self._forward(graph)
+        return graph.logits[: len(segments)].clone()  # the next replay overwrites them
+
+    def _fill(self, graph: _Graph, segments: Sequence[tuple[int, int, int, int, list[int]]],
+              ids: Sequence[int]) -> None:
+        """Write a step's inputs (padding rows point at the scratch block) into the graph's."""
+        rows, blocks = graph.tables.shape
+        bs, scratch, pad = self.block_size, self.scratch_block, rows - len(segments)
+        positions = [s[3] - 1 for s in segments]
+        slots = [s[4][p // bs] * bs + p % bs for s, p in zip(segments, positions, strict=True)]
+        flat = [*ids, *[0] * pad, *positions, *[0] * pad, *slots, *[scratch * bs] * pad]
+        for s in segments:
+            table = s[4][:blocks]
+            flat += table + [0] * (blocks - len(table))
+        flat += ([scratch] + [0] * (blocks - 1)) * pad
+        graph.host.copy_(torch.tensor(flat, dtype=torch.long))
+        graph.inputs.copy_(graph.host, non_blocking=True)
+
+    def _new(self, batch: int, context: int) -> _Graph:
+        """Static buffers for a (batch, context) bucket, captured unless on the host."""
+        blocks = context // self.block_size
+        size = batch * (3 + blocks)
+        host = torch.zeros(size, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        inputs = torch.zeros(size, dtype=torch.long, device=self.device)
+        vocab = self.model.config.vocab_size
+        graph = _Graph(host, inputs, inputs[:batch], inputs[batch : 2 * batch],
+                       inputs[2 * batch : 3 * batch], inputs[3 * batch :].view(batch, blocks),
+                       torch.zeros(batch, vocab, dtype=torch.float32, device=self.device),
+                       None)
+        host[2 * batch : 3 * batch] = self.scratch_block * self.block_size
+        host[3 * batch :].view(batch, blocks)[:, 0] = self.scratch_block
+        inputs.copy_(host)
+        self.built += 1
+        if not self.capture:
+            return graph
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: kernels chosen and lazy state built outside capture
+                self._forward(graph)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph.graph = torch.cuda.CUDAGraph()
+        # thread_local: the transfer lane may write a shadow on its own thread meanwhile
+        with torch.cuda.graph(graph.graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._forward(graph)
+        log.debug("captured a decode graph: batch %d, context %d", batch, context)
+        return graph
+
+    @torch.no_grad()
+    def _forward(self, graph: _Graph) -> None:
+        """The decode forward from the static inputs into the static logits."""
+        cfg = self.model.config
+        batch, blocks = graph.tables.shape
+        context = blocks * self.block_size
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        cos, sin = rotary_tables(graph.positions, cfg.head_dim, cfg.rope_theta)
+        offsets = torch.arange(self.block_size, device=self.device)
+        context_slots = (graph.tables[:, :, None] * self.block_size + offsets).reshape(batch,
+                                                                                       context)
+        keys = torch.arange(context, device=self.device)
+        visible = keys[None, :] <= graph.positions[:, None]
+        mask = visible[:, None, None, :].expand(batch, 1, group, context)
+        rows = torch.arange(batch, device=self.device)
+        layout = AttentionBatch(self.kv, graph.slots, cos.unsqueeze(1), sin.unsqueeze(1),
+                                [AttentionGroup(rows, rows[:, None], None, context_slots,
+                                                mask)])
+        graph.logits.copy_(self.model.logits(self.model(graph.ids, layout)))
