@@ -135,6 +135,7 @@ class TestUcx(M2NCases):
 
 class TestIpc(M2NCases):
     backend = "ipc"
+    extended_ranks = (4,)  # its pair buckets are planned as nccl's, which runs 4 ranks
 
 
 @pytest.mark.parametrize(("backend", "model", "fp8"), [  # each backend both ways (sent in

@@ -110,7 +110,7 @@ def test_pause_with_one_rank_busy_and_the_others_idle(size, mode):
     run(main())
 
 
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("size", SIZES_TWO_IN_CI)
 def test_staggered_pause_and_a_new_request_while_the_pause_is_pending(size):
     """The pause reaches the idle ranks first and the busy rank last. Until the last rank has
     it, the busy rank keeps generating (the paused ranks keep joining its collectives) and the
