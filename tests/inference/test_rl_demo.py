@@ -20,6 +20,7 @@ def test_reduced_demo_validates_and_labels_every_update(tmp_path, capsys):
     assert "mid-flight keep requests checked against a fresh engine: 6, mismatches: 0" in printed
 
 
+@pytest.mark.extended  # its mechanics: tests/inference/test_fleet.py, test_pd.py
 def test_reduced_demo_on_a_fleet_kills_an_instance_and_a_new_one_joins(tmp_path, capsys):
     """`--engines 2`: two servers updated as one; mid-run one is SIGKILLed and a replacement
     joins from the other with the current version; the next update drops the dead one and
@@ -33,6 +34,7 @@ def test_reduced_demo_on_a_fleet_kills_an_instance_and_a_new_one_joins(tmp_path,
     assert "validation                         PASSED" in out
 
 
+@pytest.mark.extended  # its mechanics: tests/inference/test_fleet.py, test_pd.py
 def test_reduced_demo_on_a_prefill_and_a_decode_instance(tmp_path, capsys):
     """`--pd`: a prefill and a decode instance updated as one; requests decode from handed-
     over K/V; the validation (mid-flight tokens, fingerprints of both) passes."""

@@ -47,6 +47,9 @@ class _Graph:
     """[B, vocab] float32 output."""
     graph: torch.cuda.CUDAGraph | None
     """None: replayed eagerly from the static inputs (on the host: tests of the layout)."""
+    copied: torch.cuda.Event | None = None
+    """Recorded after the last copy of `host` to the device (CUDA): `host` is written again
+    only once it has passed."""
 
 
 class DecodeGraphs:
@@ -121,8 +124,12 @@ class DecodeGraphs:
             table = s[4][:blocks]
             flat += table + [0] * (blocks - len(table))
         flat += ([scratch] + [0] * (blocks - 1)) * pad
+        if graph.copied is not None:
+            graph.copied.synchronize()  # (a step that reads nothing back replays again soon)
         graph.host.copy_(torch.tensor(flat, dtype=torch.long))
         graph.inputs.copy_(graph.host, non_blocking=True)
+        if graph.copied is not None:
+            graph.copied.record()
 
     def _new(self, batch: int, context: int) -> _Graph:
         """Static buffers for a (batch, context) bucket, captured unless on the host."""
@@ -141,6 +148,7 @@ class DecodeGraphs:
         self.built += 1
         if not self.capture:
             return graph
+        graph.copied = torch.cuda.Event()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
