@@ -292,3 +292,31 @@ def test_a_rollback_setting_that_is_not_a_bool_is_refused():
     """A string such as "off" would be truthy: refused, naming the values allowed."""
     with pytest.raises(ConfigError, match="update_rollback must be True, False or None"):
         EngineConfig(model="tiny", update_rollback="off")
+
+
+def test_batched_steps_give_the_tokens_of_each_sequence_computed_alone():
+    """Steps that batch decoding sequences with prefilling ones (staggered arrivals, prompts
+    of different lengths, shared prefixes served from the prefix cache) give every request
+    the tokens it gets computed on its own (float32: the kernels' rounding never decides a
+    greedy token here)."""
+    async def main():
+        batched = AsyncEngine(EngineConfig(model="tiny", block_size=4))
+        alone = AsyncEngine(EngineConfig(model="tiny", batch_invariant=True))
+        shared = [(3 * j) % 256 for j in range(13)]
+        requests = {f"r{i}": (shared if i % 3 == 0 else [])
+                    + [(7 * i + j) % 256 for j in range(1 + i % 6)] for i in range(10)}
+
+        async def staggered(rid, prompt, delay):
+            await asyncio.sleep(delay)
+            return await collect(batched, rid, prompt)
+
+        outs = await asyncio.gather(*(staggered(rid, p, 0.003 * i)
+                                      for i, (rid, p) in enumerate(requests.items())))
+        stats = await batched.stats()
+        for (rid, prompt), out in zip(requests.items(), outs, strict=True):
+            want = await collect(alone, rid, prompt)
+            assert out.outputs[0].token_ids == want.outputs[0].token_ids, rid
+        assert stats["prefix_cache_hits"] > 0
+        batched.shutdown()
+        alone.shutdown()
+    run(main())
