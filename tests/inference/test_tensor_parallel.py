@@ -123,7 +123,8 @@ def test_a_model_that_does_not_split_evenly_is_refused_at_start_up():
 def test_an_update_mid_flight_reaches_every_worker(backend, staging):
     """A trainer's update into a TP=2 engine while greedy requests run (in place: a keep
     pause around it; staged: no pause): both workers hold the trainer's weights (their full
-    tensors' fingerprint equals the trainer's), each received an update, and every request's
+    tensors' fingerprint equals the trainer's), each received an update (over ipc, by default,
+    only the parts it keeps), and every request's
     tail after the update equals a fresh TP=1 engine holding the new weights."""
     max_tokens = 48
 
@@ -161,6 +162,12 @@ def test_an_update_mid_flight_reaches_every_worker(backend, staging):
             workers = (await engine.weight_info())["workers"]
             assert [w["update_state"] for w in workers] == ["ready", "ready"]
             assert all(w["last_update_bytes"] > 0 for w in workers)
+            if backend == "ipc":  # by default one sender slices per worker (1->N)
+                model_bytes = sum(t.numel() * t.element_size()
+                                  for t in trainer.state_dict().values())
+                kept = [w["kept_bytes"] for w in workers]
+                assert [w["last_update_bytes"] for w in workers] == kept
+                assert all(k < 0.6 * model_bytes for k in kept), (kept, model_bytes)
         finally:
             engine.shutdown()
         fresh = AsyncEngine(EngineConfig(model="tiny", seed=3, batch_invariant=True))

@@ -40,12 +40,14 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     device-to-device copy per byte and one control message per update, ordered by a CUDA IPC
     event. Falls back to packed buckets for what cannot be shared (CPU or non-contiguous
     tensors, checksums, several senders, sharded sources)."""
-    m2n: bool = False
+    m2n: bool | None = None
     """True: each trainer rank packs only its own shards (no gathering), each box once, into
     its own staging, and each worker copies out of every rank's staging only the parts it
-    keeps (`wtransfer_ipc.mton`); every trainer rank needs a client then. False (default):
-    gather each bucket to a sender, and every worker reads all of it. Opt-in for now: FSDP2 x
-    TP strided shards are refused on this path, and a receiver without regions (vLLM)
+    keeps (`wtransfer_ipc.mton`); every trainer rank needs a client then. False: gather each
+    bucket to a sender, and every worker reads all of it. None (default): M->N where one
+    sender packs through shared memory into one engine of several workers (1->N: each worker
+    reads only what it keeps), else False. Several sharded ranks ask for it explicitly for now:
+    FSDP2 x TP strided shards are refused on this path, and a receiver without regions (vLLM)
     assembles each tensor in a full-size buffer while the ranks' pieces arrive."""
 
 

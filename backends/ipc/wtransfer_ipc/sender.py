@@ -12,7 +12,7 @@ import torch
 from wtransfer.errors import ConfigError
 from wtransfer.manifest import Manifest
 from wtransfer.packing import Bucket
-from wtransfer.protocol import WeightSyncClient
+from wtransfer.protocol import FleetClient, WeightSyncClient
 from wtransfer.records import receiver_init_dict
 from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
 from wtransfer.trainer.layouts import LocalShards, held_parts
@@ -116,7 +116,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
     def _connect(self) -> dict[str, Any]:
         info = self.init_info
-        self.m2n = self._m2n_wanted(True) if info.m2n else False  # opt-in (see the field)
+        self.m2n = (self._m2n_wanted(True) if info.m2n
+                    else self._slices_per_worker() if info.m2n is None else False)
         token = secrets.token_hex(8)
         if self.device.type == "cuda":
             if self._zero_copy_on():
@@ -138,6 +139,18 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
             return fragment_with_layouts(fragment,
                                          self.source.layouts(self.ranks.sender_index or 0))
         return fragment
+
+    def _slices_per_worker(self) -> bool:
+        """The default (`IPCTrainerInitInfo.m2n` None): one sender packing through shared
+        memory into one engine of several workers sends each worker only the parts it keeps
+        (1->N). Not for deltas or adapters (their M->N forms are the pair buckets of several
+        ranks), nor CUDA staging (zero-copy already copies only each worker's part), nor a
+        fleet, whose instances may each hold whole models."""
+        client = self.client
+        return (self.device.type == "cpu" and not self.collective and not self.source.sharded
+                and self.delta is None and self.source.delta_ok
+                and client is not None and not isinstance(client, FleetClient)
+                and client.num_workers() > 1)
 
     @property
     def fixed_receivers(self) -> bool:
