@@ -43,6 +43,9 @@ class SlowSource(wtransfer.ModuleSource):
         super().__init__(model)
         self.engine_tokens, self.delay_s, self.seen = engine_tokens, delay_s, []
 
+    def held(self):
+        return None  # (no tensors read in place: every one comes through `tensors`, slowly)
+
     def tensors(self):
         self.seen.append(self.engine_tokens())
         for item in super().tensors():

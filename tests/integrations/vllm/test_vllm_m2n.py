@@ -3,7 +3,8 @@ memory) and nccl (gloo): each vLLM worker is sent only what its own weight loade
 (recorded from the loaders: no name tables), from both ranks at once, nothing gathered.
 
 Checked as a user would: greedy tokens after the update equal a fresh vLLM TP=2 started from
-the new safetensors; each worker received exactly the bytes it keeps, about half the model;
+the new safetensors; one trainer process with the default settings sends each worker only what
+it keeps too (1->N over ipc); each worker received exactly the bytes it keeps, about half the model;
 each worker's digests of the parts it keeps equal those computed from the trainer's tensors;
 a trainer rank SIGKILLed mid-transfer fails every side at its deadline with vLLM's weights as
 they were (host-staged engine), and the next update lands (`make test-vllm-extended`).
@@ -17,7 +18,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm is not installed here; `make test-vllm` runs these")
 
 from transformers import AutoModelForCausalLM
-from vllm_helpers import VLLMServer, save_qwen3
+from vllm_helpers import VLLMServer, save_qwen3, send
 
 from wtransfer.fingerprint import fingerprint_parts, is_part_name
 from wtransfer.launch.trainer_ranks import TrainerRanks
@@ -68,7 +69,7 @@ def state_of(checkpoint):
 
 def test_fsdp_ranks_send_each_vllm_tp_worker_only_what_its_loaders_read(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
-    save_qwen3(first, seed=1)
+    first_model = save_qwen3(first, seed=1)
     save_qwen3(second, seed=2)
     env = {**os.environ, **TP2_ENV}
     server = VLLMServer(first, "ipc", tmp_path / "ipc.log", extra_args=TP2, env=env)
@@ -76,6 +77,12 @@ def test_fsdp_ranks_send_each_vllm_tp_worker_only_what_its_loaders_read(tmp_path
         fresh_first = server.greedy()
         push(server, "ipc", first, m2n=False)  # whole tensors first: vLLM's reload leaves
         assert server.greedy() == fresh_first  # its wrappers, which recording sets aside
+        stats = send("ipc", server.client, first_model, "one-sender")  # by default: 1->N
+        states = server.client.worker_states()
+        kept = [s["kept_bytes"] for s in states]
+        assert [s["last_update_bytes"] for s in states] == kept
+        assert all(0.4 * stats.bytes < k < 0.6 * stats.bytes for k in kept), (kept, stats)
+        assert server.greedy() == fresh_first
         outs = push(server, "ipc", second)
         assert sum(o["sent_bytes"] for o in outs) == outs[0]["bytes"]  # each byte staged once
         check_each_worker_got_what_it_keeps(server, "ipc", outs, second)
