@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import statistics
 import sys
 import time
@@ -174,6 +175,9 @@ def main() -> None:
             for mode in ["none", *[m for m in modes if m != "none"]]:
                 row = asyncio.run(run_mode(model, mode, inflight, args.updates, args.every_s,
                                            args.max_tokens, args.device))
+                gc.collect()  # (the trainer's copy of the model, before the next engine)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
                 mine.append(row)
                 print(f"  {model} x{inflight} {mode}: {row['tokens_per_s']:.0f} tok/s, step "
                       f"{row['step_ms']:.1f} ms, stall {row['stall_ms']:.1f} ms", flush=True)
