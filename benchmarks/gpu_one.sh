@@ -103,7 +103,7 @@ finite)
         --repeats 5 2>&1 | tee $OUT/finite.txt | tail -8; echo "rc $?" ;;
 engine)
     echo "$(ts) the engine's GPU tests (CUDA graphs, memory given back at shutdown)"
-    timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/inference \
+    timeout ${TESTS_S:-240} python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/inference \
         > $OUT/engine-tests.txt 2>&1; echo "rc $?"; tail -5 $OUT/engine-tests.txt
     echo "$(ts) decode speed and update stall: ${MODELS:=qwen3-0.6b,qwen3-8b} x ${INFLIGHT:=16}"
     timeout ${STALL_S:-330} python3 benchmarks/stall.py --device cuda --models $MODELS \
