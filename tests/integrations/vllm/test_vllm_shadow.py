@@ -39,6 +39,11 @@ class SlowSource(wtransfer.ModuleSource):
             yield item
 
 
+BACKENDS_NCCL_EXTENDED = ["ipc", pytest.param("nccl", marks=pytest.mark.extended)]
+"""The nccl run repeats the ipc one through its own receive path (a vLLM engine more than the
+CI run has time for: `make test-vllm-extended`)."""
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3-shadow")
@@ -92,7 +97,7 @@ class Stream:
                        for t in self.stamps) for q in range(4))
 
 
-@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+@pytest.mark.parametrize("backend", BACKENDS_NCCL_EXTENDED)
 def test_generation_goes_on_through_staged_updates_and_the_new_weights_serve(
         backend, checkpoints, fresh):
     """Two updates from a slow trainer, no pause: the streaming request produced tokens in
@@ -142,7 +147,7 @@ def test_a_keep_pause_covers_only_the_commit_and_spans_split_once(checkpoints, f
         vllm.close()
 
 
-@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+@pytest.mark.parametrize("backend", BACKENDS_NCCL_EXTENDED)
 def test_a_trainer_failing_mid_transfer_leaves_vllm_as_it_was_and_the_next_update_lands(
         backend, checkpoints, fresh):
     root, _, new, _ = checkpoints
