@@ -32,6 +32,7 @@ def engine_on(device, *, graphs, **config):
     if graphs and device == "cpu":
         runner.graphs = DecodeGraphs(runner.model, runner.kv, block_size=16,
                                      scratch_block=runner.num_blocks,
+                                     zero_slot=runner.zero_slot,
                                      max_seqs=engine.core.config.max_num_seqs,
                                      longest_context=2048, epoch=engine.core._weights_epoch,
                                      capture=False)

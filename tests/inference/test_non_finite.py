@@ -129,3 +129,35 @@ def test_a_request_with_non_finite_logits_fails_alone():
             engine.shutdown()
 
     run(main())
+
+
+def test_kv_left_behind_by_a_non_finite_version_never_reaches_later_requests():
+    """Weights served on purpose with a NaN in a value projection leave NaN K/V in the blocks
+    their requests held; after a clean update, requests of different lengths batched together
+    get those blocks (stale tails and all) and must all finish normally: a key past a
+    sequence's end is never read into its scores, even masked."""
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny", num_kv_blocks=8, block_size=16))
+        client = LocalEngineClient(engine)
+        try:
+            poisoned = load_model("tiny", seed=3)
+            poisoned.state_dict()["model.layers.0.self_attn.v_proj.weight"].view(-1)[:64] = (
+                float("nan"))
+            clean = load_model("tiny", seed=4)
+            for model, allow in ((poisoned, True), (clean, False)):
+                with wtransfer.trainer_init(IPCTrainerInitInfo(allow_non_finite=allow),
+                                            client=client,
+                                            source=wtransfer.ModuleSource(model)) as sender:
+                    await asyncio.to_thread(sender.send_weights)
+                if model is poisoned:  # fill every block with NaN K/V
+                    outs = await asyncio.gather(*(collect(engine, f"p{i}", [i + 1] * 30, GREEDY)
+                                                  for i in range(4)))
+                    assert {o.outputs[0].finish_reason for o in outs} == {"error"}
+            prompts = {f"c{i}": [(5 * i + j) % 256 for j in range(2 + 7 * i)] for i in range(4)}
+            outs = await asyncio.gather(*(collect(engine, rid, p, GREEDY)
+                                          for rid, p in prompts.items()))
+            assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 4, [
+                o.outputs[0].error for o in outs]
+        finally:
+            engine.shutdown()
+    run(main())

@@ -53,8 +53,11 @@ class AttentionBatch:
     @classmethod
     def build(cls, kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
               segments: Sequence[SegmentSpec], *, block_size: int, gqa_group: int,
-              head_dim: int, theta: float, device: torch.device) -> AttentionBatch:
-        """Lay out a step whose sequences are `segments` (rows in order, covering the batch)."""
+              head_dim: int, theta: float, zero_slot: int, device: torch.device
+              ) -> AttentionBatch:
+        """Lay out a step whose sequences are `segments` (rows in order, covering the batch);
+        keys past a sequence's end read `zero_slot`, a cache slot nothing writes (a masked
+        key still spreads a NaN it holds over its row)."""
         tables = _padded([s[4] for s in segments], device)
         firsts = [s[0] for s in segments]
         lengths = [s[1] - s[0] for s in segments]
@@ -72,7 +75,8 @@ class AttentionBatch:
         for members in (decode, prefill):
             if members:
                 groups.append(_group(members, segments, firsts, lengths, tables, block_size,
-                                     gqa_group, device, whole=len(members) == len(segments)))
+                                     gqa_group, zero_slot, device,
+                                     whole=len(members) == len(segments)))
         return cls(kv, slots, cos.unsqueeze(1), sin.unsqueeze(1), groups)
 
 
@@ -84,7 +88,7 @@ def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
 
 def _group(members: list[int], segments: Sequence[SegmentSpec], firsts: list[int],
            lengths: list[int], tables: torch.Tensor, block_size: int, gqa_group: int,
-           device: torch.device, *, whole: bool) -> AttentionGroup:
+           zero_slot: int, device: torch.device, *, whole: bool) -> AttentionGroup:
     """The padded layout of the sequences `members` (indices into `segments`)."""
     n_seqs = len(members)
     tq = max(lengths[i] for i in members)
@@ -99,6 +103,9 @@ def _group(members: list[int], segments: Sequence[SegmentSpec], firsts: list[int
     blocks = tables[index, : -(-lk // block_size)]
     context_slots = (blocks[:, :, None] * block_size
                      + torch.arange(block_size, device=device)).reshape(n_seqs, -1)[:, :lk]
+    end = torch.tensor([segments[i][3] for i in members], dtype=torch.long, device=device)
+    context_slots = torch.where(torch.arange(lk, device=device)[None, :] < end[:, None],
+                                context_slots, zero_slot)
     mask = None
     if n_seqs > 1 or tq > 1:
         visible = torch.arange(lk, device=device)[None, None, :] <= (start[:, None]

@@ -56,13 +56,17 @@ class DecodeGraphs:
     """Captured decode forwards of `model` over the cache `kv` (see the module docstring)."""
 
     def __init__(self, model: Qwen3ForCausalLM, kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 *, block_size: int, scratch_block: int, max_seqs: int, longest_context: int,
+                 *, block_size: int, scratch_block: int, zero_slot: int, max_seqs: int,
+                 longest_context: int,
                  epoch: Callable[[], int], capture: bool = True) -> None:
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.scratch_block = scratch_block
         """A KV block no sequence owns: padding rows write and read it."""
+        self.zero_slot = zero_slot
+        """A KV slot nothing writes (zeros): keys past a sequence's end read it, so stale
+        values of a block's earlier owner (NaN included) never reach a masked-out score."""
         self.batch_buckets = [b for b in BATCH_BUCKETS if b < max_seqs] + [max_seqs]
         self.longest_context = longest_context
         self.epoch = epoch
@@ -71,6 +75,11 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._epoch = epoch()
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._stream = torch.cuda.Stream(self.device) if capture else None
+        """This engine's side stream for warm-up and capture (not the process-wide default)."""
+        self._logits = torch.zeros(self.batch_buckets[-1], model.config.vocab_size,
+                                   dtype=torch.float32, device=self.device)
+        """The output of every graph (one replay at a time), sliced to its batch."""
         self.built = 0
         """Graphs built (captured on CUDA) since start; a swap commit makes the next decode
         steps build theirs again."""
@@ -87,6 +96,13 @@ class DecodeGraphs:
             ids: Sequence[int]) -> torch.Tensor | None:
         """The logits [len(segments), vocab] of a decode step (`fits` said yes); None when
         capturing failed (graphs are then off for good: the step runs eagerly)."""
+        if self.device.type != "cuda":
+            return self._run(segments, ids)
+        with torch.cuda.device(self.device):  # (the engine thread's current device may differ)
+            return self._run(segments, ids)
+
+    def _run(self, segments: Sequence[tuple[int, int, int, int, list[int]]],
+             ids: Sequence[int]) -> torch.Tensor | None:
         if self.epoch() != self._epoch:
             self._graphs.clear()  # the weights moved: captured addresses are stale
             self._epoch = self.epoch()
@@ -129,19 +145,17 @@ class DecodeGraphs:
         graph.host.copy_(torch.tensor(flat, dtype=torch.long))
         graph.inputs.copy_(graph.host, non_blocking=True)
         if graph.copied is not None:
-            graph.copied.record()
+            graph.copied.record(torch.cuda.current_stream(self.device))
 
     def _new(self, batch: int, context: int) -> _Graph:
         """Static buffers for a (batch, context) bucket, captured unless on the host."""
-        blocks = context // self.block_size
+        blocks = -(-context // self.block_size)
         size = batch * (3 + blocks)
         host = torch.zeros(size, dtype=torch.long, pin_memory=self.device.type == "cuda")
         inputs = torch.zeros(size, dtype=torch.long, device=self.device)
-        vocab = self.model.config.vocab_size
         graph = _Graph(host, inputs, inputs[:batch], inputs[batch : 2 * batch],
                        inputs[2 * batch : 3 * batch], inputs[3 * batch :].view(batch, blocks),
-                       torch.zeros(batch, vocab, dtype=torch.float32, device=self.device),
-                       None)
+                       self._logits[:batch], None)
         host[2 * batch : 3 * batch] = self.scratch_block * self.block_size
         host[3 * batch :].view(batch, blocks)[:, 0] = self.scratch_block
         inputs.copy_(host)
@@ -149,16 +163,21 @@ class DecodeGraphs:
         if not self.capture:
             return graph
         graph.copied = torch.cuda.Event()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: kernels chosen and lazy state built outside capture
+        stream, current = self._stream, torch.cuda.current_stream(self.device)
+        assert stream is not None
+        stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up: kernels chosen, lazy state built, uncaptured
+                    self._forward(graph)
+            current.wait_stream(stream)
+            graph.graph = torch.cuda.CUDAGraph()
+            # thread_local: the transfer lane may write a shadow on its own thread meanwhile
+            with torch.cuda.graph(graph.graph, pool=self._pool, stream=stream,
+                                  capture_error_mode="thread_local"):
                 self._forward(graph)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph.graph = torch.cuda.CUDAGraph()
-        # thread_local: the transfer lane may write a shadow on its own thread meanwhile
-        with torch.cuda.graph(graph.graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._forward(graph)
+        finally:  # (a capture that failed may not have put the engine's stream back)
+            torch.cuda.set_stream(current)
         log.debug("captured a decode graph: batch %d, context %d", batch, context)
         return graph
 
@@ -171,10 +190,11 @@ class DecodeGraphs:
         group = cfg.num_attention_heads // cfg.num_key_value_heads
         cos, sin = rotary_tables(graph.positions, cfg.head_dim, cfg.rope_theta)
         offsets = torch.arange(self.block_size, device=self.device)
-        context_slots = (graph.tables[:, :, None] * self.block_size + offsets).reshape(batch,
-                                                                                       context)
+        context_slots = (graph.tables[:, :, None] * self.block_size + offsets).reshape(
+            batch, blocks * self.block_size)[:, :context]
         keys = torch.arange(context, device=self.device)
         visible = keys[None, :] <= graph.positions[:, None]
+        context_slots = torch.where(visible, context_slots, self.zero_slot)
         mask = visible[:, None, None, :].expand(batch, 1, group, context)
         rows = torch.arange(batch, device=self.device)
         layout = AttentionBatch(self.kv, graph.slots, cos.unsqueeze(1), sin.unsqueeze(1),

@@ -198,7 +198,7 @@ class Qwen3ForCausalLM(nn.Module):
         device = self.model.embed_tokens.weight.device
         total = sum(len(s) for s in sequences)
         cfg = self.config
-        shape = (total, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (total + 1, cfg.num_key_value_heads, cfg.head_dim)  # + a slot of zeros
         dtype = self.model.embed_tokens.weight.dtype
         kv = [(torch.zeros(shape, dtype=dtype, device=device),
                torch.zeros(shape, dtype=dtype, device=device))
@@ -210,7 +210,8 @@ class Qwen3ForCausalLM(nn.Module):
             start += len(seq)
         batch = AttentionBatch.build(kv, segments, block_size=1,
                                      gqa_group=cfg.num_attention_heads // cfg.num_key_value_heads,
-                                     head_dim=cfg.head_dim, theta=cfg.rope_theta, device=device)
+                                     head_dim=cfg.head_dim, theta=cfg.rope_theta,
+                                     zero_slot=total, device=device)
         flat = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
         logits = self.logits(self(flat, batch))
         return [logits[a:b] for a, b, *_ in segments]

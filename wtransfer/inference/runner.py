@@ -63,7 +63,10 @@ class ModelRunner:
         self.num_blocks = kv_blocks(config, param.device, slot, param.dtype,
                                     cfg.num_hidden_layers)
         """KV blocks of the cache (`EngineConfig.num_kv_blocks`, or sized from free memory)."""
-        shape = ((self.num_blocks + 1) * config.block_size, *slot)  # + a scratch block
+        # + a scratch block (decode graphs' padding rows) and a block nothing writes (zeros)
+        shape = ((self.num_blocks + 2) * config.block_size, *slot)
+        self.zero_slot = (self.num_blocks + 1) * config.block_size
+        """A cache slot that stays zero: keys past a sequence's end read it."""
         self.kv = [(torch.zeros(shape, dtype=param.dtype, device=param.device),
                     torch.zeros(shape, dtype=param.dtype, device=param.device))
                    for _ in range(cfg.num_hidden_layers)]
@@ -75,6 +78,7 @@ class ModelRunner:
                 and lora is None and not cfg.num_experts):
             self.graphs = DecodeGraphs(model, self.kv, block_size=config.block_size,
                                        scratch_block=self.num_blocks,
+                                       zero_slot=self.zero_slot,
                                        max_seqs=config.max_num_seqs,
                                        longest_context=min(cfg.max_position_embeddings, 8192),
                                        epoch=weights_epoch)
@@ -104,7 +108,8 @@ class ModelRunner:
         batch = AttentionBatch.build(
             self.kv, plan.segments, block_size=self.config.block_size,
             gqa_group=cfg.num_attention_heads // cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, theta=cfg.rope_theta, device=self.device)
+            head_dim=cfg.head_dim, theta=cfg.rope_theta, zero_slot=self.zero_slot,
+            device=self.device)
         hidden = self.model(torch.tensor(plan.ids, dtype=torch.long, device=self.device), batch)
         last = torch.tensor([s[1] - 1 for s in plan.segments], device=self.device)
         return self.model.logits(hidden[last])
@@ -191,6 +196,7 @@ def kv_blocks(config: EngineConfig, device: torch.device, slot_shape: tuple[int,
     fraction = config.kv_cache_memory_fraction
     if fraction is None or device.type != "cuda":
         return config.num_kv_blocks
+    torch.cuda.empty_cache()  # (what the allocator caches counts as free here)
     free, total = torch.cuda.mem_get_info(device)
     per_block = (2 * layers * config.block_size * slot_shape[0] * slot_shape[1]
                  * torch.empty(0, dtype=dtype).element_size())
