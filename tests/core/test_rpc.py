@@ -17,6 +17,7 @@ from wtransfer.clients import LocalClient
 from wtransfer.errors import LifecycleError, PeerError, TransferTimeout
 from wtransfer.protocol import SPIN_WINDOW_S
 from wtransfer.rpc import ReceiverServer, RPCClient
+from wtransfer.testing.conformance import wait_for
 
 
 @pytest.fixture
@@ -301,10 +302,9 @@ def test_close_releases_every_descriptor_once_even_from_two_threads_at_once(monk
             server.close()
             assert (closed[server._wake_r], closed[server._wake_w]) == (1, 1)
         assert errors == []
-        deadline = time.monotonic() + 5  # (ZeroMQ closes a socket's descriptors on its own
-        while len(os.listdir("/proc/self/fd")) > before:  # thread, a little later)
-            assert time.monotonic() < deadline, "descriptors left open"
-            time.sleep(0.01)
+        # (ZeroMQ closes a socket's descriptors on its own thread, a little later)
+        wait_for(lambda: len(os.listdir("/proc/self/fd")) <= before, 5,
+                 "the closed servers' descriptors to be released")
     finally:
         engine.shutdown()
 

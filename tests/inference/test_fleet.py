@@ -33,8 +33,8 @@ def serve(backend):
 
 
 class KillingSource(wtransfer.ModuleSource):
-    """The trainer's tensors, slowly; after `after` of them, `server` is SIGKILLed (an
-    instance dying mid-update)."""
+    """The trainer's tensors; after `after` of them, `server` is SIGKILLed (an instance
+    dying mid-update: the source is read while the update is open)."""
 
     def __init__(self, model, server, after=6):
         super().__init__(model)
@@ -45,7 +45,6 @@ class KillingSource(wtransfer.ModuleSource):
             if index == self.after and self.server.proc.poll() is None:
                 os.kill(self.server.proc.pid, signal.SIGKILL)
                 self.server.proc.wait(10)
-            time.sleep(0.02)
             yield item
 
 
