@@ -71,6 +71,7 @@ class TestNccl(DeltaCases):
     backend = "nccl"
 
 
+@pytest.mark.extended  # the same pair-bucket deltas as nccl's, through ucx's tagged sends
 class TestUcx(DeltaCases):
     backend = "ucx"
 

@@ -132,6 +132,11 @@ class TestUcx(M2NCases):
     backend = "ucx"
     extended_ranks = (4,)  # its pair buckets are planned as nccl's, which runs 4 ranks
 
+    @pytest.mark.extended  # the assembly and the deadline are the base's, run by ipc and nccl
+    def test_every_update_lands_and_a_killed_trainer_rank_leaves_the_weights_as_they_were(self):
+        """As the base's check, over ucx (`make test-extended`)."""
+        super().test_every_update_lands_and_a_killed_trainer_rank_leaves_the_weights_as_they_were()
+
 
 class TestIpc(M2NCases):
     backend = "ipc"

@@ -42,7 +42,8 @@ def check_landed(trainers, ranks, receivers, updates=1):
     return outs
 
 
-@pytest.mark.parametrize(("ranks", "model"), [(2, "llm:tiny"), (4, "mixed")])
+@pytest.mark.parametrize(("ranks", "model"), [  # 4 ranks: the same gathers, wider
+    (2, "llm:tiny"), pytest.param(4, "mixed", marks=pytest.mark.extended)])
 def test_fsdp_ranks_send_one_model_gathered_bucket_by_bucket(ranks, model):
     with spawn_receiver("ipc", model=model, seed=2) as receiver, \
             TrainerRanks(ranks, backend="ipc", addresses=[receiver.address], model=model,

@@ -68,7 +68,8 @@ def test_requests_spread_over_every_rank_and_match_a_single_engine(size):
 
 
 @pytest.mark.parametrize(("size", "mode"), [
-    (2, "abort"), (2, "wait"), (2, "keep"), (4, "keep"),
+    (2, "abort"), (2, "wait"), (2, "keep"),
+    pytest.param(4, "keep", marks=pytest.mark.extended),
     pytest.param(4, "abort", marks=pytest.mark.extended),
     pytest.param(4, "wait", marks=pytest.mark.extended)])
 def test_pause_with_one_rank_busy_and_the_others_idle(size, mode):

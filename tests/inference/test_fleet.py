@@ -85,7 +85,7 @@ def test_all_or_nothing_an_instance_killed_mid_update_leaves_the_other_as_it_was
         doomed.stop()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS_NCCL_EXTENDED)
 def test_drop_mode_lands_the_update_on_the_survivors_and_names_the_dropped(backend):
     """`on_failure="drop"`: the dead instance leaves the fleet, the update lands on the other
     (nccl: the group is formed again for the survivor and the update sent again), and

@@ -110,8 +110,9 @@ def test_both_ways_of_feeding_an_fp8_engine_give_a_fresh_fp8_engines_weights(bac
 
 
 @pytest.mark.parametrize(("backend", "model", "expert"), [
-    ("ipc", "tiny-fp8", False), ("nccl", "tiny-fp8", False),
-    ("ipc", "tiny-moe-fp8", False), ("nccl", "tiny-moe-fp8", True)])
+    ("ipc", "tiny-fp8", False), ("nccl", "tiny-moe-fp8", True),  # each way, dense and MoE;
+    pytest.param("nccl", "tiny-fp8", False, marks=pytest.mark.extended),  # the same over the
+    pytest.param("ipc", "tiny-moe-fp8", False, marks=pytest.mark.extended)])  # other backend
 def test_two_fp8_workers_fed_both_ways_hold_one_fp8_engines_weights(backend, model, expert):
     """tensor_parallel_size=2: each worker keeps its rows (columns) of every FP8 projection
     and the matching block scales (of every expert: its gate and up rows and down columns,

@@ -55,7 +55,8 @@ def push(server, model, version, backend="ipc"):
         sender.send_weights(weight_version=version)
 
 
-@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+@pytest.mark.parametrize("backend", ["ipc", pytest.param("nccl", marks=pytest.mark.extended)])
+# (nccl: the same hand-over through another backend's receive path, `make test-extended`)
 def test_remote_prefill_gives_the_monolithic_tokens_and_moves_the_prompt_kv(backend):
     mono = Server("--batch-invariant")
     prefill, decode = pair(backend)

