@@ -20,9 +20,9 @@ import torch
 from common import median_seconds, print_table, write_json
 
 from wtransfer.inference.config import MODEL_CONFIGS
-from wtransfer.inference.model import load_model, shard_model
-from wtransfer.inference.parallel import Parallel, layouts
-from wtransfer.inference.shard_target import ShardTarget
+from wtransfer.inference.model.decoder import load_model, shard_model
+from wtransfer.inference.model.parallel import Parallel, layouts
+from wtransfer.inference.updates.shard_target import ShardTarget
 from wtransfer.manifest import Manifest
 from wtransfer.packing import DTYPES, TensorMeta
 from wtransfer.receiver.session import UpdateSession

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wtransfer.inference.model import load_model
-from wtransfer.inference.parallel import Parallel, layouts
+from wtransfer.inference.model.decoder import load_model
+from wtransfer.inference.model.parallel import Parallel, layouts
 from wtransfer.launch.processes import free_port, spawn_receiver
 from wtransfer.launch.trainer_ranks import TrainerRanks
 from wtransfer.packing import TensorMeta

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from wtransfer.inference.fp8_matmul import block_scaled_linear, quantize_activations
+from wtransfer.inference.model.fp8_matmul import block_scaled_linear, quantize_activations
 from wtransfer.quant.fp8 import BLOCK, dequantize, quantize
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

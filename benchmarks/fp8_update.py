@@ -23,7 +23,7 @@ from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
 from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient, SamplingParams
-from wtransfer.inference.model import load_model
+from wtransfer.inference.model.decoder import load_model
 from wtransfer.quant.source import Fp8Source
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

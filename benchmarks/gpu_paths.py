@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_paths.py [--model qwen3-8b] [--repeats 5]
 
-1. Staged commit (`wtransfer.inference.staging.StagedWeights`): the time of a `swap` commit
+1. Staged commit (`wtransfer.inference.updates.staging.StagedWeights`): the time of a `swap` commit
    (storages exchanged) and a `copy` commit (the shadow copied into the live storages) of a
    whole model, against one device-to-device copy of its bytes.
 2. The delta sender's comparison (`wtransfer.delta.sender.DeltaSender`, its last-sent copy on
@@ -27,8 +27,8 @@ from wtransfer_ipc import IPCTrainerInitInfo
 import wtransfer
 from wtransfer.delta.sender import DeltaSender
 from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient, SamplingParams
-from wtransfer.inference.model import load_model
-from wtransfer.inference.staging import StagedWeights
+from wtransfer.inference.model.decoder import load_model
+from wtransfer.inference.updates.staging import StagedWeights
 from wtransfer.shapes import build_module, model_metas, perturb
 from wtransfer.trainer.source import ModuleSource
 

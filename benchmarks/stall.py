@@ -43,7 +43,7 @@ from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
 from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient, SamplingParams
-from wtransfer.inference.model import load_model
+from wtransfer.inference.model.decoder import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_json

@@ -7,8 +7,8 @@ import socket
 import sys
 
 from wtransfer.errors import ConfigError, WTransferError
-from wtransfer.launch.stacks import print_stacks_on_sigusr1
 from wtransfer.registry import list_backends
+from wtransfer.stacks import print_stacks_on_sigusr1
 
 SERVER_KEEPALIVE_S = 120
 """How long `wtransfer serve` keeps an idle connection open: far longer than clients reuse
@@ -73,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           "pip install -e '.[serve]'") from None
 
     from wtransfer.inference import AsyncEngine, EngineConfig
-    from wtransfer.inference.server import build_app
+    from wtransfer.inference.serving.server import build_app
 
     api_key = args.api_key or os.environ.get("WTRANSFER_API_KEY")
     if (args.role == "decode") != (args.prefill_url is not None):
@@ -100,7 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                       update_staging=None if args.update_staging == "auto"
                                       else args.update_staging))
     if args.weights_from:
-        from wtransfer.inference.join import join_from_peer
+        from wtransfer.inference.serving.join import join_from_peer
 
         try:
             version = join_from_peer(engine, args.weights_from, host=args.host,
@@ -111,8 +111,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise
         print(f"wtransfer serve: joined from {args.weights_from}: weight version {version!r}",
               flush=True)
-    from wtransfer.inference.disaggregation import Disaggregation
-    from wtransfer.inference.join import reachable_host
+    from wtransfer.inference.serving.disaggregation import Disaggregation
+    from wtransfer.inference.serving.join import reachable_host
 
     pd = Disaggregation(role=args.role, prefill_url=args.prefill_url,
                         prefill_api_key=args.prefill_api_key

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from wtransfer.errors import ConfigError, EngineDeadError
 from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams
-from wtransfer.inference.server import build_app
+from wtransfer.inference.serving.server import build_app
 
 POISON = 251
 """A prompt holding this token makes the injected fault fire in the step that computes it."""

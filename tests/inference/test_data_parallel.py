@@ -22,7 +22,7 @@ from wtransfer.inference import (
     SamplingParams,
     WeightVersionSpan,
 )
-from wtransfer.inference.model import load_model
+from wtransfer.inference.model.decoder import load_model
 
 SIZES = [2, 4]
 SIZES_TWO_IN_CI = [2, pytest.param(4, marks=pytest.mark.extended)]

@@ -14,7 +14,7 @@ from test_data_parallel import dp_engine, trainer_sender
 
 import wtransfer
 from wtransfer.inference import SamplingParams
-from wtransfer.inference.model import load_model
+from wtransfer.inference.model.decoder import load_model
 
 CYCLES = 120
 CYCLE_DEADLINE_S = 30

@@ -1,4 +1,4 @@
-"""Decode steps replayed as CUDA graphs (`wtransfer.inference.decode_graphs`).
+"""Decode steps replayed as CUDA graphs (`wtransfer.inference.steps.decode_graphs`).
 
 On the host the padded static layout runs eagerly (no capture): its tokens must be the eager
 path's, across batch and context buckets. On CUDA the same tests capture real graphs, and a
@@ -15,8 +15,8 @@ from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
 from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient, SamplingParams
-from wtransfer.inference.decode_graphs import DecodeGraphs
-from wtransfer.inference.model import load_model
+from wtransfer.inference.model.decoder import load_model
+from wtransfer.inference.steps.decode_graphs import DecodeGraphs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0)

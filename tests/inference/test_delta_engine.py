@@ -12,7 +12,7 @@ from wtransfer_nccl import NCCLTrainerInitInfo
 import wtransfer
 from wtransfer.errors import ConfigError
 from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient
-from wtransfer.inference.model import load_model
+from wtransfer.inference.model.decoder import load_model
 from wtransfer.shapes import perturb
 
 

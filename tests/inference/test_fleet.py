@@ -13,7 +13,7 @@ from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
 from wtransfer.errors import WTransferError
-from wtransfer.inference.model import load_model
+from wtransfer.inference.model.decoder import load_model
 
 BACKENDS = ["ipc", "nccl"]
 BACKENDS_NCCL_EXTENDED = ["ipc", pytest.param("nccl", marks=pytest.mark.extended)]

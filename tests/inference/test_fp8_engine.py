@@ -19,8 +19,8 @@ from wtransfer.inference import (
     LocalEngineClient,
     SamplingParams,
 )
-from wtransfer.inference.model import load_model
-from wtransfer.inference.parallel import check_fp8_shardable
+from wtransfer.inference.model.decoder import load_model
+from wtransfer.inference.model.parallel import check_fp8_shardable
 from wtransfer.packing import TensorMeta
 from wtransfer.quant.fp8 import FP8, dequantize, is_quantized, quantize
 from wtransfer.quant.source import Fp8Source

@@ -1,4 +1,4 @@
-"""The FP8 projection's block-scaled product (`wtransfer.inference.fp8_matmul`): the layouts
+"""The FP8 projection's block-scaled product (`wtransfer.inference.model.fp8_matmul`): the layouts
 it hands cuBLAS (CPU), and on a Hopper GPU the product itself against the exact product of the
 same FP8 operands."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from wtransfer.inference.fp8_linear import Fp8Linear
-from wtransfer.inference.fp8_matmul import (
+from wtransfer.inference.model.fp8_linear import Fp8Linear
+from wtransfer.inference.model.fp8_matmul import (
     block_scaled_linear,
     block_scaled_usable,
     quantize_activations,

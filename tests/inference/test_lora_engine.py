@@ -13,7 +13,7 @@ from wtransfer_nccl import NCCLTrainerInitInfo
 import wtransfer
 from wtransfer.errors import ConfigError, MetadataError, NonFiniteError
 from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient, SamplingParams
-from wtransfer.inference.model import load_model
+from wtransfer.inference.model.decoder import load_model
 from wtransfer.packing import TensorMeta
 from wtransfer.trainer.lora import LoRASource
 from wtransfer.trainer.source import WeightSource

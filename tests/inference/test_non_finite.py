@@ -13,7 +13,7 @@ from wtransfer_ipc import IPCTrainerInitInfo
 import wtransfer
 from wtransfer.errors import NonFiniteError
 from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient, SamplingParams
-from wtransfer.inference.model import load_model
+from wtransfer.inference.model.decoder import load_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 PROMPT = [5, 6, 7, 8]

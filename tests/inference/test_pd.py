@@ -14,7 +14,7 @@ from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
 from wtransfer.errors import MetadataError
-from wtransfer.inference.model import load_model
+from wtransfer.inference.model.decoder import load_model
 from wtransfer.testing.conformance import wait_for
 
 LONG = 1500
@@ -132,7 +132,7 @@ def test_a_malformed_or_unauthenticated_kv_hand_over_is_refused():
     layer) before any byte lands, and ask for the decode instance's API key."""
     import torch
 
-    from wtransfer.inference.handover import KVSource
+    from wtransfer.inference.serving.handover import KVSource
 
     prefill, decode = pair()
     try:

@@ -66,7 +66,7 @@ def test_reduced_demo_trained_by_two_fsdp2_ranks(tmp_path, capsys):
 
 def test_reduced_demo_trains_and_sends_only_a_lora_adapter(tmp_path, capsys):
     from wtransfer.demos.rl.lora import ADAPTER, LORA_ALPHA, LORA_RANK, add_adapters
-    from wtransfer.inference.model import load_model
+    from wtransfer.inference.model.decoder import load_model
     from wtransfer.trainer.lora import LoRASource
 
     code = run_rl_demo(steps=2, local=True, prompts_per_step=4, group=4, run_dir=str(tmp_path),

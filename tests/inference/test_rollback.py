@@ -12,7 +12,7 @@ from engine_helpers import GREEDY, collect, run
 from wtransfer.errors import LifecycleError
 from wtransfer.fingerprint import fingerprint
 from wtransfer.inference import AsyncEngine, EngineConfig
-from wtransfer.inference.server import build_app
+from wtransfer.inference.serving.server import build_app
 from wtransfer.launch.models import build
 from wtransfer.launch.peer import vary_seed
 from wtransfer.launch.processes import spawn_trainer

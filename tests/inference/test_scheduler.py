@@ -5,10 +5,10 @@ import re
 import pytest
 
 from wtransfer.errors import ConfigError
-from wtransfer.inference.block_manager import BlockManager
 from wtransfer.inference.params import SamplingParams
-from wtransfer.inference.scheduler import PauseState, Scheduler
-from wtransfer.inference.sequence import SeqStatus, Sequence
+from wtransfer.inference.steps.block_manager import BlockManager
+from wtransfer.inference.steps.scheduler import PauseState, Scheduler
+from wtransfer.inference.steps.sequence import SeqStatus, Sequence
 
 
 def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, prefix=True):
@@ -31,7 +31,7 @@ def step(sched, token=7):
 
 def test_scheduler_modules_import_no_torch():
     # the package __init__ pulls torch in through wtransfer; these modules themselves must not
-    for mod in ("scheduler", "block_manager", "sequence", "params", "outputs"):
+    for mod in ("steps/scheduler", "steps/block_manager", "steps/sequence", "params", "outputs"):
         with open(f"wtransfer/inference/{mod}.py") as f:
             assert not re.search(r"^\s*(import|from)\s+torch\b", f.read(), re.M), mod
 

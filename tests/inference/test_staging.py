@@ -27,7 +27,7 @@ from wtransfer.inference import (
     SamplingParams,
     WeightVersionSpan,
 )
-from wtransfer.inference.model import load_model
+from wtransfer.inference.model.decoder import load_model
 from wtransfer.launch.processes import spawn_trainer
 from wtransfer.testing.conformance import wait_for
 

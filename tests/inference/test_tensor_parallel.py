@@ -26,7 +26,7 @@ from wtransfer.inference import (
     SamplingParams,
     WeightVersionSpan,
 )
-from wtransfer.inference.model import load_model
+from wtransfer.inference.model.decoder import load_model
 
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10], [42]]
 SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

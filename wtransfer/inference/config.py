@@ -145,7 +145,7 @@ class EngineConfig:
     dtype: str | None = None
     """Parameter dtype; default: the model config's."""
     max_loras: int = 0
-    """LoRA adapter slots (`wtransfer.inference.lora`); 0: no adapters."""
+    """LoRA adapter slots (`wtransfer.inference.updates.lora`); 0: no adapters."""
     max_lora_rank: int = 16
     """The largest adapter rank a slot holds."""
     quantization: str | None = None
@@ -167,7 +167,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs where they apply (CUDA, one worker, a dense model,
-    no adapters: `wtransfer.inference.decode_graphs`); False: every step eager."""
+    no adapters: `wtransfer.inference.steps.decode_graphs`); False: every step eager."""
     batch_invariant: bool = False
     """Compute each sequence on its own so its tokens never depend on its batch-mates (and turn
     prefix caching off, whose cached blocks come from other sequences' computations)."""
@@ -190,7 +190,7 @@ class EngineConfig:
     update_staging: str | None = None
     """Where updates land: "off" (in place, the engine paused or idle), "swap" or "copy"
     (into a shadow copy while the engine keeps generating, committed at a step boundary by
-    exchanging storages, or by copying into the live ones: `wtransfer.inference.staging`).
+    exchanging storages, or by copying into the live ones: `wtransfer.inference.updates.staging`).
     None (default): "swap" when the extra copy fits in half the free memory of the device,
     else "off"."""
     update_reprefill: bool = True

@@ -25,9 +25,9 @@ from typing import Any
 from wtransfer.errors import EngineDeadError, LifecycleError
 from wtransfer.inference.commands import Emit, check_command, run_command
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.replica import Replica
-from wtransfer.inference.sequence import SeqStatus
-from wtransfer.inference.transfer_lane import TransferLane
+from wtransfer.inference.steps.sequence import SeqStatus
+from wtransfer.inference.updates.replica import Replica
+from wtransfer.inference.updates.transfer_lane import TransferLane
 
 log = logging.getLogger("wtransfer.engine")
 

@@ -21,7 +21,7 @@ def build(name: str, seed: int, device: str, fill: str = "random") -> nn.Module:
         model: nn.Module = AutoModelForCausalLM.from_pretrained(name[3:])
         return model.to(device).eval()
     if name.startswith("llm:"):
-        from wtransfer.inference.model import load_model  # only for the engine's own model
+        from wtransfer.inference.model.decoder import load_model  # only for the engine's own model
 
         return load_model(name[4:], device=device, seed=seed)
     return build_module(model_metas(name), seed, device, fill=fill)

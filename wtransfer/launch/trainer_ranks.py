@@ -28,7 +28,7 @@ from typing import IO, Any
 
 from wtransfer import wire
 from wtransfer.errors import TransferTimeout
-from wtransfer.launch.stacks import print_stacks_on_sigusr1
+from wtransfer.stacks import print_stacks_on_sigusr1
 
 
 def shard(module: Any, ranks: int) -> Any:

@@ -1,5 +1,5 @@
 """`LoRASource`: only a LoRA adapter's tensors, sent as adapter `name` (see
-`wtransfer.inference.lora` for how an engine serves them)."""
+`wtransfer.inference.updates.lora` for how an engine serves them)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from wtransfer.inference.model import Qwen3ForCausalLM
+from wtransfer.inference.model.decoder import Qwen3ForCausalLM
 
 
 @dataclass

@@ -22,8 +22,8 @@ from wtransfer.demos.rl.servers import FreshEngineReference
 from wtransfer.demos.rl.trainers import LocalTrainer
 from wtransfer.fingerprint import fingerprint
 from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient
-from wtransfer.inference.lora import TARGET_MODULES
-from wtransfer.inference.model import load_model
+from wtransfer.inference.model.decoder import load_model
+from wtransfer.inference.model.lora_layers import TARGET_MODULES
 from wtransfer.registry import get_backend, trainer_init
 from wtransfer.trainer.lora import LoRASource
 from wtransfer.trainer.source import WeightSource

@@ -51,11 +51,11 @@ from wtransfer.inference.commands import run_command
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.dp.collective import RankGroup
 from wtransfer.inference.outputs import RequestOutput
-from wtransfer.inference.replica import Replica
-from wtransfer.inference.scheduler import PauseState
-from wtransfer.inference.transfer_lane import TransferLane
-from wtransfer.launch.stacks import print_stacks_on_sigusr1
+from wtransfer.inference.steps.scheduler import PauseState
+from wtransfer.inference.updates.replica import Replica
+from wtransfer.inference.updates.transfer_lane import TransferLane
 from wtransfer.records import PauseMode
+from wtransfer.stacks import print_stacks_on_sigusr1
 from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.dp")

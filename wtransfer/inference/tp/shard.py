@@ -14,10 +14,10 @@ from typing import Any
 from torch import nn
 
 from wtransfer.errors import LifecycleError, NotInitializedError
-from wtransfer.inference.lora import AdapterTable, LoRATarget
-from wtransfer.inference.release import release_module
-from wtransfer.inference.shard_target import ShardTarget
-from wtransfer.inference.staging import StagedWeights, StagingMode
+from wtransfer.inference.updates.lora import AdapterTable, LoRATarget
+from wtransfer.inference.updates.release import release_module
+from wtransfer.inference.updates.shard_target import ShardTarget
+from wtransfer.inference.updates.staging import StagedWeights, StagingMode
 from wtransfer.quant.target import Fp8Target
 from wtransfer.receiver.engine import ReceiverState, WeightTransferEngine
 from wtransfer.receiver.target import WeightTarget

@@ -31,19 +31,19 @@ import zmq
 from wtransfer import wire
 from wtransfer.errors import WTransferError, error_reply, ok_reply
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.fp8_linear import quantize_model
-from wtransfer.inference.model import load_model, shard_model
-from wtransfer.inference.parallel import (
+from wtransfer.inference.model.decoder import load_model, shard_model
+from wtransfer.inference.model.fp8_linear import quantize_model
+from wtransfer.inference.model.parallel import (
     Collective,
     Parallel,
     collective_backend,
     layouts,
     worker_device,
 )
-from wtransfer.inference.runner import ModelRunner, StepPlan
+from wtransfer.inference.steps.runner import ModelRunner, StepPlan
 from wtransfer.inference.tp.shard import ShardWeights
-from wtransfer.launch.stacks import print_stacks_on_sigusr1
 from wtransfer.packing import dtype_name
+from wtransfer.stacks import print_stacks_on_sigusr1
 from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.tp")

@@ -35,8 +35,8 @@ from wtransfer import wire
 from wtransfer.errors import ConfigError, EngineDeadError, TransferTimeout, reply_result
 from wtransfer.fingerprint import tensor_digest
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.parallel import Collective, collective_backend
-from wtransfer.inference.runner import StepPlan
+from wtransfer.inference.model.parallel import Collective, collective_backend
+from wtransfer.inference.steps.runner import StepPlan
 from wtransfer.records import TensorLayout
 
 _SLICE_S = 0.005

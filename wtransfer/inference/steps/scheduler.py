@@ -14,8 +14,8 @@ import enum
 from collections import deque
 
 from wtransfer.errors import ConfigError
-from wtransfer.inference.block_manager import BlockManager
-from wtransfer.inference.sequence import SeqStatus, Sequence
+from wtransfer.inference.steps.block_manager import BlockManager
+from wtransfer.inference.steps.sequence import SeqStatus, Sequence
 
 
 class PauseState(enum.Enum):

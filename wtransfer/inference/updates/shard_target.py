@@ -17,7 +17,7 @@ from torch import nn
 
 from wtransfer.errors import MetadataError
 from wtransfer.fingerprint import fingerprint
-from wtransfer.inference.staging import StagedWeights
+from wtransfer.inference.updates.staging import StagedWeights
 from wtransfer.packing import TensorMeta, byte_view
 from wtransfer.receiver.target import WeightTarget, copy_to_host
 from wtransfer.records import Box, TensorLayout

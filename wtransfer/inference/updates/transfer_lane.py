@@ -16,7 +16,7 @@ from typing import Any
 
 from wtransfer.errors import TransferTimeout
 from wtransfer.inference.commands import TRANSFER_COMMANDS, run_command
-from wtransfer.inference.replica import Replica
+from wtransfer.inference.updates.replica import Replica
 
 AtStepBoundary = Callable[[Callable[[], Any]], "Future[Any]"]
 """Runs a function on the engine's thread between two steps; its future has the result."""

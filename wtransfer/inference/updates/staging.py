@@ -3,7 +3,7 @@ generating from the live ones, committed at a step boundary.
 
 `StagedWeights` holds one shadow tensor per parameter and buffer of the module (tied weights
 share one). A staged update's receiver writes only into the shadow (its target is a
-`wtransfer.inference.shard_target.ShardTarget` over `dest`); the live weights change only at
+`wtransfer.inference.updates.shard_target.ShardTarget` over `dest`); the live weights change only at
 `commit`, on the engine's thread between two steps:
 
 - ``swap`` exchanges the live and shadow storages (O(1) per tensor): the shadow then holds the

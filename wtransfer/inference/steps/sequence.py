@@ -39,7 +39,7 @@ class Sequence:
         self.arrival = next(_arrivals)
         self.capture_kv = False
         """Keep the prompt's K/V when its first token is sampled (a prefill instance hands it
-        over to a decode instance: `wtransfer.inference.handover`)."""
+        over to a decode instance: `wtransfer.inference.serving.handover`)."""
         self.prefilled_by = "local"
         """Where the prompt's K/V was computed: "local", or "remote" (a prefill instance)."""
 

@@ -17,13 +17,12 @@ from typing import Any
 import torch
 
 from wtransfer.errors import ConfigError, EngineDeadError, LifecycleError
-from wtransfer.inference.block_manager import BlockManager
 from wtransfer.inference.commands import Emit
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.fp8_linear import quantize_model
-from wtransfer.inference.lora import AdapterTable, LoRATarget, adapter_fingerprint, enable_lora
-from wtransfer.inference.model import load_model, shard_model
-from wtransfer.inference.parallel import (
+from wtransfer.inference.model.decoder import load_model, shard_model
+from wtransfer.inference.model.fp8_linear import quantize_model
+from wtransfer.inference.model.lora_layers import enable_lora
+from wtransfer.inference.model.parallel import (
     ALONE,
     Parallel,
     check_fp8_shardable,
@@ -32,14 +31,16 @@ from wtransfer.inference.parallel import (
     worker_device,
 )
 from wtransfer.inference.params import SamplingParams
-from wtransfer.inference.release import return_device_memory
-from wtransfer.inference.runner import ModelRunner
-from wtransfer.inference.scheduler import PauseState, Scheduler
-from wtransfer.inference.sequence import Sequence
-from wtransfer.inference.staging import StagingMode
-from wtransfer.inference.stall import StallMeter
+from wtransfer.inference.steps.block_manager import BlockManager
+from wtransfer.inference.steps.runner import ModelRunner
+from wtransfer.inference.steps.scheduler import PauseState, Scheduler
+from wtransfer.inference.steps.sequence import Sequence
 from wtransfer.inference.tp.shard import ShardWeights
 from wtransfer.inference.tp.workers import TPWorkers
+from wtransfer.inference.updates.lora import AdapterTable, LoRATarget, adapter_fingerprint
+from wtransfer.inference.updates.release import return_device_memory
+from wtransfer.inference.updates.staging import StagingMode
+from wtransfer.inference.updates.stall import StallMeter
 from wtransfer.packing import dtype_name
 from wtransfer.receiver.engine import ReceiverState, WeightTransferEngine
 from wtransfer.records import PauseMode, check_pause_mode, check_version

@@ -30,9 +30,9 @@ from fastapi import FastAPI, Request
 
 from wtransfer.errors import LifecycleError, PeerError, WTransferError
 from wtransfer.inference.async_engine import AsyncEngine, Prefilled
-from wtransfer.inference.handover import KVHandover, KVTarget, kv_shape
-from wtransfer.inference.http_body import field as body_field
 from wtransfer.inference.params import SamplingParams
+from wtransfer.inference.serving.handover import KVHandover, KVTarget, kv_shape
+from wtransfer.inference.serving.http_body import field as body_field
 from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.registry import create_receiver
 from wtransfer.wire import parse_record, record_to_wire

@@ -3,7 +3,7 @@
 Parameter names are exactly the checkpoint's (``model.layers.0.self_attn.q_proj.weight``...), so
 the trainer trains, and sends, the very module the engine serves. Attention reads and writes a
 paged KV cache through an `AttentionBatch` the engine's runner lays out once per step
-(`wtransfer.inference.attention`).
+(`wtransfer.inference.model.attention`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from wtransfer.errors import ConfigError, MetadataError
-from wtransfer.inference.attention import AttentionBatch, attend
 from wtransfer.inference.config import MODEL_CONFIGS, ModelConfig
-from wtransfer.inference.experts import Experts
-from wtransfer.inference.fp8_linear import Fp8Linear, quantize_model
-from wtransfer.inference.parallel import (
+from wtransfer.inference.model.attention import AttentionBatch, attend
+from wtransfer.inference.model.experts import Experts
+from wtransfer.inference.model.fp8_linear import Fp8Linear, quantize_model
+from wtransfer.inference.model.parallel import (
     ALONE,
     Parallel,
     check_fp8_shardable,
@@ -284,7 +284,7 @@ _EXPERT = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight")
 
 def shard_model(full: Qwen3ForCausalLM, par: Parallel) -> Qwen3ForCausalLM:
     """Rank `par.rank`'s shard of the whole model `full` (same names, sharded shapes: the
-    slices `wtransfer.inference.parallel.layouts` gives). A quantized `full` (FP8
+    slices `wtransfer.inference.model.parallel.layouts` gives). A quantized `full` (FP8
     projections) gives a quantized shard: its part of each FP8 weight and of its scales."""
     shard = Qwen3ForCausalLM(full.config, par).to(full.model.embed_tokens.weight.dtype)
     if any(isinstance(m, Fp8Linear) for m in full.modules()):

@@ -40,15 +40,15 @@ from wtransfer.errors import (
     error_kind,
 )
 from wtransfer.inference.async_engine import AsyncEngine
-from wtransfer.inference.disaggregation import Disaggregation
-from wtransfer.inference.http_body import (
+from wtransfer.inference.params import SamplingParams
+from wtransfer.inference.serving.disaggregation import Disaggregation
+from wtransfer.inference.serving.http_body import (
     BodyTooLarge,
     Unauthorized,
     check_fields,
     field,
     read_body,
 )
-from wtransfer.inference.params import SamplingParams
 from wtransfer.records import check_pause_mode
 from wtransfer.wire import parse_record
 
@@ -158,7 +158,7 @@ async def _until_disconnected(request: Request) -> None:
 def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | None = None,
               max_body_bytes: int = 64 << 20, pd: Disaggregation | None = None) -> FastAPI:
     """The FastAPI application serving `engine` (with `pd`, its part in prefill/decode
-    disaggregation: `wtransfer.inference.disaggregation`)."""
+    disaggregation: `wtransfer.inference.serving.disaggregation`)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -11,13 +11,13 @@ from typing import Any
 import torch
 
 from wtransfer.errors import ConfigError
-from wtransfer.inference.attention import AttentionBatch
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.decode_graphs import DecodeGraphs
-from wtransfer.inference.lora import LoRARows
-from wtransfer.inference.model import Qwen3ForCausalLM
+from wtransfer.inference.model.attention import AttentionBatch
+from wtransfer.inference.model.decoder import Qwen3ForCausalLM
+from wtransfer.inference.model.lora_layers import LoRARows
 from wtransfer.inference.params import SamplingParams
-from wtransfer.inference.sequence import Sequence
+from wtransfer.inference.steps.decode_graphs import DecodeGraphs
+from wtransfer.inference.steps.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

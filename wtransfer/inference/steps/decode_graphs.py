@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from wtransfer.inference.attention import AttentionBatch, AttentionGroup, rotary_tables
-from wtransfer.inference.model import Qwen3ForCausalLM
+from wtransfer.inference.model.attention import AttentionBatch, AttentionGroup, rotary_tables
+from wtransfer.inference.model.decoder import Qwen3ForCausalLM
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from wtransfer.inference.sequence import Sequence
+from wtransfer.inference.steps.sequence import Sequence
 
 
 class BlockManager:

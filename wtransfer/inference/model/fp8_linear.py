@@ -1,6 +1,6 @@
 """FP8 linear layers and experts for the engine (`EngineConfig(quantization="fp8")`): the
 scheme of `wtransfer.quant.fp8`. On a Hopper GPU a projection multiplies FP8 x FP8 with its
-block scales on the tensor cores (`wtransfer.inference.fp8_matmul`); elsewhere, and for the
+block scales on the tensor cores (`wtransfer.inference.model.fp8_matmul`); elsewhere, and for the
 experts, the weight is dequantized on the fly in the forward (correct on every device, not
 fast)."""
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wtransfer.inference.experts import Experts
-from wtransfer.inference.fp8_matmul import block_scaled_linear
+from wtransfer.inference.model.experts import Experts
+from wtransfer.inference.model.fp8_matmul import block_scaled_linear
 from wtransfer.quant.fp8 import FP8, dequantize, is_quantized, quantize, scale_shape
 
 

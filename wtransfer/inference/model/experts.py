@@ -1,5 +1,5 @@
 """The experts of one mixture-of-experts layer (`Experts`), apart from the model so the FP8
-layers (`wtransfer.inference.fp8_linear`) can build on them."""
+layers (`wtransfer.inference.model.fp8_linear`) can build on them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from wtransfer.inference.config import ModelConfig
-from wtransfer.inference.parallel import ALONE, Parallel
+from wtransfer.inference.model.parallel import ALONE, Parallel
 
 
 class Experts(nn.Module):

@@ -1,0 +1,121 @@
+"""The import rules docs/architecture.md states, read from the source (every `import` and
+`from ... import` at any depth, type-checking blocks included): a change that breaks one fails
+here naming the file and the import."""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "wtransfer"
+
+ENGINE_LAYERS = {
+    "config": 0, "params": 0, "outputs": 0, "commands": 0,
+    "model": 1,
+    "steps": 2,
+    "updates": 3, "tp": 3,
+    "engine_core": 4, "dp": 4,
+    "async_engine": 5,
+    "serving": 6,
+}
+"""The engine's layers, bottom to top: a module imports its own layer or one below."""
+
+ABOVE_THE_CORE = ("wtransfer.inference", "wtransfer.demos", "wtransfer.ray", "wtransfer.launch",
+                  "wtransfer.testing", "wtransfer.cli")
+"""What the core (every other module of `wtransfer`) never imports."""
+
+
+def module_name(path):
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path):
+    """Every absolute module name `path` imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+MODULES = {module_name(p): imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def under(name, *prefixes):
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def engine_layer(name):
+    """The layer of a module under `wtransfer.inference` (None: the package itself)."""
+    parts = name.split(".")
+    return ENGINE_LAYERS[parts[2]] if len(parts) > 2 and parts[2] != "_moved" else None
+
+
+def broken(rule):
+    return [f"{module} imports {target}" for module, targets in MODULES.items()
+            for target in sorted(targets) if rule(module, target)]
+
+
+def test_the_walk_sees_the_tree():
+    assert len(MODULES) > 100
+    assert "wtransfer.inference.steps.scheduler" in MODULES
+    assert "wtransfer.errors" in MODULES["wtransfer.inference.updates.replica"]
+
+
+def test_the_core_never_imports_the_engine_demos_ray_launch_testing_or_the_cli():
+    assert broken(lambda m, t: not under(m, *ABOVE_THE_CORE) and m != "wtransfer.__main__"
+                  and under(t, *ABOVE_THE_CORE)) == []
+
+
+def test_trainer_and_receiver_never_import_each_other():
+    assert broken(lambda m, t: (under(m, "wtransfer.trainer") and under(t, "wtransfer.receiver"))
+                  or (under(m, "wtransfer.receiver") and under(t, "wtransfer.trainer"))) == []
+
+
+def test_nothing_in_wtransfer_imports_a_backend():
+    assert broken(lambda m, t: under(t, "wtransfer_ipc", "wtransfer_nccl", "wtransfer_ucx")) == []
+
+
+def test_production_code_never_imports_the_test_harness():
+    """The engine, the CLI and the demos never import `wtransfer.testing`; the engine never
+    imports `wtransfer.launch` (the demos start child processes through it)."""
+    assert broken(lambda m, t: under(m, "wtransfer.inference", "wtransfer.cli",
+                                     "wtransfer.demos", "wtransfer.ray")
+                  and under(t, "wtransfer.testing")) == []
+    assert broken(lambda m, t: under(m, "wtransfer.inference") and under(t, "wtransfer.launch")) \
+        == []
+
+
+def test_the_engines_layers_import_only_their_own_layer_or_below():
+    def upward(module, target):
+        if not (under(module, "wtransfer.inference") and under(target, "wtransfer.inference")):
+            return False
+        low, high = engine_layer(module), engine_layer(target)
+        return low is not None and high is not None and high > low
+
+    assert broken(upward) == []
+
+
+@pytest.mark.parametrize("old", ["replica", "scheduler", "server", "runner", "lora"])
+def test_an_engine_module_imported_by_its_old_name_is_the_moved_one_with_a_warning(old):
+    import importlib
+    import sys
+    import warnings
+
+    from wtransfer.inference._moved import MOVED
+
+    sys.modules.pop(f"wtransfer.inference.{old}", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(f"wtransfer.inference.{old}")
+    new = importlib.import_module(f"wtransfer.inference.{MOVED[old]}")
+    assert module is new and module.__spec__.name == new.__name__
+    assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [
+        f"wtransfer.inference.{old} moved to {new.__name__}; import it from there"]
