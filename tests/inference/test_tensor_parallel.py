@@ -16,6 +16,7 @@ import torch
 from engine_helpers import collect, run, until
 from wtransfer_ipc import IPCTrainerInitInfo
 from wtransfer_nccl import NCCLTrainerInitInfo
+from wtransfer_ucx import UCXTrainerInitInfo
 
 import wtransfer
 from wtransfer.errors import ConfigError, EngineDeadError
@@ -118,13 +119,13 @@ def test_a_model_that_does_not_split_evenly_is_refused_at_start_up():
         AsyncEngine(EngineConfig(model="tiny", tensor_parallel_size=3))
 
 
-@pytest.mark.parametrize("backend", ["ipc", "nccl"])
-@pytest.mark.parametrize("staging", ["off", "swap"])
+@pytest.mark.parametrize(("staging", "backend"), [
+    ("off", "ipc"), ("swap", "ipc"), ("off", "nccl"), ("swap", "nccl"), ("off", "ucx")])
 def test_an_update_mid_flight_reaches_every_worker(backend, staging):
     """A trainer's update into a TP=2 engine while greedy requests run (in place: a keep
     pause around it; staged: no pause): both workers hold the trainer's weights (their full
-    tensors' fingerprint equals the trainer's), each received an update (over ipc, by default,
-    only the parts it keeps), and every request's
+    tensors' fingerprint equals the trainer's), each received only the parts it keeps (by
+    default, from one sender), and every request's
     tail after the update equals a fresh TP=1 engine holding the new weights."""
     max_tokens = 48
 
@@ -143,18 +144,20 @@ def test_an_update_mid_flight_reaches_every_worker(backend, staging):
                         "every request to start")
             if staging == "off":
                 await engine.pause_generation(mode="keep", clear_cache=True)
-            info = (NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=3, timeout_s=60,
-                                        bucket_bytes=1 << 16) if backend == "nccl"
-                    else IPCTrainerInitInfo(bucket_bytes=1 << 16, timeout_s=60))
+            info = {"nccl": NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=3,
+                                                timeout_s=60, bucket_bytes=1 << 16),
+                    "ucx": UCXTrainerInitInfo(listen_address="127.0.0.1", timeout_s=60,
+                                              bucket_bytes=1 << 16),
+                    "ipc": IPCTrainerInitInfo(bucket_bytes=1 << 16, timeout_s=60)}[backend]
             client = LocalEngineClient(engine)
             assert client.num_workers() == 2
 
             def push():
                 with wtransfer.trainer_init(info, client=client,
                                             source=wtransfer.ModuleSource(trainer)) as sender:
-                    sender.send_weights(weight_version="tp-1")
+                    return sender.send_weights(weight_version="tp-1")
 
-            await asyncio.to_thread(push)
+            stats = await asyncio.to_thread(push)
             if staging == "off":
                 await engine.resume_generation()
             outs = {rid: await task for rid, task in tasks.items()}
@@ -162,12 +165,14 @@ def test_an_update_mid_flight_reaches_every_worker(backend, staging):
             workers = (await engine.weight_info())["workers"]
             assert [w["update_state"] for w in workers] == ["ready", "ready"]
             assert all(w["last_update_bytes"] > 0 for w in workers)
-            if backend == "ipc":  # by default one sender slices per worker (1->N)
-                model_bytes = sum(t.numel() * t.element_size()
-                                  for t in trainer.state_dict().values())
-                kept = [w["kept_bytes"] for w in workers]
-                assert [w["last_update_bytes"] for w in workers] == kept
-                assert all(k < 0.6 * model_bytes for k in kept), (kept, model_bytes)
+            # by default one sender slices per worker (1->N), over either backend
+            model_bytes = sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
+            kept = [w["kept_bytes"] for w in workers]
+            assert [w["last_update_bytes"] for w in workers] == kept
+            assert all(k < 0.6 * model_bytes for k in kept), (kept, model_bytes)
+            if backend != "ipc":  # a message per worker: each worker's bytes sent to it
+                assert stats.worker_bytes == kept and stats.sent_bytes == sum(kept)
+            # (ipc stages the model once in shared memory; each worker copies out its part)
         finally:
             engine.shutdown()
         fresh = AsyncEngine(EngineConfig(model="tiny", seed=3, batch_invariant=True))

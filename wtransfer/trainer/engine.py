@@ -707,6 +707,13 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             return everyone and self.source.sharded
         return requested
 
+    def _may_slice_per_worker(self) -> bool:
+        """Whether one sender may send each worker only what it keeps (1->N): a lone sender
+        of a whole source's full updates (no delta, no adapter) into more than one worker."""
+        client = self.client
+        return (not self.collective and not self.source.sharded and self.delta is None
+                and self.source.delta_ok and client is not None and client.num_workers() > 1)
+
     @property
     def sends_own_shards(self) -> bool:
         """Whether every rank sends the workers its own shards (M->N): nothing is gathered."""

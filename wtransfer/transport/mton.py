@@ -333,6 +333,12 @@ def planner_of(fragments: list[dict[str, Any]], dests: list[dict[str, TensorLayo
     return Planner(sources, dests, bucket_bytes), stripped
 
 
+def keeps_part(layouts: dict[str, TensorLayout]) -> bool:
+    """Whether a worker holding `layouts` keeps less than every tensor whole (a TP or EP
+    shard), so that sending it only what it keeps saves bytes."""
+    return any(layout.boxes != (Box.whole(layout.shape),) for layout in layouts.values())
+
+
 def whole_layouts(metas: Sequence[TensorMeta], replica: int = 0) -> dict[str, TensorLayout]:
     """Every tensor of `metas` held whole."""
     return {m.name: TensorLayout.whole(m.name, m.dtype, m.shape, replica=replica)

@@ -146,11 +146,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         (1->N). Not for deltas or adapters (their M->N forms are the pair buckets of several
         ranks), nor CUDA staging (zero-copy already copies only each worker's part), nor a
         fleet, whose instances may each hold whole models."""
-        client = self.client
-        return (self.device.type == "cpu" and not self.collective and not self.source.sharded
-                and self.delta is None and self.source.delta_ok
-                and client is not None and not isinstance(client, FleetClient)
-                and client.num_workers() > 1)
+        return (self.device.type == "cpu" and not isinstance(self.client, FleetClient)
+                and self._may_slice_per_worker())
 
     @property
     def fixed_receivers(self) -> bool:

@@ -40,8 +40,10 @@ class NCCLTrainerInitInfo(TrainerInitInfo):
     m2n: bool | None = None
     """Send each worker only what it keeps, from the trainer ranks that hold it, without
     gathering (`wtransfer.transport.mton`): every trainer rank needs a client then. None
-    (default): when the source is sharded and every trainer rank has a client; False: gather
-    each bucket to a sender and broadcast it to every worker."""
+    (default): when the source is sharded and every trainer rank has a client, and for a lone
+    sender of a whole model (1->N) when some worker keeps part of a tensor (a TP or EP engine;
+    whole replicas, as data-parallel ranks, take the broadcast); False: gather each bucket to
+    a sender and broadcast it to every worker."""
     master_port: int = 0
     """Port of the rendezvous the first sender hosts; 0 (default): a free one the OS picks,
     sent to the receivers in their init info. Name one where a firewall needs it."""
@@ -76,6 +78,10 @@ class NCCLInitInfo(ReceiverInitInfo):
     """One group of every trainer rank and worker: each worker receives only what it keeps,
     from every trainer rank (`wtransfer.transport.mton`), and publishes its layouts in the
     rendezvous at init."""
+    m2n_by_layouts: bool = False
+    """A lone sender decides between M->N and the broadcast from what the workers keep: each
+    worker publishes its layouts, then joins the group the lead's decision names
+    (`wtransfer_nccl.mton.read_decision`)."""
     lifeline_port: int | None = None
     """Port of the lead trainer's `wtransfer.transport.tcp_lifeline.LifelineListener` at
     `master_address`: each worker connects once, and fails an open update within moments of

@@ -8,6 +8,11 @@ every tensor whole). Once the group formed every key is there, so every rank rea
 list (`Planner`); the lead's update call carries the plan's digest, and a worker that planned
 otherwise refuses the update before any byte moves.
 
+A lone sender of a whole model leaves the choice to the layouts (`NCCLInitInfo.m2n_by_layouts`):
+every worker publishes what it keeps first, the lead reads them and publishes its decision
+(`publish_decision`: M->N where some worker keeps part of a tensor, else the broadcast), and
+every worker joins the group that decision names (`read_decision`).
+
 Each pair bucket is one point-to-point message: the sender packs its pieces from its own
 shards (`LocalShards.pack_framed`), the worker receives them in its staging and writes each
 box into place. Both sides walk their buckets in the plan's round order, so no rank ever
@@ -30,9 +35,11 @@ from wtransfer.transport.mton import (
     whole_layouts,
 )
 
-__all__ = ["Planner", "m2n_store", "publish_layouts", "read_layouts", "whole_layouts"]
+__all__ = ["Planner", "m2n_store", "publish_decision", "publish_layouts", "read_decision",
+           "read_layouts", "whole_layouts"]
 
 _KEY = "m2n/layouts/"
+_DECISION = "m2n/decision"
 
 
 def m2n_store(store: dist.Store) -> dist.Store:
@@ -56,3 +63,18 @@ def read_layouts(store: dist.Store, ranks: range, timeout_s: float
                               f"their layouts within {timeout_s:g}s: {exc}") from None
     return [layouts_from_wire(wire.decode(bytes(store.get(key))), f"rank {rank}")
             for rank, key in zip(ranks, keys, strict=True)]
+
+
+def publish_decision(store: dist.Store, m2n: bool) -> None:
+    """The lead's choice for a lone sender (M->N or the broadcast), read by every worker."""
+    store.set(_DECISION, b"m2n" if m2n else b"broadcast")  # type: ignore[arg-type]
+
+
+def read_decision(store: dist.Store, timeout_s: float) -> bool:
+    """Whether the lead chose M->N (`publish_decision`)."""
+    try:
+        store.wait([_DECISION], timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise TransferTimeout(f"the trainer did not choose between M->N and the broadcast "
+                              f"within {timeout_s:g}s: {exc}") from None
+    return bytes(store.get(_DECISION)) == b"m2n"

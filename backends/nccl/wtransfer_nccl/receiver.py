@@ -35,6 +35,7 @@ from wtransfer_nccl.mton import (
     Planner,
     m2n_store,
     publish_layouts,
+    read_decision,
     read_layouts,
     whole_layouts,
 )
@@ -87,9 +88,13 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
                                 info.sender_id or "", info.timeout_s)
         workers = info.world_size - info.senders
         try:
-            if info.m2n:
+            m2n = info.m2n
+            if info.m2n_by_layouts:  # the lead chooses once every worker said what it keeps
+                self._publish_kept(store, rank)
+                m2n = read_decision(store, info.timeout_s)
+            if m2n:
                 self._join_m2n(info, store, rank, staging_device)
-            for sender in range(info.senders if not info.m2n else 0):
+            for sender in range(info.senders if not m2n else 0):
                 self._groups.append(make_group(
                     info.transport, sender_store(store, sender, info.senders),
                     rank - info.senders + 1, workers + 1, info.timeout_s, staging_device))
@@ -98,7 +103,7 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
             raise
         self._staging = [[torch.empty(info.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                       device=staging_device) for _ in range(info.num_buffers)]
-                         for _ in range(info.senders if not info.m2n else 1)]
+                         for _ in range(info.senders if not m2n else 1)]
         if info.lifeline_port is not None:
             self._lifeline = Lifeline(info.master_address, info.lifeline_port,
                                       min(info.timeout_s, _LIFELINE_CONNECT_S))
@@ -107,14 +112,17 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
                   device: torch.device) -> None:
         """Publish what this worker keeps, join the group of every trainer rank and worker,
         and read what everyone holds."""
-        kept = self.target.keeps()
-        publish_layouts(store, rank, kept if kept is not None
-                        else whole_layouts(self.target.metadata()))
+        self._publish_kept(store, rank)
         self._groups.append(make_group(info.transport, m2n_store(store), rank, info.world_size,
                                        info.timeout_s, device))
         everyone = read_layouts(store, range(info.world_size), info.timeout_s)
         self._planner = Planner(everyone[:info.senders], everyone[info.senders:],
                                 info.bucket_bytes)
+
+    def _publish_kept(self, store: Any, rank: int) -> None:
+        kept = self.target.keeps()
+        publish_layouts(store, rank, kept if kept is not None
+                        else whole_layouts(self.target.metadata()))
 
     def _sender_gone(self) -> str | None:
         lifeline = self._lifeline

@@ -17,6 +17,7 @@ from wtransfer.records import receiver_init_dict
 from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
 from wtransfer.trainer.pairs import pair_send
 from wtransfer.trainer.source import WeightSource
+from wtransfer.transport.mton import keeps_part
 from wtransfer.transport.tcp_lifeline import LifelineListener
 from wtransfer.transport.window import SendChannel
 from wtransfer_nccl.group import (
@@ -34,6 +35,7 @@ from wtransfer_nccl.info import NCCLTrainerInitInfo
 from wtransfer_nccl.mton import (
     Planner,
     m2n_store,
+    publish_decision,
     publish_layouts,
     read_layouts,
 )
@@ -66,12 +68,15 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         self.world_size = 0
         """Trainer ranks that send plus every worker (counted at connect)."""
         self.m2n = False
-        """Whether updates go M->N (`NCCLTrainerInitInfo.m2n`, decided at connect)."""
+        """Whether updates go M->N (`NCCLTrainerInitInfo.m2n`, decided at connect, or for a
+        lone sender once the workers published what they keep)."""
+        self._m2n_by_layouts = False
         self._planner: Planner | None = None
         self._last_moved: dict[str, Any] = {}
 
     def _connect(self) -> dict[str, Any]:
         self._broken = None  # (again after a reconnect)
+        self._planner = None
         info = self.init_info
         assert self.client is not None
         workers = self.client.num_workers()
@@ -82,6 +87,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                               f"{self.senders + workers}, or leave it out")
         self.world_size = self.senders + workers
         self.m2n = self._m2n_wanted(self.init_info.m2n)
+        self._m2n_by_layouts = (info.m2n is None and not self.m2n
+                                and self._may_slice_per_worker())
         self._staging = [torch.empty(self.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(self.num_buffers)]
         port = info.master_port
@@ -95,7 +102,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                                   master_port=port, world_size=self.world_size,
                                   rank_offset=self.senders, transport=self.transport,
                                   senders=self.senders, batch=DIRECT_BATCH,
-                                  first_batch=DIRECT_FIRST, m2n=self.m2n)
+                                  first_batch=DIRECT_FIRST, m2n=self.m2n,
+                                  m2n_by_layouts=self._m2n_by_layouts)
 
     @property
     def sends_own_shards(self) -> bool:
@@ -138,6 +146,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                          else join_rendezvous(str(receiver_init["master_address"]),
                                               int(receiver_init["master_port"]), sender,
                                               session, info.timeout_s))
+                if self._m2n_by_layouts:
+                    self.m2n = self._decide_m2n(store)
                 if self.m2n:
                     made["group"] = self._form_m2n(store, sender)
                     return
@@ -159,6 +169,15 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         if "error" in made:
             raise made["error"]
         self._group = made["group"]
+
+    def _decide_m2n(self, store: Any) -> bool:
+        """A lone sender's choice (`NCCLInitInfo.m2n_by_layouts`): M->N where some worker keeps
+        part of a tensor, else the broadcast; published for every worker."""
+        workers = read_layouts(store, range(self.senders, self.world_size),
+                               self.init_info.timeout_s)
+        m2n = any(keeps_part(kept) for kept in workers)
+        publish_decision(store, m2n)
+        return m2n
 
     def _form_m2n(self, store: Any, sender: int) -> Group:
         """Publish this rank's shards, join the group of every trainer rank and worker, and

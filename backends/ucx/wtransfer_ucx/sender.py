@@ -137,6 +137,12 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         port = self._ucx.listen(info.listen_port)
         self.m2n = self._m2n_wanted(info.m2n)
         self.reads = self._choose_reads()
+        if info.m2n is None and not self.reads.on and not self.m2n \
+                and self._may_slice_per_worker():
+            self.m2n = True  # 1->N: UCX sends each worker its own copy of a bucket anyway
+            self.reads = ReadsChoice(False, "tagged pair buckets: one sender, each worker sent "
+                                            "only what it keeps (1->N; m2n=False sends every "
+                                            "worker every bucket)")
         log.info("ucx: %s", self.reads)
         if self.reads.on:
             self._exports = ExportedTensors(self._ucx.context)

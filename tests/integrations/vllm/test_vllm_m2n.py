@@ -70,7 +70,7 @@ def state_of(checkpoint):
 def test_fsdp_ranks_send_each_vllm_tp_worker_only_what_its_loaders_read(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     first_model = save_qwen3(first, seed=1)
-    save_qwen3(second, seed=2)
+    second_model = save_qwen3(second, seed=2)
     env = {**os.environ, **TP2_ENV}
     server = VLLMServer(first, "ipc", tmp_path / "ipc.log", extra_args=TP2, env=env)
     try:
@@ -96,6 +96,11 @@ def test_fsdp_ranks_send_each_vllm_tp_worker_only_what_its_loaders_read(tmp_path
         outs = push(server, "nccl", first)
         check_each_worker_got_what_it_keeps(server, "nccl", outs, first)
         assert server.greedy() == fresh_first
+        stats = send("nccl", server.client, second_model, "one-sender")  # by default: 1->N
+        kept = [s["kept_bytes"] for s in server.client.worker_states()]
+        assert [s["last_update_bytes"] for s in server.client.worker_states()] == kept
+        assert stats.worker_bytes == kept and stats.sent_bytes == sum(kept) < 1.2 * stats.bytes
+        assert server.greedy() == after_ipc
     finally:
         server.close()
 
