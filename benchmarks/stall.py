@@ -89,7 +89,7 @@ async def step_interval(engine: AsyncEngine, window_s: float = 1.0) -> float:
 
 def weight_read_ms(engine: AsyncEngine, repeats: int = 5) -> float:
     """Median time to read every weight of the engine's model once (a sum per tensor)."""
-    model = engine.core.model  # type: ignore[attr-defined]  # (in process: an EngineCore)
+    model = engine.core.replica.model  # type: ignore[attr-defined]  # (in process: an EngineCore)
     params = [p.detach() for p in model.parameters()]
     device = params[0].device
     times = []

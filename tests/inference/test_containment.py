@@ -37,7 +37,7 @@ def test_a_failing_step_ends_only_its_requests_and_the_engine_keeps_serving():
     async def main():
         engine = AsyncEngine(EngineConfig(model="tiny", batch_invariant=True))
         try:
-            poison_runner(engine.core.runner)
+            poison_runner(engine.core.replica.runner)
             long = SamplingParams(max_tokens=300, temperature=0.0)
             progress = {}
             healthy = asyncio.create_task(collect(engine, "healthy", [1, 2, 3], long, progress))
@@ -74,7 +74,7 @@ def test_a_dead_engine_loop_fails_every_call_at_once_and_health_says_503():
             def broken_schedule():
                 raise MemoryError("injected: the scheduler's state is gone")
 
-            engine.core.scheduler.schedule = broken_schedule
+            engine.core.replica.scheduler.schedule = broken_schedule
             out = await asyncio.wait_for(live, 30)
             assert out.outputs[0].finish_reason == "error"
             assert "scheduler's state is gone" in out.outputs[0].error
@@ -97,7 +97,7 @@ def test_a_failing_step_on_one_data_parallel_rank_ends_only_its_requests(tmp_pat
                                                                           monkeypatch):
     # the fault is injected in the rank processes themselves, at interpreter start-up
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(f"""
-        from wtransfer.inference import runner
+        from wtransfer.inference.steps import runner
         real = runner.ModelRunner.run
         def run(self, seqs):
             if any({POISON} in s.prompt for s in seqs):

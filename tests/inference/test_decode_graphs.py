@@ -28,13 +28,13 @@ def engine_on(device, *, graphs, **config):
         pytest.skip("needs CUDA")
     engine = AsyncEngine(EngineConfig(model="tiny", device=device, cuda_graphs=graphs,
                                       **config))
-    runner = engine.core.runner
+    runner = engine.core.replica.runner
     if graphs and device == "cpu":
         runner.graphs = DecodeGraphs(runner.model, runner.kv, block_size=16,
                                      scratch_block=runner.num_blocks,
                                      zero_slot=runner.zero_slot,
                                      max_seqs=engine.core.config.max_num_seqs,
-                                     longest_context=2048, epoch=engine.core._weights_epoch,
+                                     longest_context=2048, epoch=engine.core.replica._weights_epoch,
                                      capture=False)
     assert (runner.graphs is not None) == graphs
     return engine
@@ -62,7 +62,7 @@ def test_decode_graphs_give_the_eager_tokens(device, batch):
             prompts = requests(batch)
             want = await tokens_of(eager, prompts)
             assert await tokens_of(graphed, prompts) == want
-            graphs = graphed.core.runner.graphs
+            graphs = graphed.core.replica.runner.graphs
             assert graphs.disabled is None
             buckets = set(graphs._graphs)
             assert {c for _, c in buckets} == {256, 512}, buckets  # the long one moved on
@@ -83,7 +83,7 @@ def test_a_swap_commit_makes_graphs_read_the_new_weights(device):
         try:
             prompts = requests(4)
             before = await tokens_of(engine, prompts)
-            graphs = engine.core.runner.graphs
+            graphs = engine.core.replica.runner.graphs
             built = graphs.built
             trainer = load_model("tiny", seed=1)
             client = LocalEngineClient(engine)

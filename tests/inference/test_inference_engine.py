@@ -119,7 +119,7 @@ def test_an_in_place_update_is_refused_while_generating_unpaused():
             source=wtransfer.ModuleSource(load_model("tiny", seed=5))))
         task = asyncio.create_task(collect(engine, "x", [1, 2],
                                            SamplingParams(max_tokens=300, temperature=0)))
-        await until(lambda: engine.core.scheduler.running)
+        await until(lambda: engine.core.replica.scheduler.running)
         with pytest.raises(LifecycleError, match="pause_generation"):
             await engine.start_weight_update()
         await engine.pause_generation(mode="keep")
@@ -204,6 +204,9 @@ def test_version_label_and_spans_without_updates():
         assert out.outputs[0].weight_versions == [WeightVersionSpan("default", 0, 5)]
         await engine.update_weight_version("v8")
         assert await engine.get_weight_version() == "v8"
+        assert engine.core.replica.weight_version == "v8"  # the core drives one replica
+        with pytest.warns(DeprecationWarning, match=r"read core\.replica\.weight_version"):
+            assert engine.core.weight_version == "v8"  # (read through, as before, deprecated)
         engine.shutdown()
     run(main())
 
@@ -281,8 +284,8 @@ def test_an_update_abandoned_by_its_sender_cannot_hold_the_engine():
         task = asyncio.create_task(collect(engine, "x", [1, 2, 3]))
         out = await asyncio.wait_for(task, 30)  # waits for the deadline, then generates
         assert out.outputs[0].finish_reason == "length"
-        assert engine.core.receiver.state == "failed"
-        assert "abandoned" in engine.core.receiver.failure
+        assert engine.core.replica.receiver.state == "failed"
+        assert "abandoned" in engine.core.replica.receiver.failure
         sender.shutdown()
         engine.shutdown()
     run(main())

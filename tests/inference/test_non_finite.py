@@ -106,7 +106,7 @@ def test_a_request_with_non_finite_logits_fails_alone():
     batch-mates, sampled in the same steps at temperature 1, finish normally."""
     async def main():
         engine = AsyncEngine(EngineConfig(model="tiny"))
-        runner = engine.core.runner
+        runner = engine.core.replica.runner
         forward = runner._forward
 
         def poisoned(seqs):

@@ -256,11 +256,11 @@ def test_copy_staging_keeps_the_live_storages_and_refuses_rollback():
     async def main():
         engine = AsyncEngine(EngineConfig(model="tiny", update_staging="copy"))
         try:
-            pointers = {n: p.data_ptr() for n, p in engine.core.model.named_parameters()}
+            pointers = {n: p.data_ptr() for n, p in engine.core.replica.model.named_parameters()}
             trainer = load_model("tiny", seed=5)
             await asyncio.to_thread(push, engine, trainer, "c1")
             assert await engine.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
-            assert {n: p.data_ptr() for n, p in engine.core.model.named_parameters()} == pointers
+            assert {n: p.data_ptr() for n, p in engine.core.replica.model.named_parameters()} == pointers
             with pytest.raises(LifecycleError, match="copy staging"):
                 await engine.rollback_weights()
         finally:
@@ -273,7 +273,7 @@ def test_a_staging_mode_that_does_not_fit_is_refused_at_start_up(monkeypatch):
     """A shadow needs one more copy of the weights; a mode that cannot have it is refused
     when the engine starts, saying what to choose instead. (The host's free memory is the
     one thing set here: 1 KiB.)"""
-    from wtransfer.inference import replica
+    from wtransfer.inference.updates import replica
 
     monkeypatch.setattr(replica, "available_host_memory", lambda: 1 << 10)
     with pytest.raises(ConfigError, match=r"update_staging='swap' keeps one more copy.*"

@@ -105,7 +105,7 @@ def test_two_workers_generate_what_transformers_and_one_worker_generate(checkpoi
             assert all(w["kept_bytes"] < 0.6 * total for w in workers)
             if expert:
                 held = [lay["model.layers.0.mlp.experts.gate_up_proj"].boxes
-                        for lay in two.core.workers.layouts]
+                        for lay in two.core.replica.workers.layouts]
                 assert [[(b.offsets[0], b.lengths[0]) for b in boxes] for boxes in held] == \
                     [[(0, 2)], [(2, 2)]]  # experts 0-1 on worker 0, 2-3 on worker 1
         finally:
@@ -201,8 +201,8 @@ def test_a_killed_worker_makes_the_engine_report_dead_without_hanging():
         try:
             running = asyncio.create_task(collect(
                 engine, "victim", [3, 3], SamplingParams(max_tokens=1500, temperature=0)))
-            await until(lambda: engine.core.steps > 3, "steps to run")
-            os.kill(engine.core.workers.procs[0].pid, signal.SIGKILL)
+            await until(lambda: engine.core.replica.steps > 3, "steps to run")
+            os.kill(engine.core.replica.workers.procs[0].pid, signal.SIGKILL)
             out = await asyncio.wait_for(running, 60)
             assert out.outputs[0].finish_reason == "error"
             assert "tensor-parallel" in engine.failure()

@@ -111,9 +111,9 @@ TRANSFER_COMMANDS: frozenset[str] = frozenset({
 """The commands a staging replica runs on its transfer lane, off the step loop."""
 
 
-def run_command(target: EngineCommands, command: str, args: Sequence[Any]) -> Any:
-    """Run one of `COMMANDS` on `target`: the one dispatcher every driver of a replica uses
-    (the engine thread, a data-parallel rank)."""
+def run_command(target: object, command: str, args: Sequence[Any]) -> Any:
+    """Run one of `COMMANDS` on `target` (a replica, or a driver answering some itself): the
+    one dispatcher every driver of a replica uses (the engine thread, a data-parallel rank)."""
     check_command(command)
     return getattr(target, command)(*args)
 

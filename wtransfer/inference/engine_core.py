@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -25,28 +26,40 @@ from typing import Any
 from wtransfer.errors import EngineDeadError, LifecycleError
 from wtransfer.inference.commands import Emit, check_command, run_command
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.steps.sequence import SeqStatus
 from wtransfer.inference.updates.replica import Replica
 from wtransfer.inference.updates.transfer_lane import TransferLane
 
 log = logging.getLogger("wtransfer.engine")
 
 
-class EngineCore(Replica):
-    """One model replica with its own thread (see the module docstring)."""
+class EngineCore:
+    """One model replica (`replica`) with its own thread (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, emit: Emit) -> None:
-        super().__init__(config, emit)
+        self.config = config
+        self.replica = Replica(config, emit)
+        """The model, KV cache, scheduler and receiver this thread drives."""
         self._commands: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
         self._wake = threading.Condition()
         self._stopped = False
         self._failure: str | None = None
-        self._lane = (TransferLane(self, self.call, config.call_timeout_s)
-                      if self.staging is not None else None)
+        self._lane = (TransferLane(self.replica, self._run_command, self.call,
+                                   config.call_timeout_s)
+                      if self.replica.staging is not None else None)
         """Where a staging engine's weight-transfer calls run (off the step loop)."""
-        self._thread = threading.Thread(target=self._run, name="wtransfer-engine-core",
+        self._thread = threading.Thread(target=self._thread_main, name="wtransfer-engine-core",
                                         daemon=True)
         self._thread.start()
+
+    def __getattr__(self, name: str) -> Any:
+        """The replica's public state read through the core, as before the core held it
+        (deprecated: read `core.replica.<name>`)."""
+        replica = self.__dict__.get("replica")
+        if replica is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings.warn(f"EngineCore.{name} is the replica's: read core.replica.{name}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(replica, name)
 
     def failure(self) -> str | None:
         """Why the engine cannot serve any more, or None while it can."""
@@ -70,9 +83,12 @@ class EngineCore(Replica):
         check_command(command)  # refused at once, not on the engine thread
         if self._lane is not None and self._lane.takes(command) and self._failure is None:
             return self._lane.submit(command, args)
-        return self.call(run_command, self, command, args)
+        return self.call(self._run_command, command, args)
 
-    def _run(self) -> None:
+    def _run_command(self, command: str, args: Sequence[Any]) -> Any:
+        return run_command(self.replica, command, args)
+
+    def _thread_main(self) -> None:
         try:
             self._loop()
         except BaseException as exc:
@@ -82,7 +98,7 @@ class EngineCore(Replica):
     def _loop(self) -> None:
         while True:
             with self._wake:
-                if not self._commands and not self._stopped and not self.can_step():
+                if not self._commands and not self._stopped and not self.replica.can_step():
                     self._wake.wait(0.5)  # or look again (an update failed by its watchdog)
                 if self._stopped and not self._commands:
                     return
@@ -94,11 +110,12 @@ class EngineCore(Replica):
                         future.set_result(fn(*args))
                     except Exception as exc:
                         future.set_exception(exc)
-            if self.can_step():
-                self.step()
+            replica = self.replica
+            if replica.can_step():
+                replica.step()
             elif not commands:  # idle: tensor-parallel workers hear from rank 0 anyway
-                self.keep_workers_alive()
-            self.resolve_drains()
+                replica.keep_workers_alive()
+            replica.resolve_drains()
 
     def _die(self, reason: str) -> None:
         """Fail everything that waits on this engine (see the module docstring)."""
@@ -109,19 +126,12 @@ class EngineCore(Replica):
         for _, _, future in pending:
             if future.set_running_or_notify_cancel():
                 future.set_exception(dead)
-        for future, _ in self._drained:
-            if not future.done():
-                future.set_exception(dead)
-        for seq in list(self._sequences.values()):
-            seq.finish_reason, seq.error = "error", f"the engine stopped: {reason}"
-            seq.status = SeqStatus.FINISHED
-            self.emit(seq.to_output())
-        self._sequences.clear()
+        self.replica.fail_everything(dead)
 
     def shutdown(self) -> None:
         """Abort every request, stop the thread and release the receiver."""
         if self._failure is None:
-            done = self.call(self.abort, None)
+            done = self.call(self.replica.abort, None)
             with self._wake:
                 self._stopped = True
                 self._wake.notify()
@@ -133,4 +143,5 @@ class EngineCore(Replica):
             self._thread.join(timeout=self.config.step_timeout_s)
         if self._lane is not None:
             self._lane.shutdown()
-        self.close(release=not self._thread.is_alive())  # a step still running keeps its model
+        # a step still running keeps its model
+        self.replica.close(release=not self._thread.is_alive())

@@ -48,7 +48,7 @@ class FreshEngineReference:
         self.engine = AsyncEngine(EngineConfig(model=model, batch_invariant=True))
         core = self.engine.core
         assert isinstance(core, EngineCore)  # data_parallel_size is 1
-        core.call(core.model.load_state_dict, state).result(timeout=60)
+        core.call(core.replica.model.load_state_dict, state).result(timeout=60)
         self.params: dict[str, Any] = {}
         """Sampling parameters every continuation adds (e.g. the adapter to use)."""
 

@@ -38,7 +38,7 @@ import logging
 import os
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -64,18 +64,28 @@ _LANE_POLL_MS = 1
 """How often an idle rank looks for its lane's results while a lane call runs."""
 
 
-class DPRank(Replica):
-    """Rank `rank` of `config.data_parallel_size`: executes the front end's commands between
-    lockstep steps. `group()` forms the ranks' group once this rank's model is loaded."""
+_RANK_COMMANDS = frozenset({"pause", "resume", "start_weight_update", "stats"})
+"""Commands a rank answers itself (its two-phase pause, barrier resume, the rule that an
+in-place update needs the global pause, its lockstep counters); the rest are its replica's."""
+
+
+class DPRank:
+    """Rank `rank` of `config.data_parallel_size`: drives one `Replica` (`replica`), executing
+    the front end's commands between lockstep steps. `group()` forms the ranks' group once
+    this rank's model is loaded."""
 
     def __init__(self, config: EngineConfig, rank: int, socket: zmq.Socket[bytes],
                  group: Callable[[], RankGroup]) -> None:
         self._outbox: list[dict[str, Any]] = []
         self.socket = socket
-        super().__init__(config, self._collect, worker_index=rank * config.tensor_parallel_size)
+        self.config = config
+        self.replica = Replica(config, self._collect,
+                               worker_index=rank * config.tensor_parallel_size)
+        """The model, KV cache, scheduler and receiver this rank steps."""
         self.group = group()
-        self._lane = (TransferLane(self, self._at_step_boundary, config.call_timeout_s)
-                      if self.staging is not None else None)
+        self._lane = (TransferLane(self.replica, self._run, self._at_step_boundary,
+                                   config.call_timeout_s)
+                      if self.replica.staging is not None else None)
         """Where this rank's weight-transfer calls run when it stages (off its main loop)."""
         self._boundary: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         """Functions the lane hands to the main loop, run between two steps (a commit)."""
@@ -136,10 +146,10 @@ class DPRank(Replica):
             return
         try:
             if op == "shutdown":
-                result: Any = self.abort(None)
+                result: Any = self.replica.abort(None)
                 self._stopping = True
             else:
-                result = run_command(self, op, args)
+                result = self._run(op, args)
         except Exception as exc:
             self._reply(call_id, error=exc)
             return
@@ -147,6 +157,10 @@ class DPRank(Replica):
             result.add_done_callback(lambda f: self._reply(call_id, error=f.exception()))
         else:
             self._reply(call_id, result)
+
+    def _run(self, command: str, args: Sequence[Any]) -> Any:
+        """Run one engine command: this rank's own (`_RANK_COMMANDS`), else its replica's."""
+        return run_command(self if command in _RANK_COMMANDS else self.replica, command, args)
 
     def _at_step_boundary(self, fn: Callable[[], Any]) -> Future[Any]:
         """For the lane: run `fn` on the main loop between two steps."""
@@ -171,10 +185,10 @@ class DPRank(Replica):
     # -- waves -----------------------------------------------------------------------------
 
     def _pause_requested(self) -> bool:
-        return self.scheduler.state is not PauseState.UNPAUSED and not self.global_paused
+        return self.replica.scheduler.state is not PauseState.UNPAUSED and not self.global_paused
 
     def _wants_wave(self) -> bool:
-        return not self.global_paused and (self.can_step() or self._pause_requested())
+        return not self.global_paused and (self.replica.can_step() or self._pause_requested())
 
     def _begin_wave(self, announce: bool) -> None:
         self.in_wave, self.wave_steps = True, 0
@@ -191,8 +205,8 @@ class DPRank(Replica):
             self._begin_wave(announce=False)
 
     def _wave_step(self) -> None:
-        advanced = self.step() if self.can_step() else 0
-        self.resolve_drains()
+        advanced = self.replica.step() if self.replica.can_step() else 0
+        self.replica.resolve_drains()
         self._flush()
         if not advanced:
             self.dummy_steps += 1
@@ -202,7 +216,7 @@ class DPRank(Replica):
             self._sync()
 
     def _sync(self) -> None:
-        busy = self.can_step()
+        busy = self.replica.can_step()
         requested = self._pause_requested()
         ready = requested and not busy
         n_busy, n_requested, n_ready = self.group.all_reduce([busy, requested, ready])
@@ -224,52 +238,57 @@ class DPRank(Replica):
         held: Future[None] = Future()
         if self.global_paused:
             if mode != "wait":  # no rank steps in the global pause, so a wait-mode pause
-                super().pause(mode, clear_cache)  # could never drain kept requests: they stay
+                self.replica.pause(mode, clear_cache)  # could never drain kept requests: they stay
             elif clear_cache:
-                self.blocks.reset_prefix_cache()
+                self.replica.blocks.reset_prefix_cache()
             held.set_result(None)
             return held
-        super().pause(mode, clear_cache)
+        self.replica.pause(mode, clear_cache)
         self._pause_waiters.append(held)
         return held
 
     def resume(self) -> None:
         """Leave the pause; from the global pause, all ranks resume together or none does."""
         if not self.global_paused:
-            super().resume()
+            self.replica.resume()
             waiters, self._pause_waiters = self._pause_waiters, []
             for waiter in waiters:
                 waiter.set_exception(LifecycleError(
                     "resumed before every data-parallel rank had paused"))
             return
-        refusal = self.resume_refusal()
-        has_requests = bool(self.scheduler.running or self.scheduler.waiting)
+        refusal = self.replica.resume_refusal()
+        has_requests = bool(self.replica.scheduler.running or self.replica.scheduler.waiting)
         n_ok, n_busy = self.group.all_reduce([refusal is None, has_requests])  # the barrier
         if n_ok < self.group.size:
             raise LifecycleError(refusal or f"{self.group.size - n_ok} other rank(s) refused to "
                                             "resume (an update is open or failed there)")
-        self.scheduler.state = PauseState.UNPAUSED
+        self.replica.scheduler.state = PauseState.UNPAUSED
         self.global_paused = False
         if n_busy:
             self._begin_wave(announce=False)  # every rank saw n_busy: all start this wave
 
     def start_weight_update(self) -> None:
         """Open an update; with data parallelism only in the global pause."""
-        if not self.global_paused and self.staging is None:
+        if not self.global_paused and self.replica.staging is None:
             raise LifecycleError("with data_parallel_size > 1, call pause_generation(...) "
                                  "before start_weight_update: ranks step in lockstep, and one "
                                  "busy receiving weights would stall the others (or serve "
                                  "with update_staging='swap': each rank stages beside its "
                                  "steps)")
-        super().start_weight_update()
+        self.replica.start_weight_update()
 
     def stats(self) -> dict[str, Any]:
         """Counters, plus this rank's lockstep state."""
-        return {**super().stats(), "rank": self.worker_index // self.config.tensor_parallel_size,
-                "device": str(self.runner.device),
+        rank = self.replica.worker_index // self.config.tensor_parallel_size
+        return {**self.replica.stats(), "rank": rank,
+                "device": str(self.replica.runner.device),
                 "wave": self.wave,
                 "in_wave": self.in_wave, "global_paused": self.global_paused,
                 "dummy_steps": self.dummy_steps, "waves_started": self.waves_started}
+
+    def close(self) -> None:
+        """Release the replica (its receiver, workers and device memory)."""
+        self.replica.close()
 
     # -- main loop -------------------------------------------------------------------------
 
@@ -286,7 +305,7 @@ class DPRank(Replica):
                 self._begin_wave(announce=True)
             else:
                 self._drain_commands(_LANE_POLL_MS if self._lane_busy else _IDLE_POLL_MS)
-                self.keep_workers_alive()
+                self.replica.keep_workers_alive()
                 if os.getppid() != self._parent:
                     return  # the front end died; nobody is left to serve
         self._flush()

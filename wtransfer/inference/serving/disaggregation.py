@@ -81,7 +81,7 @@ class Disaggregation:
         if self.role == "prefill":
             self.handover = KVHandover(self.timeout_s)
             return
-        runner = engine.core.runner  # type: ignore[attr-defined]
+        runner = engine.core.replica.runner  # type: ignore[attr-defined]
         self.kv = KVTarget(kv_shape(runner, runner.model.config.max_position_embeddings))
         self.receiver = create_receiver(config.weight_transfer_backend, self.kv)
 

@@ -34,7 +34,7 @@ from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.steps.block_manager import BlockManager
 from wtransfer.inference.steps.runner import ModelRunner
 from wtransfer.inference.steps.scheduler import PauseState, Scheduler
-from wtransfer.inference.steps.sequence import Sequence
+from wtransfer.inference.steps.sequence import SeqStatus, Sequence
 from wtransfer.inference.tp.shard import ShardWeights
 from wtransfer.inference.tp.workers import TPWorkers
 from wtransfer.inference.updates.lora import AdapterTable, LoRATarget, adapter_fingerprint
@@ -225,6 +225,19 @@ class Replica:
                     self.blocks.reset_prefix_cache()
                 future.set_result(None)
             self._drained = []
+
+    def fail_everything(self, dead: Exception) -> None:
+        """The driver's loop died: every waiting pause fails with `dead`, and every live
+        request ends with finish_reason "error" saying so."""
+        for future, _ in self._drained:
+            if not future.done():
+                future.set_exception(dead)
+        self._drained = []
+        for seq in list(self._sequences.values()):
+            seq.finish_reason, seq.error = "error", str(dead)
+            seq.status = SeqStatus.FINISHED
+            self.emit(seq.to_output())
+        self._sequences.clear()
 
     # -- requests (engine thread) -----------------------------------------------------------
 

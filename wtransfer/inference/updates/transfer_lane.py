@@ -15,19 +15,23 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from wtransfer.errors import TransferTimeout
-from wtransfer.inference.commands import TRANSFER_COMMANDS, run_command
+from wtransfer.inference.commands import TRANSFER_COMMANDS
 from wtransfer.inference.updates.replica import Replica
 
 AtStepBoundary = Callable[[Callable[[], Any]], "Future[Any]"]
 """Runs a function on the engine's thread between two steps; its future has the result."""
+RunCommand = Callable[[str, Sequence[Any]], Any]
+"""Runs one of the engine's commands by name (the driver's dispatcher)."""
 
 
 class TransferLane:
-    """Runs `replica`'s weight-transfer commands off its step loop (see the module docstring)."""
+    """Runs `replica`'s weight-transfer commands off its step loop (see the module docstring),
+    each through its driver's dispatcher `run`."""
 
-    def __init__(self, replica: Replica, at_step_boundary: AtStepBoundary,
+    def __init__(self, replica: Replica, run: RunCommand, at_step_boundary: AtStepBoundary,
                  timeout_s: float) -> None:
         self.replica = replica
+        self._run = run
         self._at_step_boundary = at_step_boundary
         self._timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-lane")
@@ -41,7 +45,7 @@ class TransferLane:
         """Run a weight-transfer command on the lane; its future has the result."""
         if command == "finish_weight_update":
             return self._pool.submit(self._finish, *args)
-        return self._pool.submit(run_command, self.replica, command, args)
+        return self._pool.submit(self._run, command, args)
 
     def _finish(self, weight_version: str | None = None) -> None:
         self.replica.finish_staged(weight_version)
