@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -155,6 +156,19 @@ async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: 
             else float("nan"), "updates": len(stalls)}
 
 
+def one_mode_in_a_child(args: argparse.Namespace, model: str, mode: str,
+                        inflight: int) -> dict[str, Any]:
+    """Run one mode in a process of its own, so nothing one mode held (a CUDA context, the
+    trainer's exported storages, the allocator's cache) is there for the next."""
+    out = subprocess.run([sys.executable, __file__, "--one", json.dumps([model, mode, inflight]),
+                          "--device", args.device, "--updates", str(args.updates),
+                          "--every-s", str(args.every_s), "--max-tokens", str(args.max_tokens)],
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"{model} x{inflight} {mode} failed:\n{out.stderr[-3000:]}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny,qwen3-0.6b")
@@ -166,21 +180,24 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--every-s", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # [model, mode, inflight]: one row
     args = parser.parse_args()
+    if args.one:
+        model, mode, inflight = json.loads(args.one)
+        print(json.dumps(asyncio.run(run_mode(model, mode, inflight, args.updates,
+                                              args.every_s, args.max_tokens, args.device))))
+        return
     rows = []
     for model in args.models.split(","):
         for inflight in [int(n) for n in args.inflight.split(",")]:
             mine = []
             modes = [m.strip() for m in args.modes.split(",")]
             for mode in ["none", *[m for m in modes if m != "none"]]:
-                row = asyncio.run(run_mode(model, mode, inflight, args.updates, args.every_s,
-                                           args.max_tokens, args.device))
-                gc.collect()  # (the trainer's copy of the model, before the next engine)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                row = one_mode_in_a_child(args, model, mode, inflight)
                 mine.append(row)
                 print(f"  {model} x{inflight} {mode}: {row['tokens_per_s']:.0f} tok/s, step "
-                      f"{row['step_ms']:.1f} ms, stall {row['stall_ms']:.1f} ms", flush=True)
+                      f"{row['step_ms']:.1f} ms (weight read {mine[0]['floor_ms']:.1f} ms), "
+                      f"stall {row['stall_ms']:.1f} ms", flush=True)
             floor = mine[0]
             for r in mine:
                 r["vs_none"] = r["tokens_per_s"] / floor["tokens_per_s"]

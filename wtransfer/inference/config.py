@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from wtransfer.errors import ConfigError
+from wtransfer.shapes import MODEL_SHAPES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,20 +120,20 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                          intermediate_size=384, tie_word_embeddings=True,
                          max_position_embeddings=2048),
-    "qwen3-0.6b": ModelConfig(vocab_size=151936, hidden_size=1024, num_hidden_layers=28,
-                              num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                              intermediate_size=3072, tie_word_embeddings=True,
-                              max_position_embeddings=40960, torch_dtype="bfloat16"),
-    "qwen3-8b": ModelConfig(vocab_size=151936, hidden_size=4096, num_hidden_layers=36,
-                            num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                            intermediate_size=12288, tie_word_embeddings=False,
-                            max_position_embeddings=40960, torch_dtype="bfloat16"),
+    **{name: ModelConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+                         num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                         num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"],
+                         intermediate_size=shape["intermediate"],
+                         tie_word_embeddings=bool(shape["tied"]),
+                         max_position_embeddings=40960, torch_dtype="bfloat16")
+       for name, shape in MODEL_SHAPES.items()},
 }
 """Named random-weight models: "tiny" for tests, "tiny-moe" (Qwen3-MoE, 4 experts, 2 per
 token), "tiny32" where an engine needs head_dim >= 32 (vLLM's CPU attention), "tiny-fp8" whose
 tensor-parallel halves are whole 128 x 128 blocks (FP8 with 2 workers), "tiny-moe-fp8" the
-same for a Qwen3-MoE (4 experts, each worker's half of an expert whole blocks), Qwen3-0.6B and
-Qwen3-8B shapes for benchmarks (the 8B one on a GPU: 16 GB of random weights)."""
+same for a Qwen3-MoE (4 experts, each worker's half of an expert whole blocks), and the real
+Qwen3 checkpoints' shapes of the one catalog `wtransfer.shapes.MODEL_SHAPES` for benchmarks
+(qwen3-8b on a GPU: 16 GB of random weights)."""
 
 
 @dataclass(frozen=True, kw_only=True)
