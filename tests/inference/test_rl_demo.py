@@ -46,6 +46,7 @@ def test_reduced_demo_on_a_prefill_and_a_decode_instance(tmp_path, capsys):
     assert "validation                         PASSED" in out
 
 
+@pytest.mark.extended  # the demo's loop as above; data-parallel updates over HTTP: test_http.py
 def test_reduced_demo_on_a_data_parallel_server(tmp_path, capsys):
     code = run_rl_demo(steps=2, prompts_per_step=4, group=4, run_dir=str(tmp_path),
                        data_parallel_size=2)

@@ -256,11 +256,12 @@ def test_copy_staging_keeps_the_live_storages_and_refuses_rollback():
     async def main():
         engine = AsyncEngine(EngineConfig(model="tiny", update_staging="copy"))
         try:
-            pointers = {n: p.data_ptr() for n, p in engine.core.replica.model.named_parameters()}
+            model = engine.core.replica.model
+            pointers = {n: p.data_ptr() for n, p in model.named_parameters()}
             trainer = load_model("tiny", seed=5)
             await asyncio.to_thread(push, engine, trainer, "c1")
             assert await engine.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
-            assert {n: p.data_ptr() for n, p in engine.core.replica.model.named_parameters()} == pointers
+            assert {n: p.data_ptr() for n, p in model.named_parameters()} == pointers
             with pytest.raises(LifecycleError, match="copy staging"):
                 await engine.rollback_weights()
         finally:

@@ -145,7 +145,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         memory into one engine of several workers sends each worker only the parts it keeps
         (1->N). Not for deltas or adapters (their M->N forms are the pair buckets of several
         ranks), nor CUDA staging (zero-copy already copies only each worker's part), nor a
-        fleet, whose instances may each hold whole models."""
+        fleet (packed host staging lets a fleet that dropped an instance go on without
+        connecting again; an M->N plan fixes its receivers)."""
         return (self.device.type == "cpu" and not isinstance(self.client, FleetClient)
                 and self._may_slice_per_worker())
 

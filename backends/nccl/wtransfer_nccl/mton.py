@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from wtransfer import wire
-from wtransfer.errors import TransferTimeout
+from wtransfer.errors import PeerError, TransferTimeout
 from wtransfer.records import TensorLayout
 from wtransfer.transport.mton import (
     Planner,
@@ -65,16 +65,21 @@ def read_layouts(store: dist.Store, ranks: range, timeout_s: float
             for rank, key in zip(ranks, keys, strict=True)]
 
 
-def publish_decision(store: dist.Store, m2n: bool) -> None:
-    """The lead's choice for a lone sender (M->N or the broadcast), read by every worker."""
-    store.set(_DECISION, b"m2n" if m2n else b"broadcast")  # type: ignore[arg-type]
+def publish_decision(store: dist.Store, m2n: bool | None, failure: str = "") -> None:
+    """The lead's choice for a lone sender (M->N or the broadcast), read by every worker;
+    None: the lead could not choose (`failure` says why)."""
+    value = {True: "m2n", False: "broadcast", None: f"failed: {failure}"}[m2n]
+    store.set(_DECISION, value.encode())  # type: ignore[arg-type]
 
 
 def read_decision(store: dist.Store, timeout_s: float) -> bool:
-    """Whether the lead chose M->N (`publish_decision`)."""
+    """Whether the lead chose M->N (`publish_decision`); `PeerError` when it could not."""
     try:
         store.wait([_DECISION], timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         raise TransferTimeout(f"the trainer did not choose between M->N and the broadcast "
                               f"within {timeout_s:g}s: {exc}") from None
-    return bytes(store.get(_DECISION)) == b"m2n"
+    value = bytes(store.get(_DECISION)).decode(errors="replace")
+    if value.startswith("failed: "):
+        raise PeerError(f"the trainer could not plan this transfer: {value[8:]}")
+    return value == "m2n"

@@ -76,7 +76,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
 
     def _connect(self) -> dict[str, Any]:
         self._broken = None  # (again after a reconnect)
-        self._planner = None
+        self._planner, self._last_moved = None, {}  # (a reconnect may choose otherwise)
         info = self.init_info
         assert self.client is not None
         workers = self.client.num_workers()
@@ -103,7 +103,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                                   rank_offset=self.senders, transport=self.transport,
                                   senders=self.senders, batch=DIRECT_BATCH,
                                   first_batch=DIRECT_FIRST, m2n=self.m2n,
-                                  m2n_by_layouts=self._m2n_by_layouts)
+                                  **({"m2n_by_layouts": True} if self._m2n_by_layouts else {}))
 
     @property
     def sends_own_shards(self) -> bool:
@@ -173,8 +173,12 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
     def _decide_m2n(self, store: Any) -> bool:
         """A lone sender's choice (`NCCLInitInfo.m2n_by_layouts`): M->N where some worker keeps
         part of a tensor, else the broadcast; published for every worker."""
-        workers = read_layouts(store, range(self.senders, self.world_size),
-                               self.init_info.timeout_s)
+        try:
+            workers = read_layouts(store, range(self.senders, self.world_size),
+                                   self.init_info.timeout_s)
+        except Exception as exc:  # the workers that published hear it at once
+            publish_decision(store, None, f"{type(exc).__name__}: {exc}")
+            raise
         m2n = any(keeps_part(kept) for kept in workers)
         publish_decision(store, m2n)
         return m2n

@@ -45,10 +45,11 @@ class UCXTrainerInitInfo(TrainerInitInfo):
     """Send each worker only what it keeps, from the trainer ranks that hold it, without
     gathering (`wtransfer_ucx.mton`): every trainer rank needs a client then. None (default):
     when the source is sharded and every trainer rank has a client, and for a lone sender of
-    a whole model into several workers where it sends tagged buckets (1->N: every worker gets
-    a copy of each bucket of its own anyway, so a TP worker is sent only its part; where
-    one-sided reads apply they stay the default, unmeasured against 1->N); False: one rank
-    with a client gathers each bucket and sends it to every worker."""
+    a whole model into one engine of several workers where it sends tagged buckets (1->N:
+    every worker gets a copy of each bucket of its own anyway, so a TP worker is sent only its
+    part; where one-sided reads apply they stay the default, unmeasured against 1->N; a fleet
+    keeps tagged buckets); False: one rank with a client gathers each bucket and sends it to
+    every worker."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

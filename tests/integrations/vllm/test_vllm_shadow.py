@@ -136,13 +136,16 @@ def test_generation_goes_on_through_staged_updates_and_the_new_weights_serve(
         for version, model in (("v1", new), ("v2", newer)):
             sender.source = SlowSource(model)
             stream = Stream(vllm, f"stream-{version}")
-            start = time.monotonic()
-            sender.send_weights(weight_version=version)
-            end = time.monotonic()
-            assert stream.quarters_with_tokens(start, end) == 4, (
-                end - start, [round(t - start, 3) for t in stream.stamps if t > start - 0.1][:60])
-            assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
-            vllm.call(vllm.llm.abort, [f"stream-{version}"])
+            try:
+                start = time.monotonic()
+                sender.send_weights(weight_version=version)
+                end = time.monotonic()
+                assert stream.quarters_with_tokens(start, end) == 4, (
+                    end - start,
+                    [round(t - start, 3) for t in stream.stamps if t > start - 0.1][:60])
+                assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+            finally:  # (the engine serves the next check too)
+                vllm.call(vllm.llm.abort, [f"stream-{version}"])
         sender.shutdown()
         states = client.worker_states()
         assert [s["staging"] for s in states] == ["swap"] and states[0]["state"] == "ready"
@@ -158,10 +161,10 @@ def test_a_keep_pause_covers_only_the_commit_and_spans_split_once(checkpoints, f
         stream = Stream(vllm, "kept", max_tokens=LONG - 8)  # outlasts the update
         with wtransfer.trainer_init(init_info("ipc", bucket_bytes=64 << 10),
                                     client=vllm.client, source=SlowSource(new)) as sender:
-            sender.send_weights(weight_version="v1", pause="keep")
+            sender.send_weights(weight_version="kept-v1", pause="keep")
         out = stream.future.result(120)
         spans = [(s.version, s.start, s.end) for s in out.weight_versions]
-        assert [s[0] for s in spans] == [spans[0][0], "v1"] and spans[0][2] == spans[1][1]
+        assert [s[0] for s in spans] == [spans[0][0], "kept-v1"] and spans[0][2] == spans[1][1]
         assert vllm.greedy() == fresh["new"]
 
 

@@ -1,4 +1,5 @@
-"""One data-parallel rank: a `Replica` stepping in lockstep waves with the other ranks.
+"""One data-parallel rank: a process driving one `Replica` in lockstep waves with the other
+ranks.
 
 Run by the front end as ``python -m wtransfer.inference.dp.rank`` (one process per rank).
 

@@ -14,6 +14,7 @@ docs/inference.md says what each costs.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,22 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 """Batch sizes a graph is captured for (a step runs in the smallest that holds it)."""
 SHORTEST_CONTEXT = 256
 """The smallest context bucket; buckets double from it up to `longest_context`."""
+
+
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_STREAMS_LOCK = threading.Lock()
+_CAPTURING = threading.Lock()
+"""One capture at a time in the process (engines on one device share the capture stream)."""
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The process's one side stream for decode-graph warm-ups and captures on `device`:
+    cuBLAS keeps a workspace per stream (32 MiB on an H100) that captured graphs refer to, so
+    engines created one after another share one instead of leaving one each."""
+    with _STREAMS_LOCK:
+        if device not in _CAPTURE_STREAMS:
+            _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+        return _CAPTURE_STREAMS[device]
 
 
 @dataclass
@@ -75,8 +92,8 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._epoch = epoch()
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self._stream = torch.cuda.Stream(self.device) if capture else None
-        """This engine's side stream for warm-up and capture (not the process-wide default)."""
+        self._stream = capture_stream(self.device) if capture else None
+        """The side stream warm-ups and captures run on (not the device's default stream)."""
         self._logits = torch.zeros(self.batch_buckets[-1], model.config.vocab_size,
                                    dtype=torch.float32, device=self.device)
         """The output of every graph (one replay at a time), sliced to its batch."""
@@ -165,6 +182,13 @@ class DecodeGraphs:
         graph.copied = torch.cuda.Event()
         stream, current = self._stream, torch.cuda.current_stream(self.device)
         assert stream is not None
+        with _CAPTURING:  # (engines of one process share the stream: one capture at a time)
+            self._capture(graph, stream, current)
+        log.debug("captured a decode graph: batch %d, context %d", batch, context)
+        return graph
+
+    def _capture(self, graph: _Graph, stream: torch.cuda.Stream,
+                 current: torch.cuda.Stream) -> None:
         stream.wait_stream(current)
         try:
             with torch.cuda.stream(stream):
@@ -178,8 +202,6 @@ class DecodeGraphs:
                 self._forward(graph)
         finally:  # (a capture that failed may not have put the engine's stream back)
             torch.cuda.set_stream(current)
-        log.debug("captured a decode graph: batch %d, context %d", batch, context)
-        return graph
 
     @torch.no_grad()
     def _forward(self, graph: _Graph) -> None:

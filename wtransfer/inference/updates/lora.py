@@ -24,10 +24,21 @@ from torch import nn
 
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.fingerprint import tensor_digest
-from wtransfer.inference.model.lora_layers import LoRASlots
+from wtransfer.inference.model.lora_layers import (  # (the layers, importable from here
+    TARGET_MODULES,  # as before they moved to model/)
+    LoRAFp8Linear,
+    LoRALinear,
+    LoRARows,
+    LoRASlots,
+    enable_lora,
+)
 from wtransfer.packing import TensorMeta
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import Box, TensorLayout
+
+__all__ = ["ADAPTER_NAME", "TARGET_MODULES", "Adapter", "AdapterTable", "LoRAFp8Linear",
+           "LoRALinear", "LoRARows", "LoRASlots", "LoRATarget", "adapter_fingerprint",
+           "enable_lora"]
 
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _WIRE = re.compile(r"lora/(?P<adapter>[^/]+)/(?:(?P<module>.+)\.lora_(?P<ab>[AB])\.weight"

@@ -18,12 +18,8 @@ def release_module(module: nn.Module) -> None:
 
 
 def return_device_memory(device: torch.device | str) -> None:
-    """Collect what is unreachable, drop cuBLAS's per-stream workspaces (the decode graphs'
-    side stream got one, 32 MiB on an H100) and hand the CUDA allocator's cached blocks back
-    to the device (nothing more to do on the host)."""
+    """Collect what is unreachable and hand the CUDA allocator's cached blocks back to the
+    device (nothing more to do on the host)."""
     gc.collect()
     if torch.device(device).type == "cuda" and torch.cuda.is_available():
-        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear_workspaces is not None:  # (re-created by the next cuBLAS call on a stream)
-            clear_workspaces()
         torch.cuda.empty_cache()
