@@ -96,7 +96,8 @@ def test_fsdp_ranks_send_each_vllm_tp_worker_only_what_its_loaders_read(tmp_path
         outs = push(server, "nccl", first)
         check_each_worker_got_what_it_keeps(server, "nccl", outs, first)
         assert server.greedy() == fresh_first
-        stats = send("nccl", server.client, second_model, "one-sender")  # by default: 1->N
+        stats = send("nccl", server.client, second_model, "one-sender",  # by default: 1->N
+                     world_size=None)  # (counted: 1 sender + 2 workers)
         kept = [s["kept_bytes"] for s in server.client.worker_states()]
         assert [s["last_update_bytes"] for s in server.client.worker_states()] == kept
         assert stats.worker_bytes == kept and stats.sent_bytes == sum(kept) < 1.2 * stats.bytes
