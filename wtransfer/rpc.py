@@ -23,12 +23,11 @@ import select
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import zmq
-
 from wtransfer import wire
+from wtransfer.channel import Channel
 from wtransfer.clients import LocalClient, SingleEngineClient, check_workers
 from wtransfer.errors import (
     ConfigError,
@@ -69,15 +68,6 @@ _SLICE_S = 0.005
 """Longest a waiting `RPCClient` thread holds its socket before letting others use it."""
 
 
-def _waiting(sock: zmq.Socket[bytes]) -> Iterator[list[bytes]]:
-    """Every message `sock` holds now, without blocking."""
-    while True:
-        try:
-            yield sock.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return
-
-
 def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -114,26 +104,19 @@ class ReceiverServer:
         )
         self.engine = engine if isinstance(engine, WeightTransferEngine) else None
         self._max = max_message_bytes
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._socket: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        bind = address[:-2] + ":*" if address.startswith("tcp://") and address.endswith(":0") \
-            else address
         try:
-            self._socket.bind(bind)
-        except zmq.ZMQError as exc:
-            self._socket.close()
-            raise ConfigError(f"cannot bind receiver server to {address!r}: {exc}") from None
-        self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._socket = Channel.serve(address, max_message_bytes=max_message_bytes)
+        except ConfigError as exc:
+            raise ConfigError(f"receiver server: {exc}") from None
+        self.address: str = self._socket.address
         """The bound address, with the real port; give it to `RPCClient`."""
         self._lock = threading.Lock()
         """Guards the socket: the serving thread reads requests, and the worker thread sends
         its replies itself (a ZeroMQ socket is not thread-safe)."""
         self._reading = threading.Lock()
         """Held while requests are read and dispatched (see `_read_requests`)."""
-        self._ready_fd = int(self._socket.getsockopt(zmq.FD))
-        """Readable when the socket's state may have changed (then `zmq.EVENTS` says what)."""
+        self._ready_fd = self._socket.fd
+        """Readable when the socket's state may have changed (then `readable` says what)."""
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         """The worker thread's nudge to the serving thread: a send of its may have taken the
         socket's readable signal while a request was waiting (and `close`'s, to stop)."""
@@ -182,7 +165,7 @@ class ReceiverServer:
         request that arrives meanwhile, as its call replies may (see `_send`)."""
         with self._reading:
             with self._lock:
-                requests = list(_waiting(self._socket)) if not self._socket.closed else []
+                requests = list(self._socket.waiting()) if not self._socket.closed else []
             for frames in requests:
                 self._accept(frames, nudge=nudge)
         return bool(requests)
@@ -209,8 +192,8 @@ class ReceiverServer:
         with self._lock:
             if self._socket.closed:
                 return
-            self._socket.send_multipart(frames)
-            if nudge and int(self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            self._socket.send(frames)
+            if nudge and self._socket.readable():
                 self._wake()
 
     def _wake(self) -> None:
@@ -395,14 +378,10 @@ class RPCClient(SingleEngineClient):
         self._next_id = 0
         self._waiting: set[int] = set()
         self._replies: dict[int, bytes] = {}
-        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(address)
-        except zmq.ZMQError as exc:
-            sock.close()
-            raise ConfigError(f"bad receiver address {address!r}: {exc}") from None
-        self._socket = sock
+            self._socket = Channel.connect(address)
+        except ConfigError as exc:
+            raise ConfigError(f"RPCClient: {exc}") from None
 
     def submit(self, method: str, *, after: RPCCall | None = None,
                timeout_s: float | None = None, **args: Any) -> RPCCall:
@@ -424,14 +403,10 @@ class RPCClient(SingleEngineClient):
                                      "create a new one")
             call_id, self._next_id = self._next_id, self._next_id + 1
             frames = [call_id.to_bytes(8, "little"), b"", payload]
-            while True:
-                try:
-                    self._socket.send_multipart(frames, zmq.NOBLOCK)
-                    break
-                except zmq.Again:  # queue full: the receiver is not reading
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not self._socket.poll(int(left * 1000) + 1, zmq.POLLOUT):
-                        raise TransferTimeout(self._silence(method, timeout)) from None
+            while not self._socket.send(frames, block=False):  # queue full: the receiver is
+                left = deadline - time.monotonic()  # not reading
+                if left <= 0 or not self._socket.wait(int(left * 1000) + 1, writable=True):
+                    raise TransferTimeout(self._silence(method, timeout)) from None
             self._waiting.add(call_id)
         return RPCCall(self, call_id, method, deadline, timeout)
 
@@ -470,7 +445,7 @@ class RPCClient(SingleEngineClient):
                 if spin_from is not None and now < spin_from:  # awake in time to poll so
                     wait_s = min(wait_s, spin_from - now)
                 timeout_ms = 0 if spin else max(1, int(wait_s * 1000))
-                if self._socket.poll(timeout_ms, zmq.POLLIN):
+                if self._socket.wait(timeout_ms):
                     self._read_replies()
                     continue
             if spin:
@@ -479,12 +454,12 @@ class RPCClient(SingleEngineClient):
     def _arrived(self, call_id: int) -> bool:
         """Whether `call_id`'s reply is in (reads what is waiting; never blocks)."""
         with self._lock:
-            if call_id not in self._replies and self._socket.poll(0, zmq.POLLIN):
+            if call_id not in self._replies and self._socket.wait(0):
                 self._read_replies()
             return call_id in self._replies
 
     def _read_replies(self) -> None:
-        for frames in _waiting(self._socket):
+        for frames in self._socket.waiting():
             if len(frames) != 3 or len(frames[0]) != 8 or frames[1] != b"":
                 continue  # not an answer to any request of ours
             call_id = int.from_bytes(frames[0], "little")

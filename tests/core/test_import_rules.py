@@ -93,6 +93,13 @@ def test_production_code_never_imports_the_test_harness():
         == []
 
 
+def test_one_module_speaks_zeromq():
+    """`wtransfer.channel` holds every socket of every control channel (rpc, the TP workers,
+    the DP ranks); nothing else in `wtransfer` imports ZeroMQ."""
+    assert broken(lambda m, t: under(t, "zmq") and m != "wtransfer.channel") == []
+    assert any(under(t, "zmq") for t in MODULES["wtransfer.channel"])
+
+
 def test_the_engines_layers_import_only_their_own_layer_or_below():
     def upward(module, target):
         if not (under(module, "wtransfer.inference") and under(target, "wtransfer.inference")):

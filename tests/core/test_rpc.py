@@ -216,7 +216,7 @@ def test_a_status_answered_by_the_worker_leaves_a_request_behind_it_signalled():
     def served(sock, *, as_worker=False):
         """`sock`'s request read and answered on this thread."""
         sock.send_multipart(request)
-        assert server._socket.poll(5000), "the request never arrived"
+        assert server._socket.wait(5000), "the request never arrived"
         assert server._read_requests(nudge=as_worker)
         assert sock.poll(5000) and wire.decode(sock.recv_multipart()[-1])["ok"]
 
@@ -234,7 +234,7 @@ def test_a_status_answered_by_the_worker_leaves_a_request_behind_it_signalled():
 
         def status_while_another_request_arrives():
             second.send_multipart(request)
-            assert server._socket.poll(5000), "the second request never arrived"
+            assert server._socket.wait(5000), "the second request never arrived"
             return status()
 
         server.status = status_while_another_request_arrives  # type: ignore[method-assign]

@@ -29,9 +29,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-import zmq
-
 from wtransfer import wire
+from wtransfer.channel import Channel, ChannelClosedError, wait_any
 from wtransfer.errors import (
     ConfigError,
     IntegrityError,
@@ -190,16 +189,9 @@ class DataParallelCore:
         self.waves_relayed = 0
         self._startup_error: Exception | None = None
 
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._router: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._router.bind(f"tcp://{_HOST}:*")
-        inbox = f"inproc://wtransfer-dp-{id(self)}"
-        self._inbox: zmq.Socket[bytes] = ctx.socket(zmq.PULL)
-        self._inbox.bind(inbox)
-        self._outbox: zmq.Socket[bytes] = ctx.socket(zmq.PUSH)
-        self._outbox.connect(inbox)
+        self._router = Channel.serve(f"tcp://{_HOST}:*", peers_must_exist=True)
+        self._outbox, self._inbox = Channel.wakeup_pair(f"wtransfer-dp-{id(self)}")
+        """Calls from other threads go to the io thread, which alone uses the router."""
         self._outbox_lock = threading.Lock()
         self._store = host_store(_HOST, config.step_timeout_s)
         self._session = secrets.token_hex(6)
@@ -218,7 +210,7 @@ class DataParallelCore:
         command = [sys.executable, "-m", "wtransfer.inference.dp.rank",
                    "--config", json.dumps(record_to_wire(self.config)),
                    "--rank", str(rank),
-                   "--frontend", self._router.getsockopt_string(zmq.LAST_ENDPOINT),
+                   "--frontend", self._router.address,
                    "--store", f"{_HOST}:{self._store.port}", "--session", self._session]
         return subprocess.Popen(command)
 
@@ -236,7 +228,7 @@ class DataParallelCore:
         for rank, proc in enumerate(self._procs):
             code = proc.poll()
             if code is not None and not self._closing and self._broken is None:
-                if self._router.poll(50):  # its last words (a fatal message) come first
+                if self._router.wait(50):  # its last words (a fatal message) come first
                     self._read_router()
                 self._fail(f"data-parallel rank {rank} exited with code {code}")
                 return
@@ -277,38 +269,27 @@ class DataParallelCore:
     # -- the socket ------------------------------------------------------------------------
 
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._inbox, zmq.POLLIN)
         next_check = 0.0
         while not self._closing:
-            events = dict(poller.poll(_POLL_MS))
-            if self._inbox in events:
-                while True:
-                    try:
-                        frames = self._inbox.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
+            ready = wait_any([self._router, self._inbox], _POLL_MS)
+            if self._inbox in ready:
+                for frames in self._inbox.waiting():
                     self._route(frames[0], frames[1])
-            if self._router in events:
+            if self._router in ready:
                 self._read_router()
             if time.monotonic() >= next_check:  # not on every message: outputs flow per step
                 self._check_processes()
                 next_check = time.monotonic() + _POLL_MS / 1000
 
     def _read_router(self) -> None:
-        while True:
-            try:
-                identity, payload = self._router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for identity, payload in self._router.waiting():
             rank = int(identity.decode().rsplit("-", 1)[1])
             self._on_message(rank, wire.decode(payload))
 
     def _route(self, identity: bytes, payload: bytes) -> None:
         # a rank that is gone: _check_processes breaks the engine and fails the call
-        with contextlib.suppress(zmq.ZMQError):
-            self._router.send_multipart([identity, payload])
+        with contextlib.suppress(ChannelClosedError):
+            self._router.send([identity, payload])
 
     def _on_message(self, rank: int, message: dict[str, Any]) -> None:
         kind = message.get("kind")
@@ -360,7 +341,7 @@ class DataParallelCore:
             self._calls[call_id] = (rank, future)
         payload = wire.encode({"op": op, "id": call_id, "args": list(args)})
         with self._outbox_lock:
-            self._outbox.send_multipart([f"rank-{rank}".encode(), payload])
+            self._outbox.send([f"rank-{rank}".encode(), payload])
         return future
 
     def _everyone(self, op: str, *args: Any) -> Future[list[Any]]:

@@ -44,9 +44,8 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-import zmq
 
-from wtransfer import wire
+from wtransfer.channel import Channel, receive_record, send_record
 from wtransfer.errors import LifecycleError, PeerError, error_reply, ok_reply
 from wtransfer.inference.commands import run_command
 from wtransfer.inference.config import EngineConfig
@@ -75,7 +74,7 @@ class DPRank:
     the front end's commands between lockstep steps. `group()` forms the ranks' group once
     this rank's model is loaded."""
 
-    def __init__(self, config: EngineConfig, rank: int, socket: zmq.Socket[bytes],
+    def __init__(self, config: EngineConfig, rank: int, socket: Channel,
                  group: Callable[[], RankGroup]) -> None:
         self._outbox: list[dict[str, Any]] = []
         self.socket = socket
@@ -110,7 +109,7 @@ class DPRank:
         self._outbox.append(output.to_wire())
 
     def _send(self, message: dict[str, Any]) -> None:
-        self.socket.send(wire.encode(message))
+        send_record(self.socket, message)
 
     def _flush(self) -> None:
         if self._outbox:
@@ -126,14 +125,10 @@ class DPRank:
             self._send({"kind": "reply", "id": call_id, **error_reply(error)})
 
     def _drain_commands(self, timeout_ms: int) -> None:
-        if not self.socket.poll(timeout_ms):
+        if not self.socket.wait(timeout_ms):
             return
-        while True:
-            try:
-                frame = self.socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._handle(wire.decode(frame))
+        while (received := receive_record(self.socket, block=False)) is not None:
+            self._handle(received[1])
 
     def _handle(self, message: dict[str, Any]) -> None:
         op, call_id, args = message["op"], int(message.get("id", -1)), message.get("args", [])
@@ -322,14 +317,9 @@ def place(config: EngineConfig, rank: int) -> EngineConfig:
     return config
 
 
-def connect(frontend: str, rank: int) -> zmq.Socket[bytes]:
-    """This rank's socket to the front end (its identity names the rank)."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    socket: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
-    socket.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
-    socket.setsockopt(zmq.LINGER, 1000)
-    socket.connect(frontend)
-    return socket
+def connect(frontend: str, rank: int) -> Channel:
+    """This rank's channel to the front end (its identity names the rank)."""
+    return Channel.connect(frontend, identity=f"rank-{rank}", linger_ms=1000)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,13 +345,13 @@ def main(argv: list[str] | None = None) -> int:
                                         config.step_timeout_s))
         node.run()
     except Exception as exc:
-        socket.send(wire.encode({"kind": "fatal", **error_reply(exc)}))
+        send_record(socket, {"kind": "fatal", **error_reply(exc)})
         log.error("data-parallel rank %d failed: %s: %s", args.rank, type(exc).__name__, exc)
         return 1
     finally:
         if node is not None:
             node.close()
-        socket.close(linger=1000)
+        socket.close(linger_ms=1000)
     return 0
 
 

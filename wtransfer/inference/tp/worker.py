@@ -22,13 +22,11 @@ import logging
 import os
 import threading
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import zmq
 
-from wtransfer import wire
+from wtransfer.channel import Channel, receive_record, send_record
 from wtransfer.errors import WTransferError, error_reply, ok_reply
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.model.decoder import load_model, shard_model
@@ -55,7 +53,7 @@ COMMANDS = ("init_weight_transfer_engine", "start_weight_update", "update_weight
 class Worker:
     """One worker's model shard, receiver and runner, and its two loops."""
 
-    def __init__(self, config: EngineConfig, rank: int, store: dist.Store, socket: Any,
+    def __init__(self, config: EngineConfig, rank: int, store: dist.Store, socket: Channel,
                  first_worker: int, staging: str, rollback: bool) -> None:
         self.config, self.rank, self.socket = config, rank, socket
         self.device = worker_device(config, first_worker, rank)
@@ -65,7 +63,7 @@ class Worker:
         checkpoint_dtype = dtype_name(full.model.embed_tokens.weight.dtype)
         if config.quantization == "fp8":
             quantize_model(full)
-        socket.send(wire.encode({"kind": "loaded"}))
+        send_record(socket, {"kind": "loaded"})
         size = config.tensor_parallel_size
         self.collective = Collective(dist.PrefixStore("wtransfer-tp/", store), rank, size,
                                      config.step_timeout_s, self.device,
@@ -86,11 +84,13 @@ class Worker:
     def serve_commands(self) -> None:
         """The command thread: run each weight-transfer command in order and answer it."""
         while not self._stop.is_set():
-            if not self.socket.poll(200):
+            if not self.socket.wait(200):
                 if os.getppid() != self._parent:
                     return
                 continue
-            message = wire.decode(self.socket.recv())
+            received = receive_record(self.socket)
+            assert received is not None
+            message = received[1]
             call_id, command, args = message["id"], message["command"], message["args"]
             try:
                 if command not in COMMANDS:
@@ -98,7 +98,7 @@ class Worker:
                 reply = ok_reply(getattr(self.weights, command)(*args))
             except Exception as exc:
                 reply = error_reply(exc)
-            self.socket.send(wire.encode({"id": call_id, **reply}))
+            send_record(self.socket, {"id": call_id, **reply})
 
     def follow(self) -> None:
         """The step loop: do what rank 0 broadcasts, until shutdown."""
@@ -142,11 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--staging", required=True)
     parser.add_argument("--rollback", type=int, required=True)
     args = parser.parse_args(argv)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    socket: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
-    socket.setsockopt(zmq.IDENTITY, f"tp-{args.rank}".encode())
-    socket.setsockopt(zmq.LINGER, 1000)
-    socket.connect(args.commands)
+    socket = Channel.connect(args.commands, identity=f"tp-{args.rank}", linger_ms=1000)
     worker: Worker | None = None
     try:
         config = parse_record(EngineConfig, json.loads(args.config), where="--config")
@@ -157,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         worker = Worker(config, args.rank, store, socket, args.first_worker, args.staging,
                         bool(args.rollback))
     except Exception as exc:
-        socket.send(wire.encode({"kind": "fatal", **error_reply(exc)}))
-        socket.close(linger=1000)
+        send_record(socket, {"kind": "fatal", **error_reply(exc)})
+        socket.close(linger_ms=1000)
         return 1
     commands = threading.Thread(target=worker.serve_commands, name="wtransfer-tp-commands",
                                 daemon=True)
@@ -171,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         worker.close()
         commands.join(timeout=5)
-        socket.close(linger=1000)
+        socket.close(linger_ms=1000)
     return 0
 
 

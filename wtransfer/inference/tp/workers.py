@@ -29,9 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import zmq
 
-from wtransfer import wire
+from wtransfer.channel import Channel, receive_record, send_record
 from wtransfer.errors import ConfigError, EngineDeadError, TransferTimeout, reply_result
 from wtransfer.fingerprint import tensor_digest
 from wtransfer.inference.config import EngineConfig
@@ -51,11 +50,8 @@ class TPWorkers:
         self.timeout_s = config.step_timeout_s
         self._last_sync = time.monotonic()
         self.call_timeout_s = config.call_timeout_s
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._socket: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind("tcp://127.0.0.1:*")
-        address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._channel = Channel.serve()
+        address = self._channel.address
         self._store = dist.TCPStore("127.0.0.1", 0, None, True,
                                     timedelta(seconds=self.timeout_s), wait_for_workers=False)
         self._lock = threading.Lock()
@@ -88,11 +84,12 @@ class TPWorkers:
                 raise TransferTimeout(f"tensor-parallel workers {sorted(waiting)} did not start "
                                       f"within {self.call_timeout_s:g}s")
             self._check_alive()
-            if not self._socket.poll(100):
+            if not self._channel.wait(100):
                 continue
-            identity, body = self._socket.recv_multipart()
-            message = wire.decode(body)
-            rank = int(identity.decode().removeprefix("tp-"))
+            received = receive_record(self._channel)
+            assert received is not None
+            identity, message = received
+            rank = int((identity or b"").decode().removeprefix("tp-"))
             if message.get("kind") == "fatal":
                 raise ConfigError(f"tensor-parallel worker {rank} failed to start: "
                                   f"{message.get('type')}: {message.get('message')}")
@@ -150,8 +147,8 @@ class TPWorkers:
         with self._lock:
             for rank in range(1, self.size):
                 call_id, self._next_id = self._next_id, self._next_id + 1
-                self._socket.send_multipart([f"tp-{rank}".encode(), wire.encode(
-                    {"id": call_id, "command": command, "args": list(args)})])
+                send_record(self._channel, {"id": call_id, "command": command,
+                                            "args": list(args)}, to=f"tp-{rank}".encode())
                 ids.append(call_id)
         return ids
 
@@ -167,13 +164,12 @@ class TPWorkers:
                         results[call_id] = self._replies.pop(call_id)
                 if len(results) == len(ids):
                     break
-                if self._socket.poll(int(_SLICE_S * 1000)):
+                if self._channel.wait(int(_SLICE_S * 1000)):
                     for _ in range(64):
-                        try:
-                            _, body = self._socket.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
+                        received = receive_record(self._channel, block=False)
+                        if received is None:
                             break
-                        message = wire.decode(body)
+                        message = received[1]
                         self._replies[int(message["id"])] = message
             self._check_alive()
             if time.monotonic() > deadline:
@@ -192,10 +188,10 @@ class TPWorkers:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
-        self._socket.close()
+        self._channel.close()
 
     def _kill(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
-        self._socket.close()
+        self._channel.close()
