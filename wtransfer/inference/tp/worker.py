@@ -8,9 +8,10 @@ it is alive, within the deadline each worker waits for the next message. Weight-
 commands arrive on the command socket and run on a thread of their own (one at a time, in
 order), beside the step loop.
 
-Messages on the command socket (msgpack): worker to rank 0 ``{"kind": "loaded"}`` once the
-model is in memory, or ``{"kind": "fatal", type, message}``; rank 0 to worker ``{"id",
-"command", "args"}``, answered ``{"id", "ok": true, "result"}`` or ``{"id"}`` with the fields of
+Messages on the command channel (`wtransfer.channel`, msgpack): worker to rank 0 ``{"kind":
+"loaded"}`` once the model is in memory, or ``{"kind": "fatal", type, message}``; rank 0 to
+worker ``{"id", "op", "args"}`` (the DP ranks' calls have the same envelope), answered
+``{"id", "ok": true, "result"}`` or ``{"id"}`` with the fields of
 `wtransfer.errors.error_reply`.
 """
 
@@ -91,7 +92,7 @@ class Worker:
             received = receive_record(self.socket)
             assert received is not None
             message = received[1]
-            call_id, command, args = message["id"], message["command"], message["args"]
+            call_id, command, args = message["id"], message["op"], message["args"]
             try:
                 if command not in COMMANDS:
                     raise WTransferError(f"unknown tensor-parallel worker command {command!r}")

@@ -147,7 +147,7 @@ class TPWorkers:
         with self._lock:
             for rank in range(1, self.size):
                 call_id, self._next_id = self._next_id, self._next_id + 1
-                send_record(self._channel, {"id": call_id, "command": command,
+                send_record(self._channel, {"id": call_id, "op": command,
                                             "args": list(args)}, to=f"tp-{rank}".encode())
                 ids.append(call_id)
         return ids
