@@ -26,7 +26,7 @@ from wtransfer.inference.updates.shard_target import ShardTarget
 from wtransfer.manifest import Manifest
 from wtransfer.packing import DTYPES, TensorMeta
 from wtransfer.receiver.session import UpdateSession
-from wtransfer.transport.mton import Planner, whole_layouts
+from wtransfer.transport.m2n import Planner, whole_layouts
 
 
 def bench(name: str, tp: int, bucket_mb: int, repeats: int) -> dict[str, Any]:

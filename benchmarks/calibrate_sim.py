@@ -36,7 +36,7 @@ from wtransfer.packing import TensorMeta
 from wtransfer.sim.cluster import Cluster, Link
 from wtransfer.sim.layouts import fsdp_layouts, tp_layout
 from wtransfer.sim.simulate import simulate
-from wtransfer.transport.mton import plan_transfers
+from wtransfer.transport.m2n import plan_transfers
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import print_table, write_json

@@ -211,7 +211,7 @@ def test_a_malformed_m2n_roster_is_refused_by_name(message, error):
     """What the lead trainer rank tells an M->N worker at its first update travels over UCX
     as a typed message: a roster that lists no workers, a layout of an unknown dtype, too few
     workers, or no mapping at all is refused with what is wrong (`MetadataError`)."""
-    from wtransfer_ucx import mton
+    from wtransfer_ucx import m2n
     from wtransfer_ucx.transport import acquire_worker, control_tag, release_worker
 
     from wtransfer import wire
@@ -222,10 +222,10 @@ def test_a_malformed_m2n_roster_is_refused_by_name(message, error):
         ep = trainer.connect("127.0.0.1", worker.listen(0))
         sent = trainer.send_message(ep, wire.encode(message), control_tag(7, 2, 3))
         with pytest.raises(MetadataError, match=error):
-            mton.read_roster(worker, 7, 3, 10.0, 4096)
+            m2n.read_roster(worker, 7, 3, 10.0, 4096)
         trainer.wait(sent.requests, 10.0)
         with pytest.raises(TransferTimeout, match="roster from trainer rank 0 did not arrive"):
-            mton.read_roster(worker, 7, 3, 0.2, 4096)  # nothing more was sent
+            m2n.read_roster(worker, 7, 3, 0.2, 4096)  # nothing more was sent
     finally:
         release_worker(trainer)
         release_worker(worker)

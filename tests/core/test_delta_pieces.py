@@ -10,7 +10,7 @@ from wtransfer.delta.pieces import UNCHANGED, WHOLE, decode_bucket, encode_bucke
 from wtransfer.errors import MetadataError
 from wtransfer.packing import DTYPES, TensorMeta
 from wtransfer.records import Box
-from wtransfer.transport.mton import plan_transfers, whole_layouts
+from wtransfer.transport.m2n import plan_transfers, whole_layouts
 
 METAS = [TensorMeta("a", "bfloat16", (64, 48)), TensorMeta("b", "float32", (300,)),
          TensorMeta("c", "int8", (5, 7)), TensorMeta("d", "float8_e4m3fn", (128,))]

@@ -110,19 +110,26 @@ def test_the_engines_layers_import_only_their_own_layer_or_below():
     assert broken(upward) == []
 
 
-@pytest.mark.parametrize("old", ["replica", "scheduler", "server", "runner", "lora"])
-def test_an_engine_module_imported_by_its_old_name_is_the_moved_one_with_a_warning(old):
+@pytest.mark.parametrize(("old", "new"), [
+    ("wtransfer.inference.replica", "wtransfer.inference.updates.replica"),
+    ("wtransfer.inference.scheduler", "wtransfer.inference.steps.scheduler"),
+    ("wtransfer.inference.server", "wtransfer.inference.serving.server"),
+    ("wtransfer.inference.lora", "wtransfer.inference.updates.lora"),
+    ("wtransfer.transport.mton", "wtransfer.transport.m2n"),
+    ("wtransfer_nccl.mton", "wtransfer_nccl.m2n"),
+    ("wtransfer_ucx.mton_reads", "wtransfer_ucx.m2n_reads"),
+])
+def test_a_module_imported_by_its_old_name_is_the_moved_one_with_a_warning(old, new):
     import importlib
     import sys
     import warnings
 
-    from wtransfer.inference._moved import MOVED
-
-    sys.modules.pop(f"wtransfer.inference.{old}", None)
+    importlib.import_module(old.rpartition(".")[0])  # (the package registers its old names)
+    sys.modules.pop(old, None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        module = importlib.import_module(f"wtransfer.inference.{old}")
-    new = importlib.import_module(f"wtransfer.inference.{MOVED[old]}")
-    assert module is new and module.__spec__.name == new.__name__
+        module = importlib.import_module(old)
+    moved = importlib.import_module(new)
+    assert module is moved and module.__spec__.name == new
     assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [
-        f"wtransfer.inference.{old} moved to {new.__name__}; import it from there"]
+        f"{old} moved to {new}; import it from there"]

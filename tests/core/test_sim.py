@@ -15,7 +15,7 @@ from wtransfer.sim.command import parse_engine
 from wtransfer.sim.layouts import engine_layouts, fsdp_layouts, megatron_layouts, tp_layout
 from wtransfer.sim.models import qwen3_moe_metas, scale_metas
 from wtransfer.sim.simulate import simulate
-from wtransfer.transport.mton import plan_transfers
+from wtransfer.transport.m2n import plan_transfers
 
 NAMES = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
          "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.gate_proj.weight",

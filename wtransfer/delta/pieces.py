@@ -37,7 +37,7 @@ from wtransfer.delta.codec import (
 )
 from wtransfer.errors import MetadataError
 from wtransfer.packing import DTYPES, TensorMeta
-from wtransfer.transport.mton import PairBucket, Piece, TransferPlan
+from wtransfer.transport.m2n import PairBucket, Piece, TransferPlan
 
 UNCHANGED = 0
 """A bucket none of whose elements changed: it does not travel."""

@@ -23,7 +23,7 @@ from wtransfer.delta.pieces import WHOLE, EncodedBucket, encode_bucket
 from wtransfer.errors import MetadataError
 from wtransfer.packing import TensorMeta
 from wtransfer.trainer.source import WeightSource
-from wtransfer.transport.mton import PairBucket, Piece, TransferPlan
+from wtransfer.transport.m2n import PairBucket, Piece, TransferPlan
 
 DENSE_FRACTION = 0.5
 """A delta that moved more than this fraction of the model's bytes is a dense one: it saved

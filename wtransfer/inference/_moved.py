@@ -2,17 +2,12 @@
 
 The engine was packaged by layer (model, steps, updates, serving); `import
 wtransfer.inference.replica` still works and gives the module now at
-`wtransfer.inference.updates.replica`.
+`wtransfer.inference.updates.replica` (`wtransfer.moved`).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
-import sys
-import warnings
-from types import ModuleType
+from wtransfer import moved
 
 MOVED: dict[str, str] = {
     "attention": "model.attention",
@@ -40,42 +35,7 @@ MOVED: dict[str, str] = {
 }
 """Old module name under `wtransfer.inference` -> its path there now."""
 
-_PACKAGE = "wtransfer.inference"
-
-
-class _MovedModuleLoader(importlib.abc.Loader):
-    """Answers an old name with the module at its new path (one module object, two names)."""
-
-    def __init__(self, new_name: str) -> None:
-        self._new_name = new_name
-        self._own_spec: importlib.machinery.ModuleSpec | None = None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        """Imports the module under its new name (and warns that the old one is deprecated)."""
-        warnings.warn(f"{spec.name} moved to {self._new_name}; import it from there",
-                      DeprecationWarning, stacklevel=2)
-        module = importlib.import_module(self._new_name)
-        self._own_spec = module.__spec__
-        return module
-
-    def exec_module(self, module: ModuleType) -> None:
-        """Gives the module back its own spec (the import system set the old name's)."""
-        module.__spec__ = self._own_spec
-
-
-class MovedModuleFinder(importlib.abc.MetaPathFinder):
-    """Finds `wtransfer.inference.<old>` for every name in `MOVED`."""
-
-    def find_spec(self, fullname: str, path: object = None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        package, _, leaf = fullname.rpartition(".")
-        if package != _PACKAGE or leaf not in MOVED:
-            return None
-        new_name = f"{_PACKAGE}.{MOVED[leaf]}"
-        return importlib.machinery.ModuleSpec(fullname, _MovedModuleLoader(new_name))
-
 
 def install() -> None:
-    """Puts the finder on `sys.meta_path` once."""
-    if not any(isinstance(finder, MovedModuleFinder) for finder in sys.meta_path):
-        sys.meta_path.append(MovedModuleFinder())
+    """Keeps every old name of `MOVED` importable."""
+    moved.install("wtransfer.inference", MOVED)

@@ -16,7 +16,7 @@ from wtransfer.delta.pieces import UNCHANGED, WHOLE
 from wtransfer.errors import MetadataError
 from wtransfer.packing import read_checksum_trailer
 from wtransfer.receiver.session import UpdateSession
-from wtransfer.transport.mton import PairBucket, TransferPlan
+from wtransfer.transport.m2n import PairBucket, TransferPlan
 
 
 class PairReceipt:

@@ -10,7 +10,7 @@ start -> finish update:
 Tensors split across buckets go straight into the target's storage when it offers a byte view
 (`WeightTarget.direct_bytes`); otherwise they are assembled in one temporary buffer each.
 
-An M->N transfer (`wtransfer.transport.mton`) sends each worker only what it keeps, as boxes
+An M->N transfer (`wtransfer.transport.m2n`) sends each worker only what it keeps, as boxes
 of the global tensors from several trainer ranks: `keep_only(layouts)` says what that is, and
 `consume_pieces` writes each box into the target's own region of the tensor
 (`WeightTarget.region`), or into a whole-tensor buffer loaded once complete for a target
@@ -44,7 +44,7 @@ from wtransfer.receiver.finite import FiniteCheck
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import Box, TensorLayout
 from wtransfer.transport.copies import WHOLE_UPDATE_STREAMS, CopyQueue, copy_bytes
-from wtransfer.transport.mton import Piece
+from wtransfer.transport.m2n import Piece
 
 
 class _Partial:

@@ -13,7 +13,7 @@ from wtransfer.sim.cluster import Cluster
 from wtransfer.sim.layouts import engine_layouts, trainer_layouts
 from wtransfer.sim.models import SCALE_MODELS, scale_metas
 from wtransfer.sim.simulate import Prediction, simulate
-from wtransfer.transport.mton import TransferPlan, plan_transfers
+from wtransfer.transport.m2n import TransferPlan, plan_transfers
 
 FP8 = "float8_e4m3fn"
 

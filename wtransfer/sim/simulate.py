@@ -1,6 +1,6 @@
 """Predict an update's time from the plan the transports run, and a rank-0 broadcast's.
 
-The M->N plan (`wtransfer.transport.mton.plan_transfers`) gives every pair bucket and its
+The M->N plan (`wtransfer.transport.m2n.plan_transfers`) gives every pair bucket and its
 round. Each bucket goes through three stages, and stages of different buckets overlap the way
 the transports overlap them:
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from wtransfer.packing import TensorMeta
 from wtransfer.sim.cluster import Cluster, Link
-from wtransfer.transport.mton import TransferPlan
+from wtransfer.transport.m2n import TransferPlan
 
 
 @dataclass

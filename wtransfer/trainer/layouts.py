@@ -21,7 +21,7 @@ import torch
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.packing import DTYPES, TensorMeta, dtype_name, frame, is_dtensor
 from wtransfer.records import Box, TensorLayout
-from wtransfer.transport.mton import PairBucket
+from wtransfer.transport.m2n import PairBucket
 
 
 def dtensor_layout(name: str, tensor: Any) -> TensorLayout:

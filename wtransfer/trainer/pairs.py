@@ -22,7 +22,7 @@ from wtransfer.packing import frame
 from wtransfer.trainer.engine import Share
 from wtransfer.trainer.layouts import LocalShards, held_parts
 from wtransfer.trainer.source import WeightSource
-from wtransfer.transport.mton import PairBucket, TransferPlan
+from wtransfer.transport.m2n import PairBucket, TransferPlan
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ buffer by each receiver and reused across updates); CPU tensors through POSIX sh
 """
 
 import wtransfer
+from wtransfer import moved
 from wtransfer_ipc.info import (
     CUDA_BUCKET_BYTES,
     CUDA_NUM_BUFFERS,
@@ -22,3 +23,5 @@ BACKEND = wtransfer.Backend(
 
 __all__ = ["BACKEND", "CUDA_BUCKET_BYTES", "CUDA_NUM_BUFFERS", "IPCInitInfo", "IPCTrainerInitInfo",
            "IPCUpdateInfo"]
+
+moved.install("wtransfer_ipc", {"mton": "m2n"})  # (M->N has one spelling: m2n)

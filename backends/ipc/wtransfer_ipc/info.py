@@ -43,7 +43,7 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     m2n: bool | None = None
     """True: each trainer rank packs only its own shards (no gathering), each box once, into
     its own staging, and each worker copies out of every rank's staging only the parts it
-    keeps (`wtransfer_ipc.mton`); every trainer rank needs a client then. False: gather each
+    keeps (`wtransfer_ipc.m2n`); every trainer rank needs a client then. False: gather each
     bucket to a sender, and every worker reads all of it. None (default): M->N where one
     sender packs through shared memory into one engine of several workers (1->N: each worker
     reads only what it keeps), else False. Several sharded ranks ask for it explicitly for now:
@@ -73,7 +73,7 @@ class IPCInitInfo(ReceiverInitInfo):
 
     m2n: bool = False
     """The trainer ranks stage boxes of their own shards (`IPCUpdateInfo.pieces`), and each
-    worker copies only what it keeps of them (`wtransfer_ipc.mton`)."""
+    worker copies only what it keeps of them (`wtransfer_ipc.m2n`)."""
     sender_start: int | None = None
     """When the (lead) sender's process started, in clock ticks since boot (``/proc``): with
     `sender_pid` it names that process, so an engine that sees it can fail an open update as
@@ -176,6 +176,6 @@ class IPCUpdateInfo(UpdateInfo):
     """With several senders: whose staging buffers hold the bucket."""
     pieces: list[Any] | None = None
     """An M->N bucket instead of `slices`: ``[[tensor_index, offsets, lengths, offset,
-    nbytes], ...]``, each a box of a tensor staged at `offset` (`wtransfer_ipc.mton`)."""
+    nbytes], ...]``, each a box of a tensor staged at `offset` (`wtransfer_ipc.m2n`)."""
     zero_copy: ZeroCopyUpdate | None = None
     """The whole update straight from the sender's storage (one call per update)."""

@@ -16,7 +16,7 @@ from wtransfer.protocol import spin_start
 from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
-from wtransfer.transport.mton import pieces_from_wire
+from wtransfer.transport.m2n import pieces_from_wire
 from wtransfer_ipc.cuda import SenderEvents, drain, open_buffer
 from wtransfer_ipc.info import IPCInitInfo, IPCUpdateInfo, ZeroCopyUpdate
 from wtransfer_ipc.sender_process import ProcessWatch

@@ -17,9 +17,9 @@ from wtransfer.records import receiver_init_dict
 from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
 from wtransfer.trainer.layouts import LocalShards, held_parts
 from wtransfer.trainer.source import WeightSource
-from wtransfer.transport.mton import PairBucket, Planner, fragment_with_layouts, planner_of
+from wtransfer.transport.m2n import PairBucket, Planner, fragment_with_layouts, planner_of
 from wtransfer.transport.window import CallChannel
-from wtransfer_ipc import mton
+from wtransfer_ipc import m2n
 from wtransfer_ipc.cuda import await_event, export_buffer, exported_event, withdraw_event
 from wtransfer_ipc.info import (
     CUDA_BUCKET_BYTES,
@@ -46,7 +46,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
     def __init__(self, init_info: IPCTrainerInitInfo, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
         self.m2n = False
-        """Whether each rank stages only its own shards (`wtransfer_ipc.mton`; decided at
+        """Whether each rank stages only its own shards (`wtransfer_ipc.m2n`; decided at
         connect, declared first: the base constructor asks for the bucket size)."""
         super().__init__(init_info, client=client, source=source, process_group=process_group)
         self.device = self._staging_device(self.init_info.device)
@@ -232,7 +232,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
     def _outgoing_m2n(self, share: Share, planner: Planner) -> Outgoing:
         """This rank's buckets of the plan, each packed from its own shards into a free
         staging slot and handed to every worker, which copies what it keeps
-        (`wtransfer_ipc.mton`)."""
+        (`wtransfer_ipc.m2n`)."""
         metas = share.manifest.metas
         plan = planner.plan(share.manifest)
         me = share.index
@@ -250,7 +250,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
         def describe(bucket: PairBucket, slot: int, _data: torch.Tensor,
                      checksum: int | None) -> dict[str, Any]:
-            update = mton.describe(bucket, slot, me, checksum)
+            update = m2n.describe(bucket, slot, me, checksum)
             if self._packed:
                 update["event"] = self._packed[slot][1]
             return update

@@ -6,6 +6,7 @@ Neither side needs ``torch.distributed``'s default process group.
 """
 
 import wtransfer
+from wtransfer import moved
 from wtransfer_nccl.info import NCCLInitInfo, NCCLTrainerInitInfo, NCCLUpdateInfo
 
 BACKEND = wtransfer.Backend(
@@ -16,3 +17,5 @@ BACKEND = wtransfer.Backend(
 )
 
 __all__ = ["BACKEND", "NCCLInitInfo", "NCCLTrainerInitInfo", "NCCLUpdateInfo"]
+
+moved.install("wtransfer_nccl", {"mton": "m2n"})  # (M->N has one spelling: m2n)

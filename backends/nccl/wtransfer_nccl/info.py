@@ -39,7 +39,7 @@ class NCCLTrainerInitInfo(TrainerInitInfo):
     (default): that sum, counted at init (`client.num_workers()`)."""
     m2n: bool | None = None
     """Send each worker only what it keeps, from the trainer ranks that hold it, without
-    gathering (`wtransfer.transport.mton`): every trainer rank needs a client then. None
+    gathering (`wtransfer.transport.m2n`): every trainer rank needs a client then. None
     (default): when the source is sharded and every trainer rank has a client, and for a lone
     sender of a whole model (1->N) when some worker keeps part of a tensor (a TP or EP engine;
     whole replicas, as data-parallel ranks, take the broadcast); False: gather each bucket to
@@ -76,12 +76,12 @@ class NCCLInitInfo(ReceiverInitInfo):
     before either side prepared a whole batch; the sender's number, like `batch`."""
     m2n: bool = False
     """One group of every trainer rank and worker: each worker receives only what it keeps,
-    from every trainer rank (`wtransfer.transport.mton`), and publishes its layouts in the
+    from every trainer rank (`wtransfer.transport.m2n`), and publishes its layouts in the
     rendezvous at init."""
     m2n_by_layouts: bool = False
     """A lone sender decides between M->N and the broadcast from what the workers keep: each
     worker publishes its layouts, then joins the group the lead's decision names
-    (`wtransfer_nccl.mton.read_decision`)."""
+    (`wtransfer_nccl.m2n.read_decision`)."""
     lifeline_port: int | None = None
     """Port of the lead trainer's `wtransfer.transport.tcp_lifeline.LifelineListener` at
     `master_address`: each worker connects once, and fails an open update within moments of

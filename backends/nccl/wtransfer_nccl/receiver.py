@@ -1,5 +1,5 @@
 """Engine side of the NCCL backend: joins the group once, receives every bucket by broadcast,
-or (M->N, `wtransfer_nccl.mton`) only what this worker keeps, from every trainer rank."""
+or (M->N, `wtransfer_nccl.m2n`) only what this worker keeps, from every trainer rank."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from wtransfer_nccl.group import (
     sender_store,
 )
 from wtransfer_nccl.info import NCCLInitInfo, NCCLUpdateInfo
-from wtransfer_nccl.mton import (
+from wtransfer_nccl.m2n import (
     Planner,
     m2n_store,
     publish_layouts,

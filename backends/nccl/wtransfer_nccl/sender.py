@@ -1,5 +1,5 @@
 """Trainer side of the NCCL backend: packs buckets and broadcasts them to every worker, or
-(M->N, `wtransfer_nccl.mton`) sends each worker the parts of its own shards that it keeps."""
+(M->N, `wtransfer_nccl.m2n`) sends each worker the parts of its own shards that it keeps."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from wtransfer.records import receiver_init_dict
 from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
 from wtransfer.trainer.pairs import pair_send
 from wtransfer.trainer.source import WeightSource
-from wtransfer.transport.mton import keeps_part
+from wtransfer.transport.m2n import keeps_part
 from wtransfer.transport.tcp_lifeline import LifelineListener
 from wtransfer.transport.window import SendChannel
 from wtransfer_nccl.group import (
@@ -32,7 +32,7 @@ from wtransfer_nccl.group import (
     session_store,
 )
 from wtransfer_nccl.info import NCCLTrainerInitInfo
-from wtransfer_nccl.mton import (
+from wtransfer_nccl.m2n import (
     Planner,
     m2n_store,
     publish_decision,
@@ -185,7 +185,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
 
     def _form_m2n(self, store: Any, sender: int) -> Group:
         """Publish this rank's shards, join the group of every trainer rank and worker, and
-        read what everyone holds (`wtransfer_nccl.mton`)."""
+        read what everyone holds (`wtransfer_nccl.m2n`)."""
         info = self.init_info
         publish_layouts(store, sender, self.source.layouts(sender))
         group = make_group(self.transport, m2n_store(store), sender, self.world_size,

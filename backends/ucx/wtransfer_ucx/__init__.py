@@ -6,6 +6,7 @@ its synchronous low-level API with a progress thread, so the public API stays sy
 """
 
 import wtransfer
+from wtransfer import moved
 from wtransfer_ucx.info import UCXInitInfo, UCXTrainerInitInfo, UCXUpdateInfo
 
 BACKEND = wtransfer.Backend(
@@ -19,3 +20,6 @@ BACKEND = wtransfer.Backend(
 )
 
 __all__ = ["BACKEND", "UCXInitInfo", "UCXTrainerInitInfo", "UCXUpdateInfo"]
+
+moved.install("wtransfer_ucx",  # (M->N has one spelling: m2n)
+              {"mton": "m2n", "mton_reads": "m2n_reads"})

@@ -37,13 +37,13 @@ class UCXTrainerInitInfo(TrainerInitInfo):
     True across hosts only where RDMA with GPUDirect reaches the trainer's GPU: without a
     transport that reads remote memory UCX emulates the reads about 100x slower (not
     measured across hosts). M->N (`m2n`): True lets each worker read its pair buckets out
-    of every rank's own shards (`wtransfer_ucx.mton_reads`; not with checksums or deltas);
+    of every rank's own shards (`wtransfer_ucx.m2n_reads`; not with checksums or deltas);
     None keeps tagged pair buckets there (a box that is not contiguous in a rank's shard,
     such as a rank's rows of the columns a worker keeps, takes one read per row).
     `UCXSender.reads` says which way the updates go, and why."""
     m2n: bool | None = None
     """Send each worker only what it keeps, from the trainer ranks that hold it, without
-    gathering (`wtransfer_ucx.mton`): every trainer rank needs a client then. None (default):
+    gathering (`wtransfer_ucx.m2n`): every trainer rank needs a client then. None (default):
     when the source is sharded and every trainer rank has a client, and for a lone sender of
     a whole model into one engine of several workers where it sends tagged buckets (1->N:
     every worker gets a copy of each bucket of its own anyway, so a TP worker is sent only its
@@ -66,7 +66,7 @@ class UCXInitInfo(ReceiverInitInfo):
     session: int
     """16-bit id in every tag, so messages of an earlier sender can never match."""
     m2n: bool = False
-    """An M->N transfer (`wtransfer_ucx.mton`): the worker connects to every trainer rank
+    """An M->N transfer (`wtransfer_ucx.m2n`): the worker connects to every trainer rank
     (`trainers`), tells each what it keeps, and receives only that, from every rank."""
     trainers: tuple[tuple[str, int], ...] = ()
     """M->N: where each trainer rank listens, in rank order (rank 0 is
@@ -119,7 +119,7 @@ class UCXUpdateInfo(UpdateInfo):
     """The whole update as one-sided reads out of the trainer's memory (see
     `wtransfer_ucx.remote_reads`); None: tagged buckets follow."""
     rma_ranks: list[ReadsUpdate] | None = None
-    """M->N by one-sided reads (`wtransfer_ucx.mton_reads`): each trainer rank's table of its
+    """M->N by one-sided reads (`wtransfer_ucx.m2n_reads`): each trainer rank's table of its
     registered shards, in rank order; None: tagged pair buckets follow."""
     plan_digest: str | None = None
     """M->N: `TransferPlan.digest` of the trainer's plan; a worker that planned otherwise

@@ -1,5 +1,5 @@
 """Engine side of the UCX backend: connects to the trainer once, receives tagged buckets (or,
-M->N, `wtransfer_ucx.mton`, only what this worker keeps, from every trainer rank)."""
+M->N, `wtransfer_ucx.m2n`, only what this worker keeps, from every trainer rank)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from wtransfer.receiver.pairs import PairReceipt
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import TensorLayout
-from wtransfer.transport.mton import PairBucket, Planner, whole_layouts
+from wtransfer.transport.m2n import PairBucket, Planner, whole_layouts
 from wtransfer.transport.window import receive_buckets
-from wtransfer_ucx import mton
+from wtransfer_ucx import m2n
 from wtransfer_ucx.info import UCXInitInfo, UCXUpdateInfo
-from wtransfer_ucx.mton_reads import RankReads
+from wtransfer_ucx.m2n_reads import RankReads
 from wtransfer_ucx.remote_reads import ImportedKeys
 from wtransfer_ucx.transport import (
     MAX_INFLIGHT,
@@ -81,7 +81,7 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
             self._published = kept if kept is not None else whole_layouts(
                 self.target.metadata())
             me = info.first_worker + self.worker_index
-            self._hellos = [mton.hello(self._ucx, ep, info.session, me, self._published)
+            self._hellos = [m2n.hello(self._ucx, ep, info.session, me, self._published)
                             for ep in self._trainers]
         else:
             self._ep = self._ucx.connect(info.trainer_address, info.trainer_port)
@@ -144,7 +144,7 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
         if self._planner is None:
             ucx.wait([r for outbox in self._hellos for r in outbox.requests], init.timeout_s)
             self._hellos = []
-            self._planner = mton.read_roster(ucx, init.session, me, init.timeout_s,
+            self._planner = m2n.read_roster(ucx, init.session, me, init.timeout_s,
                                              init.bucket_bytes)
         plan = self._planner.plan(manifest)
         plan.check(info.plan_digest)

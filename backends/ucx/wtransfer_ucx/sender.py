@@ -1,5 +1,5 @@
 """Trainer side of the UCX backend: listens, then sends every bucket to every worker, or
-(M->N, `wtransfer_ucx.mton`) each worker the parts of this rank's shards that it keeps."""
+(M->N, `wtransfer_ucx.m2n`) each worker the parts of this rank's shards that it keeps."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
 from wtransfer.trainer.layouts import LocalShards, held_parts
 from wtransfer.trainer.pairs import pair_send
 from wtransfer.trainer.source import WeightSource
-from wtransfer.transport.mton import Planner, fragment_with_layouts, planner_of
+from wtransfer.transport.m2n import Planner, fragment_with_layouts, planner_of
 from wtransfer.transport.window import SendChannel
-from wtransfer_ucx import mton
+from wtransfer_ucx import m2n
 from wtransfer_ucx.info import UCXTrainerInitInfo
-from wtransfer_ucx.mton_reads import rank_table
+from wtransfer_ucx.m2n_reads import rank_table
 from wtransfer_ucx.remote_reads import ExportedTensors, readable
 from wtransfer_ucx.transport import (
     MAX_INFLIGHT,
@@ -201,7 +201,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
     def _after_init(self) -> None:
         """M->N, on every rank once every worker is initialized: read each worker's hello
         (where to reach it, what it keeps), plan, and (the lead) send each worker the roster
-        (`wtransfer_ucx.mton`)."""
+        (`wtransfer_ucx.m2n`)."""
         if not self.m2n:
             return
         assert self._ucx is not None and self.client is not None
@@ -209,10 +209,10 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         timeout_s, ucx = self.init_info.timeout_s, self._ucx
         workers = self.client.num_workers()
         ucx.wait_for_endpoints(workers, timeout_s)  # (each worker's: to see it leave)
-        self._endpoints, dests = mton.read_hellos(ucx, self._session, workers, timeout_s)
+        self._endpoints, dests = m2n.read_hellos(ucx, self._session, workers, timeout_s)
         self._planner = Planner(self._planner.sources, dests, self.bucket_bytes)
         if self.lead:  # (each completes once its worker reads it, at its first update)
-            self._rosters = [mton.roster(ucx, ep, self._session, worker, self._planner)
+            self._rosters = [m2n.roster(ucx, ep, self._session, worker, self._planner)
                              for worker, ep in enumerate(self._endpoints)]
 
     def _outgoing(self, share: Share) -> Outgoing:
@@ -259,7 +259,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
     def _outgoing_m2n(self, share: Share, ucx: UCXWorker, planner: Planner) -> Outgoing:
         """This rank's pair buckets of the plan (`wtransfer.trainer.pairs`), each staged in a
         free slot and sent to its worker as one message tagged with its place in the plan
-        (`wtransfer_ucx.mton`)."""
+        (`wtransfer_ucx.m2n`)."""
         info, staging = self.init_info, self._staging
         plan = planner.plan(share.manifest)
         session, update, endpoints = self._session, self._updates, self._endpoints

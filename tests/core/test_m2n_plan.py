@@ -14,7 +14,7 @@ from wtransfer.packing import TensorMeta
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import ModuleTarget
 from wtransfer.records import Box, TensorLayout
-from wtransfer.transport.mton import (
+from wtransfer.transport.m2n import (
     TransferPlan,
     layouts_from_wire,
     layouts_to_wire,
@@ -154,7 +154,7 @@ def test_a_receiver_refuses_pieces_outside_what_it_keeps_or_twice():
     meta = TensorMeta.of("weight", module.weight)
     kept = {"weight": TensorLayout(name="weight", dtype="float32", shape=(2, 4),
                                    boxes=(Box(offsets=(0, 0), lengths=(1, 4)),))}
-    from wtransfer.transport.mton import Piece
+    from wtransfer.transport.m2n import Piece
 
     data = torch.zeros(64, dtype=torch.uint8)
     session = UpdateSession(target, "cpu")
@@ -178,7 +178,7 @@ def test_a_worker_reading_shared_staging_copies_only_what_it_keeps():
     """`crop`: a staged box spans what two workers keep; each copies only its own part (its
     bytes received are what it keeps), the values land where they belong, and a second
     arrival of a kept element or a piece that does not fit the bucket is refused."""
-    from wtransfer.transport.mton import Piece
+    from wtransfer.transport.m2n import Piece
 
     values = torch.arange(16, dtype=torch.float32).reshape(4, 4)
     staged = torch.zeros(64, dtype=torch.uint8)

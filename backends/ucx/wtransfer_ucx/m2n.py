@@ -1,7 +1,7 @@
 """M->N over UCX: every trainer rank sends each worker the boxes it keeps, as tagged messages.
 
 At init every trainer rank listens, and its init fragment carries its address and what it
-holds (`wtransfer.transport.mton.fragment_with_layouts`); the merged init info lists every
+holds (`wtransfer.transport.m2n.fragment_with_layouts`); the merged init info lists every
 rank (`UCXInitInfo.trainers`). Each worker connects to every rank (so each side sees the
 other leave) and sends each a hello: its index among all workers, its UCX worker address and
 what it keeps. Once every worker is initialized, each rank reads every worker's hello (tagged
@@ -26,7 +26,7 @@ from typing import Any
 from wtransfer import wire
 from wtransfer.errors import MetadataError
 from wtransfer.records import TensorLayout
-from wtransfer.transport.mton import Planner, layouts_from_wire, layouts_to_wire
+from wtransfer.transport.m2n import Planner, layouts_from_wire, layouts_to_wire
 from wtransfer_ucx.transport import MAX_MESSAGE_BYTES, Outbox, UCXWorker, control_tag
 
 _HELLO = 1

@@ -2,7 +2,7 @@
 only what it keeps.
 
 Staging every worker of the host can map is a broadcast medium: a byte staged once can be
-read by every worker that keeps it. So the plan (`wtransfer.transport.mton.plan_transfers`)
+read by every worker that keeps it. So the plan (`wtransfer.transport.m2n.plan_transfers`)
 has one destination that keeps every tensor whole: each box of the model is staged exactly
 once, by one of the trainer ranks holding it (ranks holding the same box share the load),
 packed straight from that rank's shards into its own staging buffers. Nothing is gathered,
@@ -12,7 +12,7 @@ box that it keeps (`UpdateSession.consume_pieces` with `crop`): the bytes a work
 are the bytes it keeps, from every rank's staging at once.
 
 The ranks exchange what they hold at init through the trainer group (with their init
-fragments, `wtransfer.transport.mton.fragment_with_layouts`); the workers' layouts are never
+fragments, `wtransfer.transport.m2n.fragment_with_layouts`); the workers' layouts are never
 needed on the trainer side.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from wtransfer.transport.mton import PairBucket, pieces_to_wire
+from wtransfer.transport.m2n import PairBucket, pieces_to_wire
 
 
 def describe(bucket: PairBucket, slot: int, sender: int, checksum: int | None

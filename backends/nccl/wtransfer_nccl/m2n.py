@@ -4,7 +4,7 @@ At init every rank of the group (trainer ranks 0..M-1, then the workers) publish
 holds in the rendezvous store before it joins the group (`publish_layouts`): a trainer rank
 its shards (`wtransfer.trainer.layouts`), a worker what it keeps (`WeightTarget.keeps`, or
 every tensor whole). Once the group formed every key is there, so every rank reads them all
-(`read_layouts`) and plans the same `wtransfer.transport.mton.TransferPlan` for each tensor
+(`read_layouts`) and plans the same `wtransfer.transport.m2n.TransferPlan` for each tensor
 list (`Planner`); the lead's update call carries the plan's digest, and a worker that planned
 otherwise refuses the update before any byte moves.
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from wtransfer import wire
 from wtransfer.errors import PeerError, TransferTimeout
 from wtransfer.records import TensorLayout
-from wtransfer.transport.mton import (
+from wtransfer.transport.m2n import (
     Planner,
     layouts_from_wire,
     layouts_to_wire,

@@ -29,7 +29,7 @@ from wtransfer.errors import MetadataError
 from wtransfer.packing import DTYPES, TensorMeta
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.records import Box, TensorLayout
-from wtransfer.transport.mton import PairBucket
+from wtransfer.transport.m2n import PairBucket
 from wtransfer_ucx.info import ReadsUpdate
 from wtransfer_ucx.remote_reads import ImportedKeys
 from wtransfer_ucx.rma import Reads, RemoteKey
