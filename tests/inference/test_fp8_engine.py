@@ -22,7 +22,14 @@ from wtransfer.inference import (
 from wtransfer.inference.model.decoder import load_model
 from wtransfer.inference.model.parallel import check_fp8_shardable
 from wtransfer.packing import TensorMeta
-from wtransfer.quant.fp8 import FP8, dequantize, is_quantized, quantize
+from wtransfer.quant.fp8 import (
+    FP8,
+    block_amax,
+    dequantize,
+    is_quantized,
+    quantize,
+    quantize_box,
+)
 from wtransfer.quant.source import Fp8Source
 from wtransfer.shapes import perturb
 from wtransfer.trainer.source import WeightSource
@@ -65,6 +72,63 @@ def test_quantize_is_exact_per_block_and_deterministic():
         assert torch.equal(escale[e], alone_scale)
     assert torch.equal(dequantize(eq, escale, torch.float32)[1],
                        dequantize(*quantize(-w), torch.float32))
+
+
+def _by_definition(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8 quantization written out block by block (the scheme's definition)."""
+    rows, cols = w.shape
+    scale = torch.ones(-(-rows // 128), -(-cols // 128))
+    q = torch.empty(rows, cols, dtype=FP8)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float()
+            amax = block.abs().max()
+            scale[i, j] = amax / 448 if amax > 0 else 1.0
+            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = \
+                (block / scale[i, j]).clamp(-448, 448).to(FP8)
+    return q, scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(384, 256), (300, 200)])
+def test_whole_and_partial_blocks_quantize_by_definition(shape, dtype):
+    """Whole-block weights take the fast kernels, ragged ones the padded path; both give
+    the bytes of the block-by-block definition, and so does a box of a sharded weight."""
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen) * 40).to(dtype)
+    w[:128, 128:256] = 0
+    w[5, 7] = -0.0
+    q, scale = quantize(w)
+    want_q, want_scale = _by_definition(w)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    box = (slice(128, 256), slice(0, 128))  # one rank's box, quantized with the global scales
+    part = quantize_box(w[box], (128, 0), scale)
+    assert torch.equal(part.view(torch.uint8), want_q[box].view(torch.uint8))
+    amax = block_amax(w[box], (128, 0), tuple(w.shape))
+    assert torch.equal(amax[1, 0], w[box].float().abs().max()) and amax.count_nonzero() <= 1
+
+
+@pytest.mark.gpu
+def test_fused_fp8_kernels_give_the_eager_bytes_on_cuda():
+    """On CUDA the compiled block kernels are used only where they match the eager ones:
+    a Qwen3-sized projection quantizes to the same bytes either way."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from wtransfer.quant import fused
+    kernels = fused.for_device(torch.device("cuda", 0))
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    blocks = w.view(32, 128, 32, 128)
+    amax = kernels.amax(blocks)
+    assert torch.equal(amax, fused.eager_amax(blocks))
+    local = (amax / 448)[:, None, :, None]
+    assert torch.equal(kernels.round(blocks, local).view(torch.uint8),
+                       fused.eager_round(blocks, local).view(torch.uint8))
+    q, scale = quantize(w)
+    want_q, want_scale = _by_definition(w.cpu())
+    assert torch.equal(scale.cpu(), want_scale)
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    print(f"fused kernels in use: {kernels.fused}")
 
 
 @pytest.mark.parametrize(("backend", "model"), [("ipc", "tiny"), ("nccl", "tiny"),

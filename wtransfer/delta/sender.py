@@ -12,12 +12,11 @@ import torch
 from wtransfer.delta.codec import (
     DENSE,
     DeltaEntry,
-    bits,
-    changed,
     encode_sparse,
     index_dtype_for,
     sparse_limit,
 )
+from wtransfer.delta.compare import LastSent
 from wtransfer.delta.header import DeltaHeader
 from wtransfer.delta.pieces import WHOLE, EncodedBucket, encode_bucket
 from wtransfer.errors import MetadataError
@@ -90,7 +89,7 @@ class DeltaSender:
         delta sends each changed tensor whole)."""
         self.disabled: str | None = None
         """Why every update goes full without diffing (the receivers take no deltas)."""
-        self._last: dict[str, torch.Tensor] = {}
+        self._last: LastSent | None = None
         self._metas: list[TensorMeta] = []
         self._pending: str | None = None
         self.dense_streak = 0
@@ -101,7 +100,7 @@ class DeltaSender:
     @property
     def copy_bytes(self) -> int:
         """Bytes of the last-sent copy."""
-        return sum(t.numel() * t.element_size() for t in self._last.values())
+        return self._last.nbytes if self._last is not None else 0
 
     def prepare(self, source: WeightSource) -> DeltaUpdate:
         """This update: a delta when the receivers hold a base of the same tensor list, else
@@ -110,43 +109,46 @@ class DeltaSender:
         self._pending = token
         metas = source.metadata()
         if self.disabled is not None or not source.delta_ok:
-            self._last, self.base = {}, None
+            self._last, self.base = None, None
             return DeltaUpdate(DeltaHeader(token=token), source, None)
         if self.full_left:  # most bytes changed every step lately: send as if without deltas
             self.full_left -= 1
             if not self.full_left:  # the probe after this update: one dense delta is enough
                 self.dense_streak = DENSE_STREAK - 1
-            self._last, self.base = {}, None
+            self._last, self.base = None, None
             return DeltaUpdate(DeltaHeader(token=token), source, None,
                                keeps_copy=not self.full_left)
-        if self.base is None or metas != self._metas:
+        if self.base is None or metas != self._metas or self._last is None:
             self._metas = metas
             return DeltaUpdate(DeltaHeader(token=token), source, None)
         items: list[tuple[TensorMeta, torch.Tensor]] = []
         entries: list[DeltaEntry] = []
         total_changed = moved = 0
-        for meta, (name, tensor) in zip(metas, source.tensors(), strict=True):
-            last = self._last[name]
-            now = tensor.detach()
-            here = now.to(self.copy_device) if now.device != self.copy_device else now
-            index_dtype = index_dtype_for(meta.numel)
-            limit = sparse_limit(meta.numel, index_dtype, meta.itemsize) if self.sparse else 0
-            index, count = changed(here, last, limit)
-            if index is not None:
-                if count == 0:
-                    continue
-                values = bits(here)[index]
-                last[index] = values
-                payload = encode_sparse(values, index, index_dtype).to(now.device)
-                entry = DeltaEntry(meta.name, count, index_dtype, meta.dtype)
+        now = [(name, tensor.detach()) for name, tensor in source.tensors()]
+        here = [(name, t if t.device == self.copy_device else t.to(self.copy_device))
+                for name, t in now]
+        limits = {meta.name: (sparse_limit(meta.numel, index_dtype_for(meta.numel),
+                                           meta.itemsize) if self.sparse else 0)
+                  for meta in metas}
+        assert self._last is not None
+        changes = self._last.changes(here, limits)
+        for meta, (name, tensor) in zip(metas, now, strict=True):
+            change = changes[name]
+            if change.count == 0:
+                continue
+            if change.count <= limits[name] and change.index is not None \
+                    and change.values is not None:
+                index_dtype = index_dtype_for(meta.numel)
+                payload = encode_sparse(change.values, change.index,
+                                        index_dtype).to(tensor.device)
+                entry = DeltaEntry(meta.name, change.count, index_dtype, meta.dtype)
                 items.append((entry.wire_meta(meta), payload))
                 moved += payload.numel() * payload.element_size()
             else:
-                last.copy_(bits(here))
-                entry = DeltaEntry(meta.name, count, DENSE, meta.dtype)
-                items.append((meta, now))
+                entry = DeltaEntry(meta.name, change.count, DENSE, meta.dtype)
+                items.append((meta, tensor))
                 moved += meta.nbytes
-            total_changed += count
+            total_changed += change.count
             entries.append(entry)
         total = sum(m.numel for m in metas)
         fraction = total_changed / total if total else 0.0
@@ -165,12 +167,10 @@ class DeltaSender:
         if self.disabled is not None or not update.source.delta_ok:
             return
         if not update.keeps_copy:
-            self._last = {}
+            self._last = None
             return
         if update.header.base is None:
-            self._last = {}
-            for name, tensor in update.source.tensors():
-                self._last[name] = bits(tensor).to(self.copy_device, copy=True)
+            self._last = LastSent(update.source.tensors(), self.copy_device)
         self.base = update.header.token
 
     def forget(self) -> None:

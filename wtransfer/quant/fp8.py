@@ -17,9 +17,9 @@ import re
 
 import torch
 
+from wtransfer.quant.fused import FP8, FP8_MAX, for_device
+
 BLOCK = 128
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)
 SCALE_SUFFIX = "_scale_inv"
 """A quantized weight ``X.weight`` travels with its scales ``X.weight_scale_inv``."""
 
@@ -57,13 +57,19 @@ def block_amax(part: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, .
         return out
     *lead_off, r0, c0 = offsets
     *_, nr, nc = part.shape
+    index = tuple(slice(o, o + n) for o, n in zip(lead_off, part.shape[:-2], strict=True))
+    if _whole_blocks(offsets, part.shape):  # a view of the blocks: no padded copy
+        rb, cb = nr // BLOCK, nc // BLOCK
+        blocks = part.detach().reshape(*part.shape[:-2], rb, BLOCK, cb, BLOCK)
+        out[(*index, slice(r0 // BLOCK, r0 // BLOCK + rb),
+             slice(c0 // BLOCK, c0 // BLOCK + cb))] = for_device(part.device).amax(blocks)
+        return out
     top, left = r0 % BLOCK, c0 % BLOCK
     rb, cb = -(-(top + nr) // BLOCK), -(-(left + nc) // BLOCK)
     padded = torch.zeros(*part.shape[:-2], rb * BLOCK, cb * BLOCK, dtype=torch.float32,
                          device=part.device)
     padded[..., top:top + nr, left:left + nc] = part.detach().float().abs()
     amax = padded.view(*part.shape[:-2], rb, BLOCK, cb, BLOCK).amax(dim=(-3, -1))
-    index = tuple(slice(o, o + n) for o, n in zip(lead_off, part.shape[:-2], strict=True))
     out[(*index, slice(r0 // BLOCK, r0 // BLOCK + rb), slice(c0 // BLOCK, c0 // BLOCK + cb))] \
         = amax
     return out
@@ -92,10 +98,22 @@ def quantize_box(part: torch.Tensor, offsets: tuple[int, ...], scale: torch.Tens
     *lead_off, r0, c0 = offsets
     *_, nr, nc = part.shape
     index = tuple(slice(o, o + n) for o, n in zip(lead_off, part.shape[:-2], strict=True))
+    if _whole_blocks(offsets, part.shape) and part.numel():  # scales broadcast over blocks
+        rb, cb = nr // BLOCK, nc // BLOCK
+        blocks = part.detach().reshape(*part.shape[:-2], rb, BLOCK, cb, BLOCK)
+        local = scale[(*index, slice(r0 // BLOCK, r0 // BLOCK + rb),
+                       slice(c0 // BLOCK, c0 // BLOCK + cb))]
+        q = for_device(part.device).round(blocks, local[..., :, None, :, None])
+        return q.reshape(part.shape)
     rows = (torch.arange(nr, device=part.device) + r0) // BLOCK
     cols = (torch.arange(nc, device=part.device) + c0) // BLOCK
     local = scale[index][..., rows[:, None], cols[None, :]]
     return (part.detach().float() / local).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def _whole_blocks(offsets: tuple[int, ...], shape: tuple[int, ...] | torch.Size) -> bool:
+    """Whether a box at `offsets` of `shape` covers whole 128 x 128 blocks only."""
+    return all(n % BLOCK == 0 for n in (*offsets[-2:], *shape[-2:]))
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,194 @@
+"""The last-sent bits of a model and the comparison of the tensors now against them, a few
+large tensors at a time: a handful of device syncs per GiB instead of several per tensor.
+
+The copy lives in one flat buffer per element width, each tensor at an 8-byte-aligned
+offset, so a group of consecutive tensors is one run of 8-byte words: each tensor is
+compared against its run word by word into one mask, the changed words are found with one
+`nonzero` over the group, gathered, and compared element by element in one pass. The copy
+is brought up to date with one scatter of the changed words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from wtransfer.delta.codec import BITS_VIEW, bits
+
+GROUP_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
+"""Tensors are compared in groups of about this many bytes (the word mask of a group is an
+eighth of it): large on a GPU (fewer syncs), smaller on a host (the mask stays in cache)."""
+DENSE_WORDS = 0.25
+"""A group with more than this fraction of its words changed is compared tensor by tensor
+(gathering most of it would cost more than the tensors' own size)."""
+SPARSE_WORDS = 1 / 64
+"""Below this fraction of changed words, changed words are found among changed groups of
+eight words first (one pass over an eighth of the mask)."""
+
+
+@dataclass(frozen=True)
+class Change:
+    """What changed in one tensor: `count` elements; their flat indices (int64, ascending)
+    and new bits (the tensor's `bits` dtype), or None for both where more than the caller's
+    limit changed."""
+
+    count: int
+    index: torch.Tensor | None
+    values: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _Slot:
+    name: str
+    width: int
+    start: int
+    """First element in its width's buffer (a multiple of 8 bytes in)."""
+    numel: int
+
+
+def _aligned_numel(numel: int, width: int) -> int:
+    lanes = 8 // width if width < 8 else 1
+    return -(-numel // lanes) * lanes
+
+
+class LastSent:
+    """The bits of each named tensor as last sent, on `device` (taken at construction)."""
+
+    def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device
+                 ) -> None:
+        self.device = device
+        named = [(name, bits(t)) for name, t in tensors]
+        sizes: dict[int, int] = {}
+        self._slots: dict[str, _Slot] = {}
+        for name, flat in named:
+            width = flat.element_size()
+            start = sizes.get(width, 0)
+            self._slots[name] = _Slot(name, width, start, flat.numel())
+            sizes[width] = start + _aligned_numel(flat.numel(), width)
+        self._buffers = {width: torch.zeros(n, dtype=BITS_VIEW[width], device=device)
+                         for width, n in sizes.items()}
+        for name, flat in named:
+            self.view(name).copy_(flat)
+
+    @property
+    def nbytes(self) -> int:
+        """The tensors' bytes held (the buffers add at most 7 per tensor of alignment)."""
+        return sum(slot.numel * slot.width for slot in self._slots.values())
+
+    def view(self, name: str) -> torch.Tensor:
+        """`name`'s last-sent bits (a flat view into the copy)."""
+        slot = self._slots[name]
+        return self._buffers[slot.width].narrow(0, slot.start, slot.numel)
+
+    def changes(self, now: Sequence[tuple[str, torch.Tensor]], limits: Mapping[str, int]
+                ) -> dict[str, Change]:
+        """What changed in each named tensor `now` (on this copy's device) since the copy,
+        which then holds `now`: a `Change` per tensor, with zero `count` where nothing did;
+        a tensor with more than `limits[name]` changed elements may come without indices."""
+        out: dict[str, Change] = {}
+        most = GROUP_BYTES.get(self.device.type, GROUP_BYTES["cpu"])
+        group: list[tuple[_Slot, torch.Tensor]] = []
+        size = 0
+        for name, tensor in now:
+            slot, flat = self._slots[name], bits(tensor)
+            if flat.numel() != slot.numel:
+                raise ValueError(f"{name!r}: {flat.numel()} elements, the copy holds "
+                                 f"{slot.numel}")
+            if group and (slot.width != group[-1][0].width
+                          or slot.start != group[-1][0].start
+                          + _aligned_numel(group[-1][0].numel, slot.width)
+                          or size + flat.numel() * slot.width > most):
+                out.update(self._group(group, limits))
+                group, size = [], 0
+            group.append((slot, flat))
+            size += flat.numel() * slot.width
+        if group:
+            out.update(self._group(group, limits))
+        return out
+
+    def _group(self, group: list[tuple[_Slot, torch.Tensor]], limits: Mapping[str, int]
+               ) -> dict[str, Change]:
+        """Compare consecutive tensors of one width, occupying one run of the copy."""
+        width = group[0][0].width
+        lanes = 8 // width if width < 8 else 1
+        buffer = self._buffers[width]
+        first = group[0][0].start
+        last_slot = group[-1][0]
+        end = last_slot.start + _aligned_numel(last_slot.numel, width)
+        copy_words = buffer[first:end].view(torch.int64) if width < 8 else buffer[first:end]
+        mask = torch.zeros(copy_words.numel(), dtype=torch.bool, device=self.device)
+        by_words: list[tuple[_Slot, torch.Tensor, int]] = []
+        by_elements: list[tuple[_Slot, torch.Tensor]] = []
+        for slot, flat in group:
+            word0 = (slot.start - first) // lanes
+            if slot.numel % lanes or flat.data_ptr() % 8:  # not whole 8-byte words
+                by_elements.append((slot, flat))
+                continue
+            words = flat.view(torch.int64) if width < 8 else flat
+            torch.ne(words, copy_words[word0:word0 + words.numel()],
+                     out=mask[word0:word0 + words.numel()])
+            by_words.append((slot, words, word0))
+        out = {slot.name: self._by_elements(slot, flat, limits[slot.name])
+               for slot, flat in by_elements}
+        if not by_words:
+            return out
+        changed_words = int(torch.count_nonzero(mask))
+        if changed_words > DENSE_WORDS * mask.numel():
+            for slot, words, _ in by_words:
+                out[slot.name] = self._by_elements(slot, words.view(buffer.dtype),
+                                                   limits[slot.name])
+            return out
+        word = _nonzero(mask, sparse=changed_words < SPARSE_WORDS * mask.numel())
+        starts = torch.tensor([w0 for _, _, w0 in by_words], device=self.device)
+        owner = torch.searchsorted(starts, word, right=True) - 1
+        per_tensor = torch.bincount(owner, minlength=len(by_words)).tolist()
+        now_words = torch.empty_like(word)
+        at = 0
+        for (_, words, word0), count in zip(by_words, per_tensor, strict=True):
+            if count:
+                torch.index_select(words, 0, word[at:at + count] - word0,
+                                   out=now_words[at:at + count])
+            at += count
+        was_words = copy_words.index_select(0, word)
+        copy_words.index_copy_(0, word, now_words)
+        now_lanes, was_lanes = now_words.view(buffer.dtype), was_words.view(buffer.dtype)
+        position = torch.nonzero(now_lanes != was_lanes).squeeze(1)
+        values = now_lanes.index_select(0, position)
+        in_words = position // lanes
+        element = word.index_select(0, in_words) * lanes + position % lanes
+        element_owner = owner.index_select(0, in_words)
+        element_starts = starts * lanes
+        index = element - element_starts.index_select(0, element_owner)
+        counts = torch.bincount(element_owner, minlength=len(by_words)).tolist()
+        at = 0
+        for (slot, _, _), count in zip(by_words, counts, strict=True):
+            out[slot.name] = Change(count, index[at:at + count], values[at:at + count])
+            at += count
+        return out
+
+    def _by_elements(self, slot: _Slot, flat: torch.Tensor, limit: int) -> Change:
+        """Compare one tensor element by element (and bring its copy up to date); no
+        indices past its limit."""
+        last = self.view(slot.name)
+        differ = flat != last
+        count = int(torch.count_nonzero(differ))
+        if count > limit:
+            last.copy_(flat)
+            return Change(count, None, None)
+        index = torch.nonzero(differ).squeeze(1)
+        values = flat.index_select(0, index)
+        last.index_copy_(0, index, values)
+        return Change(int(index.numel()), index, values)
+
+
+def _nonzero(mask: torch.Tensor, sparse: bool) -> torch.Tensor:
+    """Ascending int64 positions of `mask`'s true entries; when few, found among its
+    nonzero 8-entry groups first (one pass over an eighth of the mask)."""
+    if not sparse or mask.numel() % 8:
+        return torch.nonzero(mask).squeeze(1)
+    groups = mask.view(torch.int64)
+    hit = torch.nonzero(groups).squeeze(1)
+    within = torch.nonzero(groups.index_select(0, hit).view(torch.bool)).squeeze(1)
+    return hit.index_select(0, within // 8) * 8 + within % 8
