@@ -30,9 +30,9 @@ eight words first (one pass over an eighth of the mask)."""
 
 @dataclass(frozen=True)
 class Change:
-    """What changed in one tensor: `count` elements; their flat indices (int64, ascending)
-    and new bits (the tensor's `bits` dtype), or None for both where more than the caller's
-    limit changed."""
+    """What changed in one tensor: `count` elements; their flat indices (ascending; int32
+    where its group of the copy has fewer than 2^31 elements, else int64) and new bits (the
+    tensor's `bits` dtype), or None for both where more than the caller's limit changed."""
 
     count: int
     index: torch.Tensor | None
@@ -118,13 +118,14 @@ class LastSent:
         last_slot = group[-1][0]
         end = last_slot.start + _aligned_numel(last_slot.numel, width)
         copy_words = buffer[first:end].view(torch.int64) if width < 8 else buffer[first:end]
-        mask = torch.zeros(copy_words.numel(), dtype=torch.bool, device=self.device)
+        mask = torch.empty(copy_words.numel(), dtype=torch.bool, device=self.device)
         by_words: list[tuple[_Slot, torch.Tensor, int]] = []
         by_elements: list[tuple[_Slot, torch.Tensor]] = []
         for slot, flat in group:
             word0 = (slot.start - first) // lanes
             if slot.numel % lanes or flat.data_ptr() % 8:  # not whole 8-byte words
                 by_elements.append((slot, flat))
+                mask[word0:word0 + _aligned_numel(slot.numel, width) // lanes].zero_()
                 continue
             words = flat.view(torch.int64) if width < 8 else flat
             torch.ne(words, copy_words[word0:word0 + words.numel()],
@@ -134,21 +135,22 @@ class LastSent:
                for slot, flat in by_elements}
         if not by_words:
             return out
-        changed_words = int(torch.count_nonzero(mask))
-        if changed_words > DENSE_WORDS * mask.numel():
+        word = self._changed_words(mask)
+        if word is None:  # most words changed: tensor by tensor, without most indices
             for slot, words, _ in by_words:
                 out[slot.name] = self._by_elements(slot, words.view(buffer.dtype),
                                                    limits[slot.name])
             return out
-        word = _nonzero(mask, sparse=changed_words < SPARSE_WORDS * mask.numel())
-        starts = torch.tensor([w0 for _, _, w0 in by_words], device=self.device)
-        owner = torch.searchsorted(starts, word, right=True) - 1
-        per_tensor = torch.bincount(owner, minlength=len(by_words)).tolist()
+        starts = torch.tensor([w0 for _, _, w0 in by_words] + [mask.numel()],
+                              device=self.device)
+        words_of = _counts(word, starts)
+        owner = torch.searchsorted(starts, word, right=True).sub_(1)
+        local = word - starts.index_select(0, owner)
         now_words = torch.empty_like(word)
         at = 0
-        for (_, words, word0), count in zip(by_words, per_tensor, strict=True):
+        for (_, words, _), count in zip(by_words, words_of, strict=True):
             if count:
-                torch.index_select(words, 0, word[at:at + count] - word0,
+                torch.index_select(words, 0, local[at:at + count],
                                    out=now_words[at:at + count])
             at += count
         was_words = copy_words.index_select(0, word)
@@ -157,16 +159,27 @@ class LastSent:
         position = torch.nonzero(now_lanes != was_lanes).squeeze(1)
         values = now_lanes.index_select(0, position)
         in_words = position // lanes
-        element = word.index_select(0, in_words) * lanes + position % lanes
-        element_owner = owner.index_select(0, in_words)
-        element_starts = starts * lanes
-        index = element - element_starts.index_select(0, element_owner)
-        counts = torch.bincount(element_owner, minlength=len(by_words)).tolist()
+        index = local.index_select(0, in_words).mul_(lanes).add_(position % lanes)
+        owner = owner.index_select(0, in_words)
+        if end - first < 1 << 31:  # every index fits the wire's widest common index dtype
+            index = index.to(torch.int32)
+        elements_of = _counts(owner, torch.arange(len(by_words) + 1, device=self.device))
         at = 0
-        for (slot, _, _), count in zip(by_words, counts, strict=True):
+        for (slot, _, _), count in zip(by_words, elements_of, strict=True):
             out[slot.name] = Change(count, index[at:at + count], values[at:at + count])
             at += count
         return out
+
+    def _changed_words(self, mask: torch.Tensor) -> torch.Tensor | None:
+        """Ascending positions of `mask`'s true entries; None when more than `DENSE_WORDS`
+        of them are (on a host, counted first: that decides how to find them)."""
+        if self.device.type == "cpu":
+            count = int(torch.count_nonzero(mask))
+            if count > DENSE_WORDS * mask.numel():
+                return None
+            return _nonzero(mask, sparse=count < SPARSE_WORDS * mask.numel())
+        word = torch.nonzero(mask).squeeze(1)
+        return None if word.numel() > DENSE_WORDS * mask.numel() else word
 
     def _by_elements(self, slot: _Slot, flat: torch.Tensor, limit: int) -> Change:
         """Compare one tensor element by element (and bring its copy up to date); no
@@ -181,6 +194,11 @@ class LastSent:
         values = flat.index_select(0, index)
         last.index_copy_(0, index, values)
         return Change(int(index.numel()), index, values)
+
+
+def _counts(ascending: torch.Tensor, bounds: torch.Tensor) -> list[int]:
+    """How many of `ascending` values lie in each [bounds[i], bounds[i + 1])."""
+    return torch.diff(torch.searchsorted(ascending, bounds)).tolist()
 
 
 def _nonzero(mask: torch.Tensor, sparse: bool) -> torch.Tensor:

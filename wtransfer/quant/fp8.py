@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from wtransfer.quant.fused import FP8, FP8_MAX, for_device
+from wtransfer.quant.fused import FP8, FP8_MAX, eager_amax, eager_round, eager_scales, triton_for
 
 BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
@@ -62,7 +62,7 @@ def block_amax(part: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, .
         rb, cb = nr // BLOCK, nc // BLOCK
         blocks = part.detach().reshape(*part.shape[:-2], rb, BLOCK, cb, BLOCK)
         out[(*index, slice(r0 // BLOCK, r0 // BLOCK + rb),
-             slice(c0 // BLOCK, c0 // BLOCK + cb))] = for_device(part.device).amax(blocks)
+             slice(c0 // BLOCK, c0 // BLOCK + cb))] = eager_amax(blocks)
         return out
     top, left = r0 % BLOCK, c0 % BLOCK
     rb, cb = -(-(top + nr) // BLOCK), -(-(left + nc) // BLOCK)
@@ -79,15 +79,18 @@ def block_amax(part: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, .
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 weight, float32 scales) of a weight [..., rows, cols]: per block of each matrix,
     scale = amax / 448 (1 for an all-zero block) and q = round(w / scale); the whole weight
-    as one box (`block_amax`, `quantize_box`)."""
+    as one box (`block_amax`, `quantize_box`), or one fused kernel on CUDA."""
     origin = (0,) * weight.dim()
+    fused = triton_for(weight.device)
+    if fused is not None and _whole_blocks(origin, weight.shape) and weight.numel():
+        return fused.quantize(weight.detach())
     scale = scales_of(block_amax(weight, origin, tuple(weight.shape)))
     return quantize_box(weight, origin, scale), scale
 
 
 def scales_of(amax: torch.Tensor) -> torch.Tensor:
     """Block scales from per-block amax: amax / 448, 1 for an all-zero block."""
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return eager_scales(amax)
 
 
 @torch.no_grad()
@@ -103,8 +106,10 @@ def quantize_box(part: torch.Tensor, offsets: tuple[int, ...], scale: torch.Tens
         blocks = part.detach().reshape(*part.shape[:-2], rb, BLOCK, cb, BLOCK)
         local = scale[(*index, slice(r0 // BLOCK, r0 // BLOCK + rb),
                        slice(c0 // BLOCK, c0 // BLOCK + cb))]
-        q = for_device(part.device).round(blocks, local[..., :, None, :, None])
-        return q.reshape(part.shape)
+        fused = triton_for(part.device)
+        if fused is not None:
+            return fused.quantize_with(part.detach(), local)
+        return eager_round(blocks, local[..., :, None, :, None]).reshape(part.shape)
     rows = (torch.arange(nr, device=part.device) + r0) // BLOCK
     cols = (torch.arange(nc, device=part.device) + c0) // BLOCK
     local = scale[index][..., rows[:, None], cols[None, :]]

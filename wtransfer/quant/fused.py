@@ -1,14 +1,14 @@
-"""The block quantizer's two passes (amax per block, scale and round) as fused kernels on
-CUDA through `torch.compile`, used on a device only after they gave the eager kernels'
-exact bytes there (else, and off CUDA, the eager kernels run). ``WTRANSFER_FP8_COMPILE=0``
-turns the fused kernels off."""
+"""The block quantizer's kernels: eager torch ops everywhere, and on CUDA one Triton kernel
+per weight (`wtransfer.quant.fp8_triton`) used on a device only after it gave the eager
+kernels' exact bytes there on a probe (else the eager ones run). ``WTRANSFER_FP8_TRITON=0``
+turns the Triton kernel off."""
 
 from __future__ import annotations
 
 import logging
 import os
 import threading
-from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -23,75 +23,84 @@ def eager_amax(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.abs().amax(dim=(-3, -1)).float()
 
 
+def eager_scales(amax: torch.Tensor) -> torch.Tensor:
+    """Block scales from per-block amax: amax / 448 (an IEEE division on every device: CUDA
+    turns a division by a scalar into a multiplication by its inverse, which rounds
+    differently), 1 for an all-zero block."""
+    quotient = torch.div(amax, torch.full_like(amax, FP8_MAX))
+    return torch.where(amax > 0, quotient, torch.ones_like(amax))
+
+
 def eager_round(blocks: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """FP8 values of `blocks` divided (in float32) by their block's scale `local`
     [..., row blocks, 1, col blocks, 1], clamped to FP8's range."""
     return torch.div(blocks, local).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def _round(blocks: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    return (blocks.float() / local).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-
-
-class BlockKernels:
-    """The amax and rounding kernels one device uses (`for_device`)."""
-
-    def __init__(self, amax: Callable[[torch.Tensor], torch.Tensor],
-                 round_: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], fused: bool
-                 ) -> None:
-        self.amax = amax
-        self.round = round_
-        self.fused = fused
-        """Whether these are the compiled kernels."""
-
-
-EAGER = BlockKernels(eager_amax, eager_round, fused=False)
-_by_device: dict[torch.device, BlockKernels] = {}
+_by_device: dict[torch.device, ModuleType | None] = {}
 _lock = threading.Lock()
 
 
-def for_device(device: torch.device) -> BlockKernels:
-    """The kernels for tensors on `device`: the fused ones on a CUDA device where they
-    reproduced the eager bytes on a probe (checked once per device), else the eager ones."""
-    if device.type != "cuda" or os.environ.get("WTRANSFER_FP8_COMPILE", "1") == "0":
-        return EAGER
+def triton_for(device: torch.device) -> ModuleType | None:
+    """`wtransfer.quant.fp8_triton` for tensors on `device` where it reproduced the eager
+    bytes (checked once per device), else None."""
+    if device.type != "cuda" or os.environ.get("WTRANSFER_FP8_TRITON", "1") == "0":
+        return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     with _lock:
-        kernels = _by_device.get(device)
-        if kernels is None:
-            kernels = _by_device[device] = _checked(device)
-    return kernels
+        if device not in _by_device:
+            _by_device[device] = _checked(device)
+        return _by_device[device]
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Blocks that exercise rounding: random values over many magnitudes, zeros (an all-zero
-    block too), -0.0, subnormals, and each block's extremes."""
-    gen = torch.Generator(device="cpu").manual_seed(7)
-    values = torch.randn(3, 2, 128, 3, 128, generator=gen) \
-        * torch.logspace(-30, 10, 3 * 2 * 128 * 3 * 128, base=2.0).reshape(3, 2, 128, 3, 128)
-    values[0, 0, :, 0, :] = 0.0
-    values[1, 1, :7, 2, :] = -0.0
-    values[2, 0, :3, 1, :5] = 1e-40
+    """Weights that exercise rounding [2, 512, 384]: normal values at several scales, an
+    all-zero block, -0.0, subnormals, a NaN block and an infinity."""
+    gen = torch.Generator().manual_seed(7)
+    values = torch.randn(2, 512, 384, generator=gen)
+    values[1] *= torch.logspace(-20, 12, 384, base=2.0)
+    values[0, :128, :128] = 0.0
+    values[0, 128:256, :128] = -0.0
+    values[0, 256:260, 128:256] = 1e-40
+    values[1, :128, 256:] = 1e5
+    if dtype != torch.float16:  # float16 turns 1e5 into infinity already
+        values[1, 128:256, :128] *= 1e-30
+    values[1, 256, 200] = float("nan")
+    values[1, 384, 300] = float("inf")
     return values.to(dtype).to(device)
 
 
-def _checked(device: torch.device) -> BlockKernels:
-    """The compiled kernels if they compile and match the eager bytes on `device`."""
+def _eager_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    *lead, rows, cols = w.shape
+    blocks = w.reshape(*lead, rows // 128, 128, cols // 128, 128)
+    scale = eager_scales(eager_amax(blocks))
+    return eager_round(blocks, scale[..., :, None, :, None]).reshape(w.shape), scale
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _checked(device: torch.device) -> ModuleType | None:
+    """The Triton quantizer if it runs on `device` and gives the eager bytes on the probe,
+    whole and for a strided box with given scales."""
     try:
-        amax = torch.compile(eager_amax, dynamic=True, fullgraph=True)
-        round_ = torch.compile(_round, dynamic=True, fullgraph=True)
+        from wtransfer.quant import fp8_triton
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            blocks = _probe(device, dtype)
-            want_amax = eager_amax(blocks)
-            scale = torch.where(want_amax > 0, want_amax / FP8_MAX, torch.ones_like(want_amax))
-            local = scale[..., :, None, :, None]
-            if not (torch.equal(amax(blocks), want_amax)
-                    and torch.equal(round_(blocks, local).view(torch.uint8),
-                                    eager_round(blocks, local).view(torch.uint8))):
-                logger.warning("fused FP8 kernels differ from the eager ones on %s (%s): "
-                               "using the eager ones", device, dtype)
-                return EAGER
-    except Exception as exc:  # no compiler, no Triton, a backend error: eager still works
-        logger.warning("fused FP8 kernels unavailable on %s (%s): using the eager ones",
+            w = _probe(device, dtype)
+            want_q, want_scale = _eager_quantize(w)
+            q, scale = fp8_triton.quantize(w)
+            box = w[:, 128:384, 128:384]
+            local = want_scale[:, 1:3, 1:3]
+            if not (_same(q, want_q) and torch.equal(scale.view(torch.int32),
+                                                     want_scale.view(torch.int32))
+                    and _same(fp8_triton.quantize_with(box, local), want_q[:, 128:384, 128:384])):
+                logger.warning("the Triton FP8 kernel differs from the eager one on %s (%s):"
+                               " using the eager one", device, dtype)
+                return None
+    except Exception as exc:  # no Triton, no compiler, a launch error: eager still works
+        logger.warning("the Triton FP8 kernel is unavailable on %s (%s): using the eager one",
                        device, exc)
-        return EAGER
-    return BlockKernels(amax, round_, fused=True)
+        return None
+    return fp8_triton
