@@ -14,7 +14,7 @@ FP8_MAX = 448.0
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, scale_ptr, x_lead, x_row, x_col, q_lead, q_row,
+def _quantize_kernel(x_ptr, q_ptr, scale_ptr, x_lead, x_row, x_col, q_lead, q_row,  # type: ignore[no-untyped-def]
                      s_lead, s_row, s_col, GIVEN: tl.constexpr, BLOCK: tl.constexpr,
                      FP8_MAX: tl.constexpr):
     rb = tl.program_id(0)
