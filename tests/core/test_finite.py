@@ -51,3 +51,22 @@ def test_on_cuda_the_sums_are_read_once_at_the_end():
     bad[3] = float("inf")
     check.watch("bad", bad)
     assert check.first_bad() == "bad"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_bucket_checked_at_once_names_its_first_bad_tensor(device):
+    """`watch_all` (a bucket's pieces in one call; on CUDA one multi-tensor launch) names
+    the first tensor holding a NaN or an infinity, in the order they arrived."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pieces = [(f"t{i}", torch.randn(4, 33, device=device, dtype=torch.bfloat16))
+              for i in range(300)]
+    pieces[120][1][2, 5] = float("nan")
+    pieces[200][1][0, 0] = float("-inf")
+    fine = FiniteCheck()
+    fine.watch_all(pieces[:100] + [("ints", torch.arange(5, device=device))])
+    assert fine.first_bad() is None
+    check = FiniteCheck()
+    check.watch_all(pieces[:150])
+    check.watch_all(pieces[150:])
+    assert check.first_bad() == "t120"

@@ -1,15 +1,16 @@
 """`FiniteCheck`: the values an update brings, watched for NaN and infinity before it goes live.
 
-One sum per tensor as its bytes land: NaN and infinity make the sum non-finite, and a sum is
-the cheapest full read a device offers (on 2 host cores, 1.7x faster than a min/max). On the
-host a sum that is not finite is confirmed with the tensor's extremes (a sum can overflow
-where no element does); on CUDA the sums are written into one device buffer, queued behind the
-copies, and read once at the update's finish (there, an overflowing sum, of elements near
-float32's limit, counts as non-finite: its bytes may be gone by then). FP8 values are checked
-by their bits.
+One sum per tensor as its bytes land: NaN and infinity make the sum non-finite. On the host a
+sum that is not finite is confirmed with the tensor's extremes (a sum can overflow where no
+element does); on CUDA the sums (of |x|, every tensor of a bucket in one multi-tensor launch)
+are queued behind the copies, and read once at the update's finish (there, an overflowing
+sum, of elements near float32's limit, counts as non-finite: its bytes may be gone by then).
+FP8 values are checked by their bits.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -21,8 +22,6 @@ _FP8_NON_FINITE: dict[torch.dtype, tuple[int, int]] = {
     if (dt := getattr(torch, name, None)) is not None}
 """Per FP8 dtype, (mask, pattern): an element is NaN or infinite when its bits & mask equal
 the pattern."""
-_SLOTS = 1024
-"""Sums one device buffer holds (a new buffer is added when it is full)."""
 
 
 def all_finite(values: torch.Tensor) -> bool:
@@ -43,35 +42,47 @@ class FiniteCheck:
         self._bad: str | None = None
         self._names: list[str] = []
         self._sums: list[torch.Tensor] = []
-        """Device buffers of `_SLOTS` float32 sums, filled in `_names` order."""
+        """Device tensors of float32 sums (of |x|), in `_names` order."""
 
     def watch(self, name: str, values: torch.Tensor) -> None:
         """Check `values` (what arrived for tensor `name`, in its own dtype); integer and
         empty tensors pass. On CUDA the check is queued on the current stream."""
-        if self._bad is not None or not values.is_floating_point() or values.numel() == 0:
+        self.watch_all([(name, values)])
+
+    def watch_all(self, arrived: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """`watch` each (name, values), the sums of many tensors in one launch."""
+        if self._bad is not None:
             return
-        values = values.detach()
-        if values.dtype in _FP8_NON_FINITE:
-            if not all_finite(values):  # (a bit test: exact, on any device)
-                self._bad = name
+        names: list[str] = []
+        floats: list[torch.Tensor] = []
+        for name, values in arrived:
+            if not values.is_floating_point() or values.numel() == 0:
+                continue
+            values = values.detach()
+            if values.dtype in _FP8_NON_FINITE:
+                if not all_finite(values):  # (a bit test: exact, on any device)
+                    self._bad = name
+                    return
+                continue
+            if values.element_size() == 1:  # a 1-byte float without a bit rule above
+                values = values.float()
+            names.append(name)
+            floats.append(values)
+        if floats and floats[0].is_cuda:  # queued, read at the finish behind the copies
+            self._names.extend(names)
+            self._sums.append(torch.stack(torch._foreach_norm(floats, 1,
+                                                              dtype=torch.float32)))
             return
-        if values.element_size() == 1:  # a 1-byte float without a bit rule above
-            values = values.float()
-        if not values.is_cuda:
+        for name, values in zip(names, floats, strict=True):
             if not bool(torch.isfinite(values.sum())) and not all_finite(values):
-                self._bad = name
-            return
-        slot = len(self._names) % _SLOTS
-        if slot == 0:
-            self._sums.append(torch.empty(_SLOTS, dtype=torch.float32, device=values.device))
-        torch.sum(values.reshape(-1), dim=0, dtype=torch.float32, out=self._sums[-1][slot])
-        self._names.append(name)
+                self._bad = name  # (a sum can overflow where no element does)
+                return
 
     def first_bad(self) -> str | None:
         """The first watched tensor holding a non-finite value (one device read for every
         queued sum), or None."""
         if self._names and self._bad is None:
-            sums = torch.cat(self._sums)[: len(self._names)]
+            sums = torch.cat(self._sums)
             bad = (~torch.isfinite(sums)).nonzero().flatten().tolist()
             if bad:
                 self._bad = self._names[bad[0]]

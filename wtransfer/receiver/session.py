@@ -273,12 +273,15 @@ class UpdateSession:
         that this worker keeps are copied; without it, every piece must lie in what it keeps."""
         data = self._checked_bucket(staging, nbytes, checksum)
         loads: list[tuple[str, torch.Tensor]] = []
+        arrived: list[tuple[str, torch.Tensor]] = []
+        dests: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         received = 0
         for piece in pieces:
             meta = self._checked_piece(piece, nbytes)
             src = data[piece.offset: piece.offset + piece.nbytes].view(
                 DTYPES[meta.dtype]).view(piece.box.lengths)
-            self._watch(meta.name, src)
+            arrived.append((meta.name, src))
             for box in self._kept_parts(meta.name, piece.box) if crop else [piece.box]:
                 regions = self._regions_of(meta.name, box, inside_kept=not crop)
                 self._save(meta.name)
@@ -289,7 +292,8 @@ class UpdateSession:
                                                    device=self._device)
                     dest = regions.full[box.slices()]
                 self.touched = True
-                dest.copy_(src[_within(box, piece.box)] if crop else src, non_blocking=True)
+                dests.append(dest)
+                sources.append(src[_within(box, piece.box)] if crop else src)
                 regions.boxes.append(box)
                 regions.received += box.numel
                 received += box.numel * meta.itemsize
@@ -298,6 +302,10 @@ class UpdateSession:
                     del self._regions[meta.name]
                     if regions.full is not None:
                         loads.append((meta.name, regions.full))
+        if self.finite is not None:  # the whole bucket checked and copied in a few launches
+            self.finite.watch_all(arrived)
+        if dests:
+            torch._foreach_copy_(dests, sources, non_blocking=True)
         if loads:
             self._target.load_weights(loads)
         self.bytes_received += received
