@@ -64,7 +64,7 @@ def test_a_bucket_checked_at_once_names_its_first_bad_tensor(device):
     pieces[120][1][2, 5] = float("nan")
     pieces[200][1][0, 0] = float("-inf")
     fine = FiniteCheck()
-    fine.watch_all(pieces[:100] + [("ints", torch.arange(5, device=device))])
+    fine.watch_all([*pieces[:100], ("ints", torch.arange(5, device=device))])
     assert fine.first_bad() is None
     check = FiniteCheck()
     check.watch_all(pieces[:150])
