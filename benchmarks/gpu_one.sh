@@ -74,10 +74,11 @@ peers)
     timeout 560 python3 benchmarks/peers.py --model qwen3-8b 2>&1 | tee $OUT/peers.txt \
         | tail -25; echo "rc $?" ;;
 m2n)
+    # staging off: two trainer replicas and a shadow-staged 8B engine overflow an 80 GB card
     echo "$(ts) M->N over CUDA IPC: two trainer processes (replicas) -> engine TP=2, one GPU"
     WTRANSFER_BENCH_DIR=$OUT/m2n-tp2 timeout 300 python3 benchmarks/transfer.py --backend ipc \
         --device cuda:0 --models qwen3-8b --trainer-ranks 2 --engine-tp 2 --bucket-mb 1024 \
-        --repeats 3 --update-staging auto > $OUT/m2n-tp2.txt 2>&1; echo "rc $?"
+        --repeats 3 --update-staging ${STAGING:-off} > $OUT/m2n-tp2.txt 2>&1; echo "rc $?"
     tail -8 $OUT/m2n-tp2.txt
     echo "$(ts) M->N over CUDA IPC: two trainer processes (replicas) -> one receiver, one GPU"
     WTRANSFER_BENCH_DIR=$OUT/m2n timeout 560 python3 benchmarks/transfer.py --backend ipc \
