@@ -9,7 +9,25 @@ import torch
 
 from wtransfer.delta import compare
 from wtransfer.delta.codec import bits
-from wtransfer.delta.compare import LastSent
+from wtransfer.delta.compare import Change, LastSent
+from wtransfer.packing import TensorMeta
+
+
+def _copy_of(tensors: dict[str, torch.Tensor], device: str = "cpu") -> LastSent:
+    last = LastSent([TensorMeta.of(name, t) for name, t in tensors.items()],
+                    torch.device(device))
+    last.take(tensors.items())
+    return last
+
+
+def _changes(last: LastSent, tensors: dict[str, torch.Tensor], limits: dict[str, int]
+             ) -> dict[str, Change]:
+    seen = {}
+    for name, tensor, change in last.changes(tensors.items(), limits):
+        assert tensor is tensors[name]  # handed back as given
+        seen[name] = change
+    assert sorted(seen) == sorted(tensors)
+    return seen
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -21,6 +39,10 @@ def _tensors() -> dict[str, torch.Tensor]:
             "bf16": torch.randn(4096, generator=gen).bfloat16(),
             "half": torch.randn(9, generator=gen).half(),
             "bytes": torch.randint(0, 255, (1000,), generator=gen, dtype=torch.uint8),
+            "empty": torch.empty(0, dtype=torch.bfloat16),
+            "misaligned": torch.randn(1025, generator=gen).bfloat16()[1:],  # 2 bytes in
+            "f32 after": torch.randn(512, generator=gen),
+            "bf16 after": torch.randn(2048, generator=gen).bfloat16(),
             "strided": torch.randn(64, 32, generator=gen).bfloat16().t()}  # not contiguous
 
 
@@ -28,7 +50,7 @@ def _tensors() -> dict[str, torch.Tensor]:
 def test_changes_equal_an_element_by_element_comparison(monkeypatch, group_bytes):
     monkeypatch.setitem(compare.GROUP_BYTES, "cpu", group_bytes)
     tensors = _tensors()
-    last = LastSent(tensors.items(), torch.device("cpu"))
+    last = _copy_of(tensors)
     assert last.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
     gen = torch.Generator().manual_seed(1)
     for fraction in (0.0, 0.001, 0.01, 0.3, 0.9):
@@ -37,7 +59,7 @@ def test_changes_equal_an_element_by_element_comparison(monkeypatch, group_bytes
             t[torch.rand(t.shape, generator=gen) < fraction] += 1
         tensors["bf16"][3] = -0.0 if tensors["bf16"][3] == 0 else tensors["bf16"][3]
         limits = {name: t.numel() // 3 for name, t in tensors.items()}
-        changes = last.changes(list(tensors.items()), limits)
+        changes = _changes(last, tensors, limits)
         for name, t in tensors.items():
             want = torch.nonzero(bits(t) != bits(before[name])).squeeze(1)
             change = changes[name]
@@ -55,18 +77,20 @@ def test_a_bit_change_that_keeps_the_value_counts():
     """-0.0 against 0.0, and a NaN payload: equal or unordered values, different bits."""
     t = torch.zeros(4096, dtype=torch.bfloat16)
     t[7] = float("nan")
-    last = LastSent([("w", t)], torch.device("cpu"))
+    last = _copy_of({"w": t})
     t[9] = -0.0
     t.view(torch.int16)[7] ^= 1  # another NaN
-    change = last.changes([("w", t)], {"w": 100})["w"]
+    change = _changes(last, {"w": t}, {"w": 100})["w"]
     assert change.count == 2 and change.index is not None
     assert change.index.tolist() == [7, 9]
 
 
 def test_a_tensor_of_another_size_is_refused():
-    last = LastSent([("w", torch.zeros(64))], torch.device("cpu"))
-    with pytest.raises(ValueError, match="'w': 65 elements, the copy holds 64"):
-        last.changes([("w", torch.zeros(65))], {"w": 1})
+    last = _copy_of({"w": torch.zeros(64)})
+    with pytest.raises(ValueError, match="'w': 65 elements of 4 bytes, the copy holds 64"):
+        list(last.changes([("w", torch.zeros(65))], {"w": 1}))
+    with pytest.raises(ValueError, match="'v': 64 elements of 4 bytes, the copy holds nothing"):
+        last.take([("v", torch.zeros(64))])
 
 
 @pytest.mark.gpu
@@ -75,17 +99,19 @@ def test_changes_on_cuda_equal_those_on_the_host():
         pytest.skip("needs CUDA")
     tensors = _tensors()
     on_gpu = {name: t.cuda() for name, t in tensors.items()}
-    host = LastSent(tensors.items(), torch.device("cpu"))
-    device = LastSent(on_gpu.items(), torch.device("cuda"))
+    host, device = _copy_of(tensors), _copy_of(on_gpu, "cuda")
     gen = torch.Generator().manual_seed(2)
     for fraction in (0.0005, 0.02, 0.5):
         for name, t in tensors.items():
             t[torch.rand(t.shape, generator=gen) < fraction] += 1
             on_gpu[name].copy_(t)
         limits = {name: t.numel() // 2 for name, t in tensors.items()}
-        want = host.changes(list(tensors.items()), limits)
-        got = device.changes(list(on_gpu.items()), limits)
+        want = _changes(host, tensors, limits)
+        got = _changes(device, on_gpu, limits)
         for name in tensors:
-            assert got[name].count == want[name].count
-            if want[name].index is not None and got[name].index is not None:
+            assert got[name].count == want[name].count, (fraction, name)
+            assert (got[name].index is None) == (want[name].index is None), (fraction, name)
+            if want[name].index is not None:
                 assert torch.equal(got[name].index.cpu().long(), want[name].index.long())
+                assert torch.equal(got[name].values.cpu(), want[name].values)
+            assert torch.equal(device.view(name).cpu(), host.view(name)), (fraction, name)

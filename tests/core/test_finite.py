@@ -63,6 +63,10 @@ def test_a_bucket_checked_at_once_names_its_first_bad_tensor(device):
               for i in range(300)]
     pieces[120][1][2, 5] = float("nan")
     pieces[200][1][0, 0] = float("-inf")
+    pieces[50] = ("f64", torch.randn(7, device=device, dtype=torch.float64))  # other dtypes
+    pieces[60] = ("f32", torch.randn(9, device=device))  # keep their place in the order
+    pieces[130] = ("f64 bad", torch.full((3,), float("inf"), device=device,
+                                         dtype=torch.float64))
     fine = FiniteCheck()
     fine.watch_all([*pieces[:100], ("ints", torch.arange(5, device=device))])
     assert fine.first_bad() is None
@@ -70,3 +74,6 @@ def test_a_bucket_checked_at_once_names_its_first_bad_tensor(device):
     check.watch_all(pieces[:150])
     check.watch_all(pieces[150:])
     assert check.first_bad() == "t120"
+    alone = FiniteCheck()
+    alone.watch_all([pieces[0], pieces[130]])
+    assert alone.first_bad() == "f64 bad"

@@ -10,12 +10,13 @@ is brought up to date with one scatter of the changed words.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from wtransfer.delta.codec import BITS_VIEW, bits
+from wtransfer.packing import TensorMeta
 
 GROUP_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
 """Tensors are compared in groups of about this many bytes (the word mask of a group is an
@@ -30,9 +31,9 @@ eight words first (one pass over an eighth of the mask)."""
 
 @dataclass(frozen=True)
 class Change:
-    """What changed in one tensor: `count` elements; their flat indices (ascending; int32
-    where its group of the copy has fewer than 2^31 elements, else int64) and new bits (the
-    tensor's `bits` dtype), or None for both where more than the caller's limit changed."""
+    """What changed in one tensor: `count` elements; their flat indices (ascending; int32 or
+    int64) and new bits (the tensor's `bits` dtype), or None for both where more than the
+    caller's limit changed."""
 
     count: int
     index: torch.Tensor | None
@@ -54,23 +55,19 @@ def _aligned_numel(numel: int, width: int) -> int:
 
 
 class LastSent:
-    """The bits of each named tensor as last sent, on `device` (taken at construction)."""
+    """The bits of each tensor of `metas` as last sent, on `device` (zeros until `take`)."""
 
-    def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device
-                 ) -> None:
+    def __init__(self, metas: Iterable[TensorMeta], device: torch.device) -> None:
         self.device = device
-        named = [(name, bits(t)) for name, t in tensors]
         sizes: dict[int, int] = {}
         self._slots: dict[str, _Slot] = {}
-        for name, flat in named:
-            width = flat.element_size()
+        for meta in metas:
+            width = meta.itemsize
             start = sizes.get(width, 0)
-            self._slots[name] = _Slot(name, width, start, flat.numel())
-            sizes[width] = start + _aligned_numel(flat.numel(), width)
+            self._slots[meta.name] = _Slot(meta.name, width, start, meta.numel)
+            sizes[width] = start + _aligned_numel(meta.numel, width)
         self._buffers = {width: torch.zeros(n, dtype=BITS_VIEW[width], device=device)
                          for width, n in sizes.items()}
-        for name, flat in named:
-            self.view(name).copy_(flat)
 
     @property
     def nbytes(self) -> int:
@@ -82,31 +79,52 @@ class LastSent:
         slot = self._slots[name]
         return self._buffers[slot.width].narrow(0, slot.start, slot.numel)
 
-    def changes(self, now: Sequence[tuple[str, torch.Tensor]], limits: Mapping[str, int]
-                ) -> dict[str, Change]:
-        """What changed in each named tensor `now` (on this copy's device) since the copy,
-        which then holds `now`: a `Change` per tensor, with zero `count` where nothing did;
-        a tensor with more than `limits[name]` changed elements may come without indices."""
-        out: dict[str, Change] = {}
+    def take(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each named tensor in, one at a time as they come."""
+        for name, tensor in tensors:
+            flat = self._bits(name, tensor)
+            self.view(name).copy_(flat)
+
+    def _bits(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`'s bits on this copy's device, after checking it has its slot's size."""
+        slot = self._slots.get(name)
+        flat = bits(tensor.detach())
+        if slot is None or flat.numel() != slot.numel or flat.element_size() != slot.width:
+            raise ValueError(f"{name!r}: {flat.numel()} elements of {flat.element_size()} "
+                             f"bytes, the copy holds "
+                             f"{'nothing' if slot is None else slot.numel}")
+        return flat if flat.device == self.device else flat.to(self.device)
+
+    def changes(self, now: Iterable[tuple[str, torch.Tensor]], limits: Mapping[str, int]
+                ) -> Iterator[tuple[str, torch.Tensor, Change]]:
+        """(name, tensor as given, what changed) for each named tensor `now` since the copy,
+        which then holds it; tensors are held only until their group is compared (a group
+        per element width, so interleaved widths do not cut groups short). A tensor with
+        more than `limits[name]` changed elements may come without indices."""
         most = GROUP_BYTES.get(self.device.type, GROUP_BYTES["cpu"])
-        group: list[tuple[_Slot, torch.Tensor]] = []
-        size = 0
+        pending: dict[int, list[tuple[_Slot, torch.Tensor, torch.Tensor]]] = {}
+        sizes: dict[int, int] = {}
         for name, tensor in now:
-            slot, flat = self._slots[name], bits(tensor)
-            if flat.numel() != slot.numel:
-                raise ValueError(f"{name!r}: {flat.numel()} elements, the copy holds "
-                                 f"{slot.numel}")
-            if group and (slot.width != group[-1][0].width
-                          or slot.start != group[-1][0].start
+            flat = self._bits(name, tensor)
+            slot = self._slots[name]
+            group = pending.setdefault(slot.width, [])
+            if group and (slot.start != group[-1][0].start
                           + _aligned_numel(group[-1][0].numel, slot.width)
-                          or size + flat.numel() * slot.width > most):
-                out.update(self._group(group, limits))
-                group, size = [], 0
-            group.append((slot, flat))
-            size += flat.numel() * slot.width
-        if group:
-            out.update(self._group(group, limits))
-        return out
+                          or sizes[slot.width] + flat.numel() * slot.width > most):
+                yield from self._compared(group, limits)
+                group = pending[slot.width] = []
+                sizes[slot.width] = 0
+            group.append((slot, flat, tensor))
+            sizes[slot.width] = sizes.get(slot.width, 0) + flat.numel() * slot.width
+        for group in pending.values():
+            if group:
+                yield from self._compared(group, limits)
+
+    def _compared(self, group: list[tuple[_Slot, torch.Tensor, torch.Tensor]],
+                  limits: Mapping[str, int]) -> Iterator[tuple[str, torch.Tensor, Change]]:
+        found = self._group([(slot, flat) for slot, flat, _ in group], limits)
+        for slot, _, tensor in group:
+            yield slot.name, tensor, found[slot.name]
 
     def _group(self, group: list[tuple[_Slot, torch.Tensor]], limits: Mapping[str, int]
                ) -> dict[str, Change]:

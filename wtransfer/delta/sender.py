@@ -16,7 +16,7 @@ from wtransfer.delta.codec import (
     index_dtype_for,
     sparse_limit,
 )
-from wtransfer.delta.compare import LastSent
+from wtransfer.delta.compare import Change, LastSent
 from wtransfer.delta.header import DeltaHeader
 from wtransfer.delta.pieces import WHOLE, EncodedBucket, encode_bucket
 from wtransfer.errors import MetadataError
@@ -124,29 +124,29 @@ class DeltaSender:
         items: list[tuple[TensorMeta, torch.Tensor]] = []
         entries: list[DeltaEntry] = []
         total_changed = moved = 0
-        now = [(name, tensor.detach()) for name, tensor in source.tensors()]
-        here = [(name, t if t.device == self.copy_device else t.to(self.copy_device))
-                for name, t in now]
         limits = {meta.name: (sparse_limit(meta.numel, index_dtype_for(meta.numel),
                                            meta.itemsize) if self.sparse else 0)
                   for meta in metas}
         assert self._last is not None
-        changes = self._last.changes(here, limits)
-        for meta, (name, tensor) in zip(metas, now, strict=True):
-            change = changes[name]
+        found: dict[str, tuple[torch.Tensor | None, torch.device, Change]] = {}
+        for name, tensor, change in self._last.changes(source.tensors(), limits):
+            sparse = change.count <= limits[name] and change.index is not None
+            found[name] = (None if sparse else tensor.detach(), tensor.device, change)
+        for meta in metas:  # (only tensors that go whole were kept)
+            whole, device, change = found[meta.name]
             if change.count == 0:
                 continue
-            if change.count <= limits[name] and change.index is not None \
-                    and change.values is not None:
+            if whole is None:
+                assert change.index is not None and change.values is not None
                 index_dtype = index_dtype_for(meta.numel)
                 payload = encode_sparse(change.values, change.index,
-                                        index_dtype).to(tensor.device)
+                                        index_dtype).to(device)
                 entry = DeltaEntry(meta.name, change.count, index_dtype, meta.dtype)
                 items.append((entry.wire_meta(meta), payload))
                 moved += payload.numel() * payload.element_size()
             else:
                 entry = DeltaEntry(meta.name, change.count, DENSE, meta.dtype)
-                items.append((meta, tensor))
+                items.append((meta, whole))
                 moved += meta.nbytes
             total_changed += change.count
             entries.append(entry)
@@ -170,7 +170,10 @@ class DeltaSender:
             self._last = None
             return
         if update.header.base is None:
-            self._last = LastSent(update.source.tensors(), self.copy_device)
+            self._last = None  # (the old copy goes before the new one is made)
+            last = LastSent(update.source.metadata(), self.copy_device)
+            last.take(update.source.tensors())
+            self._last = last
         self.base = update.header.token
 
     def forget(self) -> None:

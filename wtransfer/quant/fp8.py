@@ -81,7 +81,7 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = amax / 448 (1 for an all-zero block) and q = round(w / scale); the whole weight
     as one box (`block_amax`, `quantize_box`), or one fused kernel on CUDA."""
     origin = (0,) * weight.dim()
-    fused = triton_for(weight.device)
+    fused = triton_for(weight)
     if fused is not None and _whole_blocks(origin, weight.shape) and weight.numel():
         return fused.quantize(weight.detach())
     scale = scales_of(block_amax(weight, origin, tuple(weight.shape)))
@@ -106,7 +106,7 @@ def quantize_box(part: torch.Tensor, offsets: tuple[int, ...], scale: torch.Tens
         blocks = part.detach().reshape(*part.shape[:-2], rb, BLOCK, cb, BLOCK)
         local = scale[(*index, slice(r0 // BLOCK, r0 // BLOCK + rb),
                        slice(c0 // BLOCK, c0 // BLOCK + cb))]
-        fused = triton_for(part.device)
+        fused = triton_for(part)
         if fused is not None:
             return fused.quantize_with(part.detach(), local)
         return eager_round(blocks, local[..., :, None, :, None]).reshape(part.shape)

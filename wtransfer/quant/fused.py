@@ -17,9 +17,15 @@ FP8_MAX = float(torch.finfo(FP8).max)
 logger = logging.getLogger(__name__)
 
 
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Weight dtypes the Triton kernel is checked for and used on (float32 holds their values)."""
+
+
 def eager_amax(blocks: torch.Tensor) -> torch.Tensor:
     """Float32 amax of each block of `blocks` [..., row blocks, 128, col blocks, 128]: |x|
-    and max are exact in the weight's own dtype, and float32 holds each such value."""
+    and max are exact in a weight dtype that float32 holds (float64 is narrowed first)."""
+    if blocks.dtype not in TRITON_DTYPES:
+        blocks = blocks.float()
     return blocks.abs().amax(dim=(-3, -1)).float()
 
 
@@ -34,6 +40,8 @@ def eager_scales(amax: torch.Tensor) -> torch.Tensor:
 def eager_round(blocks: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """FP8 values of `blocks` divided (in float32) by their block's scale `local`
     [..., row blocks, 1, col blocks, 1], clamped to FP8's range."""
+    if blocks.dtype not in TRITON_DTYPES:  # float64: narrowed, as the padded path does
+        blocks = blocks.float()
     return torch.div(blocks, local).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
@@ -41,10 +49,12 @@ _by_device: dict[torch.device, ModuleType | None] = {}
 _lock = threading.Lock()
 
 
-def triton_for(device: torch.device) -> ModuleType | None:
-    """`wtransfer.quant.fp8_triton` for tensors on `device` where it reproduced the eager
-    bytes (checked once per device), else None."""
-    if device.type != "cuda" or os.environ.get("WTRANSFER_FP8_TRITON", "1") == "0":
+def triton_for(tensor: torch.Tensor) -> ModuleType | None:
+    """`wtransfer.quant.fp8_triton` for `tensor` where it reproduced the eager bytes on its
+    device (checked once per device) and its dtype is one it was checked for, else None."""
+    device = tensor.device
+    if (device.type != "cuda" or tensor.dtype not in TRITON_DTYPES
+            or os.environ.get("WTRANSFER_FP8_TRITON", "1") == "0"):
         return None
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -87,7 +97,7 @@ def _checked(device: torch.device) -> ModuleType | None:
     whole and for a strided box with given scales."""
     try:
         from wtransfer.quant import fp8_triton
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for dtype in TRITON_DTYPES:
             w = _probe(device, dtype)
             want_q, want_scale = _eager_quantize(w)
             q, scale = fp8_triton.quantize(w)

@@ -70,8 +70,7 @@ class FiniteCheck:
             floats.append(values)
         if floats and floats[0].is_cuda:  # queued, read at the finish behind the copies
             self._names.extend(names)
-            self._sums.append(torch.stack(torch._foreach_norm(floats, 1,
-                                                              dtype=torch.float32)))
+            self._sums.append(torch.stack(_sums_of_abs(floats)))
             return
         for name, values in zip(names, floats, strict=True):
             if not bool(torch.isfinite(values.sum())) and not all_finite(values):
@@ -88,3 +87,19 @@ class FiniteCheck:
                 self._bad = self._names[bad[0]]
         self._names, self._sums = [], []
         return self._bad
+
+
+def _sums_of_abs(floats: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's float32 sum of |x|, in order: one multi-tensor launch per dtype (float64
+    is summed in its own precision, then narrowed: an overflow reads as non-finite)."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, values in enumerate(floats):
+        by_dtype.setdefault(values.dtype, []).append(i)
+    out: list[torch.Tensor] = [floats[0]] * len(floats)
+    for dtype, members in by_dtype.items():
+        group = [floats[i] for i in members]
+        sums = (torch._foreach_norm(group, 1) if dtype == torch.float64
+                else torch._foreach_norm(group, 1, dtype=torch.float32))
+        for i, total in zip(members, sums, strict=True):
+            out[i] = total.float()
+    return out

@@ -291,7 +291,6 @@ class UpdateSession:
                         regions.full = torch.empty(meta.shape, dtype=DTYPES[meta.dtype],
                                                    device=self._device)
                     dest = regions.full[box.slices()]
-                self.touched = True
                 dests.append(dest)
                 sources.append(src[_within(box, piece.box)] if crop else src)
                 regions.boxes.append(box)
@@ -304,7 +303,8 @@ class UpdateSession:
                         loads.append((meta.name, regions.full))
         if self.finite is not None:  # the whole bucket checked and copied in a few launches
             self.finite.watch_all(arrived)
-        if dests:
+        if dests:  # every piece checked: now the bytes change
+            self.touched = True
             torch._foreach_copy_(dests, sources, non_blocking=True)
         if loads:
             self._target.load_weights(loads)
