@@ -305,6 +305,16 @@ class Box:
         return Box(offsets=tuple(starts), lengths=tuple(e - st for st, e in zip(starts, ends,
                                                                                 strict=True)))
 
+    def overlaps(self, other: Box) -> bool:
+        """Whether this box and `other` share an element (`intersect` without building it)."""
+        return all(a < b + m and b < a + n and n and m for a, n, b, m in zip(
+            self.offsets, self.lengths, other.offsets, other.lengths, strict=True))
+
+    def inside(self, other: Box) -> bool:
+        """Whether every element of this box lies in `other`."""
+        return all(b <= a and a + n <= b + m for a, n, b, m in zip(
+            self.offsets, self.lengths, other.offsets, other.lengths, strict=True))
+
     def within(self, shape: Sequence[int]) -> bool:
         """Whether the box lies inside a tensor of `shape`."""
         return len(shape) == len(self.offsets) and all(

@@ -201,3 +201,19 @@ def test_a_worker_reading_shared_staging_copies_only_what_it_keeps():
         session.finish()
         assert torch.equal(module.weight.detach()[first:first + count],
                            values[first:first + count])
+
+
+def test_box_overlap_and_containment_agree_with_their_intersection():
+    """`Box.overlaps` and `Box.inside` (the receiver's per-piece checks) answer as building
+    the intersection would, empty boxes included."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        dims = rng.randint(1, 3)
+        a, b = (Box(offsets=tuple(rng.randint(0, 6) for _ in range(dims)),
+                    lengths=tuple(rng.randint(0, 5) for _ in range(dims))) for _ in range(2))
+        common = a.intersect(b)
+        assert a.overlaps(b) == (common is not None), (a, b)
+        if a.numel:
+            assert a.inside(b) == (common == a), (a, b)

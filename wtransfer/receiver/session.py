@@ -343,10 +343,10 @@ class UpdateSession:
                                 f"to receive, yet box {box} arrived")
         layout = self._kept.get(name) if self._kept is not None else None
         if inside_kept and layout is not None and not any(
-                box.intersect(b) == box for b in layout.boxes):
+                box.inside(b) for b in layout.boxes):
             raise MetadataError(f"tensor {name!r}: box {box} lies outside what this "
                                 "worker keeps")
-        if any(box.intersect(b) is not None for b in regions.boxes):
+        if any(box.overlaps(b) for b in regions.boxes):
             raise MetadataError(f"tensor {name!r}: elements of box {box} arrived "
                                 "twice")
         return regions
