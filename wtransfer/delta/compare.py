@@ -50,7 +50,7 @@ class _Slot:
 
 
 def _aligned_numel(numel: int, width: int) -> int:
-    lanes = 8 // width if width < 8 else 1
+    lanes = 8 // width
     return -(-numel // lanes) * lanes
 
 
@@ -130,12 +130,12 @@ class LastSent:
                ) -> dict[str, Change]:
         """Compare consecutive tensors of one width, occupying one run of the copy."""
         width = group[0][0].width
-        lanes = 8 // width if width < 8 else 1
+        lanes = 8 // width  # elements per 8-byte word
         buffer = self._buffers[width]
         first = group[0][0].start
         last_slot = group[-1][0]
         end = last_slot.start + _aligned_numel(last_slot.numel, width)
-        copy_words = buffer[first:end].view(torch.int64) if width < 8 else buffer[first:end]
+        copy_words = buffer[first:end].view(torch.int64)
         mask = torch.empty(copy_words.numel(), dtype=torch.bool, device=self.device)
         by_words: list[tuple[_Slot, torch.Tensor, int]] = []
         by_elements: list[tuple[_Slot, torch.Tensor]] = []
@@ -145,7 +145,7 @@ class LastSent:
                 by_elements.append((slot, flat))
                 mask[word0:word0 + _aligned_numel(slot.numel, width) // lanes].zero_()
                 continue
-            words = flat.view(torch.int64) if width < 8 else flat
+            words = flat.view(torch.int64)
             torch.ne(words, copy_words[word0:word0 + words.numel()],
                      out=mask[word0:word0 + words.numel()])
             by_words.append((slot, words, word0))

@@ -95,11 +95,10 @@ def _sums_of_abs(floats: list[torch.Tensor]) -> list[torch.Tensor]:
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, values in enumerate(floats):
         by_dtype.setdefault(values.dtype, []).append(i)
-    out: list[torch.Tensor] = [floats[0]] * len(floats)
+    sums: dict[int, torch.Tensor] = {}
     for dtype, members in by_dtype.items():
         group = [floats[i] for i in members]
-        sums = (torch._foreach_norm(group, 1) if dtype == torch.float64
-                else torch._foreach_norm(group, 1, dtype=torch.float32))
-        for i, total in zip(members, sums, strict=True):
-            out[i] = total.float()
-    return out
+        totals = (torch._foreach_norm(group, 1) if dtype == torch.float64
+                  else torch._foreach_norm(group, 1, dtype=torch.float32))
+        sums.update((i, total.float()) for i, total in zip(members, totals, strict=True))
+    return [sums[i] for i in range(len(floats))]
