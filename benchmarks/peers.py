@@ -22,8 +22,10 @@ interleaved (one round runs every row once; one warm-up round, then the median o
   every update creates and destroys the process group (the server's flag is set for that row:
   only `gather_metas` and `update` read it); and `register + gather + update` each
   step (the trainer's new weights copied into the pool first: a step whose weights changed).
-* wtransfer ipc from the same pinned host tensors: packed through shared memory (the defaults:
-  64 MiB buckets, 2 buffers), and packed through CUDA staging on cuda:0 (`device="cuda:0"`).
+* wtransfer ipc from the same pinned host tensors: every setting at its default (a lone
+  sender of pinned host tensors stages through CUDA, 1 GiB buckets), packed through shared
+  memory (`device="cpu"`, the default before 2026-12-06), and packed through CUDA staging on
+  cuda:0 (`device="cuda:0"`) at the bucket sizes asked for.
 * wtransfer ipc from GPU-resident trainer tensors: zero-copy (the default) and packed.
 * floors: one host-to-device copy of every byte from page-locked memory (the floor of the host
   rows) and one device-to-device copy (the floor of the GPU rows).
@@ -77,8 +79,8 @@ DEVICE = "cuda:0"
 ALIGN = 256
 FILLER = 0x5A
 """The byte the engine overwrites its weights with before every update."""
-FAMILIES = ("floor-h2d", "ce", "ce-auto-pg", "ce-register", "wt-host-shm", "wt-host-cuda",
-            "floor-d2d", "wt-gpu-zero-copy", "wt-gpu-packed")
+FAMILIES = ("floor-h2d", "ce", "ce-auto-pg", "ce-register", "wt-host-default", "wt-host-shm",
+            "wt-host-cuda", "floor-d2d", "wt-gpu-zero-copy", "wt-gpu-packed")
 """The row families, in the order a round runs them (and the table lists them)."""
 NO_CUDA = ("benchmarks/peers.py needs one CUDA GPU (torch.cuda.is_available() is False): the "
            "trainer, the engine process and checkpoint-engine all run on cuda:0")
@@ -422,11 +424,14 @@ def wtransfer_rows(families: set[str], buckets_mb: list[int], num_buffers: int
     """(family, key, label, bucket MiB, trainer init info, source "host" or "gpu") of each
     wtransfer row asked for."""
     out = []
+    if "wt-host-default" in families:
+        out.append(("wt-host-default", "wt-host-default", "wtransfer ipc, host, every default",
+                    0, IPCTrainerInitInfo(timeout_s=600), "host"))
     for mb in buckets_mb:
         if "wt-host-shm" in families:
             out.append(("wt-host-shm", f"wt-host-shm-{mb}", "wtransfer ipc, host, packed via shm",
                         mb, IPCTrainerInitInfo(bucket_bytes=mb << 20, num_buffers=num_buffers,
-                                               timeout_s=600), "host"))
+                                               device="cpu", timeout_s=600), "host"))
         if "wt-host-cuda" in families:
             out.append(("wt-host-cuda", f"wt-host-cuda-{mb}",
                         "wtransfer ipc, host, packed via cuda:0", mb,
@@ -514,6 +519,8 @@ def bench(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any
                 print(f"skipping {key}: {exc}", flush=True)
                 facts["skipped"][key] = str(exc)
                 continue
+            facts.setdefault("staging", {})[key] = (  # what each sender chose
+                f"{sender.device}, {sender.bucket_bytes >> 20} MiB x {sender.num_buffers}")
             rows.append(Row(family, key, label, sender.send_weights,
                             "floor-h2d" if where == "host" else "floor-d2d", bucket_mb=mb))
         rows.sort(key=lambda row: FAMILIES.index(row.family))  # stable: buckets stay in order
@@ -612,6 +619,8 @@ def main() -> None:
     if "ce_first_register_s" in facts:
         print(f"checkpoint-engine's first register_checkpoint (allocate and pin its pool, copy): "
               f"{facts['ce_first_register_s']:.2f} s")
+    for key, chosen in facts.get("staging", {}).items():
+        print(f"staging of {key}: {chosen}")
     for key, reason in facts["skipped"].items():
         print(f"skipped {key}: {reason}")
     path = write_json(f"peers-{args.model}", rows,

@@ -158,6 +158,30 @@ def test_cpu_trainer_into_gpu_engine():
     engine.shutdown()
 
 
+
+@pytest.mark.gpu
+def test_pinned_host_trainer_stages_on_the_gpu_by_default():
+    """A lone sender of pinned host tensors stages through CUDA without being asked (one
+    host-to-device copy per byte); pageable tensors, or `device="cpu"`, keep shared memory.
+    Every way lands bit-exact in another process's GPU engine."""
+    metas = mixed_metas()  # the receiver child's "mixed" model
+    pinned = build_module(metas, 1, "cpu")
+    for tensor in [*pinned.parameters(), *pinned.buffers()]:
+        tensor.data = tensor.data.pin_memory()
+    assert all(t.is_pinned() for t in pinned.state_dict().values())
+    pageable = build_module(metas, 3, "cpu")
+    with spawn_receiver("ipc", model="mixed", seed=2, device="cuda:0") as child:
+        client = RPCClient(child.address, timeout_s=60)
+        for module, info, staging in [
+                (pinned, IPCTrainerInitInfo(timeout_s=60), "cuda"),
+                (pageable, IPCTrainerInitInfo(timeout_s=60), "cpu"),
+                (pinned, IPCTrainerInitInfo(device="cpu", timeout_s=60), "cpu")]:
+            with wtransfer.trainer_init(info, client=client,
+                                        source=wtransfer.ModuleSource(module)) as sender:
+                sender.send_weights()
+                assert sender.device.type == staging
+            assert client.fingerprint() == wtransfer.fingerprint(module.state_dict())
+
 @pytest.mark.gpu
 def test_zero_copy_updates_follow_in_place_changes_and_replaced_storages():
     model = build("qwen3-1.7b", seed=1, device="cuda:0", fill="constant")

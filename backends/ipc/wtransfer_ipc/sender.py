@@ -48,6 +48,9 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         self.m2n = False
         """Whether each rank stages only its own shards (`wtransfer_ipc.m2n`; decided at
         connect, declared first: the base constructor asks for the bucket size)."""
+        self._pinned_host: bool | None = None
+        """Whether the source is a lone sender's pinned host tensors (see `_staging_device`;
+        found once, when the base constructor first asks)."""
         super().__init__(init_info, client=client, source=source, process_group=process_group)
         self.device = self._staging_device(self.init_info.device)
         if self.device.type not in ("cpu", "cuda"):
@@ -96,6 +99,25 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         zero_copy = self._zero_copy_on() and held is not None and shareable(held)
         return (self._staging_device(self.init_info.device).type == "cuda" and not zero_copy
                 and not self.collective)
+
+    def _staging_device(self, override: str | None) -> torch.device:
+        """The init info's `device` when given; a lone sender of pinned host tensors, in a
+        process that uses CUDA, stages on its current GPU (one host-to-device copy per byte
+        at the link's speed, where shared memory adds a CPU copy: 2.3x faster at 8B,
+        docs/benchmarks.md); else the source's device."""
+        if not override and self._pinned_host_source():
+            return torch.device("cuda", torch.cuda.current_device())
+        return super()._staging_device(override)
+
+    def _pinned_host_source(self) -> bool:
+        if self._pinned_host is None:
+            lone = not (self.collective or self.init_info.m2n
+                        or isinstance(self.client, FleetClient))
+            held = self.source.held() if lone else None
+            # pinned memory implies CUDA is initialized here; never start CUDA to find out
+            self._pinned_host = bool(held) and torch.cuda.is_initialized() and all(
+                t.device.type == "cpu" and t.is_pinned() for t in held or ())
+        return self._pinned_host
 
     def _source_bytes(self) -> int:
         return sum(meta.nbytes for meta in self.source.metadata())
