@@ -4,10 +4,11 @@ memory) and nccl (gloo): each vLLM worker is sent only what its own weight loade
 
 Checked as a user would: greedy tokens after the update equal a fresh vLLM TP=2 started from
 the new safetensors; one trainer process with the default settings sends each worker only what
-it keeps too (1->N over ipc); each worker received exactly the bytes it keeps, about half the model;
-each worker's digests of the parts it keeps equal those computed from the trainer's tensors;
-a trainer rank SIGKILLed mid-transfer fails every side at its deadline with vLLM's weights as
-they were (host-staged engine), and the next update lands (`make test-vllm-extended`).
+it keeps too (1->N); each worker received exactly the bytes it keeps, about half the model;
+each worker's digests of the parts it keeps equal those computed from the trainer's tensors.
+Over nccl too, and a trainer rank SIGKILLed mid-transfer fails every side at its deadline with
+vLLM's weights as they were (host-staged engine), and the next update lands: `make
+test-vllm-extended`.
 """
 
 import os
@@ -70,38 +71,46 @@ def state_of(checkpoint):
 def test_fsdp_ranks_send_each_vllm_tp_worker_only_what_its_loaders_read(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     first_model = save_qwen3(first, seed=1)
-    second_model = save_qwen3(second, seed=2)
-    env = {**os.environ, **TP2_ENV}
-    server = VLLMServer(first, "ipc", tmp_path / "ipc.log", extra_args=TP2, env=env)
+    save_qwen3(second, seed=2)
+    server = VLLMServer(second, "ipc", tmp_path / "ipc.log", extra_args=TP2,
+                        env={**os.environ, **TP2_ENV})
     try:
-        fresh_first = server.greedy()
+        fresh_second = server.greedy()
         push(server, "ipc", first, m2n=False)  # whole tensors first: vLLM's reload leaves
-        assert server.greedy() == fresh_first  # its wrappers, which recording sets aside
+        assert server.greedy() != fresh_second  # its wrappers, which recording sets aside
         stats = send("ipc", server.client, first_model, "one-sender")  # by default: 1->N
         states = server.client.worker_states()
         kept = [s["kept_bytes"] for s in states]
         assert [s["last_update_bytes"] for s in states] == kept
         assert all(0.4 * stats.bytes < k < 0.6 * stats.bytes for k in kept), (kept, stats)
-        assert server.greedy() == fresh_first
         outs = push(server, "ipc", second)
         assert sum(o["sent_bytes"] for o in outs) == outs[0]["bytes"]  # each byte staged once
         check_each_worker_got_what_it_keeps(server, "ipc", outs, second)
-        after_ipc = server.greedy()
+        assert server.greedy() == fresh_second  # as vLLM TP=2 fresh on these safetensors
     finally:
         server.close()
-    server = VLLMServer(second, "nccl", tmp_path / "nccl.log", extra_args=TP2, env=env,
-                        staged=True)
+
+
+@pytest.mark.extended  # the other backend of the same path (a vLLM TP=2 engine of its own)
+def test_fsdp_ranks_send_each_vllm_tp_worker_only_what_it_keeps_over_nccl(tmp_path):
+    """As the ipc test, over nccl (gloo) into a host-staged engine: each worker's bytes
+    counted by the sender too, and one trainer process's default (1->N)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first_model = save_qwen3(first, seed=1)
+    save_qwen3(second, seed=2)
+    server = VLLMServer(first, "nccl", tmp_path / "nccl.log", extra_args=TP2,
+                        env={**os.environ, **TP2_ENV}, staged=True)
     try:
-        assert after_ipc == server.greedy() != fresh_first  # fresh TP=2 on the new safetensors
-        outs = push(server, "nccl", first)
-        check_each_worker_got_what_it_keeps(server, "nccl", outs, first)
-        assert server.greedy() == fresh_first
-        stats = send("nccl", server.client, second_model, "one-sender",  # by default: 1->N
+        fresh_first = server.greedy()
+        outs = push(server, "nccl", second)
+        check_each_worker_got_what_it_keeps(server, "nccl", outs, second)
+        assert server.greedy() != fresh_first
+        stats = send("nccl", server.client, first_model, "one-sender",  # by default: 1->N
                      world_size=None)  # (counted: 1 sender + 2 workers)
         kept = [s["kept_bytes"] for s in server.client.worker_states()]
         assert [s["last_update_bytes"] for s in server.client.worker_states()] == kept
         assert stats.worker_bytes == kept and stats.sent_bytes == sum(kept) < 1.2 * stats.bytes
-        assert server.greedy() == after_ipc
+        assert server.greedy() == fresh_first
     finally:
         server.close()
 
