@@ -108,6 +108,10 @@ def test_whole_and_partial_blocks_quantize_by_definition(shape, dtype):
     assert torch.equal(part.view(torch.uint8), want_q[box].view(torch.uint8))
     amax = block_amax(w[box], (128, 0), tuple(w.shape))
     assert torch.equal(amax[1, 0], w[box].float().abs().max()) and amax.count_nonzero() <= 1
+    out = (torch.full(shape, 7.0).to(FP8), torch.full(want_scale.shape, 3.0))
+    into = quantize(w, out)  # into given buffers: the same bytes, in those buffers
+    assert into[0] is out[0] and into[1] is out[1] and torch.equal(out[1], want_scale)
+    assert torch.equal(out[0].view(torch.uint8), want_q.view(torch.uint8))
 
 
 @pytest.mark.gpu
@@ -147,6 +151,40 @@ def test_the_triton_fp8_kernel_gives_the_eager_bytes_on_cuda():
     inner = experts[1:, 128:256, 128:384]  # a box of the experts, not at their origin
     boxed = quantize_box(inner, (1, 128, 128), escale)
     assert torch.equal(boxed.view(torch.uint8), eq[1:, 128:256, 128:384].view(torch.uint8))
+    out = (torch.empty_like(eq), torch.full_like(escale, 3.0))  # into given buffers
+    assert quantize(experts, out) == out
+    assert torch.equal(out[0].view(torch.uint8), eq.view(torch.uint8))
+    assert torch.equal(out[1], escale)
+
+
+@pytest.mark.gpu
+def test_fp8_source_quantizes_into_the_same_cuda_buffers_every_update():
+    """`Fp8Source` on CUDA writes each update into buffers it keeps (a zero-copy sender then
+    shares the same storages every time): the bytes of a fresh `quantize`, changes included;
+    with keep_buffers=False every update is new tensors."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    trainer = load_model("tiny", device="cuda:0", seed=1)
+    kept, fresh = (Fp8Source(wtransfer.ModuleSource(trainer), keep_buffers=keep)
+                   for keep in (True, False))
+
+    def walk(source):
+        return {name: (t.data_ptr(), t.view(torch.uint8).clone() if t.dtype == FP8 else
+                       t.clone()) for name, t in source.tensors()}
+
+    first, again = walk(kept), walk(fresh)
+    with torch.no_grad():
+        for param in trainer.parameters():
+            param.mul_(1.5)
+    second = walk(kept)
+    quantized = [n for n in first if n.endswith(".weight") and n + "_scale_inv" in first]
+    assert quantized
+    for name in quantized:
+        want_q, want_scale = quantize(trainer.state_dict()[name])
+        assert first[name][0] == second[name][0]  # the same storage both updates
+        assert torch.equal(second[name][1], want_q.view(torch.uint8))
+        assert torch.equal(second[name + "_scale_inv"][1], want_scale)
+        assert torch.equal(first[name][1], again[name][1])  # kept or not: the same bytes
 
 
 @pytest.mark.parametrize(("backend", "model"), [("ipc", "tiny"), ("nccl", "tiny"),

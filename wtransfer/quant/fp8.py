@@ -76,16 +76,23 @@ def block_amax(part: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, .
 
 
 @torch.no_grad()
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(weight: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 weight, float32 scales) of a weight [..., rows, cols]: per block of each matrix,
     scale = amax / 448 (1 for an all-zero block) and q = round(w / scale); the whole weight
-    as one box (`block_amax`, `quantize_box`), or one fused kernel on CUDA."""
+    as one box (`block_amax`, `quantize_box`), or one fused kernel on CUDA. Written into
+    `out` (contiguous tensors of those shapes and dtypes) when given."""
     origin = (0,) * weight.dim()
     fused = triton_for(weight)
     if fused is not None and _whole_blocks(origin, weight.shape) and weight.numel():
-        return fused.quantize(weight.detach())
+        return fused.quantize(weight.detach(), out)
     scale = scales_of(block_amax(weight, origin, tuple(weight.shape)))
-    return quantize_box(weight, origin, scale), scale
+    q = quantize_box(weight, origin, scale)
+    if out is None:
+        return q, scale
+    out[0].copy_(q)
+    out[1].copy_(scale)
+    return out
 
 
 def scales_of(amax: torch.Tensor) -> torch.Tensor:

@@ -42,16 +42,18 @@ def _as_3d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1, *t.shape) if t.dim() == 2 else t.reshape(-1, *t.shape[-2:])
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(weight: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 weight, float32 block scales) of a CUDA weight [..., rows, cols] of whole
-    blocks."""
+    blocks; written into `out` (contiguous, of those shapes) when given."""
     x = _as_3d(weight)
     lead, rows, cols = x.shape
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(lead, rows // BLOCK, cols // BLOCK, dtype=torch.float32,
-                        device=x.device)
-    _launch(x, q, scale, given=False)
-    return q.reshape(weight.shape), scale.reshape(*weight.shape[:-2], *scale.shape[-2:])
+    if out is None:
+        out = (torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=x.device),
+               torch.empty(*weight.shape[:-2], rows // BLOCK, cols // BLOCK,
+                           dtype=torch.float32, device=x.device))
+    _launch(x, _as_3d(out[0]), out[1].view(lead, rows // BLOCK, cols // BLOCK), given=False)
+    return out
 
 
 def quantize_with(part: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

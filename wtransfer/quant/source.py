@@ -36,10 +36,17 @@ from wtransfer.trainer.source import WeightSource
 class Fp8Source(WeightSource):
     """`inner`'s tensors as an FP8 engine stores them (`wtransfer.quant.fp8`): each quantized
     weight as float8_e4m3fn followed by its float32 block scales (quantized on the trainer's
-    device as it is sent), every other tensor unchanged."""
+    device as it is sent), every other tensor unchanged.
 
-    def __init__(self, inner: WeightSource) -> None:
+    With `keep_buffers` (the default), CUDA weights are quantized into buffers kept across
+    updates (half the weights' bytes, held between updates), so a zero-copy sender shares
+    the same storages every update instead of exporting new ones; False quantizes into new
+    tensors each update, freed as they are sent."""
+
+    def __init__(self, inner: WeightSource, *, keep_buffers: bool = True) -> None:
         self.inner = inner
+        self.keep_buffers = keep_buffers
+        self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def metadata(self) -> list[TensorMeta]:
         """The quantized list: ``X.weight`` (float8_e4m3fn) and ``X.weight_scale_inv``."""
@@ -57,11 +64,25 @@ class Fp8Source(WeightSource):
         """Each tensor, quantized weights as (weight, scales)."""
         for name, tensor in self.inner.tensors():
             if is_quantized(name, tuple(tensor.shape)):
-                q, scale = quantize(tensor)
+                q, scale = quantize(tensor, self._buffer(name, tensor))
                 yield name, q
                 yield name + SCALE_SUFFIX, scale
             else:
                 yield name, tensor
+
+    def _buffer(self, name: str, weight: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The kept (FP8 weight, scales) buffers of `name` (made on first use, or when the
+        weight's shape or device changed); None where buffers are not kept."""
+        if not (self.keep_buffers and weight.is_cuda):
+            return None
+        kept = self._buffers.get(name)
+        if kept is None or kept[0].shape != weight.shape or kept[0].device != weight.device:
+            kept = (torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device),
+                    torch.empty(scale_shape(tuple(weight.shape)), dtype=torch.float32,
+                                device=weight.device))
+            self._buffers[name] = kept
+        return kept
 
     @property
     def device(self) -> torch.device | None:
