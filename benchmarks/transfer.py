@@ -81,37 +81,66 @@ class PerTensorIPCSender(IPCSender):
         return Outgoing(share, channel=CallChannel(slots=1, stage=stage, describe=describe))
 
 
-def copy_floors(model: torch.nn.Module, device: str) -> dict[str, Callable[[], None]]:
-    """The copy floors over the model's bytes, on its device: one flat copy (what a zero-copy
-    update must do: every byte read once, written once), and two (pack into one flat buffer,
-    unpack out of it: what a packed update must do). Buffers are allocated and touched once
-    here, so no run pays page faults."""
-    tensors = [byte_view(t) for t in model.state_dict().values()]
-    total = sum(t.numel() for t in tensors)
-    flat = torch.zeros(total, dtype=torch.uint8, device=device)
-    other = torch.zeros(total, dtype=torch.uint8, device=device)
-    dest = [torch.zeros_like(t) for t in tensors]
+SCRATCH_BYTES = 1 << 30
+"""The floors' scratch buffers: large enough for copies at full speed, small beside a model."""
 
-    def sync() -> None:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
 
-    def one_copy() -> None:
-        other.copy_(flat)
+def _synced(device: str) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
+def flat_copy(nbytes: int, device: str) -> Callable[[], None]:
+    """One copy of `nbytes` on `device` (every byte read once and written once), in chunks
+    of `SCRATCH_BYTES` between two scratch buffers: the floor of a transfer that moves every
+    byte once, without holding two more copies of the model."""
+    size = max(1, min(nbytes, SCRATCH_BYTES))
+    src = torch.ones(size, dtype=torch.uint8, device=device)
+    dst = torch.zeros_like(src)
+    sync = _synced(device)
+
+    def once() -> None:
+        for start in range(0, nbytes, size):
+            n = min(size, nbytes - start)
+            dst[:n].copy_(src[:n])
         sync()
+
+    return once
+
+
+def copy_floors(model: torch.nn.Module, device: str) -> dict[str, Callable[[], None]]:
+    """The copy floors over the model's bytes, on its device: one copy (what a zero-copy
+    update must do: every byte read once, written once; `flat_copy`), and two (each tensor
+    packed into a scratch buffer, then copied back out of it into the tensor: what a packed
+    update must do). The scratch is `SCRATCH_BYTES` (or the largest tensor), so the floors
+    hold no extra copy of the model (an 8B trainer, its floors and a receiver fit an 80 GB
+    card). Buffers are allocated and touched once here, so no run pays page faults."""
+    tensors = [byte_view(t) for t in model.state_dict().values()]
+    size = max(SCRATCH_BYTES, max(t.numel() for t in tensors))
+    scratch = torch.zeros(size, dtype=torch.uint8, device=device)
+    groups: list[list[torch.Tensor]] = [[]]
+    filled = 0
+    for t in tensors:  # consecutive tensors, each group fitting the scratch
+        if filled + t.numel() > size:
+            groups.append([])
+            filled = 0
+        groups[-1].append(t)
+        filled += t.numel()
+    sync = _synced(device)
 
     def two_copies() -> None:
-        offset = 0
-        for t in tensors:
-            flat[offset : offset + t.numel()].copy_(t)
-            offset += t.numel()
-        offset = 0
-        for d in dest:
-            d.copy_(flat[offset : offset + d.numel()])
-            offset += d.numel()
+        for group in groups:
+            offset = 0
+            for t in group:
+                scratch[offset : offset + t.numel()].copy_(t)
+                offset += t.numel()
+            offset = 0
+            for t in group:  # the same bytes back: the model is left as it was
+                t.copy_(scratch[offset : offset + t.numel()])
+                offset += t.numel()
         sync()
 
-    return {"floor (1 copy)": one_copy, "floor (2 copies)": two_copies}
+    return {"floor (1 copy)": flat_copy(sum(t.numel() for t in tensors), device),
+            "floor (2 copies)": two_copies}
 
 
 def broadcast_baselines(name: str, model: torch.nn.Module, repeats: int, device: str,
@@ -306,8 +335,7 @@ def bench_sharded(backend: str, name: str, buckets_mb: list[int], ranks: int, se
     if device != "cpu":
         floor_s = median_seconds(copy_floors(build_module(metas, 1, device, fill="constant"),
                                              device)["floor (1 copy)"], 5)
-        torch.cuda.empty_cache()  # (the floor's buffers: four copies of the model)
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # (the floor's model and scratch)
     rows = []
     with spawn_receiver(backend, model=name, seed=2, fill="constant", device=device) as child:
         for mb in buckets_mb:
@@ -337,20 +365,10 @@ def bench_sharded(backend: str, name: str, buckets_mb: list[int], ranks: int, se
 
 
 def one_copy_seconds(nbytes: int, device: str, repeats: int) -> float:
-    """Median time of one flat copy of `nbytes` on `device` (the floor of a transfer that
-    moves every byte once)."""
-    buffers = [torch.ones(nbytes, dtype=torch.uint8, device=device)]
-    buffers.append(torch.zeros_like(buffers[0]))
-
-    def once() -> None:
-        buffers[1].copy_(buffers[0])
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
-
+    """Median time of one copy of `nbytes` on `device` (`flat_copy`)."""
     try:
-        return median_seconds(once, repeats)
+        return median_seconds(flat_copy(nbytes, device), repeats)
     finally:
-        buffers.clear()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
 
