@@ -1,6 +1,7 @@
 """What refusing non-finite updates costs: one in-process ipc update with the receiver's
 check on (the default) and off (`allow_non_finite=True`), interleaved, beside the check alone
-(one extremes reduction per tensor) and one flat copy of every byte (the floor), in one run.
+(the receiver's sums of |x|, every tensor in one call) and one flat copy of every byte (the
+floor), in one run.
 
     python benchmarks/finite_check.py --model qwen3-0.6b --repeats 5
     python benchmarks/finite_check.py --model qwen3-8b --device cuda:0 --repeats 5
@@ -73,9 +74,8 @@ def main() -> None:
     flat_dst = torch.empty_like(flat_src)
 
     def check_alone() -> None:
-        finite = FiniteCheck()
-        for i, t in enumerate(tensors):
-            finite.watch(str(i), t)
+        finite = FiniteCheck()  # every tensor in one call, as a receiver hands over an update
+        finite.watch_all([(str(i), t) for i, t in enumerate(tensors)])
         assert finite.first_bad() is None
 
     times: dict[str, list[float]] = {"check on": [], "check off": [], "check alone": [],

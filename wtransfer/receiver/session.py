@@ -76,7 +76,7 @@ class _Regions:
 class _Batch:
     """One bucket's work: byte copies issued together, then whole-tensor loads."""
 
-    __slots__ = ("assembled", "completed", "dsts", "loads", "srcs")
+    __slots__ = ("arrived", "assembled", "completed", "dsts", "loads", "srcs")
 
     def __init__(self) -> None:
         self.dsts: list[torch.Tensor] = []
@@ -85,6 +85,8 @@ class _Batch:
         self.assembled: list[tuple[str, torch.Tensor]] = []
         self.completed: list[tuple[TensorMeta, torch.Tensor]] = []
         """Tensors split across buckets that this bucket completed, and their bytes."""
+        self.arrived: list[tuple[str, torch.Tensor]] = []
+        """Whole tensors of this bucket, for the finite check (one call per bucket)."""
 
 
 class UpdateSession:
@@ -183,6 +185,12 @@ class UpdateSession:
         """Hand what arrived of `name` (in its dtype) to the finite check, if on."""
         if self.finite is not None:
             self.finite.watch(name, values)
+
+    def _watch_all(self, arrived: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """`_watch` each (name, values): a few launches for all of them on CUDA (per tensor,
+        the host's calls cost more than the device's reading on a GPU)."""
+        if self.finite is not None and arrived:
+            self.finite.watch_all(arrived)
 
     def _arrived(self, name: str, regions: _Regions, box: Box) -> None:
         regions.boxes.append(box)
@@ -391,8 +399,8 @@ class UpdateSession:
         if batch.dsts or batch.loads:
             self.touched = True
         copy_bytes(batch.dsts, batch.srcs)
-        for meta, buffer in batch.completed:
-            self._watch(meta.name, tensor_from_bytes(buffer, meta))
+        self._watch_all(batch.arrived + [(meta.name, tensor_from_bytes(buffer, meta))
+                                         for meta, buffer in batch.completed])
         for name, buffer in batch.assembled:
             meta = self._announced[name]
             batch.loads.append((name, tensor_from_bytes(buffer, meta)))
@@ -410,7 +418,7 @@ class UpdateSession:
             raise MetadataError(f"tensor {meta.name!r} at offset {s.offset} is not "
                                 f"aligned to its {meta.itemsize}-byte elements")
         del self._pending[meta.name]
-        self._watch(meta.name, tensor_from_bytes(piece, meta))
+        batch.arrived.append((meta.name, tensor_from_bytes(piece, meta)))
         direct = self._direct(meta.name)
         if direct is not None:
             batch.dsts.append(direct)
@@ -489,9 +497,8 @@ class UpdateSession:
             copies.abort()  # what follows (a rollback, a drain) comes after what went out
             raise
         copies.close()
-        for meta, src in zip(self._metas, sources, strict=True):
-            if meta.nbytes:
-                self._watch(meta.name, tensor_from_bytes(src, meta))
+        self._watch_all([(meta.name, tensor_from_bytes(src, meta))
+                         for meta, src in zip(self._metas, sources, strict=True) if meta.nbytes])
         if loads:
             self._target.load_weights(loads)
         self.bytes_received += sum(m.nbytes for m in self._metas)
@@ -538,8 +545,8 @@ class UpdateSession:
             names = sorted(self._pending)
             raise IntegrityError(f"update incomplete: {len(names)} announced tensor(s) never "
                                  f"arrived whole, e.g. {names[:3]}")
-        for meta, data in self._landed:
-            self._watch(meta.name, tensor_from_bytes(data, meta))
+        self._watch_all([(meta.name, tensor_from_bytes(data, meta))
+                         for meta, data in self._landed])
         self._landed = []
         bad = self.finite.first_bad() if self.finite is not None else None
         if bad is not None:
