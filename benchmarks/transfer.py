@@ -86,7 +86,9 @@ SCRATCH_BYTES = 1 << 30
 
 
 def _synced(device: str) -> Callable[[], None]:
-    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    if device.startswith("cuda"):
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 def flat_copy(nbytes: int, device: str) -> Callable[[], None]:
@@ -115,7 +117,8 @@ def copy_floors(model: torch.nn.Module, device: str) -> dict[str, Callable[[], N
     hold no extra copy of the model (an 8B trainer, its floors and a receiver fit an 80 GB
     card). Buffers are allocated and touched once here, so no run pays page faults."""
     tensors = [byte_view(t) for t in model.state_dict().values()]
-    size = max(SCRATCH_BYTES, max(t.numel() for t in tensors))
+    total = sum(t.numel() for t in tensors)
+    size = max(min(SCRATCH_BYTES, total), max(t.numel() for t in tensors))
     scratch = torch.zeros(size, dtype=torch.uint8, device=device)
     groups: list[list[torch.Tensor]] = [[]]
     filled = 0
@@ -139,7 +142,7 @@ def copy_floors(model: torch.nn.Module, device: str) -> dict[str, Callable[[], N
                 offset += t.numel()
         sync()
 
-    return {"floor (1 copy)": flat_copy(sum(t.numel() for t in tensors), device),
+    return {"floor (1 copy)": flat_copy(total, device),
             "floor (2 copies)": two_copies}
 
 

@@ -112,6 +112,8 @@ def test_whole_and_partial_blocks_quantize_by_definition(shape, dtype):
     into = quantize(w, out)  # into given buffers: the same bytes, in those buffers
     assert into[0] is out[0] and into[1] is out[1] and torch.equal(out[1], want_scale)
     assert torch.equal(out[0].view(torch.uint8), want_q.view(torch.uint8))
+    with pytest.raises(ValueError, match="out must be contiguous"):  # a transposed buffer
+        quantize(w, (torch.empty(shape[::-1]).to(FP8).t(), out[1]))
 
 
 @pytest.mark.gpu
@@ -159,14 +161,16 @@ def test_the_triton_fp8_kernel_gives_the_eager_bytes_on_cuda():
 
 @pytest.mark.gpu
 def test_fp8_source_quantizes_into_the_same_cuda_buffers_every_update():
-    """`Fp8Source` on CUDA writes each update into buffers it keeps (a zero-copy sender then
-    shares the same storages every time): the bytes of a fresh `quantize`, changes included;
-    with keep_buffers=False every update is new tensors."""
+    """`Fp8Source` on CUDA, once a sender reads its tensors in place (zero-copy), writes each
+    update into buffers it keeps (the same storages every update): the bytes of a fresh
+    `quantize` (the Triton kernel where it runs), changes included; kept or not, the same
+    bytes."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    trainer = load_model("tiny", device="cuda:0", seed=1)
-    kept, fresh = (Fp8Source(wtransfer.ModuleSource(trainer), keep_buffers=keep)
-                   for keep in (True, False))
+    trainer = load_model("tiny-fp8", device="cuda:0", seed=1)
+    kept, fresh = (Fp8Source(wtransfer.ModuleSource(trainer)) for _ in range(2))
+    kept.read_in_place()  # as a zero-copy sender does at connect
+    assert (kept.keep_buffers, fresh.keep_buffers) == (True, None)
 
     def walk(source):
         return {name: (t.data_ptr(), t.view(torch.uint8).clone() if t.dtype == FP8 else

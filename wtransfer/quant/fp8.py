@@ -82,6 +82,8 @@ def quantize(weight: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None
     scale = amax / 448 (1 for an all-zero block) and q = round(w / scale); the whole weight
     as one box (`block_amax`, `quantize_box`), or one fused kernel on CUDA. Written into
     `out` (contiguous tensors of those shapes and dtypes) when given."""
+    if out is not None:
+        _check_out(weight, out)
     origin = (0,) * weight.dim()
     fused = triton_for(weight)
     if fused is not None and _whole_blocks(origin, weight.shape) and weight.numel():
@@ -93,6 +95,16 @@ def quantize(weight: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None
     out[0].copy_(q)
     out[1].copy_(scale)
     return out
+
+
+def _check_out(weight: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+    want = ((tuple(weight.shape), FP8), (scale_shape(tuple(weight.shape)), torch.float32))
+    for buffer, (shape, dtype) in zip(out, want, strict=True):
+        if (tuple(buffer.shape) != shape or buffer.dtype != dtype
+                or buffer.device != weight.device or not buffer.is_contiguous()):
+            raise ValueError(f"quantize: out must be contiguous {dtype} {list(shape)} tensors "
+                             f"on {weight.device}; got {buffer.dtype} {list(buffer.shape)} "
+                             f"on {buffer.device}")
 
 
 def scales_of(amax: torch.Tensor) -> torch.Tensor:

@@ -38,12 +38,14 @@ class Fp8Source(WeightSource):
     weight as float8_e4m3fn followed by its float32 block scales (quantized on the trainer's
     device as it is sent), every other tensor unchanged.
 
-    With `keep_buffers` (the default), CUDA weights are quantized into buffers kept across
-    updates (half the weights' bytes, held between updates), so a zero-copy sender shares
-    the same storages every update instead of exporting new ones; False quantizes into new
-    tensors each update, freed as they are sent."""
+    `keep_buffers`: quantize CUDA weights (of an unsharded source) into buffers kept across
+    updates, half the weights' bytes held between updates, so a sender that reads them in
+    place (zero-copy CUDA IPC) shares the same storages every update instead of exporting
+    new ones (Qwen3-8B on an H100: 101.9 ms an update against 149.8). None (default): only
+    once such a sender asked (`read_in_place`); a sender that packs them gets new tensors,
+    freed as they are sent. True: always; False: never."""
 
-    def __init__(self, inner: WeightSource, *, keep_buffers: bool = True) -> None:
+    def __init__(self, inner: WeightSource, *, keep_buffers: bool | None = None) -> None:
         self.inner = inner
         self.keep_buffers = keep_buffers
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -69,6 +71,12 @@ class Fp8Source(WeightSource):
                 yield name + SCALE_SUFFIX, scale
             else:
                 yield name, tensor
+
+    def read_in_place(self) -> None:
+        """A sender reads the tensors in place: keep buffers unless told never to."""
+        if self.keep_buffers is None:
+            self.keep_buffers = True
+        self.inner.read_in_place()
 
     def _buffer(self, name: str, weight: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -68,20 +68,23 @@ class FiniteCheck:
                 values = values.float()
             names.append(name)
             floats.append(values)
-        if floats and floats[0].is_cuda:  # queued, read at the finish behind the copies
-            self._names.extend(names)
-            self._sums.append(torch.stack(_sums_of_abs(floats)))
-            return
-        for name, values in zip(names, floats, strict=True):
-            if not bool(torch.isfinite(values.sum())) and not all_finite(values):
-                self._bad = name  # (a sum can overflow where no element does)
+        on_devices: dict[torch.device, list[int]] = {}
+        for i, values in enumerate(floats):
+            if values.is_cuda:  # queued, read at the finish behind the copies
+                on_devices.setdefault(values.device, []).append(i)
+            elif not bool(torch.isfinite(values.sum())) and not all_finite(values):
+                self._bad = names[i]  # (a sum can overflow where no element does)
                 return
+        for members in on_devices.values():  # (a bucket on one device, its tensors on another)
+            self._names.extend(names[i] for i in members)
+            self._sums.append(torch.stack(_sums_of_abs([floats[i] for i in members])))
 
     def first_bad(self) -> str | None:
         """The first watched tensor holding a non-finite value (one device read for every
         queued sum), or None."""
         if self._names and self._bad is None:
-            sums = torch.cat(self._sums)
+            first = self._sums[0].device
+            sums = torch.cat([s.to(first) for s in self._sums])
             bad = (~torch.isfinite(sums)).nonzero().flatten().tolist()
             if bad:
                 self._bad = self._names[bad[0]]

@@ -187,8 +187,9 @@ class UpdateSession:
             self.finite.watch(name, values)
 
     def _watch_all(self, arrived: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """`_watch` each (name, values): a few launches for all of them on CUDA (per tensor,
-        the host's calls cost more than the device's reading on a GPU)."""
+        """`_watch` each (name, values): on CUDA a few launches for all of them (one host call
+        per tensor cost more than the device's reading); FP8 values are still bit-tested
+        one by one."""
         if self.finite is not None and arrived:
             self.finite.watch_all(arrived)
 

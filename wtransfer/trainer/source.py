@@ -59,6 +59,12 @@ class WeightSource(ABC):
         adapter's slot is rewritten from all of its tensors)."""
         return True
 
+    def read_in_place(self) -> None:
+        """Called once by a sender that reads the tensors where they lie, update after update
+        (zero-copy CUDA IPC): a source that makes its tensors as it yields them (`Fp8Source`)
+        may then make them in buffers it reuses, so their storages stay the same. Optional."""
+        return None
+
     def held(self) -> list[torch.Tensor] | None:
         """Every tensor, in the order of `metadata()` and matching it by construction, as the
         source holds it (to be read in place, never written), or None when the source cannot

@@ -33,9 +33,9 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = "ipc"
     device: str | None = None
     """Where staging buffers live ("cpu" -> shared memory, "cuda:N" -> CUDA IPC); default: the
-    device of the source's tensors, except that a lone sender's pinned host tensors stage on
-    the process's current GPU (faster than shared memory). CUDA staging buckets default to
-    `CUDA_BUCKET_BYTES`."""
+    device of the source's tensors, except that a lone sender's pinned host tensors bound for
+    one receiving worker stage on the process's current GPU (faster than shared memory). CUDA
+    staging buckets default to `CUDA_BUCKET_BYTES`."""
     zero_copy: bool = True
     """CUDA sources: share the source tensors' own storage (exported once, again only when a
     storage changes) and let each receiver copy every tensor straight into its parameter: one

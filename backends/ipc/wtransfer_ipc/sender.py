@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,7 +15,7 @@ from wtransfer.errors import ConfigError
 from wtransfer.manifest import Manifest
 from wtransfer.packing import Bucket
 from wtransfer.protocol import FleetClient, WeightSyncClient
-from wtransfer.records import receiver_init_dict
+from wtransfer.records import new_sender_id, receiver_init_dict
 from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
 from wtransfer.trainer.layouts import LocalShards, held_parts
 from wtransfer.trainer.source import WeightSource
@@ -32,6 +34,7 @@ from wtransfer_ipc.shm import SharedBuffer
 from wtransfer_ipc.zero_copy import ZeroCopyExports, shareable
 
 _MIB = 1 << 20
+log = logging.getLogger("wtransfer.ipc")
 
 
 class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
@@ -51,6 +54,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         self._pinned_host: bool | None = None
         """Whether the source is a lone sender's pinned host tensors (see `_staging_device`;
         found once, when the base constructor first asks)."""
+        self._asked = (init_info.bucket_bytes, init_info.num_buffers)
         super().__init__(init_info, client=client, source=source, process_group=process_group)
         self.device = self._staging_device(self.init_info.device)
         if self.device.type not in ("cpu", "cuda"):
@@ -101,22 +105,52 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                 and not self.collective)
 
     def _staging_device(self, override: str | None) -> torch.device:
-        """The init info's `device` when given; a lone sender of pinned host tensors, in a
-        process that uses CUDA, stages on its current GPU (one host-to-device copy per byte
-        at the link's speed, where shared memory adds a CPU copy: 2.3x faster at 8B,
-        docs/benchmarks.md); else the source's device."""
+        """The init info's `device` when given; a lone sender of pinned host tensors to one
+        receiving worker, in a process that uses CUDA, stages on its current GPU (one
+        host-to-device copy per byte at the link's speed, where shared memory adds a CPU
+        copy: 4.8x faster at 8B on an H100, docs/benchmarks.md); else the source's device.
+        (Several workers keep shared memory, each reading only what it keeps: 1->N.)"""
         if not override and self._pinned_host_source():
             return torch.device("cuda", torch.cuda.current_device())
         return super()._staging_device(override)
 
+    def connect(self) -> None:
+        """Connect (see the base); where CUDA staging was chosen for pinned host tensors by
+        default and the receivers could not take it (an engine that does not see this GPU,
+        or has no CUDA), connect again through shared memory, with a warning."""
+        try:
+            super().connect()
+        except Exception as exc:
+            if not self._pinned_host or self.init_info.device or self.connected:
+                raise
+            log.warning("ipc: the receivers could not map CUDA staging on %s (%s); staging "
+                        "through shared memory instead (device='cpu' asks for it)",
+                        self.device, exc)
+            self._close()
+            self._pinned_host = False
+            self.device = torch.device("cpu")
+            bucket_bytes, num_buffers = self._asked
+            self.init_info = replace(self.init_info,
+                                     bucket_bytes=bucket_bytes or self._default_bucket_bytes())
+            self.init_info = replace(self.init_info,
+                                     num_buffers=num_buffers or self._default_num_buffers())
+            self._layout_cache = None
+            self.sender_id = new_sender_id()
+            try:
+                super().connect()
+            except Exception as again:
+                raise again from exc
+
     def _pinned_host_source(self) -> bool:
         if self._pinned_host is None:
-            lone = not (self.collective or self.init_info.m2n
-                        or isinstance(self.client, FleetClient))
-            held = self.source.held() if lone else None
-            # pinned memory implies CUDA is initialized here; never start CUDA to find out
-            self._pinned_host = bool(held) and torch.cuda.is_initialized() and all(
-                t.device.type == "cpu" and t.is_pinned() for t in held or ())
+            client = self.client
+            # pinned memory implies CUDA is initialized here: never start CUDA to find out
+            held = (self.source.held() if client is not None and torch.cuda.is_initialized()
+                    and not (self.collective or self.init_info.m2n
+                             or isinstance(client, FleetClient)) else None)
+            self._pinned_host = bool(held) and all(
+                t.device.type == "cpu" and t.is_pinned() for t in held or ()
+            ) and client is not None and client.num_workers() == 1
         return self._pinned_host
 
     def _source_bytes(self) -> int:
@@ -144,6 +178,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         if self.device.type == "cuda":
             if self._zero_copy_on():
                 self._zero_copy = ZeroCopyExports(token)
+                self.source.read_in_place()
             self._staging = [torch.empty(self.bucket_bytes, dtype=torch.uint8,
                                          device=self.device) for _ in range(self.num_buffers)]
             buffers: list[Any] = [export_buffer(b, token, i) for i, b in enumerate(self._staging)]

@@ -70,23 +70,25 @@ def state_of(checkpoint):
 
 def test_fsdp_ranks_send_each_vllm_tp_worker_only_what_its_loaders_read(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
-    first_model = save_qwen3(first, seed=1)
-    save_qwen3(second, seed=2)
+    save_qwen3(first, seed=1)
+    second_model = save_qwen3(second, seed=2)
     server = VLLMServer(second, "ipc", tmp_path / "ipc.log", extra_args=TP2,
                         env={**os.environ, **TP2_ENV})
     try:
         fresh_second = server.greedy()
         push(server, "ipc", first, m2n=False)  # whole tensors first: vLLM's reload leaves
-        assert server.greedy() != fresh_second  # its wrappers, which recording sets aside
-        stats = send("ipc", server.client, first_model, "one-sender")  # by default: 1->N
+        gathered_first = server.greedy()  # its wrappers, which recording sets aside
+        assert gathered_first != fresh_second
+        stats = send("ipc", server.client, second_model, "one-sender")  # by default: 1->N
         states = server.client.worker_states()
         kept = [s["kept_bytes"] for s in states]
         assert [s["last_update_bytes"] for s in states] == kept
         assert all(0.4 * stats.bytes < k < 0.6 * stats.bytes for k in kept), (kept, stats)
-        outs = push(server, "ipc", second)
-        assert sum(o["sent_bytes"] for o in outs) == outs[0]["bytes"]  # each byte staged once
-        check_each_worker_got_what_it_keeps(server, "ipc", outs, second)
         assert server.greedy() == fresh_second  # as vLLM TP=2 fresh on these safetensors
+        outs = push(server, "ipc", first)
+        assert sum(o["sent_bytes"] for o in outs) == outs[0]["bytes"]  # each byte staged once
+        check_each_worker_got_what_it_keeps(server, "ipc", outs, first)
+        assert server.greedy() == gathered_first
     finally:
         server.close()
 
