@@ -144,58 +144,62 @@ class TestIpc(M2NCases):
     extended_ranks = (4,)  # its pair buckets are planned as nccl's, which runs 4 ranks
 
 
-@pytest.mark.parametrize(("backend", "model", "fp8"), [  # each backend both ways (sent in
-    ("nccl", "tiny-moe-fp8", False), ("ipc", "tiny-moe-fp8", True),  # the checkpoint's dtype
-    pytest.param("nccl", "tiny-fp8", True, marks=pytest.mark.extended),  # / as FP8); the
-    pytest.param("ipc", "tiny-fp8", False, marks=pytest.mark.extended)])  # dense model's
-# attention and MLP projections are in the MoE model too
-def test_fsdp_ranks_feed_an_fp8_engine_each_worker_only_its_blocks(serve, backend, model, fp8):
-    """M->N into two FP8 workers: each receives only its rows (columns) of every projection
-    (of every expert, its gate and up rows and down columns) straight from the ranks'
-    shards, in the trainer's dtype, and quantizes them itself (whole 128x128 blocks), or
-    (`fp8`) already quantized by the ranks, each its own shard (blocks cut between two
-    shards included), so about half the bytes move; the weights assembled from both equal
-    a fresh FP8 engine's."""
-    engine = serve("--model", model, "--quantization", "fp8", "--tensor-parallel-size", "2",
-                   backend=backend)
-    with TrainerRanks(2, backend=backend, addresses=[engine.url], senders=2,
-                      model=f"llm:{model}", seed=5, init_fields=fields(backend),
-                      fingerprint=True, fp8=fp8) as trainers:
-        outs = [trainers.wait_for(r, "sent", 180) for r in range(2)]
-        assert trainers.wait(60) == [0, 0]
-    workers = engine.http.get("/weight_info").json()["workers"]
-    assert all(o["gathered_peak_bytes"] == 0 for o in outs)
-    received = [w["last_update_bytes"] for w in workers]
-    if backend == "nccl":  # each worker's pair buckets
-        assert sum(o["sent_bytes"] for o in outs) == sum(received)
-    else:  # staged once; each worker copied its part
-        assert sum(o["sent_bytes"] for o in outs) == outs[0]["bytes"]
-    assert all(r < outs[0]["bytes"] for r in received)
-    fresh = serve("--model", model, "--quantization", "fp8", "--seed", "5")
-    assert (wtransfer.HTTPClient(engine.url).fingerprint()
-            == wtransfer.HTTPClient(fresh.url).fingerprint())
-    bf16_bytes = sum(t.numel() * t.element_size() for t in
-                     wtransfer.inference.load_model(model, seed=5).state_dict().values())
-    assert (outs[0]["bytes"] < 0.7 * bf16_bytes) is fp8
-    split = serve("--model", model, "--quantization", "fp8", "--seed", "5",
-                  "--tensor-parallel-size", "2")
-    assert [engine.greedy(p) for p in PROMPTS] == [split.greedy(p) for p in PROMPTS]
+class TestFp8Engines:
+    """M->N into FP8 engines (a scope of their own: they run beside the other M->N
+    tests)."""
 
+    @pytest.mark.parametrize(("backend", "model", "fp8"), [  # each backend both ways (sent in
+        ("nccl", "tiny-moe-fp8", False), ("ipc", "tiny-moe-fp8", True),  # the checkpoint's dtype
+        pytest.param("nccl", "tiny-fp8", True, marks=pytest.mark.extended),  # / as FP8); the
+        pytest.param("ipc", "tiny-fp8", False, marks=pytest.mark.extended)])  # dense model's
+    # attention and MLP projections are in the MoE model too
+    def test_fsdp_ranks_feed_an_fp8_engine_each_worker_only_its_blocks(self, serve, backend,
+                                                                      model, fp8):
+        """M->N into two FP8 workers: each receives only its rows (columns) of every projection
+        (of every expert, its gate and up rows and down columns) straight from the ranks'
+        shards, in the trainer's dtype, and quantizes them itself (whole 128x128 blocks), or
+        (`fp8`) already quantized by the ranks, each its own shard (blocks cut between two
+        shards included), so about half the bytes move; the weights assembled from both equal
+        a fresh FP8 engine's."""
+        engine = serve("--model", model, "--quantization", "fp8", "--tensor-parallel-size", "2",
+                       backend=backend)
+        with TrainerRanks(2, backend=backend, addresses=[engine.url], senders=2,
+                          model=f"llm:{model}", seed=5, init_fields=fields(backend),
+                          fingerprint=True, fp8=fp8) as trainers:
+            outs = [trainers.wait_for(r, "sent", 180) for r in range(2)]
+            assert trainers.wait(60) == [0, 0]
+        workers = engine.http.get("/weight_info").json()["workers"]
+        assert all(o["gathered_peak_bytes"] == 0 for o in outs)
+        received = [w["last_update_bytes"] for w in workers]
+        if backend == "nccl":  # each worker's pair buckets
+            assert sum(o["sent_bytes"] for o in outs) == sum(received)
+        else:  # staged once; each worker copied its part
+            assert sum(o["sent_bytes"] for o in outs) == outs[0]["bytes"]
+        assert all(r < outs[0]["bytes"] for r in received)
+        fresh = serve("--model", model, "--quantization", "fp8", "--seed", "5")
+        assert (wtransfer.HTTPClient(engine.url).fingerprint()
+                == wtransfer.HTTPClient(fresh.url).fingerprint())
+        bf16_bytes = sum(t.numel() * t.element_size() for t in
+                         wtransfer.inference.load_model(model, seed=5).state_dict().values())
+        assert (outs[0]["bytes"] < 0.7 * bf16_bytes) is fp8
+        split = serve("--model", model, "--quantization", "fp8", "--seed", "5",
+                      "--tensor-parallel-size", "2")
+        assert [engine.greedy(p) for p in PROMPTS] == [split.greedy(p) for p in PROMPTS]
 
-def test_fsdp_ranks_quantize_their_shards_for_one_sender_that_gathers(serve):
-    """`Fp8Source` over FSDP2 shards with one sending rank: each rank quantizes its own
-    shard with the scales the ranks agreed on, the sender gathers FP8 rows bucket by bucket
-    and broadcasts them; the engine holds a fresh FP8 engine's bytes."""
-    engine = serve("--model", "tiny-fp8", "--quantization", "fp8")
-    with TrainerRanks(2, backend="nccl", addresses=[engine.url], senders=1,
-                      model="llm:tiny-fp8", seed=5, init_fields=fields(world_size=2),
-                      fingerprint=True, fp8=True) as trainers:
-        out = trainers.wait_for(0, "sent", 180)
-        assert trainers.wait(60) == [0, 0]
-    assert 0 < out["gathered_peak_bytes"] <= 2 * BUCKET
-    fresh = serve("--model", "tiny-fp8", "--quantization", "fp8", "--seed", "5")
-    assert (wtransfer.HTTPClient(engine.url).fingerprint()
-            == wtransfer.HTTPClient(fresh.url).fingerprint())
+    def test_fsdp_ranks_quantize_their_shards_for_one_sender_that_gathers(self, serve):
+        """`Fp8Source` over FSDP2 shards with one sending rank: each rank quantizes its own
+        shard with the scales the ranks agreed on, the sender gathers FP8 rows bucket by bucket
+        and broadcasts them; the engine holds a fresh FP8 engine's bytes."""
+        engine = serve("--model", "tiny-fp8", "--quantization", "fp8")
+        with TrainerRanks(2, backend="nccl", addresses=[engine.url], senders=1,
+                          model="llm:tiny-fp8", seed=5, init_fields=fields(world_size=2),
+                          fingerprint=True, fp8=True) as trainers:
+            out = trainers.wait_for(0, "sent", 180)
+            assert trainers.wait(60) == [0, 0]
+        assert 0 < out["gathered_peak_bytes"] <= 2 * BUCKET
+        fresh = serve("--model", "tiny-fp8", "--quantization", "fp8", "--seed", "5")
+        assert (wtransfer.HTTPClient(engine.url).fingerprint()
+                == wtransfer.HTTPClient(fresh.url).fingerprint())
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

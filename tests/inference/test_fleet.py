@@ -92,32 +92,37 @@ def test_all_or_nothing_an_instance_killed_mid_update_leaves_the_other_as_it_was
         doomed.stop()
 
 
-@pytest.mark.parametrize("backend", [*BACKENDS_NCCL_EXTENDED, "ucx"])
-def test_drop_mode_lands_the_update_on_the_survivors_and_names_the_dropped(backend):
-    """`on_failure="drop"`: the dead instance leaves the fleet, the update lands on the other
-    (nccl, ucx: the sender connects again to the survivor, planned afresh: ucx's 1->N plan of
-    two instances becomes one worker's, and the update is sent again), and
-    `TransferStats.dropped` names it; the next update goes to the survivor."""
-    survivor, doomed = serve(backend), serve(backend)
-    try:
-        clients = [wtransfer.HTTPClient(s.url) for s in (survivor, doomed)]
-        fleet = wtransfer.FanoutClient(clients, on_failure="drop")
-        trainer = load_model("tiny", seed=8)
-        with wtransfer.trainer_init(info(backend), client=fleet,
-                                    source=KillingSource(trainer, doomed)) as sender:
-            stats = sender.send_weights(weight_version="v1")
-            assert stats.dropped == [repr(clients[1])]
-            assert fleet.clients == clients[:1]
+class TestDropMode:
+    """A fleet that drops a dead instance (a scope of its own: it runs beside the other fleet
+    tests)."""
+
+    @pytest.mark.parametrize("backend", [*BACKENDS_NCCL_EXTENDED, "ucx"])
+    def test_drop_mode_lands_the_update_on_the_survivors_and_names_the_dropped(self,
+                                                                               backend):
+        """`on_failure="drop"`: the dead instance leaves the fleet, the update lands on the other
+        (nccl, ucx: the sender connects again to the survivor, planned afresh: ucx's 1->N plan of
+        two instances becomes one worker's, and the update is sent again), and
+        `TransferStats.dropped` names it; the next update goes to the survivor."""
+        survivor, doomed = serve(backend), serve(backend)
+        try:
+            clients = [wtransfer.HTTPClient(s.url) for s in (survivor, doomed)]
+            fleet = wtransfer.FanoutClient(clients, on_failure="drop")
+            trainer = load_model("tiny", seed=8)
+            with wtransfer.trainer_init(info(backend), client=fleet,
+                                        source=KillingSource(trainer, doomed)) as sender:
+                stats = sender.send_weights(weight_version="v1")
+                assert stats.dropped == [repr(clients[1])]
+                assert fleet.clients == clients[:1]
+                assert clients[0].fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+                assert greedy(survivor)["weight_versions"][0]["version"] == "v1"
+                trainer = load_model("tiny", seed=9)
+                sender.source = wtransfer.ModuleSource(trainer)
+                stats = sender.send_weights(weight_version="v2")
+                assert stats.dropped == []
             assert clients[0].fingerprint() == wtransfer.fingerprint(trainer.state_dict())
-            assert greedy(survivor)["weight_versions"][0]["version"] == "v1"
-            trainer = load_model("tiny", seed=9)
-            sender.source = wtransfer.ModuleSource(trainer)
-            stats = sender.send_weights(weight_version="v2")
-            assert stats.dropped == []
-        assert clients[0].fingerprint() == wtransfer.fingerprint(trainer.state_dict())
-    finally:
-        survivor.stop()
-        doomed.stop()
+        finally:
+            survivor.stop()
+            doomed.stop()
 
 
 @pytest.mark.parametrize("backend", BACKENDS_NCCL_EXTENDED)
