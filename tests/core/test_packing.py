@@ -216,3 +216,35 @@ def test_arbitrary_slices_only_raise_metadata_errors(slices, nbytes):
     staging = torch.zeros(4096, dtype=torch.uint8)
     with contextlib.suppress(MetadataError):
         session.consume(staging, nbytes, [Slice.from_wire(s) for s in slices])
+
+
+def test_tensors_made_as_they_are_yielded_pack_bit_exact():
+    """Host tensors are packed by address: each stays alive until its bytes are copied, even
+    when the source makes it as it yields it and keeps no reference (as `Fp8Source` does);
+    a non-contiguous one is copied through a contiguous view."""
+    wants = [random_tensor("float32", (64, 33), seed) for seed in range(6)]
+    wants[2] = wants[2].t()  # not contiguous
+    metas = [TensorMeta.of(f"t{i}", w) for i, w in enumerate(wants)]
+    plan = BucketPlan.build(metas, bucket_bytes=4096)
+
+    junk = []
+
+    def made_on_the_fly():
+        for i, want in enumerate(wants):
+            junk.extend(torch.full_like(w, -1.0) for w in wants)  # reuses what was freed
+            yield f"t{i}", want.clone()  # the packer holds the only reference
+
+    packer = BucketPacker(plan, made_on_the_fly())
+    staging = torch.empty(4096, dtype=torch.uint8)
+    got = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8)
+    starts = [0]
+    for m in metas:
+        starts.append(starts[-1] + m.nbytes)
+    for bucket in plan.buckets:
+        torch.randint(0, 255, (4096,), dtype=torch.uint8, out=staging)  # stale bytes
+        packer.pack(bucket, staging)
+        for s in bucket.slices:
+            at = starts[s.tensor] + s.tensor_offset
+            got[at: at + s.nbytes] = staging[s.offset: s.offset + s.nbytes]
+    packer.finish()
+    assert torch.equal(got, torch.cat([byte_view(w.contiguous()) for w in wants]))
