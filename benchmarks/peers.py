@@ -520,7 +520,8 @@ def bench(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any
                 facts["skipped"][key] = str(exc)
                 continue
             facts.setdefault("staging", {})[key] = (  # what each sender chose
-                f"{sender.device}, {sender.bucket_bytes >> 20} MiB x {sender.num_buffers}")
+                f"{getattr(sender, 'device', '?')}, {sender.bucket_bytes >> 20} MiB x "
+                f"{sender.num_buffers}")
             rows.append(Row(family, key, label, sender.send_weights,
                             "floor-h2d" if where == "host" else "floor-d2d", bucket_mb=mb))
         rows.sort(key=lambda row: FAMILIES.index(row.family))  # stable: buckets stay in order
