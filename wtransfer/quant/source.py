@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from wtransfer.packing import TensorMeta, is_dtensor
 from wtransfer.quant.fp8 import (
+    FP8,
     SCALE_SUFFIX,
     block_amax,
     is_quantized,
@@ -86,7 +87,7 @@ class Fp8Source(WeightSource):
             return None
         kept = self._buffers.get(name)
         if kept is None or kept[0].shape != weight.shape or kept[0].device != weight.device:
-            kept = (torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device),
+            kept = (torch.empty(weight.shape, dtype=FP8, device=weight.device),
                     torch.empty(scale_shape(tuple(weight.shape)), dtype=torch.float32,
                                 device=weight.device))
             self._buffers[name] = kept

@@ -183,8 +183,7 @@ class UpdateSession:
 
     def _watch(self, name: str, values: torch.Tensor) -> None:
         """Hand what arrived of `name` (in its dtype) to the finite check, if on."""
-        if self.finite is not None:
-            self.finite.watch(name, values)
+        self._watch_all([(name, values)])
 
     def _watch_all(self, arrived: Sequence[tuple[str, torch.Tensor]]) -> None:
         """`_watch` each (name, values): on CUDA a few launches for all of them (one host call
