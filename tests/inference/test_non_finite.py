@@ -161,3 +161,32 @@ def test_kv_left_behind_by_a_non_finite_version_never_reaches_later_requests():
         finally:
             engine.shutdown()
     run(main())
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_with_tensor_parallel_a_nan_in_one_workers_part_goes_live_on_no_worker(rank):
+    """TP=2 in place: the NaN lies in what one worker keeps of a split tensor; every worker's
+    part is checked before any goes live, so the other worker keeps its old part too."""
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny", tensor_parallel_size=2,
+                                          update_staging="off", update_rollback=True))
+        client = LocalEngineClient(engine)
+        try:
+            before = await engine.fingerprint()
+            model = load_model("tiny", seed=3)
+            down = model.state_dict()["model.layers.1.mlp.down_proj.weight"]  # split by column
+            down[0, 0 if rank == 0 else -1] = float("nan")
+            with pytest.raises(NonFiniteError, match=r"down_proj\.weight' holds NaN"), \
+                    wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=1 << 16),
+                                           client=client,
+                                           source=wtransfer.ModuleSource(model)) as sender:
+                await asyncio.to_thread(sender.send_weights, weight_version="bad")
+            assert await engine.fingerprint() == before
+            info = await engine.weight_info()
+            assert info["weight_version"] == "default" and info["torn"] is False
+            assert [(w["update_state"], w["torn"]) for w in info["workers"]] == \
+                [("failed", False)] * 2
+        finally:
+            engine.shutdown()
+
+    run(main())

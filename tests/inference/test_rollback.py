@@ -63,6 +63,8 @@ def test_a_trainer_killed_mid_transfer_rolls_the_engine_back(tp):
     try:
         info = kill_mid_update(engine, past_bytes=1 if tp == 1 else 200_000)
         assert info["torn"] is False and "rolled back" in info["failure"]
+        # every worker failed it and rolled its part back by the time rank 0 says so
+        assert [(w["update_state"], w["torn"]) for w in info["workers"]] == [("failed", False)] * tp
         version = info["weight_version"]
         assert engine.call("fingerprint") == trainer_weights(version)
         assert version == engine.call("get_weight_version")

@@ -86,6 +86,7 @@ class EngineCore:
         return self.call(self._run_command, command, args)
 
     def _run_command(self, command: str, args: Sequence[Any]) -> Any:
+        self.replica.settle_failure()  # a rank's watchdog may have failed an update just now
         return run_command(self.replica, command, args)
 
     def _thread_main(self) -> None:
@@ -104,6 +105,7 @@ class EngineCore:
                     return
                 commands = list(self._commands)
                 self._commands.clear()
+            self.replica.settle_failure()
             for fn, args, future in commands:
                 if future.set_running_or_notify_cancel():
                     try:

@@ -105,6 +105,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         self.init_info: InitT | None = None
         self.failure: str | None = None
         """Why the last update failed, while the state is FAILED."""
+        self.failures = 0
+        """How many updates failed here so far (an engine's ranks notice a new failure by it)."""
         self.torn = False
         """True when the last update failed after changing some weights (and none since)."""
         self.weight_version: str | None = None
@@ -183,6 +185,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 log.exception("%s: rollback failed", self.backend_name)
                 reason += f"; rollback failed ({type(exc).__name__}: {exc})"
         self.failure = reason
+        self.failures += 1
         self.torn = touched and bool(session and session.touched)  # unless rolled back
         self._state = ReceiverState.FAILED
 

@@ -289,7 +289,6 @@ class UpdateSession:
             meta = self._checked_piece(piece, nbytes)
             src = data[piece.offset: piece.offset + piece.nbytes].view(
                 DTYPES[meta.dtype]).view(piece.box.lengths)
-            arrived.append((meta.name, src))
             for box in self._kept_parts(meta.name, piece.box) if crop else [piece.box]:
                 regions = self._regions_of(meta.name, box, inside_kept=not crop)
                 self._save(meta.name)
@@ -301,6 +300,7 @@ class UpdateSession:
                     dest = regions.full[box.slices()]
                 dests.append(dest)
                 sources.append(src[_within(box, piece.box)] if crop else src)
+                arrived.append((meta.name, sources[-1]))  # what this worker keeps is checked
                 regions.boxes.append(box)
                 regions.received += box.numel
                 received += box.numel * meta.itemsize

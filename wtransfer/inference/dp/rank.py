@@ -156,6 +156,7 @@ class DPRank:
 
     def _run(self, command: str, args: Sequence[Any]) -> Any:
         """Run one engine command: this rank's own (`_RANK_COMMANDS`), else its replica's."""
+        self.replica.settle_failure()  # a rank's watchdog may have failed an update just now
         return run_command(self if command in _RANK_COMMANDS else self.replica, command, args)
 
     def _at_step_boundary(self, fn: Callable[[], Any]) -> Future[Any]:
@@ -292,6 +293,7 @@ class DPRank:
         """Serve until the front end says shutdown (or goes away)."""
         self._send({"kind": "ready"})
         while not self._stopping:
+            self.replica.settle_failure()
             self._serve_lane()
             if self.in_wave:
                 self._drain_commands(0)

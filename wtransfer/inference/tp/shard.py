@@ -102,6 +102,12 @@ class ShardWeights:
         if self.receiver is not None:
             self.receiver.discard_weight_update(reason)
 
+    def fail_update(self, reason: str) -> None:
+        """Fail the open update because another rank of this engine failed it (rolled back
+        where enabled); nothing when none is open."""
+        if self.receiver is not None:
+            self.receiver.fail_update(reason)
+
     def commit(self, previous_version: str) -> None:
         """Make a staged update live (between two steps)."""
         if self.staging is not None:

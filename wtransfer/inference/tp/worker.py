@@ -47,7 +47,8 @@ from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.tp")
 COMMANDS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
-            "stage_weight_update", "discard_weight_update", "finish_weight_update", "info")
+            "stage_weight_update", "discard_weight_update", "fail_update", "finish_weight_update",
+            "info")
 """What rank 0 may ask a worker on the command socket."""
 
 

@@ -93,6 +93,8 @@ class Replica:
         rollback = mode == "off" and self._rollback_enabled(full)
         self.workers: TPWorkers | None = None
         """Ranks 1..N-1 of this replica's tensor-parallel group (None: not split)."""
+        self._failures_seen = 0
+        """Rank 0's failure count when `settle_failure` last looked."""
         par = ALONE
         if tp > 1:
             self.workers = TPWorkers(config, first_worker=worker_index, staging=mode,
@@ -404,6 +406,43 @@ class Replica:
         if pending is not None and self.workers is not None:
             self.workers.wait(pending, command)
 
+    def _in_step(self, command: str, *args: Any) -> None:
+        """`_everywhere` for a command of an open update: when it fails on one rank, the
+        update fails on every rank (rolled back where enabled), so no rank keeps half of an
+        update the others dropped; the first failure is the one raised."""
+        try:
+            self._everywhere(command, *args)
+        except BaseException:
+            if self.workers is not None:
+                with contextlib.suppress(Exception):  # the original failure is the one to say
+                    self._fail_everywhere_if_one_failed()
+            raise
+
+    def settle_failure(self) -> None:
+        """Called by the engine's loop before it runs commands or steps: an update that rank 0
+        failed on its own (its watchdog saw the sender die or go silent) fails on every worker
+        too, so nothing reads or computes with one rank rolled back and another torn."""
+        receiver = self.receiver
+        if self.workers is None or receiver is None or receiver.failures == self._failures_seen:
+            return
+        self._failures_seen = receiver.failures
+        self._fail_everywhere_if_one_failed()
+
+    def _fail_everywhere_if_one_failed(self) -> None:
+        """If one rank failed the open update and another still has it open, fail it there."""
+        assert self.workers is not None
+        ranks = self.workers_info()
+        failed = [rank for rank in ranks if rank["update_state"] == ReceiverState.FAILED.value]
+        if not failed or all(rank["update_state"] != ReceiverState.UPDATING.value
+                             for rank in ranks):
+            return
+        reason = f"worker {failed[0]['worker']} failed it: {failed[0]['failure']}"
+        pending = self.workers.call_all("fail_update", (reason,))
+        self.weights.fail_update(reason)
+        self.workers.wait(pending, "fail_update")
+        if self.receiver is not None:
+            self._failures_seen = self.receiver.failures
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Create (once) every rank's receiver of the configured backend and initialize it."""
         self._everywhere("init_weight_transfer_engine", init_info)
@@ -453,12 +492,12 @@ class Replica:
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive one part of the update on every rank; a failure closes the update."""
-        self._everywhere("update_weights", update_info)
+        self._in_step("update_weights", update_info)
 
     def stage_weight_update(self) -> None:
         """Check the open update on every rank (complete, sound, post-processed) without
         making it live; the finish that follows commits it."""
-        self._everywhere("stage_weight_update")
+        self._in_step("stage_weight_update")
 
     def discard_weight_update(self, reason: str) -> None:
         """Fail the open update on every rank (a fleet's other instance failed it): staged,
@@ -475,7 +514,9 @@ class Replica:
             return
         if weight_version is not None:
             check_version(weight_version)  # before the update closes, not after
-        self._everywhere("finish_weight_update", weight_version)
+        if self.workers is not None:  # every rank's part checked before any goes live
+            self._in_step("stage_weight_update")
+        self._in_step("finish_weight_update", weight_version)
         self._label(weight_version)
         self.stall.close()
 
@@ -484,7 +525,7 @@ class Replica:
         arrived in every rank's shadow; nothing live changed yet."""
         if weight_version is not None:
             check_version(weight_version)
-        self._everywhere("finish_weight_update", weight_version)
+        self._in_step("finish_weight_update", weight_version)
 
     def commit_staged(self, weight_version: str | None) -> None:
         """The engine thread's half, between two steps: every rank's shadow goes live (swap
