@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 from wtransfer.errors import ConfigError, MetadataError
-from wtransfer.transport.copies import copy_bytes
+from wtransfer.transport.copies import copy_bytes, copy_host
 
 DEFAULT_ALIGN = 256
 """Byte alignment of every tensor inside a bucket (covers every dtype and vector loads)."""
@@ -365,12 +365,27 @@ class BucketPacker:
                 or staging.numel() < bucket.nbytes:
             raise ConfigError(f"staging must be a flat contiguous uint8 tensor of at least "
                               f"{bucket.nbytes} bytes")
-        dsts, srcs = [], []
+        host = staging.is_cpu
+        base = staging.data_ptr()
+        pairs: list[tuple[int, int, int]] = []  # host into host: by address, no views (they
+        held: list[torch.Tensor] = []  # cost more than copying a small tensor); the tensors
+        dsts, srcs = [], []  # held until copied (a source may make each as it yields it)
         for s in bucket.slices:
-            src = self._tensor_bytes(s.tensor)
-            if s.nbytes:
+            self._advance(s.tensor)
+            tensor = self._tensor
+            assert tensor is not None
+            if not s.nbytes:
+                continue
+            if s.tensor_offset + s.nbytes > tensor.nbytes or s.offset + s.nbytes > bucket.nbytes:
+                raise MetadataError(f"slice of tensor #{s.tensor} lies outside it or its bucket")
+            if host and tensor.is_cpu and tensor.is_contiguous():
+                pairs.append((base + s.offset, tensor.data_ptr() + s.tensor_offset, s.nbytes))
+                held.append(tensor)
+            else:
+                src = self._tensor_bytes(s.tensor)
                 dsts.append(staging[s.offset : s.offset + s.nbytes])
                 srcs.append(src[s.tensor_offset : s.tensor_offset + s.nbytes])
+        copy_host(pairs)
         copy_bytes(dsts, srcs)
 
     def pack_framed(self, bucket: Bucket, staging: torch.Tensor, checksum: bool) -> torch.Tensor:

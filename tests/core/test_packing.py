@@ -219,9 +219,9 @@ def test_arbitrary_slices_only_raise_metadata_errors(slices, nbytes):
 
 
 def test_tensors_made_as_they_are_yielded_pack_bit_exact():
-    """Each tensor stays alive until its bytes are copied, even when the source makes it as
-    it yields it and keeps no reference (as `Fp8Source` does); a non-contiguous one is copied
-    through a contiguous view."""
+    """Host tensors are packed by address: each stays alive until its bytes are copied, even
+    when the source makes it as it yields it and keeps no reference (as `Fp8Source` does);
+    a non-contiguous one is copied through a contiguous view."""
     wants = [random_tensor("float32", (64, 33), seed) for seed in range(6)]
     wants[2] = wants[2].t()  # not contiguous
     metas = [TensorMeta.of(f"t{i}", w) for i, w in enumerate(wants)]

@@ -58,9 +58,10 @@ each of three runs."""
 _SIDE_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
 
 
-def _host_copy(pairs: list[tuple[int, int, int]]) -> None:
-    """memmove each (dst, src, nbytes), over `HOST_COPY_THREADS` threads in chunks when the
-    total is large (ctypes drops the GIL for each call)."""
+def copy_host(pairs: Sequence[tuple[int, int, int]]) -> None:
+    """memmove each (destination address, source address, nbytes) of host memory, over
+    `HOST_COPY_THREADS` threads in chunks when the total is large (ctypes drops the GIL for
+    each call). The caller vouches for the addresses."""
     global _host_pool
     total = sum(n for _, _, n in pairs)
     if HOST_COPY_THREADS == 1 or total < 2 * _HOST_CHUNK:
@@ -133,7 +134,7 @@ class CopyQueue:
                 self._issue()
                 self._group = min(2 * self._group, GROUP_MAX)
         elif dst.is_cpu and src.is_cpu:
-            _host_copy([(dst.data_ptr(), src.data_ptr(), dst.numel())])
+            copy_host([(dst.data_ptr(), src.data_ptr(), dst.numel())])
         else:  # between host and device, across devices (or another device than the first)
             dst.copy_(src, non_blocking=True)
 
@@ -206,7 +207,7 @@ def copy_bytes(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> No
         if d.numel() != s.numel():
             raise ValueError(f"copy_bytes: {s.numel()} bytes into {d.numel()}")
     if all(d.is_cpu and s.is_cpu for d, s in zip(dsts, srcs, strict=True)):
-        _host_copy([(d.data_ptr(), s.data_ptr(), d.numel()) for d, s in zip(dsts, srcs,
+        copy_host([(d.data_ptr(), s.data_ptr(), d.numel()) for d, s in zip(dsts, srcs,
                                                                            strict=True)])
         return
     queue = CopyQueue()
