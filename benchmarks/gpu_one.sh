@@ -4,8 +4,9 @@
 #                                         # a time (one GPU)
 #     bash benchmarks/gpu_one.sh paths    # staged commit, delta compare, MoE on CUDA, FP8 matmul
 #                                         # and update, hand-over, ipc
-#     bash benchmarks/gpu_one.sh ipc      # the ipc ratios alone (three runs; BUCKETS=0 for
-#                                         # zero-copy and the default packed path only)
+#     bash benchmarks/gpu_one.sh ipc      # the ipc ratios alone (three runs, RUNS="1" for one;
+#                                         # BUCKETS=0 for zero-copy and the default packed
+#                                         # path only)
 #     bash benchmarks/gpu_one.sh ucx      # ucx's default (reads where UCX chose them) and
 #                                         # tagged buckets against one raw UCX send
 #     bash benchmarks/gpu_one.sh peers    # checkpoint-engine side by side
@@ -55,7 +56,7 @@ paths|ipc)
         timeout 150 python3 benchmarks/handover.py --model qwen3-8b --buckets-mb 64,1024 \
             2>&1 | tee $OUT/handover.txt | tail -30; echo "rc $?"
     fi
-    for run in 1 2 3; do  # bucket 0: the default (packed through CUDA staging: 1 GiB x 4
+    for run in ${RUNS:-1 2 3}; do  # bucket 0: the default (packed through CUDA staging: 1 GiB x 4
         # buffers), then 4 buffers of 1 GiB and of 512 MiB named; the first run builds the
         # 16 GB model cold (one ran past 110 s on 2026-12-02)
         echo "$(ts) ipc zero-copy and packed, run $run"
