@@ -168,7 +168,8 @@ def test_pinned_host_trainer_stages_on_the_gpu_by_default():
     pinned = build_module(metas, 1, "cpu")
     for tensor in [*pinned.parameters(), *pinned.buffers()]:
         tensor.data = tensor.data.pin_memory()
-    assert all(t.is_pinned() for t in pinned.state_dict().values())
+    assert all(t.is_pinned() for t in pinned.state_dict().values() if t.numel())  # (empty
+    # tensors are never pinned: the model's two empty buffers must not cost the fast path)
     pageable = build_module(metas, 3, "cpu")
     with spawn_receiver("ipc", model="mixed", seed=2, device="cuda:0") as child:
         client = RPCClient(child.address, timeout_s=60)
@@ -181,6 +182,27 @@ def test_pinned_host_trainer_stages_on_the_gpu_by_default():
                 sender.send_weights()
                 assert sender.device.type == staging
             assert client.fingerprint() == wtransfer.fingerprint(module.state_dict())
+
+@pytest.mark.gpu
+def test_pinned_host_trainer_falls_back_to_shared_memory_for_an_engine_without_the_gpu(caplog):
+    """The default CUDA staging of pinned host tensors needs an engine that can map this GPU;
+    one that sees none (CUDA_VISIBLE_DEVICES empty) fails that init, and the sender connects
+    again through shared memory, says so, and the update lands bit-exact."""
+    metas = mixed_metas()
+    pinned = build_module(metas, 1, "cpu")
+    for tensor in [*pinned.parameters(), *pinned.buffers()]:
+        tensor.data = tensor.data.pin_memory()
+    with spawn_receiver("ipc", model="mixed", seed=2, device="cpu",
+                        env={"CUDA_VISIBLE_DEVICES": ""}) as child:
+        client = RPCClient(child.address, timeout_s=60)
+        with caplog.at_level("WARNING", logger="wtransfer"), \
+                wtransfer.trainer_init(IPCTrainerInitInfo(timeout_s=60), client=client,
+                                       source=wtransfer.ModuleSource(pinned)) as sender:
+            sender.send_weights()
+            assert sender.device.type == "cpu"
+        assert "staging through shared memory instead" in caplog.text
+        assert client.fingerprint() == wtransfer.fingerprint(pinned.state_dict())
+
 
 @pytest.mark.gpu
 def test_zero_copy_updates_follow_in_place_changes_and_replaced_storages():

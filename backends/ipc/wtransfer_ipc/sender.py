@@ -144,12 +144,13 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
     def _pinned_host_source(self) -> bool:
         if self._pinned_host is None:
             client = self.client
-            # pinned memory implies CUDA is initialized here: never start CUDA to find out
-            held = (self.source.held() if client is not None and torch.cuda.is_initialized()
+            # pinned memory implies CUDA is in use here: never start CUDA to find out
+            held = (self.source.held() if client is not None and _cuda_in_use()
                     and not (self.collective or self.init_info.m2n
                              or isinstance(client, FleetClient)) else None)
             self._pinned_host = bool(held) and all(
-                t.device.type == "cpu" and t.is_pinned() for t in held or ()
+                t.device.type == "cpu" and (t.is_pinned() or not t.numel())  # (empty: never)
+                for t in held or ()
             ) and client is not None and client.num_workers() == 1
         return self._pinned_host
 
@@ -343,3 +344,14 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         self._shm = []
         if had_cuda:
             torch.cuda.ipc_collect()
+
+
+def _cuda_in_use() -> bool:
+    """Whether this process already uses CUDA (a context on some device), found without
+    starting it: a bare `pin_memory()` makes one while torch's Python side still says CUDA
+    is not initialized."""
+    if torch.cuda.is_initialized():
+        return True
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)  # (CUDA builds)
+    return has_context is not None and any(has_context(index)
+                                           for index in range(torch.cuda.device_count()))
