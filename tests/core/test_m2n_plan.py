@@ -217,3 +217,53 @@ def test_box_overlap_and_containment_agree_with_their_intersection():
         assert a.overlaps(b) == (common is not None), (a, b)
         if a.numel:
             assert a.inside(b) == (common == a), (a, b)
+
+
+def test_later_updates_replay_the_first_updates_copies_and_stay_exact():
+    """A worker keeps what its first M->N update worked out (`PiecePrograms`): the next
+    updates with the same plan land bit-exact without finding a single region again; a bucket
+    replayed twice in one update is refused; a target whose storages moved (a swap, a
+    reassigned parameter) is worked out anew and written where it now lives."""
+    from wtransfer.receiver.programs import PiecePrograms
+    from wtransfer.transport.m2n import Piece
+
+    module = torch.nn.Linear(4, 4, bias=False)
+    target = ModuleTarget(module)
+    metas = [TensorMeta.of("weight", module.weight)]
+    kept = {"weight": TensorLayout(name="weight", dtype="float32", shape=(4, 4),
+                                   boxes=(Box(offsets=(1, 0), lengths=(2, 4)),))}
+    pieces = [Piece(0, Box(offsets=(0, 0), lengths=(2, 4)), 0, 32),
+              Piece(0, Box(offsets=(2, 0), lengths=(2, 4)), 0, 32)]  # rows 0-1, rows 2-3
+    stagings = [torch.zeros(64, dtype=torch.uint8) for _ in pieces]
+    found = []
+    region = target.region
+    target.region = lambda name, box: found.append(box) or region(name, box)
+    programs = PiecePrograms()
+
+    def update(step, *, twice=False):
+        values = torch.randn(4, 4, generator=torch.Generator().manual_seed(step))
+        for staging, piece in zip(stagings, pieces, strict=True):
+            rows = piece.box.slices()[0]
+            staging[:32].view(torch.float32).copy_(values[rows].flatten())
+        session = UpdateSession(target, "cpu", programs=programs)
+        session.announce(metas)
+        session.keep_only(kept)
+        found.clear()
+        for staging, piece in zip(stagings, pieces, strict=True):
+            session.consume_pieces(staging, 32, [piece], crop=True)
+            if twice:
+                with pytest.raises(MetadataError, match="arrived twice"):
+                    session.consume_pieces(staging, 32, [piece], crop=True)
+                return None
+        session.finish()
+        assert torch.equal(module.weight.detach()[1:3], values[1:3])
+        assert session.bytes_received == 32
+        return len(found)
+
+    assert update(1) == 2  # worked out: one region per kept part
+    assert update(2) == 0  # replayed
+    assert update(3) == 0
+    update(4, twice=True)
+    module.weight.data = torch.zeros(4, 4)  # the parameter moved: its old views are stale
+    assert update(5) == 2
+    assert update(6) == 0

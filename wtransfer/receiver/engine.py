@@ -44,6 +44,7 @@ from wtransfer.errors import (
 )
 from wtransfer.manifest import Manifest, Manifests
 from wtransfer.receiver.deadline import DeadlineTimer
+from wtransfer.receiver.programs import PiecePrograms
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import ReceiverInitInfo, TensorLayout, UpdateInfo, check_version
@@ -96,6 +97,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         them all when the update fails or is abandoned: the target is then never torn."""
         self._rollback_store: dict[str, torch.Tensor] = {}
         """Host buffers of the rollback copies, kept across updates (one model's worth)."""
+        self._programs = PiecePrograms()
+        """M->N buckets' copies, worked out once and replayed (`wtransfer.receiver.programs`)."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -244,6 +247,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 self._shutdown()
                 self.init_info = None
             self.forget_delta_base()  # a new sender: its first update is full
+            self._programs.clear()  # (views of the staging it replaces)
             self._init(info)
             self.init_info = info
             if self._state is ReceiverState.NEW:
@@ -295,7 +299,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 rollback=(self._rollback_store if self.rollback and not self.target.stages
                           else None),
                 check_finite=not (self.init_info is not None
-                                  and self.init_info.allow_non_finite))
+                                  and self.init_info.allow_non_finite),
+                programs=self._programs)
             if self.manifests.last is not None:
                 self._session.precheck(self.manifests.last.metas)
             self._start()
@@ -455,6 +460,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             self._close()
             self._session = None
             self._rollback_store = {}
+            self._programs.clear()
             self._state = ReceiverState.CLOSED
 
     # -- backend hooks -------------------------------------------------------------------

@@ -41,6 +41,7 @@ from wtransfer.packing import (
     tensor_from_bytes,
 )
 from wtransfer.receiver.finite import FiniteCheck
+from wtransfer.receiver.programs import PieceProgram, PiecePrograms, ProgramContext
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import Box, TensorLayout
 from wtransfer.transport.copies import WHOLE_UPDATE_STREAMS, CopyQueue, copy_bytes
@@ -94,7 +95,7 @@ class UpdateSession:
 
     def __init__(self, target: WeightTarget, device: torch.device | str, *,
                  rollback: dict[str, torch.Tensor] | None = None,
-                 check_finite: bool = True) -> None:
+                 check_finite: bool = True, programs: PiecePrograms | None = None) -> None:
         self._target: WeightTarget = target
         self._origin = target
         """The engine's target (a delta's `_target` wraps it; rollback restores into it)."""
@@ -122,6 +123,17 @@ class UpdateSession:
         self._landed: list[tuple[TensorMeta, torch.Tensor]] = []
         """Tensors a backend writes straight into the target (`complete_direct`), checked at
         `finish`, once every write has landed."""
+        self._programs = programs
+        """M->N buckets' copies kept across updates (`wtransfer.receiver.programs`)."""
+        if programs is not None:
+            programs.update_started()
+        self._listed: Sequence[TensorMeta] | None = None
+        """The list `announce` was given (the same object while the sender's list stays)."""
+        self._context: ProgramContext | None = None
+        self._replayed: set[tuple[int, tuple[Piece, ...], bool]] = set()
+        self._unprogrammed = False
+        """Whether a bucket of this update was consumed without a program (then none is
+        replayed after it)."""
 
     def apply_delta(self, entries: Sequence[DeltaEntry]) -> None:
         """This update is a delta (`wtransfer.delta`): its tensor list is `entries` as they
@@ -253,6 +265,7 @@ class UpdateSession:
         if metas is not self._prechecked:
             self._target.check(metas)
         self._metas = list(metas)
+        self._listed = metas
         named = {m.name: m for m in metas}
         self._pending.update(named)
         self._announced.update(named)
@@ -280,10 +293,24 @@ class UpdateSession:
         bucket is one every worker reads (shared staging) and only the parts of each box
         that this worker keeps are copied; without it, every piece must lie in what it keeps."""
         data = self._checked_bucket(staging, nbytes, checksum)
+        context = self._program_context()
+        key = PiecePrograms.key(staging, nbytes, pieces, crop) if context is not None else None
+        if context is not None and key is not None and not self._unprogrammed:
+            assert self._programs is not None
+            program = self._programs.find(context, key)
+            if program is not None and key[1:] not in self._replayed:
+                self._replayed.add(key[1:])
+                self._replay(program)
+                self._programs.use(context, key, program)
+                return
+        self._unprogrammed = True
         loads: list[tuple[str, torch.Tensor]] = []
         arrived: list[tuple[str, torch.Tensor]] = []
         dests: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
+        boxes: dict[str, list[Box]] = {}
+        elements: dict[str, int] = {}
+        assembles = False
         received = 0
         for piece in pieces:
             meta = self._checked_piece(piece, nbytes)
@@ -294,6 +321,7 @@ class UpdateSession:
                 self._save(meta.name)
                 dest = self._target.region(meta.name, box)
                 if dest is None:
+                    assembles = True
                     if regions.full is None:
                         regions.full = torch.empty(meta.shape, dtype=DTYPES[meta.dtype],
                                                    device=self._device)
@@ -303,6 +331,8 @@ class UpdateSession:
                 arrived.append((meta.name, sources[-1]))  # what this worker keeps is checked
                 regions.boxes.append(box)
                 regions.received += box.numel
+                boxes.setdefault(meta.name, []).append(box)
+                elements[meta.name] = elements.get(meta.name, 0) + box.numel
                 received += box.numel * meta.itemsize
                 if regions.received == regions.expected:
                     del self._pending[meta.name]
@@ -317,6 +347,41 @@ class UpdateSession:
         if loads:
             self._target.load_weights(loads)
         self.bytes_received += received
+        if context is not None and key is not None and not assembles:
+            assert self._programs is not None
+            self._programs.use(context, key, PieceProgram(sources, dests, arrived, boxes,
+                                                          elements, received))
+
+    def _program_context(self) -> ProgramContext | None:
+        """This update's `ProgramContext` (found once), or None where programs are not kept:
+        no store of them, a delta (its target wraps the engine's), a target whose storages
+        move."""
+        if self._context is None and self._programs is not None \
+                and self._target is self._origin:
+            storages = self._origin.regions_key()
+            if storages is not None:
+                self._context = ProgramContext(self._listed, self._kept, storages)
+        return self._context
+
+    def _replay(self, program: PieceProgram) -> None:
+        """Consume a bucket by its program: the bookkeeping of its pieces, then its copies."""
+        for name, count in program.elements.items():
+            regions = self._regions.get(name)
+            if regions is None:
+                raise MetadataError(f"tensor {name!r}: this worker keeps none of it left to "
+                                    "receive, yet a bucket of it arrived")
+            self._save(name)
+            regions.boxes.extend(program.boxes[name])
+            regions.received += count
+            if regions.received == regions.expected:
+                del self._pending[name]
+                del self._regions[name]
+        if self.finite is not None:
+            self.finite.watch_all(program.arrived)
+        if program.dests:
+            self.touched = True
+            torch._foreach_copy_(program.dests, program.sources, non_blocking=True)
+        self.bytes_received += program.nbytes
 
     def _checked_piece(self, piece: Piece, nbytes: int) -> TensorMeta:
         """The announced tensor of `piece`, after checking that the piece fits it and the
@@ -554,6 +619,8 @@ class UpdateSession:
                 f"update refused before it went live: {bad!r} holds NaN or infinite values "
                 "(a diverged trainer step?); the engine keeps its previous weights. A sender "
                 "that means to send them sets allow_non_finite=True in its init info")
+        if self._programs is not None:
+            self._programs.update_finished()
 
 
 def _end(pieces: Sequence[Piece]) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -101,6 +101,12 @@ class WeightTarget(ABC):
         """A writable view of global region `box` of tensor `name` (which must lie in what
         this target `keeps`), or None: an M->N receiver then assembles the whole tensor and
         hands it to `load_weights`."""
+        return None
+
+    def regions_key(self) -> Hashable | None:
+        """What identifies the storages `region` views now (equal keys: equal views), so a
+        receiver may reuse an earlier update's views (`wtransfer.receiver.programs`); None,
+        the default, for a target that cannot tell: its views are found anew every time."""
         return None
 
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -215,6 +221,11 @@ class ModuleTarget(WeightTarget):
     def region(self, name: str, box: Box) -> torch.Tensor:
         """The part `box` of the parameter or buffer `name` maps to (a view)."""
         return self._dest(name)[box.slices()]
+
+    def regions_key(self) -> Hashable:
+        """Where every parameter and buffer lives now (a `region` view stays valid while it
+        does)."""
+        return tuple(tensor.data_ptr() for tensor in self._state.values())
 
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Copy the parameter or buffer `name` maps to into host memory (`out` if it fits)."""

@@ -10,7 +10,7 @@ of a single replica land in its shadow through it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 import torch
 from torch import nn
@@ -88,6 +88,11 @@ class ShardTarget(WeightTarget):
         if lay is None:
             raise MetadataError(f"unknown tensor {name!r}")
         return lay.view(self._dest(name), box)
+
+    def regions_key(self) -> Hashable:
+        """Where this worker's part of every tensor lives now (live, or the shadow a swap
+        exchanges): a `region` view stays valid while it does."""
+        return tuple(self._dest(name).data_ptr() for name in self._live)
 
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """A host copy of this worker's part of `name` as it holds it (into `out`, reused

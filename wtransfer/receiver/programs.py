@@ -1,0 +1,110 @@
+"""The copies of an M->N bucket, worked out once and replayed by later updates.
+
+An M->N plan is fixed while the tensor list and the layouts stay: every update a worker gets
+the same buckets, with the same pieces, in the same staging buffers, bound for the same regions
+of its weights. Checking each piece, cropping it to what the worker keeps and finding its
+destination cost tens of microseconds of Python per piece (`benchmarks/apply_overhead.py`);
+a `PieceProgram` is the outcome (the copies' sources and destinations, the boxes each tensor
+gets, the bytes), and `PiecePrograms` keeps them across updates.
+
+A program is replayed only where replaying it is exactly what the checks would allow: the
+programs kept are the buckets of the last update that finished (one set, checked disjoint and
+complete as a whole), each bucket's pieces are replayed at most once per update, and an update
+that consumed a bucket without a program replays none after it (that bucket was checked
+against what came before it, not against what a replay would add). Everything a program names
+must stay put: the tensor list, what the worker keeps, the target's storages
+(`WeightTarget.regions_key`; None for a target whose storages move, which keeps nothing) and
+the staging buffer; the receiver drops them all when its sender or staging changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from wtransfer.records import Box
+from wtransfer.transport.m2n import Piece
+
+
+@dataclass(frozen=True)
+class PieceProgram:
+    """One bucket's copies for one worker (see the module docstring)."""
+
+    sources: list[torch.Tensor]
+    """Views of the staging buffer, one per copy."""
+    dests: list[torch.Tensor]
+    """The target's regions they go to."""
+    arrived: list[tuple[str, torch.Tensor]]
+    """(tensor name, source) of each copy, for the finite check."""
+    boxes: dict[str, list[Box]]
+    """The boxes each tensor gets."""
+    elements: dict[str, int]
+    """The elements each tensor gets."""
+    nbytes: int
+    """Tensor bytes the bucket delivers to this worker."""
+
+
+ProgramKey = tuple[int, int, tuple[Piece, ...], bool]
+"""(staging address, bucket bytes, pieces, crop)."""
+
+
+@dataclass(frozen=True)
+class ProgramContext:
+    """What every program of an update names besides its bucket: the tensor list and the
+    layouts (the same objects, update after update, while they stay) and the target's
+    storages (`WeightTarget.regions_key`)."""
+
+    metas: object
+    kept: object
+    storages: Hashable
+
+    def same(self, other: ProgramContext | None) -> bool:
+        """Whether programs made under `other` hold under this one."""
+        return (other is not None and other.metas is self.metas and other.kept is self.kept
+                and other.storages == self.storages)
+
+
+class PiecePrograms:
+    """The programs of the last finished M->N update, for the updates after it (see the
+    module docstring); owned by a receiver, which drops them with its staging."""
+
+    def __init__(self) -> None:
+        self._kept: dict[ProgramKey, PieceProgram] = {}
+        self._context: ProgramContext | None = None
+        self._used: dict[ProgramKey, PieceProgram] = {}
+        """The open update's programs, replayed or worked out."""
+        self._used_context: ProgramContext | None = None
+
+    @staticmethod
+    def key(staging: torch.Tensor, nbytes: int, pieces: Sequence[Piece],
+            crop: bool) -> ProgramKey:
+        """What a bucket's program is kept under."""
+        return (staging.data_ptr(), nbytes, tuple(pieces), crop)
+
+    def find(self, context: ProgramContext, key: ProgramKey) -> PieceProgram | None:
+        """The program kept for `key` under `context`, or None."""
+        return self._kept.get(key) if context.same(self._context) else None
+
+    def use(self, context: ProgramContext, key: ProgramKey, program: PieceProgram) -> None:
+        """Note a program the open update replayed or worked out."""
+        if not context.same(self._used_context):
+            self._used = {}
+            self._used_context = context
+        self._used[key] = program
+
+    def update_finished(self) -> None:
+        """The open update finished: its buckets are what the next updates replay."""
+        self._kept, self._context = self._used, self._used_context
+        self._used, self._used_context = {}, None
+
+    def update_started(self) -> None:
+        """An update opens: what an unfinished one used is not kept (the programs kept stay
+        those of the last finished one)."""
+        self._used, self._used_context = {}, None
+
+    def clear(self) -> None:
+        """Drop every program (the staging is unmapped, or the sender changed)."""
+        self._kept, self._context = {}, None
+        self.update_started()
