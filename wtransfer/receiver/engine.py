@@ -243,11 +243,11 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             if self._state is ReceiverState.UPDATING:
                 self._fail("update superseded: a new sender initialized this receiver")
                 self._superseded = True
+            self._programs.clear()  # (views of the staging a new sender replaces)
             if self.init_info is not None:
                 self._shutdown()
                 self.init_info = None
             self.forget_delta_base()  # a new sender: its first update is full
-            self._programs.clear()  # (views of the staging it replaces)
             self._init(info)
             self.init_info = info
             if self._state is ReceiverState.NEW:
@@ -455,12 +455,12 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         with self._lock:
             if self._state is ReceiverState.CLOSED:
                 return
+            self._programs.clear()  # (views of the staging, before it is unmapped)
             if self.init_info is not None:
                 self._shutdown()
             self._close()
             self._session = None
             self._rollback_store = {}
-            self._programs.clear()
             self._state = ReceiverState.CLOSED
 
     # -- backend hooks -------------------------------------------------------------------

@@ -9,12 +9,13 @@ gets, the bytes), and `PiecePrograms` keeps them across updates.
 
 A program is replayed only where replaying it is exactly what the checks would allow: the
 programs kept are the buckets of the last update that finished (one set, checked disjoint and
-complete as a whole), each bucket's pieces are replayed at most once per update, and an update
-that consumed a bucket without a program replays none after it (that bucket was checked
-against what came before it, not against what a replay would add). Everything a program names
-must stay put: the tensor list, what the worker keeps, the target's storages
-(`WeightTarget.regions_key`; None for a target whose storages move, which keeps nothing) and
-the staging buffer; the receiver drops them all when its sender or staging changes.
+complete as a whole), each bucket's pieces are replayed at most once per update, an update that
+consumed a bucket without a program replays none after it (that bucket was checked against
+what came before it, not against what a replay would add), and a delta replays nothing.
+Everything a program names must stay put: the tensor list, what the worker keeps, the
+target's storages (`WeightTarget.regions_key`; None for a target whose storages move, which
+keeps nothing) and the staging buffer; the receiver drops them all when its sender or
+staging changes.
 """
 
 from __future__ import annotations
@@ -85,7 +86,10 @@ class PiecePrograms:
 
     def find(self, context: ProgramContext, key: ProgramKey) -> PieceProgram | None:
         """The program kept for `key` under `context`, or None."""
-        return self._kept.get(key) if context.same(self._context) else None
+        if not context.same(self._context):
+            self._kept, self._context = {}, None  # (their views hold storages no longer used)
+            return None
+        return self._kept.get(key)
 
     def use(self, context: ProgramContext, key: ProgramKey, program: PieceProgram) -> None:
         """Note a program the open update replayed or worked out."""

@@ -222,10 +222,13 @@ class ModuleTarget(WeightTarget):
         """The part `box` of the parameter or buffer `name` maps to (a view)."""
         return self._dest(name)[box.slices()]
 
-    def regions_key(self) -> Hashable:
+    def regions_key(self) -> Hashable | None:
         """Where every parameter and buffer lives now (a `region` view stays valid while it
-        does)."""
-        return tuple(tensor.data_ptr() for tensor in self._state.values())
+        does); None for a subclass that finds its regions its own way."""
+        if type(self).region is not ModuleTarget.region or \
+                type(self)._dest is not ModuleTarget._dest:
+            return None
+        return tuple((tensor.data_ptr(), tensor.stride()) for tensor in self._state.values())
 
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Copy the parameter or buffer `name` maps to into host memory (`out` if it fits)."""

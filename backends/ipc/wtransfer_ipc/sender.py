@@ -145,9 +145,9 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         if self._pinned_host is None:
             client = self.client
             # pinned memory implies CUDA is in use here: never start CUDA to find out
-            held = (self.source.held() if client is not None and _cuda_in_use()
+            held = (self.source.held() if client is not None
                     and not (self.collective or self.init_info.m2n
-                             or isinstance(client, FleetClient)) else None)
+                             or isinstance(client, FleetClient)) and _cuda_in_use() else None)
             self._pinned_host = bool(held) and all(
                 t.device.type == "cpu" and (t.is_pinned() or not t.numel())  # (empty: never)
                 for t in held or ()
@@ -348,8 +348,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
 def _cuda_in_use() -> bool:
     """Whether this process already uses CUDA (a context on some device), found without
-    starting it: a bare `pin_memory()` makes one while torch's Python side still says CUDA
-    is not initialized."""
+    making a context (the device count may load the driver): a bare `pin_memory()` makes
+    one while torch's Python side still says CUDA is not initialized."""
     if torch.cuda.is_initialized():
         return True
     has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)  # (CUDA builds)

@@ -407,9 +407,10 @@ class Replica:
             self.workers.wait(pending, command)
 
     def _in_step(self, command: str, *args: Any) -> None:
-        """`_everywhere` for a command of an open update: when it fails on one rank, the
-        update fails on every rank (rolled back where enabled), so no rank keeps half of an
-        update the others dropped; the first failure is the one raised."""
+        """`_everywhere` for a command of an open update: when it fails the update on one rank
+        while another still has it open, it fails there too (rolled back where enabled); the
+        first failure is the one raised. (A rank whose post-processing fails after another
+        went live is not undone: in place, `finish_weight_update` stages every rank first.)"""
         try:
             self._everywhere(command, *args)
         except BaseException:
@@ -419,14 +420,22 @@ class Replica:
             raise
 
     def settle_failure(self) -> None:
-        """Called by the engine's loop before it runs commands or steps: an update that rank 0
-        failed on its own (its watchdog saw the sender die or go silent) fails on every worker
-        too, so nothing reads or computes with one rank rolled back and another torn."""
+        """Called by the engine's loop (the thread that runs an in-place engine's commands)
+        before it runs commands or steps: an in-place update that rank 0 failed on its own
+        (its watchdog saw the sender die or go silent) fails on every worker too, so nothing
+        reads or computes with one rank rolled back and another torn. A staged failure never
+        touched the live weights: the workers' own deadlines drop their shadows."""
         receiver = self.receiver
-        if self.workers is None or receiver is None or receiver.failures == self._failures_seen:
+        if self.workers is None or self.staging is not None or receiver is None \
+                or receiver.failures == self._failures_seen:
             return
-        self._failures_seen = receiver.failures
-        self._fail_everywhere_if_one_failed()
+        seen = receiver.failures
+        try:
+            self._fail_everywhere_if_one_failed()
+        except Exception:  # tried again on the next turn of the loop
+            log.exception("could not fail the update on every tensor-parallel worker")
+            return
+        self._failures_seen = seen
 
     def _fail_everywhere_if_one_failed(self) -> None:
         """If one rank failed the open update and another still has it open, fail it there."""
@@ -514,8 +523,8 @@ class Replica:
             return
         if weight_version is not None:
             check_version(weight_version)  # before the update closes, not after
-        if self.workers is not None:  # every rank's part checked before any goes live
-            self._in_step("stage_weight_update")
+        if self.workers is not None and self.update_open:  # every rank's part checked
+            self._in_step("stage_weight_update")  # before any goes live
         self._in_step("finish_weight_update", weight_version)
         self._label(weight_version)
         self.stall.close()

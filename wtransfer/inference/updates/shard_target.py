@@ -89,10 +89,14 @@ class ShardTarget(WeightTarget):
             raise MetadataError(f"unknown tensor {name!r}")
         return lay.view(self._dest(name), box)
 
-    def regions_key(self) -> Hashable:
-        """Where this worker's part of every tensor lives now (live, or the shadow a swap
-        exchanges): a `region` view stays valid while it does."""
-        return tuple(self._dest(name).data_ptr() for name in self._live)
+    def regions_key(self) -> Hashable | None:
+        """Where this worker's live part of every tensor lives now (a `region` view stays
+        valid while it does); None while staging (a replayed copy would not mark the shadow
+        written, and swaps move the storages every update)."""
+        if self.staging is not None:
+            return None
+        return tuple((part.data_ptr(), part.stride()) for part in
+                     (self._live_part(name) for name in self._live))
 
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """A host copy of this worker's part of `name` as it holds it (into `out`, reused
