@@ -84,6 +84,9 @@ def test_serve_takes_the_step_budget_and_names_the_real_ceiling():
     (["--trainer", "megatron:tq=2"], "unknown key(s) ['tq']"),
     (["--trainer", "fsdp:tp=2"], "fsdp takes no options"),
     (["--engine", "1x2ep"], "this model is dense; drop 'ep'"),
+    (["--one-gpu", "packed"], "--one-gpu packed: one engine replica (and one trainer rank"),
+    (["--one-gpu", "rdma"], "--one-gpu: invalid choice: 'rdma'"),
+    (["--one-gpu", "host", "--h2d-gbps", "0"], "--h2d-gbps: must be a finite number above 0"),
 ])
 def test_plan_refuses_every_bad_input_in_one_line_at_once(flags, says, capsys):
     """Each planner input is checked before planning: exit 2 with a one-line reason (a zero

@@ -153,3 +153,27 @@ def test_engine_specs_are_parsed_or_named():
     assert parse_engine("2x8") == (2, 8, False)
     with pytest.raises(ConfigError, match="expected REPLICASxTP"):
         parse_engine("eight")
+
+
+def test_one_gpu_paths_add_up_by_hand():
+    """`wtransfer plan --one-gpu`: every rank shares one memory; a bucket is handed over, not
+    moved (the host path's "send" is its host-to-device copy). Two tensors of 1 MB, one
+    bucket each, one slot: every stage waits for the one before it."""
+    from wtransfer.sim.one_gpu import OneGpu, predict_one_gpu
+
+    metas = [TensorMeta("a", "uint8", (1_000_000,)), TensorMeta("b", "uint8", (1_000_000,))]
+    gpu = OneGpu(memory_bandwidth=1e9, h2d_bandwidth=1e8, check_bandwidth=5e8,
+                 handover_s=1e-3, control_s=2e-3)
+    n = 1_000_000
+    copy, check = 2 * n / 1e9, n / 5e8
+    zero = predict_one_gpu("zero-copy", metas, gpu)
+    assert zero["predicted_s"] == pytest.approx(2 * copy + 2 * check + 2e-3)
+    assert zero["one_copy_s"] == pytest.approx(2 * copy)
+    packed = predict_one_gpu("packed", metas, gpu, bucket_bytes=n, num_buffers=1)
+    # pack a; hand a over; apply a (the memory is busy), then pack b, hand over, apply b
+    assert packed["predicted_s"] == pytest.approx(2 * (copy + 1e-3 + copy + check) + 2e-3)
+    host = predict_one_gpu("host", metas, gpu, bucket_bytes=n, num_buffers=1)
+    # b's host-to-device copy waits for a's slot, freed once a is applied
+    assert host["predicted_s"] == pytest.approx(2 * (1e-3 + n / 1e8 + copy + check) + 2e-3)
+    with pytest.raises(ConfigError, match="one-GPU path 'nvlink'"):
+        predict_one_gpu("nvlink", metas, gpu)

@@ -9,7 +9,8 @@ import math
 
 from wtransfer.errors import ConfigError
 from wtransfer.sim.cluster import Cluster
-from wtransfer.sim.scenario import Scenario, plan_cluster
+from wtransfer.sim.one_gpu import ONE_GPU_PATHS, OneGpu, predict_one_gpu
+from wtransfer.sim.scenario import Scenario, model_tensors, plan_cluster
 
 
 def _count(text: str) -> int:
@@ -66,6 +67,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mb", type=_count, default=1024)
     parser.add_argument("--num-buffers", type=_buffers, default=2)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--one-gpu", choices=ONE_GPU_PATHS, default=None,
+                        help="predict a path with the trainer and engine on one GPU "
+                             "(wtransfer.sim.one_gpu) instead of planning a cluster")
+    parser.add_argument("--h2d-gbps", type=_rate, default=55,
+                        help="with --one-gpu host: GB/s from pinned host memory to the GPU")
+    parser.add_argument("--check-gbps", type=_rate, default=None,
+                        help="with --one-gpu: GB/s the NaN/inf check reads (default: "
+                             "--hbm-gbps)")
+    parser.add_argument("--handover-us", type=_rate, default=100,
+                        help="with --one-gpu: one bucket's update call, in microseconds")
 
 
 def parse_engine(text: str) -> tuple[int, int, bool]:
@@ -100,6 +111,8 @@ def report(sc: Scenario) -> dict[str, object]:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan and simulate (see the module docstring)."""
     replicas, tp, ep = parse_engine(args.engine)
+    if args.one_gpu is not None:
+        return _one_gpu(args, replicas)
     cluster = Cluster.of(senders=args.trainer_gpus, gpus_per_node=args.gpus_per_node,
                          nics_per_node=args.nics_per_node, nic_gbit=args.nic_gbit,
                          nvlink_gbps=args.nvlink_gbps, hbm_gbps=args.hbm_gbps,
@@ -125,4 +138,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"  staging peak per rank {out['staging_peak_mb']:.0f} MB; at most "
           f"{out['max_messages_per_pair']} messages per pair; bytes per link class: "
           + ", ".join(f"{k} {v:.1f} GB" for k, v in out["link_gb"].items()))  # type: ignore[attr-defined]
+    return 0
+
+
+def _one_gpu(args: argparse.Namespace, replicas: int) -> int:
+    """`--one-gpu PATH`: predict a one-GPU path (`wtransfer.sim.one_gpu`) and print it."""
+    if replicas != 1 or (args.one_gpu != "m2n" and args.trainer_gpus != 1):
+        raise ConfigError(f"--one-gpu {args.one_gpu}: one engine replica "
+                          f"({'' if args.one_gpu == 'm2n' else 'and one trainer rank, '}"
+                          f"--engine 1xT), all on one GPU")
+    gpu = OneGpu(memory_bandwidth=args.hbm_gbps * 1e9, h2d_bandwidth=args.h2d_gbps * 1e9,
+                 check_bandwidth=(args.check_gbps or args.hbm_gbps) * 1e9,
+                 handover_s=args.handover_us * 1e-6)
+    out = {"model": args.model, "path": args.one_gpu,
+           **predict_one_gpu(args.one_gpu, model_tensors(args.model), gpu,
+                             bucket_bytes=args.bucket_mb << 20, num_buffers=args.num_buffers,
+                             senders=args.trainer_gpus)}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{args.model}, {args.one_gpu} on one GPU: predicted {out['predicted_s']:.4f} s "
+          f"(one copy {out['one_copy_s']:.4f} s, one host-to-device copy "
+          f"{out['one_h2d_s']:.4f} s)")
     return 0

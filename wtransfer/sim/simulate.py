@@ -78,9 +78,13 @@ def _pipeline(times: Sequence[tuple[float, float, float]]) -> float:
 
 def simulate(plan: TransferPlan, metas: Sequence[TensorMeta], cluster: Cluster, *,
              num_buffers: int = 2, source_bytes_per_byte: Sequence[float] | None = None,
-             control_s: float = 0.002, rollback: bool = False) -> Prediction:
+             control_s: float = 0.002, rollback: bool = False, pack: bool = True,
+             check_bandwidth: float | None = None) -> Prediction:
     """Predict `plan` on `cluster` (see the module docstring). `source_bytes_per_byte[i]`:
-    bytes the trainer reads per byte sent of tensor i (2.0 for bf16 sent as fp8; default 1)."""
+    bytes the trainer reads per byte sent of tensor i (2.0 for bf16 sent as fp8; default 1).
+    `pack` False: the send itself fills the slot (a host source copied to the device);
+    `check_bandwidth`: bytes per second the receiver's NaN/inf check reads, added to each
+    apply (None: no check)."""
     ratio = list(source_bytes_per_byte) if source_bytes_per_byte is not None else None
     mem = cluster.memory_bandwidth
     pack_free: dict[int, float] = defaultdict(float)
@@ -103,9 +107,11 @@ def simulate(plan: TransferPlan, metas: Sequence[TensorMeta], cluster: Cluster, 
         link = cluster.link(s, w)
         read = (sum(p.nbytes * ratio[p.tensor] for p in bucket.pieces) if ratio is not None
                 else nbytes)
-        pack_t = (read + nbytes) / mem
+        pack_t = (read + nbytes) / mem if pack else 0.0
         send_t = link.seconds(nbytes)
         apply_t = (4 if rollback else 2) * nbytes / mem
+        if check_bandwidth is not None:
+            apply_t += nbytes / check_bandwidth
         s_mem = ("mem", cluster.memory_domain(cluster.sender_gpu(s)))
         w_mem = ("mem", cluster.memory_domain(cluster.worker_gpu(w)))
         host = cluster.link_domain(s, w)
