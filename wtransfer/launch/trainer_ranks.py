@@ -268,7 +268,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--change-fraction", type=float, default=0.0,
                         help="between updates flip a bit of this fraction of each rank's "
                              "elements (else new random weights)")
-    run(parser.parse_args(argv))
+    try:
+        run(parser.parse_args(argv))
+    finally:  # a rank that fails (its sender refused at connect, say) still tears its group
+        import torch.distributed as dist  # down: left to the interpreter's exit, gloo's
+
+        if dist.is_initialized():  # threads sometimes aborted the process instead of
+            dist.destroy_process_group()  # letting it exit with the error
 
 
 if __name__ == "__main__":
