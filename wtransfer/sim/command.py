@@ -122,22 +122,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       engine_dtype=args.engine_dtype, bucket_bytes=args.bucket_mb << 20,
                       num_buffers=args.num_buffers)
     out = report(sc)
-    if args.json:
-        print(json.dumps(out))
-        return 0
-    print(f"{sc.model}: {out['model_gb']:.1f} GB trainer copy, {out['engine_copy_gb']:.1f} GB "
-          f"per engine copy ({args.engine_dtype}); {args.trainer} over {args.trainer_gpus} "
-          f"GPUs -> {replicas} x {tp}{' (experts split)' if ep else ''} workers")
-    print(f"  moved {out['moved_gb']:.1f} GB in {sc.plan.buckets.__len__()} pair buckets over "
-          f"{out['pairs']} pairs, {sc.plan.rounds} rounds (planned in {sc.plan_seconds:.1f} s)")
-    print(f"  predicted {sc.prediction.seconds:.3f} s (rank-0 broadcast: "
-          f"{sc.prediction.broadcast_seconds:.2f} s)")
-    print(f"  busiest link: {out['busiest_link']}, busy {sc.prediction.busiest_seconds:.3f} s "
-          f"({sc.prediction.link_share:.0%} of the update); dominated by "
-          f"{sc.prediction.dominated_by}")
-    print(f"  staging peak per rank {out['staging_peak_mb']:.0f} MB; at most "
-          f"{out['max_messages_per_pair']} messages per pair; bytes per link class: "
-          + ", ".join(f"{k} {v:.1f} GB" for k, v in out["link_gb"].items()))  # type: ignore[attr-defined]
+    return _emit(args, out, [
+        f"{sc.model}: {out['model_gb']:.1f} GB trainer copy, {out['engine_copy_gb']:.1f} GB "
+        f"per engine copy ({args.engine_dtype}); {args.trainer} over {args.trainer_gpus} "
+        f"GPUs -> {replicas} x {tp}{' (experts split)' if ep else ''} workers",
+        f"  moved {out['moved_gb']:.1f} GB in {sc.plan.buckets.__len__()} pair buckets over "
+        f"{out['pairs']} pairs, {sc.plan.rounds} rounds (planned in {sc.plan_seconds:.1f} s)",
+        f"  predicted {sc.prediction.seconds:.3f} s (rank-0 broadcast: "
+        f"{sc.prediction.broadcast_seconds:.2f} s)",
+        f"  busiest link: {out['busiest_link']}, busy {sc.prediction.busiest_seconds:.3f} s "
+        f"({sc.prediction.link_share:.0%} of the update); dominated by "
+        f"{sc.prediction.dominated_by}",
+        f"  staging peak per rank {out['staging_peak_mb']:.0f} MB; at most "
+        f"{out['max_messages_per_pair']} messages per pair; bytes per link class: "
+        + ", ".join(f"{k} {v:.1f} GB" for k, v in out["link_gb"].items())])  # type: ignore[attr-defined]
+
+
+def _emit(args: argparse.Namespace, out: dict[str, object], lines: list[str]) -> int:
+    """Print `out` as one JSON object with --json, else `lines`."""
+    print(json.dumps(out) if args.json else "\n".join(lines))
     return 0
 
 
@@ -154,10 +157,6 @@ def _one_gpu(args: argparse.Namespace, replicas: int) -> int:
            **predict_one_gpu(args.one_gpu, model_tensors(args.model), gpu,
                              bucket_bytes=args.bucket_mb << 20, num_buffers=args.num_buffers,
                              senders=args.trainer_gpus)}
-    if args.json:
-        print(json.dumps(out))
-        return 0
-    print(f"{args.model}, {args.one_gpu} on one GPU: predicted {out['predicted_s']:.4f} s "
-          f"(one copy {out['one_copy_s']:.4f} s, one host-to-device copy "
-          f"{out['one_h2d_s']:.4f} s)")
-    return 0
+    return _emit(args, out, [
+        f"{args.model}, {args.one_gpu} on one GPU: predicted {out['predicted_s']:.4f} s "
+        f"(one copy {out['one_copy_s']:.4f} s, one host-to-device copy {out['one_h2d_s']:.4f} s)"])
