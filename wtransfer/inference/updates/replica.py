@@ -449,8 +449,6 @@ class Replica:
         pending = self.workers.call_all("fail_update", (reason,))
         self.weights.fail_update(reason)
         self.workers.wait(pending, "fail_update")
-        if self.receiver is not None:
-            self._failures_seen = self.receiver.failures
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Create (once) every rank's receiver of the configured backend and initialize it."""
