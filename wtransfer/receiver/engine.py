@@ -30,12 +30,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from wtransfer.delta.header import DeltaHeader
-from wtransfer.delta.target import piece_delta_refusal
 from wtransfer.errors import (
     ConfigError,
-    DeltaBaseError,
-    DeltaUnsupportedError,
     LifecycleError,
     MetadataError,
     NotInitializedError,
@@ -44,6 +40,7 @@ from wtransfer.errors import (
 )
 from wtransfer.manifest import Manifest, Manifests
 from wtransfer.receiver.deadline import DeadlineTimer
+from wtransfer.receiver.deltas import DeltaBase
 from wtransfer.receiver.programs import PiecePrograms
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
@@ -116,11 +113,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         """The label the last update that gave one finished with (None: none yet)."""
         self.last_update_bytes = 0
         self.last_update_seconds = 0.0
-        self.delta_base: str | None = None
-        """The token of the last update that landed, from a delta-enabled sender: the base a
-        delta must name (None after anything else changed the weights)."""
-        self._token: str | None = None
-        """The open update's token (its `DeltaHeader`), held as the base once it lands."""
+        self.deltas = DeltaBase()
+        """Which update the weights are, for deltas (`wtransfer.receiver.deltas`)."""
         self._state = ReceiverState.NEW
         self._session: UpdateSession | None = None
         self.manifests = Manifests()
@@ -307,7 +301,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             self._before_start = (self._state, self.failure)
             self._superseded = False
             self._staged = False
-            self._token = None
+            self.deltas.start()
             self._joined = False
             self.failure = None
             self._state = ReceiverState.UPDATING
@@ -328,41 +322,24 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                     raise PeerError(f"sender aborted the update: {info.abort}")
                 if info.delta is not None:
                     header = True
-                    self._open_delta(info.delta, self._session)
+                    self.deltas.open(info.delta, self._session, self.target,
+                                     self.manifests.last)
                     return
                 self._receive(info, self._session)
             except BaseException as exc:
                 self._fail(f"{type(exc).__name__}: {exc}", channel_busy=not header)
                 raise
 
-    def _open_delta(self, header: DeltaHeader, session: UpdateSession) -> None:
-        """A delta-enabled sender's header call: a delta is refused (`DeltaBaseError`, before
-        anything is written) unless this receiver holds exactly its base; then the update's
-        tensor list is the delta's (`wtransfer.delta.target.DeltaTarget`)."""
-        if self._token is not None:
-            raise MetadataError("an update carries one delta header, before its tensors")
-        if header.base is not None:
-            if header.base != self.delta_base:
-                raise DeltaBaseError(
-                    f"delta refused before any weight changed: it applies onto update "
-                    f"{header.base[:12]}, this receiver holds "
-                    f"{self.delta_base[:12] if self.delta_base else 'no known base'}")
-            if header.by_piece:  # the list the base came with (a delta names the same one)
-                last = self.manifests.last
-                refusal = ("no tensor list came before it" if last is None else
-                           piece_delta_refusal(self.target, last.metas))
-                if refusal is not None:
-                    raise DeltaUnsupportedError(f"delta refused before any weight changed: "
-                                                f"{refusal}; the sender sends in full")
-                session.apply_piece_delta()
-            else:
-                session.apply_delta(header.parsed_entries())
-        self._token = header.token
+    @property
+    def delta_base(self) -> str | None:
+        """The token of the last update that landed, from a delta-enabled sender: the base a
+        delta must name (None after anything else changed the weights)."""
+        return self.deltas.held
 
     def forget_delta_base(self) -> None:
         """The weights changed outside a delta-enabled update (a failure, a rollback, a new
         sender): no delta applies until a full update lands."""
-        self.delta_base = None
+        self.deltas.forget()
 
     def _refuse_replaced(self, update_info: Any) -> None:
         """`LifecycleError` for an update call of a sender that a newer init replaced, before
@@ -407,7 +384,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 raise
             if weight_version is not None:
                 self.weight_version = weight_version
-            self.delta_base = self._token
+            self.deltas.landed()
             self.last_update_bytes = session.bytes_received
             self.last_update_seconds = time.monotonic() - self._started
             self._session = None

@@ -43,15 +43,12 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import torch
 
 from wtransfer.delta.header import DeltaHeader
-from wtransfer.delta.sender import DeltaSender, DeltaUpdate, PairDeltaSender
+from wtransfer.delta.sender import DeltaSender, PairDeltaSender
 from wtransfer.errors import (
     ConfigError,
-    DeltaBaseError,
-    DeltaUnsupportedError,
     LifecycleError,
     NotInitializedError,
     SenderReplacedError,
-    SparseDeltaError,
     TransferTimeout,
     WTransferError,
 )
@@ -81,6 +78,7 @@ from wtransfer.trainer.gather import GatheringPacker
 from wtransfer.trainer.group import Ranks, TrainerGroup
 from wtransfer.trainer.layouts import NoGather
 from wtransfer.trainer.source import WeightSource
+from wtransfer.trainer.updates import Payload, Updates, first_updates, updates_for
 from wtransfer.transport.window import CallChannel, Movable, SendChannel, send_buckets
 from wtransfer.wire import parse_record, record_to_wire
 
@@ -213,10 +211,10 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self.replaced: str | None = None
         """Why the receivers refused this sender as replaced by a newer one (every later
         `send_weights` raises `SenderReplacedError` at once)."""
-        self.delta: DeltaSender | PairDeltaSender | None = (
-            DeltaSender(self.init_info.delta_copy_device) if self.init_info.delta else None)
-        """Delta updates (`TrainerInitInfo.delta`): the last-sent copy and the receivers' base
-        (of each pair bucket this rank sends, when every rank sends its own shards)."""
+        self.updates: Updates = first_updates(self.init_info)
+        """What each update carries: the source in full, or a delta
+        (`wtransfer.trainer.updates`; chosen again at connect, once it is known how this
+        sender sends)."""
         self.connected = False
         self.closed = False
         self._last_update_s: float | None = None
@@ -275,8 +273,10 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                                            if f is not None]
         merged = self._merge(fragments)
         self.sender_id = str(fragments[0]["sender_id"])  # the lead's: the receivers' sender
-        if self.delta is not None and (self.collective or self.sends_own_shards):
-            self.delta = self._pair_deltas()
+        self.updates = updates_for(self.updates, self.init_info, backend=self.backend_name,
+                                   collective=self.collective,
+                                   own_shards=self.sends_own_shards,
+                                   pair_deltas=self.takes_pair_deltas)
         merged = {**merged, "sender_id": self.sender_id, "backend": self.backend_name,
                   "plan": record_to_wire(self.plan_params)}
         self._on_senders(lambda: self._init_receivers(merged))
@@ -299,18 +299,12 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                               f"{differ} (by rank: {values}); every rank that sends together "
                               "must pass the same values")
 
-    def _pair_deltas(self) -> PairDeltaSender:
-        """Deltas where every trainer rank sends its own shards: each rank diffs its own pair
-        buckets (`wtransfer.delta.pieces`); `ConfigError` where that is not how updates go."""
-        if not self.sends_own_shards:
-            raise ConfigError("delta=True with a sharded source (or several trainer ranks) "
-                              "needs an M->N transfer, where each rank diffs its own shards: "
-                              "give every trainer rank a client, over nccl or ucx")
-        if not self.takes_pair_deltas:
-            raise ConfigError(f"delta=True: {self.backend_name} M->N shares each staged box "
-                              "with every worker, where a delta saves nothing; set "
-                              "delta=False, or send over nccl or ucx")
-        return PairDeltaSender(self.init_info.delta_copy_device)
+    @property
+    def delta(self) -> DeltaSender | PairDeltaSender | None:
+        """Delta updates (`TrainerInitInfo.delta`): the last-sent copy and the receivers' base
+        (of each pair bucket this rank sends, when every rank sends its own shards); None
+        without deltas."""
+        return self.updates.diff
 
     takes_pair_deltas: ClassVar[bool] = False
     """Whether this backend's M->N moves each pair bucket as a message of its own, which a
@@ -406,8 +400,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         return True
 
     def _send(self, weight_version: str | None) -> TransferStats:
-        return (self._send_update(weight_version, None) if self.delta is None
-                else self._send_delta(weight_version, self.delta))
+        return self.updates.send(self.source,
+                                 lambda payload: self._send_update(weight_version, payload))
 
     def _reconnect(self) -> None:
         """Rebuild the backend's side of the transport and initialize the receivers again,
@@ -417,8 +411,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self.connected = False
         self.receivers_hold = None
         self.sender_id = new_sender_id()  # late calls of the last connection: refused
-        if self.delta is not None:
-            self.delta.forget()
+        self.updates.forget()
         self.connect()
 
     def _remember_fleet(self) -> None:
@@ -427,50 +420,21 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         if isinstance(client, FleetClient):
             self._fleet_seen = (client.joined, client.generation)
 
-    def _send_delta(self, weight_version: str | None,
-                    delta: DeltaSender | PairDeltaSender) -> TransferStats:
-        """An update of a delta-enabled sender: a delta when the receivers hold its base, in
-        full when they refuse it (before any byte landed) or hold none; the copy to diff
-        against follows what landed."""
-        start = time.perf_counter()
-        try:
-            update = delta.prepare(self.source)
-            try:
-                stats = self._send_update(weight_version, update)
-            except DeltaBaseError as exc:
-                if update.header.base is None:
-                    raise
-                if isinstance(exc, SparseDeltaError):
-                    delta.sparse = False
-                if isinstance(exc, DeltaUnsupportedError):
-                    delta.disabled = str(exc)
-                delta.forget()
-                update = delta.prepare(self.source)
-                stats = self._send_update(weight_version, update)
-            delta.landed(update)
-        except BaseException:
-            delta.forget()
-            raise
-        return replace(stats, seconds=time.perf_counter() - start,
-                       delta_base_bytes=delta.copy_bytes)
-
-    def _send_update(self, weight_version: str | None,
-                     delta: DeltaUpdate | None) -> TransferStats:
-        """One update, in the order of the module docstring (with `delta`: its header call
-        first, settled before any byte moves when it is a delta, so a receiver without its base
-        refuses it with nothing written)."""
+    def _send_update(self, weight_version: str | None, payload: Payload) -> TransferStats:
+        """One update of `payload`, in the order of the module docstring (its first call, if
+        any, right behind start, answered before any byte moves when it asks so)."""
         start = self._update_start = time.monotonic()
         self._offered = None
-        source = delta.source if delta is not None else self.source
+        source = payload.source
         calls = (UpdateCalls(self.calls, self.init_info.timeout_s, weight_version,
                              self.sender_id) if self.calls is not None else None)
         try:
             if self.lead and calls is not None:
                 calls.start()  # the engine opens the update while this rank plans it
-                if delta is not None:
-                    calls.update({"delta": record_to_wire(delta.header)})
-            if delta is not None and delta.header.base is not None:  # every rank learns
-                self.ranks.together(lambda: self._settle_delta_header(calls))  # a refusal
+                if payload.first_call is not None:
+                    calls.update(payload.first_call)
+            if payload.answer_first:  # every rank learns of a refusal
+                self.ranks.together(lambda: self._settle_first_call(calls))
             try:
                 layout = self._layout(source.metadata())
                 group = self.ranks.group
@@ -483,7 +447,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                 index = self.ranks.sender_index
                 share = Share(layout.manifest, layout.plan, layout.mine, packer,
                               index if index is not None else -1, self.senders, source,
-                              parts, delta.header if delta is not None else None)
+                              parts, payload.header)
                 self.ranks.together(lambda: self._open(share.manifest, calls))
                 try:
                     self.ranks.together(lambda: self._move(share, calls))
@@ -507,16 +471,12 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                                   "tensors": len(layout.manifest),
                                   "buckets": len(layout.plan.buckets), "seconds": seconds,
                                   "gathered_peak_bytes": peak}
-        if delta is not None:
-            model = self.source.metadata()
-            fields.update(bytes=sum(m.nbytes for m in model), tensors=len(model),
-                          wire_bytes=layout.plan.total_bytes,
-                          changed_fraction=delta.changed_fraction)
-        return TransferStats(**{**fields, **self._moved()})
+        return TransferStats(**{**payload.restate(fields), **self._moved()})
 
-    def _settle_delta_header(self, calls: UpdateCalls | None) -> None:
-        """The lead waits for the receivers' answer to a delta's header (before any byte
-        moves, so a receiver without its base refuses it with nothing written)."""
+    def _settle_first_call(self, calls: UpdateCalls | None) -> None:
+        """The lead waits for the receivers' answer to an update's first call (before any
+        byte moves, so a receiver that cannot take the update refuses it with nothing
+        written)."""
         if not self.lead or calls is None:
             return
         try:
@@ -711,7 +671,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         """Whether one sender may send each worker only what it keeps (1->N): a lone sender
         of a whole source's full updates (no delta, no adapter) into more than one worker."""
         client = self.client
-        return (not self.collective and not self.source.sharded and self.delta is None
+        return (not self.collective and not self.source.sharded and self.updates.diff is None
                 and self.source.delta_ok and client is not None and client.num_workers() > 1)
 
     @property

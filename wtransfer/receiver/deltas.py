@@ -1,0 +1,61 @@
+"""A receiver's side of delta updates, held by the receiver base: which update its weights
+are (the base a delta must name), and the header call that opens a delta-enabled update
+(`wtransfer.delta`)."""
+
+from __future__ import annotations
+
+from wtransfer.delta.header import DeltaHeader
+from wtransfer.delta.target import piece_delta_refusal
+from wtransfer.errors import DeltaBaseError, DeltaUnsupportedError, MetadataError
+from wtransfer.manifest import Manifest
+from wtransfer.receiver.session import UpdateSession
+from wtransfer.receiver.target import WeightTarget
+
+
+class DeltaBase:
+    """The token of the update the weights are (`held`) and the open update's (`opening`)."""
+
+    def __init__(self) -> None:
+        self.held: str | None = None
+        """The token of the last update that landed, from a delta-enabled sender: the base a
+        delta must name (None after anything else changed the weights)."""
+        self.opening: str | None = None
+        """The open update's token (its `DeltaHeader`), held once it lands."""
+
+    def start(self) -> None:
+        """An update opened: it has no header yet."""
+        self.opening = None
+
+    def open(self, header: DeltaHeader, session: UpdateSession, target: WeightTarget,
+             last: Manifest | None) -> None:
+        """A delta-enabled sender's header call: a delta is refused (`DeltaBaseError`, before
+        anything is written) unless the weights are exactly its base; then the update's tensor
+        list is the delta's (`wtransfer.delta.target.DeltaTarget`). `last`: the tensor list
+        the base came with (a delta by piece names the same one)."""
+        if self.opening is not None:
+            raise MetadataError("an update carries one delta header, before its tensors")
+        if header.base is not None:
+            if header.base != self.held:
+                raise DeltaBaseError(
+                    f"delta refused before any weight changed: it applies onto update "
+                    f"{header.base[:12]}, this receiver holds "
+                    f"{self.held[:12] if self.held else 'no known base'}")
+            if header.by_piece:
+                refusal = ("no tensor list came before it" if last is None else
+                           piece_delta_refusal(target, last.metas))
+                if refusal is not None:
+                    raise DeltaUnsupportedError(f"delta refused before any weight changed: "
+                                                f"{refusal}; the sender sends in full")
+                session.apply_piece_delta()
+            else:
+                session.apply_delta(header.parsed_entries())
+        self.opening = header.token
+
+    def landed(self) -> None:
+        """The open update finished: the weights are its."""
+        self.held = self.opening
+
+    def forget(self) -> None:
+        """The weights changed outside a delta-enabled update: no delta applies until a full
+        update lands."""
+        self.held = None
