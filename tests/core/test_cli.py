@@ -108,3 +108,34 @@ def test_plan_refuses_every_bad_input_in_one_line_at_once(flags, says, capsys):
         pytest.fail(f"plan took {flags}")
     assert says in said and "\n" not in said.strip().splitlines()[-1], said
     assert capsys.readouterr().out == ""
+
+
+def test_connections_to_the_serve_listener_send_without_nagles_delay():
+    """uvicorn serves `wtransfer serve`'s own listener; asyncio turns Nagle's algorithm off on
+    its connections only when the listener names TCP (else every response's body waited for
+    the client's delayed ACK of its headers: ~40 ms a call)."""
+    import socket
+
+    from wtransfer.cli import _listen
+
+    async def accepted_nodelay() -> int:
+        listener = _listen("127.0.0.1", 0)
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                sock = transport.get_extra_info("socket")
+                seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        try:
+            _, writer = await asyncio.open_connection(*listener.getsockname()[:2])
+            try:
+                return await asyncio.wait_for(seen, 10)
+            finally:
+                writer.close()
+        finally:
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0
