@@ -228,6 +228,34 @@ def test_zero_copy_updates_follow_in_place_changes_and_replaced_storages():
 
 
 @pytest.mark.gpu
+def test_a_zero_copy_update_holding_a_nan_in_a_large_tensor_is_refused_and_rolled_back():
+    """A zero-copy update checks each large tensor as it copies it (one read): a NaN in
+    the largest tensor is refused naming it, and with rollback on the engine holds what it
+    held; the next clean update lands bit-exact."""
+    model = build("qwen3-0.6b", seed=1, device="cuda:0", fill="constant")
+    with spawn_receiver("ipc", model="qwen3-0.6b", seed=2, device="cuda:0",
+                        fill="constant", rollback=True) as child:
+        client = RPCClient(child.address, timeout_s=120)
+        with wtransfer.trainer_init(IPCTrainerInitInfo(timeout_s=120), client=client,
+                                    source=wtransfer.ModuleSource(model)) as sender:
+            sender.send_weights(weight_version="clean")
+            before = client.fingerprint()
+            tensors = model.state_dict()
+            largest = max(tensors, key=lambda n: tensors[n].nbytes)
+            with torch.no_grad():
+                tensors[largest].view(-1)[-1] = float("nan")
+            with pytest.raises(wtransfer.errors.NonFiniteError,
+                               match=f"'{largest}' holds NaN or infin"):
+                sender.send_weights(weight_version="diverged")
+            assert client.fingerprint() == before
+            assert client.status()["weight_version"] == "clean"
+            with torch.no_grad():
+                tensors[largest].view(-1)[-1] = 0.5
+            sender.send_weights(weight_version="clean-2")
+            assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+
+
+@pytest.mark.gpu
 def test_a_zero_copy_layout_outside_its_storage_is_refused_before_any_write():
     metas = mixed_metas(layers=2)
     trainer, engine_model = build_module(metas, 1, "cuda:0"), build_module(metas, 2, "cuda:0")

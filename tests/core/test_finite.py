@@ -77,3 +77,40 @@ def test_a_bucket_checked_at_once_names_its_first_bad_tensor(device):
     alone = FiniteCheck()
     alone.watch_all([pieces[0], pieces[130]])
     assert alone.first_bad() == "f64 bad"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_on_cuda_a_checked_copy_is_bit_exact_and_flags_a_non_finite_value(dtype, value):
+    """Large CUDA copies check what they copy in the same read (`FiniteCheck.copies`):
+    the copy is bit-exact, the largest finite values pass, one non-finite element is named;
+    a copy too small or misaligned for it is left to the caller."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton", reason="the checked copy is a Triton kernel")
+    n = (3 << 20) // torch.empty((), dtype=dtype).element_size() + 5
+    clean = torch.randn(n, device="cuda").to(dtype)
+    clean[7] = torch.finfo(dtype).max
+    clean[8] = -torch.finfo(dtype).max
+    bad = clean.clone()
+    bad[n - 2] = value
+    check = FiniteCheck()
+    copies = check.copies(torch.device("cuda", torch.cuda.current_device()), 4)
+    assert copies is not None
+    outs = {}
+    for name, src in [("clean", clean), ("bad", bad), ("clean too", clean)]:
+        outs[name] = torch.empty_like(src)
+        assert copies.add(name, outs[name].view(torch.uint8), src.view(torch.uint8), dtype)
+    small = torch.zeros(16, device="cuda", dtype=dtype)
+    assert not copies.add("small", small.view(torch.uint8), small.view(torch.uint8), dtype)
+    shifted = clean.view(torch.uint8)[1:1 + (2 << 20)]
+    assert not copies.add("odd", torch.empty_like(shifted), shifted, dtype)
+    assert torch.equal(outs["clean"].view(torch.uint8), clean.view(torch.uint8))
+    assert torch.equal(outs["bad"].view(torch.uint8), bad.view(torch.uint8))
+    assert check.first_bad() == "bad"
+    fine = FiniteCheck()
+    copies = fine.copies(torch.device("cuda", torch.cuda.current_device()), 1)
+    assert copies is not None and copies.add("clean", outs["clean"].view(torch.uint8),
+                                             clean.view(torch.uint8), dtype)
+    assert fine.first_bad() is None

@@ -5,14 +5,23 @@ sum that is not finite is confirmed with the tensor's extremes (a sum can overfl
 element does); on CUDA the sums (of |x|, every tensor of a bucket in one multi-tensor launch)
 are queued behind the copies, and read once at the update's finish (there, an overflowing
 sum, of elements near float32's limit, counts as non-finite: its bytes may be gone by then).
-FP8 values are checked by their bits.
+FP8 values are checked by their bits. Where Triton is, a large CUDA tensor copied whole is
+checked by its copy (`copies`: `wtransfer.receiver.finite_copy`), which reads it only once.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
+
+log = logging.getLogger("wtransfer.receiver.finite")
+
+CHECKED_COPY_MIN_BYTES = 1 << 20
+"""Copies from this size check as they copy (`FiniteCheck.copies`); smaller ones batch their
+copies and their sums better."""
 
 _FP8_NON_FINITE: dict[torch.dtype, tuple[int, int]] = {
     dt: mask for name, mask in (("float8_e4m3fn", (0x7F, 0x7F)), ("float8_e5m2", (0x7C, 0x7C)),
@@ -43,6 +52,18 @@ class FiniteCheck:
         self._names: list[str] = []
         self._sums: list[torch.Tensor] = []
         """Device tensors of float32 sums (of |x|), in `_names` order."""
+        self._flagged: list[tuple[list[str], torch.Tensor]] = []
+        """Checked copies' names and their int32 flags (1: the copy saw a non-finite value)."""
+
+    def copies(self, device: torch.device, capacity: int) -> CheckedCopies | None:
+        """Up to `capacity` copies onto CUDA `device` that check what they copy, or None where
+        none can (no CUDA, no Triton, or a value already failed)."""
+        if self._bad is not None or device.type != "cuda" or _checked_copy() is None:
+            return None
+        flags = torch.zeros(max(capacity, 1), dtype=torch.int32, device=device)
+        names: list[str] = []
+        self._flagged.append((names, flags))
+        return CheckedCopies(names, flags)
 
     def watch(self, name: str, values: torch.Tensor) -> None:
         """Check `values` (what arrived for tensor `name`, in its own dtype); integer and
@@ -88,8 +109,68 @@ class FiniteCheck:
             bad = (~torch.isfinite(sums)).nonzero().flatten().tolist()
             if bad:
                 self._bad = self._names[bad[0]]
-        self._names, self._sums = [], []
+        for names, flags in self._flagged:
+            if self._bad is None and names:
+                bad = flags[:len(names)].nonzero().flatten().tolist()
+                if bad:
+                    self._bad = names[bad[0]]
+        self._names, self._sums, self._flagged = [], [], []
         return self._bad
+
+
+class CheckedCopies:
+    """Copies of one update's tensors onto one CUDA device that check what they copy
+    (`FiniteCheck.copies`); `FiniteCheck.first_bad` reads their flags."""
+
+    def __init__(self, names: list[str], flags: torch.Tensor) -> None:
+        self._names = names
+        self._flags = flags
+
+    def add(self, name: str, dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Copy flat uint8 `src` into `dst`, the values of tensor `name` in `dtype`, checking
+        them as they are copied (queued on the current stream); False where this copy cannot
+        check (another device, a small copy, a dtype or an alignment it has no rule for, or
+        the kernel failed): then the caller copies and checks as before."""
+        kernel = _checked_copy()
+        if kernel is None or dtype not in kernel.EXPONENT \
+                or len(self._names) >= self._flags.numel():
+            return False
+        size = torch.empty((), dtype=dtype).element_size()
+        device = self._flags.device
+        if dst.device != device or src.device != device or dst.numel() != src.numel() \
+                or dst.numel() < CHECKED_COPY_MIN_BYTES or dst.numel() % size \
+                or dst.data_ptr() % size or src.data_ptr() % size:
+            return False
+        try:
+            kernel.copy_and_flag(dst, src, dtype, self._flags[len(self._names)])
+        except Exception as exc:  # (a device or a Triton it cannot compile for)
+            _disable_checked_copy(exc)
+            return False
+        self._names.append(name)
+        return True
+
+
+_KERNEL: list[ModuleType | None] = []
+"""The checked copy's module once looked for (None in it: not here)."""
+
+
+def _checked_copy() -> ModuleType | None:
+    """`wtransfer.receiver.finite_copy` where Triton imports, else None."""
+    if not _KERNEL:
+        try:
+            from wtransfer.receiver import finite_copy
+        except ImportError:
+            _KERNEL.append(None)
+        else:
+            _KERNEL.append(finite_copy)
+    return _KERNEL[0]
+
+
+def _disable_checked_copy(exc: BaseException) -> None:
+    """The kernel failed on this machine: copies check the batched way from now on."""
+    log.warning("the checked copy failed (%s: %s); copies are checked after they land",
+                type(exc).__name__, exc)
+    _KERNEL[:] = [None]
 
 
 def _sums_of_abs(floats: list[torch.Tensor]) -> list[torch.Tensor]:

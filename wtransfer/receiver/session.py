@@ -544,6 +544,9 @@ class UpdateSession:
                 raise MetadataError(f"tensor {meta.name!r} arrived twice in one update")
         copies = CopyQueue(fenced=self._store is not None,  # (rollback copies go between)
                            streams=WHOLE_UPDATE_STREAMS)
+        checked = (self.finite.copies(self._device, len(self._metas))
+                   if self.finite is not None else None)
+        checked_names: set[str] = set()
         loads: list[tuple[str, torch.Tensor]] = []
         try:
             for meta, src in zip(self._metas, sources, strict=True):
@@ -552,7 +555,10 @@ class UpdateSession:
                 del pending[name]
                 direct = self._direct(name) if meta.nbytes else None
                 self.touched = True  # (a queued copy may go out later: as good as made)
-                if direct is not None:
+                if direct is not None and checked is not None \
+                        and checked.add(name, direct, src, DTYPES[meta.dtype]):
+                    checked_names.add(name)  # copied on the current stream, and checked
+                elif direct is not None:
                     copies.add(direct, src)
                 else:
                     loads.append((name, tensor_from_bytes(src, meta) if meta.nbytes else
@@ -563,7 +569,8 @@ class UpdateSession:
             raise
         copies.close()
         self._watch_all([(meta.name, tensor_from_bytes(src, meta))
-                         for meta, src in zip(self._metas, sources, strict=True) if meta.nbytes])
+                         for meta, src in zip(self._metas, sources, strict=True)
+                         if meta.nbytes and meta.name not in checked_names])
         if loads:
             self._target.load_weights(loads)
         self.bytes_received += sum(m.nbytes for m in self._metas)
