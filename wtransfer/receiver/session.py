@@ -77,9 +77,11 @@ class _Regions:
 class _Batch:
     """One bucket's work: byte copies issued together, then whole-tensor loads."""
 
-    __slots__ = ("arrived", "assembled", "completed", "dsts", "loads", "srcs")
+    __slots__ = ("arrived", "assembled", "completed", "direct", "dsts", "loads", "srcs")
 
     def __init__(self) -> None:
+        self.direct: list[tuple[TensorMeta, torch.Tensor, torch.Tensor]] = []
+        """Whole tensors copied straight into the target: (meta, destination, source)."""
         self.dsts: list[torch.Tensor] = []
         self.srcs: list[torch.Tensor] = []
         self.loads: list[tuple[str, torch.Tensor]] = []
@@ -461,8 +463,9 @@ class UpdateSession:
                 self._place_whole(meta, s, piece, batch)
             else:
                 self._place_partial(meta, s, piece, batch)
-        if batch.dsts or batch.loads:
+        if batch.direct or batch.dsts or batch.loads:
             self.touched = True
+        self._copy_direct(batch)
         copy_bytes(batch.dsts, batch.srcs)
         self._watch_all(batch.arrived + [(meta.name, tensor_from_bytes(buffer, meta))
                                          for meta, buffer in batch.completed])
@@ -483,13 +486,24 @@ class UpdateSession:
             raise MetadataError(f"tensor {meta.name!r} at offset {s.offset} is not "
                                 f"aligned to its {meta.itemsize}-byte elements")
         del self._pending[meta.name]
-        batch.arrived.append((meta.name, tensor_from_bytes(piece, meta)))
         direct = self._direct(meta.name)
         if direct is not None:
-            batch.dsts.append(direct)
-            batch.srcs.append(piece)
+            batch.direct.append((meta, direct, piece))
         else:
+            batch.arrived.append((meta.name, tensor_from_bytes(piece, meta)))
             batch.loads.append((meta.name, tensor_from_bytes(piece, meta)))
+
+    def _copy_direct(self, batch: _Batch) -> None:
+        """A bucket's whole tensors that go straight into the target: each large one copied
+        and checked in one read where the device can (`FiniteCheck.copies`), the rest left
+        to the bucket's batched copies and check."""
+        checked = (self.finite.copies(self._device, len(batch.direct))
+                   if self.finite is not None and batch.direct else None)
+        for meta, dst, src in batch.direct:
+            if checked is None or not checked.add(meta.name, dst, src, DTYPES[meta.dtype]):
+                batch.dsts.append(dst)
+                batch.srcs.append(src)
+                batch.arrived.append((meta.name, tensor_from_bytes(src, meta)))
 
     def _slice_meta(self, s: Slice, nbytes: int) -> TensorMeta:
         if s.tensor >= len(self._metas):
