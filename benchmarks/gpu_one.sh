@@ -14,7 +14,8 @@
 #                                         # then -> 1 receiver, over CUDA IPC
 #     bash benchmarks/gpu_one.sh trace    # a timeline of the trainer and the engine through
 #                                         # 8B zero-copy updates (where the time goes)
-#     bash benchmarks/gpu_one.sh finite   # what refusing NaN/inf costs an 8B zero-copy update
+#     bash benchmarks/gpu_one.sh finite   # the checked copy against copy_; what refusing NaN/inf
+#                                         # costs an 8B zero-copy update
 #     bash benchmarks/gpu_one.sh engine   # the engine's GPU tests, then benchmarks/stall.py on
 #                                         # CUDA (MODELS, INFLIGHT, MODES: what to run)
 #     bash benchmarks/gpu_one.sh profile  # py-spy of the engine and ranks during the 8B
@@ -100,6 +101,10 @@ profile)
         grep -A14 "^engine\|median update" $OUT/profile-$path.txt | head -60
     done ;;
 finite)
+    echo "$(ts) the checked copy (copy + NaN/inf test in one read) against copy_, alone and"
+    echo "   over the 8B tensor list"
+    timeout 150 python3 benchmarks/checked_copy.py --mib 1024 --model qwen3-8b --repeats 7 \
+        2>&1 | tee $OUT/checked_copy.txt | tail -14; echo "rc $?"
     echo "$(ts) the finite check: an 8B update with it and without, the check alone, one copy"
     timeout 300 python3 benchmarks/finite_check.py --model qwen3-8b --device cuda:0 \
         --repeats 5 2>&1 | tee $OUT/finite.txt | tail -8; echo "rc $?" ;;

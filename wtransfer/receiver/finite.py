@@ -132,17 +132,17 @@ class CheckedCopies:
         check (another device, a small copy, a dtype or an alignment it has no rule for, or
         the kernel failed): then the caller copies and checks as before."""
         kernel = _checked_copy()
-        if kernel is None or dtype not in kernel.EXPONENT \
+        nbytes = dst.numel()
+        if kernel is None or nbytes < CHECKED_COPY_MIN_BYTES or dtype not in kernel.EXPONENT \
                 or len(self._names) >= self._flags.numel():
             return False
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         device = self._flags.device
-        if dst.device != device or src.device != device or dst.numel() != src.numel() \
-                or dst.numel() < CHECKED_COPY_MIN_BYTES or dst.numel() % size \
-                or dst.data_ptr() % size or src.data_ptr() % size:
+        if dst.device != device or src.device != device or src.numel() != nbytes \
+                or nbytes % size or dst.data_ptr() % size or src.data_ptr() % size:
             return False
         try:
-            kernel.copy_and_flag(dst, src, dtype, self._flags[len(self._names)])
+            kernel.copy_and_flag(dst, src, dtype, self._flags, len(self._names))
         except Exception as exc:  # (a device or a Triton it cannot compile for)
             _disable_checked_copy(exc)
             return False

@@ -22,7 +22,7 @@ every exponent bit is set."""
 
 
 @triton.jit
-def _copy_flag_kernel(src_ptr, dst_ptr, n, flag_ptr,  # type: ignore[no-untyped-def]
+def _copy_flag_kernel(src_ptr, dst_ptr, n, flags_ptr, flag,  # type: ignore[no-untyped-def]
                       MASK: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offsets = start + tl.arange(0, BLOCK)
@@ -31,17 +31,17 @@ def _copy_flag_kernel(src_ptr, dst_ptr, n, flag_ptr,  # type: ignore[no-untyped-
     tl.store(dst_ptr + offsets, bits, mask=inside)
     bad = ((bits & MASK) == MASK) & inside
     if tl.max(bad.to(tl.int32), axis=0) > 0:
-        tl.store(flag_ptr, 1)
+        tl.store(flags_ptr + flag, 1)
 
 
 def copy_and_flag(dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype,
-                  flag: torch.Tensor) -> None:
+                  flags: torch.Tensor, flag: int) -> None:
     """Copy flat uint8 `src` into `dst` (one CUDA device, same length, a whole number of
-    `dtype` values), queued on the current stream; set `flag` (one int32) to 1 when a value
-    is NaN or infinite. `dtype` must be one of `EXPONENT`."""
+    `dtype` values), queued on the current stream; set `flags[flag]` (int32) to 1 when a
+    value is NaN or infinite. `dtype` must be one of `EXPONENT`."""
     as_int, mask = EXPONENT[dtype]
     source, dest = src.view(as_int), dst.view(as_int)
     n = source.numel()
     if n:
-        _copy_flag_kernel[(triton.cdiv(n, BLOCK),)](source, dest, n, flag, MASK=mask,
+        _copy_flag_kernel[(triton.cdiv(n, BLOCK),)](source, dest, n, flags, flag, MASK=mask,
                                                      BLOCK=BLOCK, num_warps=8)
