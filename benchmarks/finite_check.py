@@ -1,5 +1,6 @@
 """What refusing non-finite updates costs: one in-process ipc update with the receiver's
-check on (the default) and off (`allow_non_finite=True`), interleaved, beside the check alone
+check on (the default; also with the checked copies from 64 MiB up only, and with none, every
+tensor summed after its copy) and off (`allow_non_finite=True`), interleaved, beside the check alone
 (the receiver's sums of |x|, every tensor in one call) and one flat copy of every byte (the
 floor), in one run.
 
@@ -20,6 +21,7 @@ from common import print_table, progress, write_json
 from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
+from wtransfer.receiver import finite
 from wtransfer.receiver.finite import FiniteCheck
 from wtransfer.shapes import build_module, model_metas
 
@@ -61,13 +63,19 @@ def main() -> None:
     sender = wtransfer.trainer_init(IPCTrainerInitInfo(**fields), client=client,
                                     source=wtransfer.ModuleSource(trainer))
 
-    def send(check: bool) -> None:
+    def send(check: bool, checked_from: int = finite.CHECKED_COPY_MIN_BYTES) -> None:
         """One update, the receiver checking or not (its init info's `allow_non_finite` set
-        in place: one receiver, one sender, so both ways see the same memory)."""
+        in place: one receiver, one sender, so both ways see the same memory); copies of
+        `checked_from` bytes and more check as they copy where the device can."""
         assert receiver.init_info is not None
         receiver.init_info = replace(receiver.init_info, allow_non_finite=not check)
-        sender.send_weights()
+        finite.CHECKED_COPY_MIN_BYTES = checked_from
+        try:
+            sender.send_weights()
+        finally:
+            finite.CHECKED_COPY_MIN_BYTES = default_from
 
+    default_from = finite.CHECKED_COPY_MIN_BYTES
     tensors = [t for t in trainer.state_dict().values()]
     total = sum(t.numel() * t.element_size() for t in tensors)
     flat_src = torch.empty(total, dtype=torch.uint8, device=device)
@@ -78,10 +86,12 @@ def main() -> None:
         finite.watch_all([(str(i), t) for i, t in enumerate(tensors)])
         assert finite.first_bad() is None
 
-    times: dict[str, list[float]] = {"check on": [], "check off": [], "check alone": [],
-                                     "one copy": []}
-    runs = {"check on": lambda: send(True), "check off": lambda: send(False),
+    runs = {"check on": lambda: send(True),
+            "check on, checked copies from 64 MiB": lambda: send(True, 64 << 20),
+            "check on, sums only": lambda: send(True, 1 << 62),
+            "check off": lambda: send(False),
             "check alone": check_alone, "one copy": lambda: flat_dst.copy_(flat_src)}
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for fn in runs.values():  # warm-up (a sender's first update is a full one)
         _timed(fn, device)
     for repeat in range(args.repeats):
