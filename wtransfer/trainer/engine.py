@@ -50,13 +50,11 @@ from wtransfer.errors import (
     NotInitializedError,
     SenderReplacedError,
     TransferTimeout,
-    WTransferError,
 )
 from wtransfer.manifest import Manifest, PlanParams
 from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta, bucket_checksum
 from wtransfer.protocol import (
     CallQueue,
-    FleetClient,
     PausingClient,
     PendingCall,
     StagingClient,
@@ -74,6 +72,7 @@ from wtransfer.records import (
     new_sender_id,
 )
 from wtransfer.trainer.calls import UpdateCalls
+from wtransfer.trainer.fleet import FleetUpdates
 from wtransfer.trainer.gather import GatheringPacker
 from wtransfer.trainer.group import Ranks, TrainerGroup
 from wtransfer.trainer.layouts import NoGather
@@ -220,10 +219,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self._last_update_s: float | None = None
         """How long the last update that succeeded took (`_reply_due`)."""
         self._update_start = 0.0
-        self._last_version: str | None = None
-        """The label of the update in progress (for the fleet's summary line)."""
-        self._fleet_seen = (0, 0)
-        """The fleet's (joined, generation) when this sender connected."""
+        self.fleet = FleetUpdates(client, self.backend_name)
+        """What a fleet client needs around each update (`wtransfer.trainer.fleet`)."""
 
     @classmethod
     def trainer_init(cls: type[S], init_info: Any, *, client: WeightSyncClient | None,
@@ -281,7 +278,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                   "plan": record_to_wire(self.plan_params)}
         self._on_senders(lambda: self._init_receivers(merged))
         self._on_senders(self._after_init)
-        self._remember_fleet()
+        self.fleet.connected()
         self.connected = True
 
     def _agree_on_init_info(self) -> None:
@@ -332,12 +329,13 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                 raise ConfigError(f"send_weights(pause={pause!r}) needs a client that can "
                                   f"pause its engine; {client!r} cannot")
             self._pause = (client, check_pause_mode(pause))
-        fleet = self.client if isinstance(self.client, FleetClient) else None
-        self._last_version = weight_version
         try:
             try:
-                self._follow_fleet(fleet)
-                return self._with_dropped(self._send_to_fleet(weight_version, fleet), fleet)
+                self.fleet.follow(fixed_receivers=self.fixed_receivers,
+                                  collective=self.collective, reconnect=self._reconnect)
+                stats = self.fleet.send(lambda: self._send(weight_version),
+                                        collective=self.collective, reconnect=self._reconnect)
+                return self.fleet.report(stats, weight_version)
             except NotInitializedError as exc:
                 if self.collective:
                     raise NotInitializedError(
@@ -351,46 +349,6 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         except SenderReplacedError as exc:
             self.replaced = str(exc)  # for good: the receivers serve a newer sender now
             raise
-
-    def _follow_fleet(self, fleet: FleetClient | None) -> None:
-        """Connect again when the fleet's membership changed since connect in a way this
-        transport must know of: instances joined (the transport reaches them), or left when
-        the transport was fixed at connect (`fixed_receivers`)."""
-        if fleet is None:
-            return
-        joined, generation = self._fleet_seen
-        if fleet.joined == joined and (fleet.generation == generation
-                                       or not self.fixed_receivers):
-            return
-        if self.collective:
-            raise LifecycleError("the fleet's instances changed since these trainer ranks "
-                                 "connected: create the senders again on every rank")
-        log.info("%s: the fleet changed (instances joined or left): connecting again",
-                 self.backend_name)
-        self._reconnect()
-
-    def _send_to_fleet(self, weight_version: str | None, fleet: FleetClient | None
-                       ) -> TransferStats:
-        """One update; in a drop-mode fleet, an update that failed on every instance (one
-        died mid-broadcast) is sent again, once, to the instances that still answer."""
-        try:
-            return self._send(weight_version)
-        except WTransferError:
-            if fleet is None or fleet.on_failure != "drop" or self.collective \
-                    or not fleet.prune():
-                raise
-            log.warning("%s: instances of the fleet stopped answering; sending the update "
-                        "again to the others", self.backend_name)
-            self._reconnect()
-            return self._send(weight_version)
-
-    def _with_dropped(self, stats: TransferStats, fleet: FleetClient | None) -> TransferStats:
-        """`stats` naming the instances the fleet dropped during the update."""
-        if fleet is None:
-            return stats
-        dropped = fleet.take_dropped()
-        log.info(fleet.summary(self._last_version, dropped))
-        return replace(stats, dropped=dropped) if fleet.on_failure == "drop" else stats
 
     @property
     def fixed_receivers(self) -> bool:
@@ -413,12 +371,6 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self.sender_id = new_sender_id()  # late calls of the last connection: refused
         self.updates.forget()
         self.connect()
-
-    def _remember_fleet(self) -> None:
-        """Note the fleet's membership this connect reached (`_follow_fleet`)."""
-        client = self.client
-        if isinstance(client, FleetClient):
-            self._fleet_seen = (client.joined, client.generation)
 
     def _send_update(self, weight_version: str | None, payload: Payload) -> TransferStats:
         """One update of `payload`, in the order of the module docstring (its first call, if
