@@ -6,7 +6,8 @@ element does); on CUDA the sums (of |x|, every tensor of a bucket in one multi-t
 are queued behind the copies, and read once at the update's finish (there, an overflowing
 sum, of elements near float32's limit, counts as non-finite: its bytes may be gone by then).
 FP8 values are checked by their bits. Where Triton is, a large CUDA tensor copied whole is
-checked by its copy (`copies`: `wtransfer.receiver.finite_copy`), which reads it only once.
+checked by its copy (`copies`: `wtransfer.receiver.finite_copy`), which reads it only once and
+tests each value's exponent bits (exact: huge finite values pass there).
 """
 
 from __future__ import annotations
@@ -52,18 +53,17 @@ class FiniteCheck:
         self._names: list[str] = []
         self._sums: list[torch.Tensor] = []
         """Device tensors of float32 sums (of |x|), in `_names` order."""
-        self._flagged: list[tuple[list[str], torch.Tensor]] = []
-        """Checked copies' names and their int32 flags (1: the copy saw a non-finite value)."""
+        self._copies: list[CheckedCopies] = []
+        """Checked copies (their names and int32 flags: 1, the copy saw a non-finite value)."""
 
     def copies(self, device: torch.device, capacity: int) -> CheckedCopies | None:
         """Up to `capacity` copies onto CUDA `device` that check what they copy, or None where
         none can (no CUDA, no Triton, or a value already failed)."""
         if self._bad is not None or device.type != "cuda" or _checked_copy() is None:
             return None
-        flags = torch.zeros(max(capacity, 1), dtype=torch.int32, device=device)
-        names: list[str] = []
-        self._flagged.append((names, flags))
-        return CheckedCopies(names, flags)
+        copies = CheckedCopies(device, capacity)
+        self._copies.append(copies)
+        return copies
 
     def watch(self, name: str, values: torch.Tensor) -> None:
         """Check `values` (what arrived for tensor `name`, in its own dtype); integer and
@@ -101,20 +101,23 @@ class FiniteCheck:
             self._sums.append(torch.stack(_sums_of_abs([floats[i] for i in members])))
 
     def first_bad(self) -> str | None:
-        """The first watched tensor holding a non-finite value (one device read for every
-        queued sum), or None."""
+        """A watched tensor holding a non-finite value (the first such of the sums, else of
+        the checked copies; one device read for all the sums, one for all the flags), or
+        None."""
         if self._names and self._bad is None:
             first = self._sums[0].device
             sums = torch.cat([s.to(first) for s in self._sums])
             bad = (~torch.isfinite(sums)).nonzero().flatten().tolist()
             if bad:
                 self._bad = self._names[bad[0]]
-        for names, flags in self._flagged:
-            if self._bad is None and names:
-                bad = flags[:len(names)].nonzero().flatten().tolist()
-                if bad:
-                    self._bad = names[bad[0]]
-        self._names, self._sums, self._flagged = [], [], []
+        used = [c for c in self._copies if c.names]
+        if used and self._bad is None:
+            first = used[0].flags.device
+            flags = torch.cat([c.flags[:len(c.names)].to(first) for c in used])
+            bad = flags.nonzero().flatten().tolist()
+            if bad:
+                self._bad = [n for c in used for n in c.names][bad[0]]
+        self._names, self._sums, self._copies = [], [], []
         return self._bad
 
 
@@ -122,9 +125,21 @@ class CheckedCopies:
     """Copies of one update's tensors onto one CUDA device that check what they copy
     (`FiniteCheck.copies`); `FiniteCheck.first_bad` reads their flags."""
 
-    def __init__(self, names: list[str], flags: torch.Tensor) -> None:
-        self._names = names
-        self._flags = flags
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self._device = device
+        self._capacity = capacity
+        self.names: list[str] = []
+        """The tensors copied so far, in the order of their flags."""
+        self._flags: torch.Tensor | None = None
+        """One int32 per copy (made at the first copy: none for a bucket without one)."""
+
+    @property
+    def flags(self) -> torch.Tensor:
+        """One int32 per copy (1: it saw a non-finite value), on the device."""
+        if self._flags is None:
+            self._flags = torch.zeros(max(self._capacity, 1), dtype=torch.int32,
+                                      device=self._device)
+        return self._flags
 
     def add(self, name: str, dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype) -> bool:
         """Copy flat uint8 `src` into `dst`, the values of tensor `name` in `dtype`, checking
@@ -134,19 +149,19 @@ class CheckedCopies:
         kernel = _checked_copy()
         nbytes = dst.numel()
         if kernel is None or nbytes < CHECKED_COPY_MIN_BYTES or dtype not in kernel.EXPONENT \
-                or len(self._names) >= self._flags.numel():
+                or len(self.names) >= self._capacity:
             return False
         size = dtype.itemsize
-        device = self._flags.device
+        device = self._device
         if dst.device != device or src.device != device or src.numel() != nbytes \
                 or nbytes % size or dst.data_ptr() % size or src.data_ptr() % size:
             return False
         try:
-            kernel.copy_and_flag(dst, src, dtype, self._flags, len(self._names))
+            kernel.copy_and_flag(dst, src, dtype, self.flags, len(self.names))
         except Exception as exc:  # (a device or a Triton it cannot compile for)
             _disable_checked_copy(exc)
             return False
-        self._names.append(name)
+        self.names.append(name)
         return True
 
 
@@ -161,6 +176,10 @@ def _checked_copy() -> ModuleType | None:
             from wtransfer.receiver import finite_copy
         except ImportError:
             _KERNEL.append(None)
+        except Exception as exc:  # (a Triton that is there but broken)
+            _KERNEL.append(None)
+            log.warning("the checked copy is off: importing it failed (%s: %s)",
+                        type(exc).__name__, exc)
         else:
             _KERNEL.append(finite_copy)
     return _KERNEL[0]

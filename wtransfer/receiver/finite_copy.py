@@ -21,7 +21,7 @@ EXPONENT: dict[torch.dtype, tuple[torch.dtype, int]] = {
 every exponent bit is set."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["flag"])  # (one compile whatever the flag's index)
 def _copy_flag_kernel(src_ptr, dst_ptr, n, flags_ptr, flag,  # type: ignore[no-untyped-def]
                       MASK: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -36,12 +36,14 @@ def _copy_flag_kernel(src_ptr, dst_ptr, n, flags_ptr, flag,  # type: ignore[no-u
 
 def copy_and_flag(dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype,
                   flags: torch.Tensor, flag: int) -> None:
-    """Copy flat uint8 `src` into `dst` (one CUDA device, same length, a whole number of
-    `dtype` values), queued on the current stream; set `flags[flag]` (int32) to 1 when a
-    value is NaN or infinite. `dtype` must be one of `EXPONENT`."""
+    """Copy flat uint8 `src` into `dst` (both on the CUDA device of `flags`, same length, a
+    whole number of `dtype` values), queued on that device's current stream; set
+    `flags[flag]` (int32) to 1 when a value is NaN or infinite. `dtype` must be one of
+    `EXPONENT`."""
     as_int, mask = EXPONENT[dtype]
     source, dest = src.view(as_int), dst.view(as_int)
     n = source.numel()
     if n:
-        _copy_flag_kernel[(triton.cdiv(n, BLOCK),)](source, dest, n, flags, flag, MASK=mask,
-                                                     BLOCK=BLOCK, num_warps=8)
+        with torch.cuda.device(flags.device):  # (the calling thread's device may be another)
+            _copy_flag_kernel[(triton.cdiv(n, BLOCK),)](source, dest, n, flags, flag,
+                                                         MASK=mask, BLOCK=BLOCK, num_warps=8)

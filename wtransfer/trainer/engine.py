@@ -423,7 +423,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                                   "tensors": len(layout.manifest),
                                   "buckets": len(layout.plan.buckets), "seconds": seconds,
                                   "gathered_peak_bytes": peak}
-        return TransferStats(**{**payload.restate(fields), **self._moved()})
+        return TransferStats(**{**payload.stats_fields(fields), **self._moved()})
 
     def _settle_first_call(self, calls: UpdateCalls | None) -> None:
         """The lead waits for the receivers' answer to an update's first call (before any

@@ -35,7 +35,7 @@ class Payload:
     moves (a receiver that cannot take the update refuses it with nothing written)."""
     header: DeltaHeader | None = None
     """A delta-enabled sender's header (`Share.delta`, for the backends that encode)."""
-    restate: Callable[[dict[str, Any]], dict[str, Any]] = field(default=_same)
+    stats_fields: Callable[[dict[str, Any]], dict[str, Any]] = field(default=_same)
     """The update's `TransferStats` fields as the user reads them, from those of what moved."""
 
 
@@ -110,14 +110,14 @@ class DeltaUpdates:
 def _payload(update: DeltaUpdate, model: WeightSource) -> Payload:
     """`update` as the base sends it: its header call first (answered before any byte moves
     when it is a delta), its stats counting the model's bytes and the bytes that moved."""
-    def restate(fields: dict[str, Any]) -> dict[str, Any]:
+    def stats_fields(fields: dict[str, Any]) -> dict[str, Any]:
         metas = model.metadata()
         return {**fields, "bytes": sum(m.nbytes for m in metas), "tensors": len(metas),
                 "wire_bytes": fields["bytes"], "changed_fraction": update.changed_fraction}
 
     return Payload(update.source, first_call={"delta": record_to_wire(update.header)},
                    answer_first=update.header.base is not None, header=update.header,
-                   restate=restate)
+                   stats_fields=stats_fields)
 
 
 def first_updates(info: TrainerInitInfo) -> Updates:
@@ -132,9 +132,8 @@ def updates_for(now: Updates, info: TrainerInitInfo, *, backend: str, collective
     rank's own pair buckets where every rank sends its own shards (`own_shards`, on a backend
     that encodes them: `pair_deltas`; `wtransfer.delta.pieces`); `ConfigError` where a delta
     cannot be taken."""
-    if not info.delta or not (collective or own_shards) or isinstance(now.diff,
-                                                                       PairDeltaSender):
-        return now
+    if not info.delta or not (collective or own_shards):
+        return now  # (each connect of a sender of own shards starts from a fresh one)
     if not own_shards:
         raise ConfigError("delta=True with a sharded source (or several trainer ranks) "
                           "needs an M->N transfer, where each rank diffs its own shards: "
