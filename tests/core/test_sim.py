@@ -2,6 +2,7 @@
 enough to compute by hand."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -177,3 +178,17 @@ def test_one_gpu_paths_add_up_by_hand():
     assert host["predicted_s"] == pytest.approx(2 * (1e-3 + n / 1e8 + copy + check) + 2e-3)
     with pytest.raises(ConfigError, match="one-GPU path 'nvlink'"):
         predict_one_gpu("nvlink", metas, gpu)
+    # tensors of 1 MiB and more that land whole are checked inside their copy: no second read
+    big = [TensorMeta("a", "bfloat16", (1_500_000,)), TensorMeta("b", "bfloat16", (1_500_000,))]
+    nb = 3_000_000
+    big_copy, big_check = 2 * nb / 1e9, nb / 5e8
+    assert predict_one_gpu("zero-copy", big, gpu)["predicted_s"] == pytest.approx(
+        2 * big_copy + 2e-3)
+    assert predict_one_gpu("zero-copy", big, replace(gpu, checked_from=None))[
+        "predicted_s"] == pytest.approx(2 * big_copy + 2 * big_check + 2e-3)
+    assert predict_one_gpu("packed", big, gpu, bucket_bytes=nb, num_buffers=1)[
+        "predicted_s"] == pytest.approx(2 * (big_copy + 1e-3 + big_copy) + 2e-3)
+    # a tensor split over buckets is checked after its copy
+    assert predict_one_gpu("packed", big, gpu, bucket_bytes=nb // 2, num_buffers=1)[
+        "predicted_s"] > predict_one_gpu("packed", big, replace(gpu, check_bandwidth=None),
+                                         bucket_bytes=nb // 2, num_buffers=1)["predicted_s"]

@@ -9,6 +9,9 @@ hands it over (`handover_s`, one at a time: the engine takes its calls in order)
   copy of the model), then checks it for NaN/inf;
 * ``packed``: the trainer packs each bucket into CUDA staging, the engine copies it into its
   weights and checks it (the simulator's pack -> send -> apply pipeline, `num_buffers` slots);
+
+(on both, and on ``host``, a tensor of `OneGpu.checked_from` bytes or more that lands whole is
+checked inside its copy, `wtransfer.receiver.finite_copy`: the check reads only the rest);
 * ``host``: a host-resident (pinned) trainer copies each bucket host-to-device into CUDA
   staging (the "send" is the H2D copy, at `h2d_bandwidth`), the engine applies it;
 * ``m2n``: `senders` trainer ranks each pack their shards into their own staging, the engine's
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 from wtransfer.errors import ConfigError
 from wtransfer.packing import TensorMeta
+from wtransfer.receiver.finite import CHECKED_COPY_MIN_BYTES
 from wtransfer.sim.cluster import Cluster, Link
 from wtransfer.sim.layouts import engine_layouts, fsdp_layouts
 from wtransfer.sim.simulate import simulate
@@ -44,6 +48,9 @@ class OneGpu:
     """One bucket's update call, trainer to engine worker."""
     control_s: float = 0.002
     """The update's start and finish round trips."""
+    checked_from: int | None = CHECKED_COPY_MIN_BYTES
+    """Tensors from this size that land whole are checked inside their copy (None: the check
+    reads every byte after the copies, as without Triton)."""
 
 
 def predict_one_gpu(path: str, metas: Sequence[TensorMeta], gpu: OneGpu, *,
@@ -54,11 +61,14 @@ def predict_one_gpu(path: str, metas: Sequence[TensorMeta], gpu: OneGpu, *,
     model = sum(m.nbytes for m in metas)
     floors = {"one_copy_s": 2 * model / gpu.memory_bandwidth,
               "one_h2d_s": model / gpu.h2d_bandwidth}
-    if path == "zero-copy":
-        check = model / gpu.check_bandwidth if gpu.check_bandwidth else 0.0
-        return {"predicted_s": floors["one_copy_s"] + check + gpu.control_s, **floors}
     if path not in ONE_GPU_PATHS:
         raise ConfigError(f"one-GPU path {path!r}: choose one of {list(ONE_GPU_PATHS)}")
+    whole_up_to = model if path == "zero-copy" else 0 if path == "m2n" else bucket_bytes
+    read_again = sum(m.nbytes for m in metas if gpu.checked_from is None  # (what the check
+                     or not gpu.checked_from <= m.nbytes <= whole_up_to)  # reads: M->N, all)
+    if path == "zero-copy":
+        check = read_again / gpu.check_bandwidth if gpu.check_bandwidth else 0.0
+        return {"predicted_s": floors["one_copy_s"] + check + gpu.control_s, **floors}
     host = path == "host"
     link = (Link("pcie", gpu.h2d_bandwidth, gpu.handover_s) if host
             else Link("handover", 1e18, gpu.handover_s))
@@ -68,6 +78,8 @@ def predict_one_gpu(path: str, metas: Sequence[TensorMeta], gpu: OneGpu, *,
                       shared_host=True)  # (every rank in one memory domain, one hand-over
     plan = plan_transfers(list(metas), fsdp_layouts(list(metas), ranks),  # at a time)
                           engine_layouts(list(metas), 1, 1, ep=False), bucket_bytes)
+    check_bandwidth = (gpu.check_bandwidth * model / read_again  # (the check's time: the
+                       if gpu.check_bandwidth and read_again else None)  # bytes read again)
     prediction = simulate(plan, metas, cluster, num_buffers=num_buffers, pack=not host,
-                          check_bandwidth=gpu.check_bandwidth, control_s=gpu.control_s)
+                          check_bandwidth=check_bandwidth, control_s=gpu.control_s)
     return {"predicted_s": prediction.seconds, **floors}
