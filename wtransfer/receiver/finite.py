@@ -143,9 +143,9 @@ class CheckedCopies:
 
     def add(self, name: str, dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype) -> bool:
         """Copy flat uint8 `src` into `dst`, the values of tensor `name` in `dtype`, checking
-        them as they are copied (queued on the current stream); False where this copy cannot
-        check (another device, a small copy, a dtype or an alignment it has no rule for, or
-        the kernel failed): then the caller copies and checks as before."""
+        them as they are copied (queued on this device's current stream); False where this
+        copy cannot check (another device, a small copy, a dtype or an alignment it has no
+        rule for, or the kernel failed): then the caller copies and checks as before."""
         kernel = _checked_copy()
         nbytes = dst.numel()
         if kernel is None or nbytes < CHECKED_COPY_MIN_BYTES or dtype not in kernel.EXPONENT \
