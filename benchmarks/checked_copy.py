@@ -10,11 +10,12 @@ with Triton only).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import triton
+from common import median_seconds
 
 from wtransfer.packing import DTYPES
 from wtransfer.receiver import finite_copy
@@ -22,15 +23,8 @@ from wtransfer.receiver.finite import FiniteCheck
 from wtransfer.shapes import model_metas
 
 
-def _timed(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _timed(fn: Callable[[], object], repeats: int) -> float:
+    return median_seconds(fn, repeats, warmup=0, sync=torch.cuda.synchronize)
 
 
 def main() -> None:

@@ -15,14 +15,20 @@ from typing import Any
 import torch
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median wall time of `fn()` over `repeats` runs after `warmup` untimed runs."""
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1,
+                   sync: Callable[[], object] | None = None) -> float:
+    """Median wall time of `fn()` over `repeats` runs after `warmup` untimed runs (with
+    `sync`, such as `torch.cuda.synchronize`, called before each run and inside its time)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        if sync is not None:
+            sync()
         start = time.perf_counter()
         fn()
+        if sync is not None:
+            sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

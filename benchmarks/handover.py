@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from common import median_seconds
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from wtransfer.shapes import model_metas
@@ -100,14 +101,7 @@ def open_shared(rec: list[Any]) -> torch.Tensor:
 
 
 def median_ms(fn: Callable[[], Any], repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return median_seconds(fn, repeats, warmup=0, sync=torch.cuda.synchronize) * 1e3
 
 
 def pack(stream: torch.cuda.Stream, buckets: list[list[Piece]], slots: list[torch.Tensor],
