@@ -560,7 +560,7 @@ class UpdateSession:
                            streams=WHOLE_UPDATE_STREAMS)
         checked = (self.finite.copies(self._device, len(self._metas))
                    if self.finite is not None else None)
-        checked_names: set[str] = set()
+        watch: list[tuple[str, torch.Tensor]] = []  # what the check reads after the copies
         loads: list[tuple[str, torch.Tensor]] = []
         try:
             for meta, src in zip(self._metas, sources, strict=True):
@@ -571,8 +571,10 @@ class UpdateSession:
                 self.touched = True  # (a queued copy may go out later: as good as made)
                 if direct is not None and checked is not None \
                         and checked.add(name, direct, src, DTYPES[meta.dtype]):
-                    checked_names.add(name)  # copied on the current stream, and checked
-                elif direct is not None:
+                    continue  # copied on the current stream, and checked
+                if meta.nbytes:
+                    watch.append((name, tensor_from_bytes(src, meta)))
+                if direct is not None:
                     copies.add(direct, src)
                 else:
                     loads.append((name, tensor_from_bytes(src, meta) if meta.nbytes else
@@ -582,9 +584,7 @@ class UpdateSession:
             copies.abort()  # what follows (a rollback, a drain) comes after what went out
             raise
         copies.close()
-        self._watch_all([(meta.name, tensor_from_bytes(src, meta))
-                         for meta, src in zip(self._metas, sources, strict=True)
-                         if meta.nbytes and meta.name not in checked_names])
+        self._watch_all(watch)
         if loads:
             self._target.load_weights(loads)
         self.bytes_received += sum(m.nbytes for m in self._metas)

@@ -64,9 +64,11 @@ def predict_one_gpu(path: str, metas: Sequence[TensorMeta], gpu: OneGpu, *,
     if path not in ONE_GPU_PATHS:
         raise ConfigError(f"one-GPU path {path!r}: choose one of {list(ONE_GPU_PATHS)}")
     whole_up_to = model if path == "zero-copy" else 0 if path == "m2n" else bucket_bytes
-    read_again = sum(m.nbytes for m in metas if gpu.checked_from is None  # (what the check
-                     or not gpu.checked_from <= m.nbytes <= whole_up_to)  # reads: M->N, all)
+    in_copy = [gpu.checked_from is not None and gpu.checked_from <= m.nbytes <= whole_up_to
+               for m in metas]  # (M->N's pieces: none)
     if path == "zero-copy":
+        read_again = sum(m.nbytes for m, checked in zip(metas, in_copy, strict=True)
+                         if not checked)
         check = read_again / gpu.check_bandwidth if gpu.check_bandwidth else 0.0
         return {"predicted_s": floors["one_copy_s"] + check + gpu.control_s, **floors}
     host = path == "host"
@@ -78,8 +80,7 @@ def predict_one_gpu(path: str, metas: Sequence[TensorMeta], gpu: OneGpu, *,
                       shared_host=True)  # (every rank in one memory domain, one hand-over
     plan = plan_transfers(list(metas), fsdp_layouts(list(metas), ranks),  # at a time)
                           engine_layouts(list(metas), 1, 1, ep=False), bucket_bytes)
-    check_bandwidth = (gpu.check_bandwidth * model / read_again  # (the check's time: the
-                       if gpu.check_bandwidth and read_again else None)  # bytes read again)
     prediction = simulate(plan, metas, cluster, num_buffers=num_buffers, pack=not host,
-                          check_bandwidth=check_bandwidth, control_s=gpu.control_s)
+                          check_bandwidth=gpu.check_bandwidth, checked_in_copy=in_copy,
+                          control_s=gpu.control_s)
     return {"predicted_s": prediction.seconds, **floors}

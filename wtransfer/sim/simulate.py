@@ -79,12 +79,14 @@ def _pipeline(times: Sequence[tuple[float, float, float]]) -> float:
 def simulate(plan: TransferPlan, metas: Sequence[TensorMeta], cluster: Cluster, *,
              num_buffers: int = 2, source_bytes_per_byte: Sequence[float] | None = None,
              control_s: float = 0.002, rollback: bool = False, pack: bool = True,
-             check_bandwidth: float | None = None) -> Prediction:
+             check_bandwidth: float | None = None,
+             checked_in_copy: Sequence[bool] | None = None) -> Prediction:
     """Predict `plan` on `cluster` (see the module docstring). `source_bytes_per_byte[i]`:
     bytes the trainer reads per byte sent of tensor i (2.0 for bf16 sent as fp8; default 1).
     `pack` False: the send itself fills the slot (a host source copied to the device);
     `check_bandwidth`: bytes per second the receiver's NaN/inf check reads, added to each
-    apply (None: no check)."""
+    apply (None: no check), but for tensor i's bytes where `checked_in_copy[i]` (checked by
+    their copy, read once)."""
     ratio = list(source_bytes_per_byte) if source_bytes_per_byte is not None else None
     mem = cluster.memory_bandwidth
     pack_free: dict[int, float] = defaultdict(float)
@@ -111,7 +113,8 @@ def simulate(plan: TransferPlan, metas: Sequence[TensorMeta], cluster: Cluster, 
         send_t = link.seconds(nbytes)
         apply_t = (4 if rollback else 2) * nbytes / mem
         if check_bandwidth is not None:
-            apply_t += nbytes / check_bandwidth
+            apply_t += sum(p.nbytes for p in bucket.pieces if checked_in_copy is None
+                           or not checked_in_copy[p.tensor]) / check_bandwidth
         s_mem = ("mem", cluster.memory_domain(cluster.sender_gpu(s)))
         w_mem = ("mem", cluster.memory_domain(cluster.worker_gpu(w)))
         host = cluster.link_domain(s, w)
