@@ -14,6 +14,8 @@
 #                                         # then -> 1 receiver, over CUDA IPC
 #     bash benchmarks/gpu_one.sh trace    # a timeline of the trainer and the engine through
 #                                         # 8B zero-copy updates (where the time goes)
+#     bash benchmarks/gpu_one.sh timeline # every process's marks through the 8B 2 -> TP=2
+#                                         # updates (M->N, then one sender), one time axis
 #     bash benchmarks/gpu_one.sh finite   # the checked copy against copy_; what refusing NaN/inf
 #                                         # costs an 8B zero-copy update
 #     bash benchmarks/gpu_one.sh engine   # the engine's GPU tests, then benchmarks/stall.py on
@@ -100,6 +102,13 @@ profile)
             > $OUT/profile-$path.txt 2>&1; echo "rc $?"
         grep -A14 "^engine\|median update" $OUT/profile-$path.txt | head -60
     done ;;
+timeline)
+    for path in ${PATHS:-m2n one-sender}; do
+        echo "$(ts) a timeline of every process through 8B 2 -> TP=2 updates: $path"
+        timeout ${TIMELINE_S:-240} python3 benchmarks/update_timeline.py --model qwen3-8b \
+            --device cuda:0 --tp 2 --path $path --updates 3 > $OUT/timeline-$path.txt 2>&1
+        echo "rc $?"; grep -B2 -A40 "median update" $OUT/timeline-$path.txt | head -60
+    done ;;
 finite)
     echo "$(ts) the checked copy (copy + NaN/inf test in one read) against copy_, alone and"
     echo "   over the 8B tensor list"
@@ -116,6 +125,6 @@ engine)
     timeout ${STALL_S:-330} python3 benchmarks/stall.py --device cuda --models $MODELS \
         --inflight $INFLIGHT --modes "${MODES:-none,none eager,staged,staged copy}" \
         --updates 3 2>&1 | tee $OUT/stall.txt | tail -30; echo "rc $?" ;;
-*) echo "usage: gpu_one.sh suite|paths|ipc|ucx|peers|m2n|trace|profile|finite|engine"; exit 2 ;;
+*) echo "usage: gpu_one.sh suite|paths|ipc|ucx|peers|m2n|trace|profile|timeline|finite|engine"; exit 2 ;;
 esac
 echo "$(ts) done"
