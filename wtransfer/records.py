@@ -356,7 +356,10 @@ class TensorLayout:
     @property
     def is_whole(self) -> bool:
         """Whether this rank holds the whole tensor."""
-        return len(self.boxes) == 1 and self.boxes[0] == Box.whole(self.shape)
+        if len(self.boxes) != 1:
+            return False
+        box = self.boxes[0]
+        return box.lengths == tuple(self.shape) and not any(box.offsets)
 
     @property
     def local_shape(self) -> tuple[int, ...]:

@@ -301,3 +301,49 @@ def test_two_trainer_processes_on_one_gpu_stage_half_each_through_cuda_ipc():
         client.close()
     sent = [o["sent_bytes"] for o in outs]
     assert sum(sent) == outs[0]["bytes"] and min(sent) > 0.3 * outs[0]["bytes"]
+
+
+@pytest.mark.gpu
+def test_a_zero_copy_update_into_a_tp_engine_reads_and_checks_each_workers_part_only():
+    """One trainer process, zero-copy into our engine with two TP workers on cuda:0: each
+    worker copies only the parts it keeps (its received bytes are its kept bytes) and the
+    engine holds the trainer's weights bit-exact; a NaN in a row-parallel tensor (a strided
+    part) and an infinity in a column-parallel one (a contiguous part, checked in its copy)
+    are each refused naming the tensor, the engine's weights unchanged; the next clean
+    update lands."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from wtransfer.demos.rl.servers import HTTPPolicyServer
+    from wtransfer.inference.model.decoder import load_model
+
+    trainer = load_model("qwen3-0.6b", seed=3, device="cuda:0")
+    server = HTTPPolicyServer(model="qwen3-0.6b", seed=2, backend="ipc",
+                              tensor_parallel_size=2, device="cuda:0", start_timeout_s=300)
+    try:
+        client = server.client
+        with wtransfer.trainer_init(IPCTrainerInitInfo(timeout_s=120), client=client,
+                                    source=wtransfer.ModuleSource(trainer)) as sender:
+            sender.send_weights(weight_version="clean")
+            assert client.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+            workers = server.weight_info()["workers"]
+            kept = [w["kept_bytes"] for w in workers]
+            assert [w["last_update_bytes"] for w in workers] == kept
+            model_bytes = sum(t.nbytes for t in trainer.state_dict().values())
+            assert all(k < 0.6 * model_bytes for k in kept), (kept, model_bytes)
+            before = client.fingerprint()
+            state = trainer.state_dict()
+            for name, bad in (("model.layers.3.self_attn.o_proj.weight", float("nan")),
+                              ("model.layers.5.mlp.up_proj.weight", float("inf"))):
+                with torch.no_grad():
+                    state[name][-1, -1] = bad
+                with pytest.raises(wtransfer.errors.NonFiniteError,
+                                   match=f"'{name}' holds NaN or infin"):
+                    sender.send_weights(weight_version="diverged")
+                assert client.fingerprint() == before
+                with torch.no_grad():
+                    state[name][-1, -1] = 0.25
+            sender.send_weights(weight_version="clean-2")
+            assert client.fingerprint() == wtransfer.fingerprint(trainer.state_dict())
+            assert client.get_weight_version() == "clean-2"
+    finally:
+        server.close()

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wtransfer.errors import ConfigError, IntegrityError, MetadataError
+from wtransfer.errors import ConfigError, IntegrityError, MetadataError, NonFiniteError
 from wtransfer.packing import (
     DTYPES,
     BucketPacker,
@@ -248,3 +248,51 @@ def test_tensors_made_as_they_are_yielded_pack_bit_exact():
             got[at: at + s.nbytes] = staging[s.offset: s.offset + s.nbytes]
     packer.finish()
     assert torch.equal(got, torch.cat([byte_view(w.contiguous()) for w in wants]))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_whole_update_into_a_tp_worker_copies_and_checks_only_the_parts_it_keeps(rank):
+    """`load_whole` (a zero-copy update: every tensor whole in the sender's memory) into one
+    worker of TP=2 copies only its layout's part of each split tensor, row-split (contiguous)
+    or column-split (strided): its weights equal the full tensors' parts bit-exact, it counts
+    only the bytes it keeps, and its finite check reads only those: a NaN in the other
+    worker's half of a strided tensor is the other worker's to refuse, one in its own half
+    is refused naming the tensor."""
+    from wtransfer.inference.config import MODEL_CONFIGS
+    from wtransfer.inference.model.decoder import load_model, shard_model
+    from wtransfer.inference.model.parallel import Parallel, layouts
+    from wtransfer.inference.updates.shard_target import ShardTarget
+
+    full = load_model("tiny", seed=3)
+    state = full.state_dict()
+    parallel = Parallel(rank=rank, size=2)
+    kept = layouts(MODEL_CONFIGS["tiny"], parallel, state)
+    worker = shard_model(load_model("tiny", seed=4), parallel)
+    metas = [TensorMeta.of(n, t) for n, t in state.items()]
+    strided = next(n for n, lay in kept.items()
+                   if not lay.is_whole and not lay.take(state[n]).is_contiguous())
+    assert any(not lay.is_whole and lay.take(state[n]).is_contiguous()
+               for n, lay in kept.items())  # (both kinds of split are exercised)
+
+    def update(model_state):
+        session = UpdateSession(ShardTarget(worker, kept), "cpu")
+        session.announce(metas)
+        session.load_whole([byte_view(model_state[m.name]).clone() for m in metas])
+        session.finish()
+        return session.bytes_received
+
+    received = update(state)
+    live = worker.state_dict()
+    for name, layout in kept.items():
+        assert torch.equal(live[name], layout.take(state[name])), name
+    assert received == sum(lay.nbytes for lay in kept.values())
+    assert received < 0.7 * sum(t.nbytes for t in state.values())
+    others_half = state[strided].clone()
+    mine = kept[strided].boxes[0]
+    theirs = 0 if mine.offsets[-1] else -1  # a column this worker does not keep
+    others_half[0, theirs] = float("nan")
+    update({**state, strided: others_half})  # not this worker's to refuse
+    own_half = state[strided].clone()
+    own_half[0, mine.offsets[-1]] = float("nan")
+    with pytest.raises(NonFiniteError, match=f"'{strided}' holds NaN"):
+        update({**state, strided: own_half})

@@ -38,9 +38,10 @@ from wtransfer.packing import (
     Slice,
     TensorMeta,
     bucket_checksum,
+    byte_view,
     tensor_from_bytes,
 )
-from wtransfer.receiver.finite import FiniteCheck
+from wtransfer.receiver.finite import CheckedCopies, FiniteCheck
 from wtransfer.receiver.programs import PieceProgram, PiecePrograms, ProgramContext
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import Box, TensorLayout
@@ -560,8 +561,11 @@ class UpdateSession:
                            streams=WHOLE_UPDATE_STREAMS)
         checked = (self.finite.copies(self._device, len(self._metas))
                    if self.finite is not None else None)
+        kept = self._kept if self._kept is not None else self._target.keeps()
         watch: list[tuple[str, torch.Tensor]] = []  # what the check reads after the copies
         loads: list[tuple[str, torch.Tensor]] = []
+        strided: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        received = 0
         try:
             for meta, src in zip(self._metas, sources, strict=True):
                 name = meta.name
@@ -569,25 +573,68 @@ class UpdateSession:
                 del pending[name]
                 direct = self._direct(name) if meta.nbytes else None
                 self.touched = True  # (a queued copy may go out later: as good as made)
-                if direct is not None and checked is not None \
-                        and checked.add(name, direct, src, DTYPES[meta.dtype]):
-                    continue  # copied on the current stream, and checked
+                parts = (self._kept_regions(name, meta, kept)
+                         if direct is None and kept is not None and meta.nbytes else None)
+                if parts is not None:  # only what this worker keeps is read, and checked
+                    full = tensor_from_bytes(src, meta)
+                    for box, dest in parts:
+                        part = full[box.slices()]
+                        received += box.numel * meta.itemsize
+                        if part.is_contiguous() and dest.is_contiguous():
+                            self._copy_checked(name, meta, byte_view(dest), byte_view(part),
+                                               copies, checked, watch)
+                        else:
+                            strided[0].append(dest)
+                            strided[1].append(part)
+                            watch.append((name, part))
+                    continue
+                received += meta.nbytes
+                if direct is not None:
+                    self._copy_checked(name, meta, direct, src, copies, checked, watch)
+                    continue
                 if meta.nbytes:
                     watch.append((name, tensor_from_bytes(src, meta)))
-                if direct is not None:
-                    copies.add(direct, src)
-                else:
-                    loads.append((name, tensor_from_bytes(src, meta) if meta.nbytes else
-                                  torch.empty(meta.shape, dtype=DTYPES[meta.dtype],
-                                              device=self._device)))
+                loads.append((name, tensor_from_bytes(src, meta) if meta.nbytes else
+                              torch.empty(meta.shape, dtype=DTYPES[meta.dtype],
+                                          device=self._device)))
         except BaseException:
             copies.abort()  # what follows (a rollback, a drain) comes after what went out
             raise
         copies.close()
+        if strided[0]:
+            torch._foreach_copy_(strided[0], strided[1], non_blocking=True)
         self._watch_all(watch)
         if loads:
             self._target.load_weights(loads)
-        self.bytes_received += sum(m.nbytes for m in self._metas)
+        self.bytes_received += received
+
+    def _kept_regions(self, name: str, meta: TensorMeta, kept: dict[str, TensorLayout]
+                      ) -> list[tuple[Box, torch.Tensor]] | None:
+        """Each part of tensor `name` this worker keeps, with the target's view it goes to;
+        None where the worker keeps it whole or the target offers no views (the whole tensor
+        then goes to `load_weights`)."""
+        layout = kept.get(name)
+        if layout is None:
+            return []  # (a worker that keeps none of it: nothing to copy)
+        if layout.is_whole:
+            return None
+        parts = []
+        for box in layout.boxes:
+            dest = self._target.region(name, box)
+            if dest is None:
+                return None
+            parts.append((box, dest))
+        return parts
+
+    def _copy_checked(self, name: str, meta: TensorMeta, dst: torch.Tensor, src: torch.Tensor,
+                      copies: CopyQueue, checked: CheckedCopies | None,
+                      watch: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy flat uint8 `src` into `dst` (values of `meta`), checked in the copy where the
+        device can, else queued and its values left for the batched check."""
+        if checked is not None and checked.add(name, dst, src, DTYPES[meta.dtype]):
+            return  # copied on the current stream, and checked
+        watch.append((name, src.view(DTYPES[meta.dtype])))
+        copies.add(dst, src)
 
     def direct_destination(self, bucket: Bucket, device: torch.device) -> torch.Tensor:
         """Where a direct bucket's bytes should land on `device`: the target's own storage
