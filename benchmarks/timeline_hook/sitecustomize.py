@@ -39,7 +39,11 @@ TRACED: dict[str, list[tuple[str, str]]] = {
                                   ("WeightTransferEngine.start_weight_update", "start"),
                                   ("WeightTransferEngine.finish_weight_update", "finish")],
     "wtransfer.receiver.session": [("UpdateSession.consume_pieces", "consume pieces"),
-                                   ("UpdateSession.consume", "consume")],
+                                   ("UpdateSession.consume", "consume"),
+                                   ("UpdateSession.load_whole", "load whole"),
+                                   ("UpdateSession.finish", "session finish")],
+    "wtransfer_ipc.zero_copy": [("ZeroCopyImports.sources", "zero-copy sources")],
+    "wtransfer_ipc.receiver": [("drain", "drain")],
 }
 
 _role: list[str] = []

@@ -15,7 +15,9 @@ from wtransfer.packing import (
     TensorMeta,
     bucket_checksum,
     byte_view,
+    tensor_from_bytes,
 )
+from wtransfer.receiver.programs import PiecePrograms
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import ModuleTarget
 from wtransfer.shapes import build_module
@@ -274,25 +276,31 @@ def test_a_whole_update_into_a_tp_worker_copies_and_checks_only_the_parts_it_kee
     assert any(not lay.is_whole and lay.take(state[n]).is_contiguous()
                for n, lay in kept.items())  # (both kinds of split are exercised)
 
-    def update(model_state):
-        session = UpdateSession(ShardTarget(worker, kept), "cpu")
+    target = ShardTarget(worker, kept)
+    programs = PiecePrograms()
+    sources = [byte_view(state[m.name]).clone() for m in metas]  # the trainer's memory
+    by_name = {m.name: tensor_from_bytes(src, m) for m, src in zip(metas, sources, strict=True)}
+
+    def update():  # the first works the copies out, later ones replay them
+        session = UpdateSession(target, "cpu", programs=programs)
         session.announce(metas)
-        session.load_whole([byte_view(model_state[m.name]).clone() for m in metas])
+        session.load_whole(sources)
         session.finish()
         return session.bytes_received
 
-    received = update(state)
-    live = worker.state_dict()
-    for name, layout in kept.items():
-        assert torch.equal(live[name], layout.take(state[name])), name
-    assert received == sum(lay.nbytes for lay in kept.values())
-    assert received < 0.7 * sum(t.nbytes for t in state.values())
-    others_half = state[strided].clone()
+    for step in range(2):
+        for name, values in by_name.items():  # an optimizer step, in place
+            values.copy_(state[name] * (1 + step))
+        received = update()
+        live = worker.state_dict()
+        for name, layout in kept.items():
+            assert torch.equal(live[name], layout.take(by_name[name])), (step, name)
+        assert received == sum(lay.nbytes for lay in kept.values())
+        assert received < 0.7 * sum(t.nbytes for t in state.values())
     mine = kept[strided].boxes[0]
     theirs = 0 if mine.offsets[-1] else -1  # a column this worker does not keep
-    others_half[0, theirs] = float("nan")
-    update({**state, strided: others_half})  # not this worker's to refuse
-    own_half = state[strided].clone()
-    own_half[0, mine.offsets[-1]] = float("nan")
+    by_name[strided][0, theirs] = float("nan")
+    update()  # not this worker's to refuse
+    by_name[strided][0, mine.offsets[-1]] = float("nan")
     with pytest.raises(NonFiniteError, match=f"'{strided}' holds NaN"):
-        update({**state, strided: own_half})
+        update()

@@ -21,7 +21,7 @@ staging changes.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +45,30 @@ class PieceProgram:
     """The elements each tensor gets."""
     nbytes: int
     """Tensor bytes the bucket delivers to this worker."""
+
+
+@dataclass
+class WholeProgram:
+    """A whole update's copies for one worker (a zero-copy update: every tensor read from the
+    sender's memory), worked out once and replayed while it reads the same `sources` into
+    the same storages."""
+
+    sources: Sequence[torch.Tensor]
+    """The very list of sources it was worked out for."""
+    copies: list[tuple[str, torch.dtype, torch.Tensor, torch.Tensor]] = field(
+        default_factory=list)
+    """(tensor name, dtype, destination bytes, source bytes): whole tensors and contiguous
+    parts, checked in their copy where the device can."""
+    strided_dests: list[torch.Tensor] = field(default_factory=list)
+    """Strided parts' destinations, copied in one multi-tensor call."""
+    strided_sources: list[torch.Tensor] = field(default_factory=list)
+    """Their sources."""
+    watched: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    """(name, values) the batched finite check reads: strided parts, tensors loaded whole."""
+    loads: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    """Tensors handed to `WeightTarget.load_weights` (the target offers no view)."""
+    nbytes: int = 0
+    """Tensor bytes this worker receives."""
 
 
 ProgramKey = tuple[int, int, tuple[Piece, ...], bool]
@@ -77,6 +101,8 @@ class PiecePrograms:
         self._used: dict[ProgramKey, PieceProgram] = {}
         """The open update's programs, replayed or worked out."""
         self._used_context: ProgramContext | None = None
+        self._whole: tuple[ProgramContext, WholeProgram] | None = None
+        """The last zero-copy update's copies."""
 
     @staticmethod
     def key(staging: torch.Tensor, nbytes: int, pieces: Sequence[Piece],
@@ -108,7 +134,22 @@ class PiecePrograms:
         those of the last finished one)."""
         self._used, self._used_context = {}, None
 
+    def find_whole(self, context: ProgramContext, sources: Sequence[torch.Tensor]
+                   ) -> WholeProgram | None:
+        """The whole update's program made under `context` from these very `sources`, or
+        None."""
+        if self._whole is None:
+            return None
+        made_under, program = self._whole
+        return program if program.sources is sources and context.same(made_under) else None
+
+    def keep_whole(self, context: ProgramContext, program: WholeProgram) -> None:
+        """Keep a whole update's program for the next update (it holds views of the sources
+        and of the target's storages, so only the last one is kept)."""
+        self._whole = (context, program)
+
     def clear(self) -> None:
         """Drop every program (the staging is unmapped, or the sender changed)."""
         self._kept, self._context = {}, None
+        self._whole = None
         self.update_started()

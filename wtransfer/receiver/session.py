@@ -41,8 +41,13 @@ from wtransfer.packing import (
     byte_view,
     tensor_from_bytes,
 )
-from wtransfer.receiver.finite import CheckedCopies, FiniteCheck
-from wtransfer.receiver.programs import PieceProgram, PiecePrograms, ProgramContext
+from wtransfer.receiver.finite import FiniteCheck
+from wtransfer.receiver.programs import (
+    PieceProgram,
+    PiecePrograms,
+    ProgramContext,
+    WholeProgram,
+)
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import Box, TensorLayout
 from wtransfer.transport.copies import WHOLE_UPDATE_STREAMS, CopyQueue, copy_bytes
@@ -557,58 +562,88 @@ class UpdateSession:
                                     f"not {meta.nbytes}")
             if meta.name not in pending:
                 raise MetadataError(f"tensor {meta.name!r} arrived twice in one update")
+        program = self._whole_program(sources)
         copies = CopyQueue(fenced=self._store is not None,  # (rollback copies go between)
                            streams=WHOLE_UPDATE_STREAMS)
-        checked = (self.finite.copies(self._device, len(self._metas))
-                   if self.finite is not None else None)
-        kept = self._kept if self._kept is not None else self._target.keeps()
-        watch: list[tuple[str, torch.Tensor]] = []  # what the check reads after the copies
-        loads: list[tuple[str, torch.Tensor]] = []
-        strided: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        received = 0
+        checked = (self.finite.copies(self._device, len(program.copies))
+                   if self.finite is not None and program.copies else None)
+        watch = list(program.watched)  # what the check reads after the copies
         try:
-            for meta, src in zip(self._metas, sources, strict=True):
-                name = meta.name
-                self._save(name)
-                del pending[name]
-                direct = self._direct(name) if meta.nbytes else None
-                self.touched = True  # (a queued copy may go out later: as good as made)
-                parts = (self._kept_regions(name, meta, kept)
-                         if direct is None and kept is not None and meta.nbytes else None)
-                if parts is not None:  # only what this worker keeps is read, and checked
-                    full = tensor_from_bytes(src, meta)
-                    for box, dest in parts:
-                        part = full[box.slices()]
-                        received += box.numel * meta.itemsize
-                        if part.is_contiguous() and dest.is_contiguous():
-                            self._copy_checked(name, meta, byte_view(dest), byte_view(part),
-                                               copies, checked, watch)
-                        else:
-                            strided[0].append(dest)
-                            strided[1].append(part)
-                            watch.append((name, part))
-                    continue
-                received += meta.nbytes
-                if direct is not None:
-                    self._copy_checked(name, meta, direct, src, copies, checked, watch)
-                    continue
-                if meta.nbytes:
-                    watch.append((name, tensor_from_bytes(src, meta)))
-                loads.append((name, tensor_from_bytes(src, meta) if meta.nbytes else
-                              torch.empty(meta.shape, dtype=DTYPES[meta.dtype],
-                                          device=self._device)))
+            for meta in self._metas:
+                self._save(meta.name)  # (rollback: every snapshot queued before any copy)
+                del pending[meta.name]
+            self.touched = True  # (a queued copy may go out later: as good as made)
+            for name, dtype, dst, src in program.copies:
+                if checked is None or not checked.add(name, dst, src, dtype):
+                    watch.append((name, src.view(dtype)))
+                    copies.add(dst, src)
         except BaseException:
             copies.abort()  # what follows (a rollback, a drain) comes after what went out
             raise
         copies.close()
-        if strided[0]:
-            torch._foreach_copy_(strided[0], strided[1], non_blocking=True)
+        if program.strided_dests:
+            torch._foreach_copy_(program.strided_dests, program.strided_sources,
+                                 non_blocking=True)
         self._watch_all(watch)
-        if loads:
-            self._target.load_weights(loads)
-        self.bytes_received += received
+        if program.loads:
+            self._target.load_weights(program.loads)
+        self.bytes_received += program.nbytes
 
-    def _kept_regions(self, name: str, meta: TensorMeta, kept: dict[str, TensorLayout]
+    def _whole_program(self, sources: Sequence[torch.Tensor]) -> WholeProgram:
+        """The copies of a whole update from `sources`: the last update's when it read the
+        same sources into the same storages, else worked out (and kept for the next)."""
+        kept = self._kept if self._kept is not None else self._target.keeps()
+        context = None
+        if self._programs is not None and self._target is self._origin:
+            storages = self._origin.regions_key()
+            if storages is not None:
+                context = ProgramContext(self._listed, kept, storages)
+        if context is not None:
+            assert self._programs is not None
+            found = self._programs.find_whole(context, sources)
+            if found is not None:
+                return found
+        program = self._plan_whole(sources, kept)
+        if context is not None:
+            assert self._programs is not None
+            self._programs.keep_whole(context, program)
+        return program
+
+    def _plan_whole(self, sources: Sequence[torch.Tensor],
+                    kept: dict[str, TensorLayout] | None) -> WholeProgram:
+        """Where each tensor of a whole update goes: whole into the target's storage, only
+        the parts this worker keeps (contiguous parts copied like whole tensors, strided
+        ones in one multi-tensor copy; only what is kept is checked), or to `load_weights`."""
+        program = WholeProgram(sources)
+        for meta, src in zip(self._metas, sources, strict=True):
+            name, dtype = meta.name, DTYPES[meta.dtype]
+            direct = self._direct(name) if meta.nbytes else None
+            parts = (self._kept_regions(name, kept)
+                     if direct is None and kept is not None and meta.nbytes else None)
+            if direct is not None:
+                program.copies.append((name, dtype, direct, src))
+                program.nbytes += meta.nbytes
+            elif parts is not None:
+                full = tensor_from_bytes(src, meta)
+                for box, dest in parts:
+                    part = full[box.slices()]
+                    program.nbytes += box.numel * meta.itemsize
+                    if part.is_contiguous() and dest.is_contiguous():
+                        program.copies.append((name, dtype, byte_view(dest), byte_view(part)))
+                    else:
+                        program.strided_dests.append(dest)
+                        program.strided_sources.append(part)
+                        program.watched.append((name, part))
+            else:
+                values = (tensor_from_bytes(src, meta) if meta.nbytes else
+                          torch.empty(meta.shape, dtype=dtype, device=self._device))
+                if meta.nbytes:
+                    program.watched.append((name, values))
+                program.loads.append((name, values))
+                program.nbytes += meta.nbytes
+        return program
+
+    def _kept_regions(self, name: str, kept: dict[str, TensorLayout]
                       ) -> list[tuple[Box, torch.Tensor]] | None:
         """Each part of tensor `name` this worker keeps, with the target's view it goes to;
         None where the worker keeps it whole or the target offers no views (the whole tensor
@@ -625,16 +660,6 @@ class UpdateSession:
                 return None
             parts.append((box, dest))
         return parts
-
-    def _copy_checked(self, name: str, meta: TensorMeta, dst: torch.Tensor, src: torch.Tensor,
-                      copies: CopyQueue, checked: CheckedCopies | None,
-                      watch: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy flat uint8 `src` into `dst` (values of `meta`), checked in the copy where the
-        device can, else queued and its values left for the batched check."""
-        if checked is not None and checked.add(name, dst, src, DTYPES[meta.dtype]):
-            return  # copied on the current stream, and checked
-        watch.append((name, src.view(DTYPES[meta.dtype])))
-        copies.add(dst, src)
 
     def direct_destination(self, bucket: Bucket, device: torch.device) -> torch.Tensor:
         """Where a direct bucket's bytes should land on `device`: the target's own storage
