@@ -8,7 +8,9 @@ cropping it to what the worker keeps (`UpdateSession.consume_pieces` with `crop`
 ipc M->N receiver calls it for shared staging), and issuing its copies into the worker's
 sharded weights (`ShardTarget`). On a GPU that work is what the host adds to the copies, which
 run asynchronously. Floor, in the same run: one view of the staging and one `copy_` per piece
-into its destination, the least any receiver must issue.
+into its destination, the least any receiver must issue. Beside it, the same worker taking a
+zero-copy update (every tensor whole in the sender's memory; `UpdateSession.load_whole` copies
+the parts it keeps), worked out and replayed (`wtransfer.receiver.programs.WholeProgram`).
 """
 
 from __future__ import annotations
@@ -66,11 +68,26 @@ def bench(name: str, tp: int, bucket_mb: int, repeats: int) -> dict[str, Any]:
     seconds = median_seconds(lambda: apply(None), repeats)
     replay_s = median_seconds(lambda: apply(kept_programs), repeats)
     floor_s = median_seconds(floor, repeats)
+    sources = [torch.empty(m.nbytes, dtype=torch.uint8, device="meta") for m in metas]
+
+    def whole(programs: PiecePrograms | None) -> None:
+        """A zero-copy update: every tensor whole in the sender's memory, the worker copies
+        its parts (`load_whole`; the update's start has checked the tensor list)."""
+        session = UpdateSession(target, "meta", check_finite=False, programs=programs)
+        session.precheck(metas)
+        session.announce(metas)
+        session.load_whole(sources)
+        session.finish()
+
+    whole_programs = PiecePrograms()
+    whole(whole_programs)
     return {"model": name, "tp": tp, "bucket_mb": bucket_mb, "tensors": len(metas),
             "buckets": len(buckets), "pieces": pieces, "ms": seconds * 1e3,
             "us_piece": seconds / pieces * 1e6, "replay_ms": replay_s * 1e3,
             "floor_ms": floor_s * 1e3, "x_floor": seconds / floor_s,
-            "replay_x_floor": replay_s / floor_s}
+            "replay_x_floor": replay_s / floor_s,
+            "whole_ms": median_seconds(lambda: whole(None), repeats) * 1e3,
+            "whole_replay_ms": median_seconds(lambda: whole(whole_programs), repeats) * 1e3}
 
 
 def main() -> None:
@@ -86,13 +103,16 @@ def main() -> None:
             for tp in args.tp.split(",") for mb in args.bucket_mb.split(",")]
     print("host work of worker 0 applying one M->N update (meta device: no copy costs; "
           "median ms; worked out: every piece checked and placed, as a first update; replayed: "
-          "the programs the first update kept; floor: one view and one copy_ per piece)")
+          "the programs the first update kept; floor: one view and one copy_ per piece; "
+          "zero-copy: the whole update read from the sender's tensors, worked out / replayed)")
     print_table(rows, [("model", "model", ""), ("tp", "TP", "d"), ("bucket_mb", "MiB", "d"),
                        ("tensors", "tensors", "d"), ("buckets", "buckets", "d"),
                        ("pieces", "pieces", "d"), ("ms", "ms/update", ".2f"),
                        ("us_piece", "us/piece", ".1f"), ("replay_ms", "replayed ms", ".2f"),
                        ("floor_ms", "floor ms", ".2f"), ("x_floor", "x floor", ".2f"),
-                       ("replay_x_floor", "replayed x floor", ".2f")])
+                       ("replay_x_floor", "replayed x floor", ".2f"),
+                       ("whole_ms", "zero-copy ms", ".2f"),
+                       ("whole_replay_ms", "zero-copy replayed ms", ".2f")])
     print(f"wrote {write_json('apply-overhead', rows, vars(args))}")
 
 
