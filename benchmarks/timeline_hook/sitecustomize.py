@@ -35,7 +35,8 @@ TRACED: dict[str, list[tuple[str, str]]] = {
     "wtransfer.inference.tp.workers": [("TPWorkers.call_all", "call workers"),
                                        ("TPWorkers.wait", "wait workers")],
     # every rank's receiver (rank 0 in the engine process, the others in the workers)
-    "wtransfer.receiver.engine": [("WeightTransferEngine.update_weights", "receive"),
+    "wtransfer.receiver.engine": [("parse_record", "parse record"),
+                                  ("WeightTransferEngine.update_weights", "receive"),
                                   ("WeightTransferEngine.start_weight_update", "start"),
                                   ("WeightTransferEngine.finish_weight_update", "finish")],
     "wtransfer.receiver.session": [("UpdateSession.consume_pieces", "consume pieces"),
@@ -43,7 +44,10 @@ TRACED: dict[str, list[tuple[str, str]]] = {
                                    ("UpdateSession.load_whole", "load whole"),
                                    ("UpdateSession.finish", "session finish")],
     "wtransfer_ipc.zero_copy": [("ZeroCopyImports.sources", "zero-copy sources")],
-    "wtransfer_ipc.receiver": [("drain", "drain")],
+    "wtransfer_ipc.receiver": [("drain", "drain"), ("pieces_from_wire", "pieces from wire"),
+                               ("IPCReceiver._receive", "ipc receive")],
+    "wtransfer_ipc.cuda": [("SenderEvents.wait", "event wait"),
+                           ("SenderEvents.record", "event record")],
 }
 
 _role: list[str] = []

@@ -61,6 +61,7 @@ def _client(address: str, timeout_s: float) -> Any:
 
 def run(args: argparse.Namespace) -> None:
     """One trainer rank (see the module docstring)."""
+    import torch
     import torch.distributed as dist
 
     import wtransfer
@@ -98,6 +99,8 @@ def run(args: argparse.Namespace) -> None:
             perturb(model, args.change_fraction, 1_000_003 * args.seed + 97 * step)
         elif step and not args.same_weights:
             randomize(model, 1_000_003 * args.seed + step)
+        if args.device != "cpu":  # the step's writes ran: what is timed below is the update
+            torch.cuda.synchronize(args.device)
         stats = sender.send_weights(weight_version=f"sharded-{step}")
         out: dict[str, Any] = {"event": "sent", "rank": args.rank, "step": step,
                                **stats.as_dict()}
