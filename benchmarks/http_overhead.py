@@ -5,7 +5,8 @@
 Weight update: `send_weights` through the ipc backend with the in-process client (the engine's
 own `LocalEngineClient`) and with `HTTPClient` to `wtransfer serve --dev-mode` in a child
 process; the difference is the HTTP overhead. Generation: 32 concurrent greedy requests of 64
-tokens in process and through the server.
+tokens in process and through the server. Control call: `GET /weight_info` through
+`HTTPClient` and through a bare httpx client, median of 200 each.
 """
 
 from __future__ import annotations
@@ -63,7 +64,18 @@ def in_process(model_name: str, repeats: int) -> tuple[float, float]:
     return update, gen
 
 
-def over_http(model_name: str, repeats: int) -> tuple[float, float]:
+def control_call_seconds(url: str) -> tuple[float, float]:
+    """One control call (`GET /weight_info`) through `HTTPClient` and through a bare
+    `httpx.Client` (what `HTTPClient` used before 2026-12-06), median of 200 each."""
+    client = wtransfer.HTTPClient(url)
+    ours = median_seconds(client.get_weight_version, 200)
+    client.close()
+    with httpx.Client(base_url=url, timeout=60) as http:
+        bare = median_seconds(lambda: http.get("/weight_info").json(), 200)
+    return ours, bare
+
+
+def over_http(model_name: str, repeats: int) -> tuple[float, float, float, float]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "wtransfer", "serve", "--model", model_name,
@@ -80,6 +92,7 @@ def over_http(model_name: str, repeats: int) -> tuple[float, float]:
             if time.monotonic() > deadline:
                 raise SystemExit("server did not start")
         update = update_seconds(wtransfer.HTTPClient(url), model_name, repeats)
+        call, httpx_call = control_call_seconds(url)
         body = {"sampling_params": {"max_tokens": TOKENS, "temperature": 0}}
         with httpx.Client(base_url=url, timeout=300) as http, ThreadPoolExecutor(REQUESTS) as pool:
             start = time.perf_counter()
@@ -90,7 +103,7 @@ def over_http(model_name: str, repeats: int) -> tuple[float, float]:
     finally:
         server.terminate()
         server.wait(timeout=60)
-    return update, gen
+    return update, gen, call, httpx_call
 
 
 def main() -> None:
@@ -102,13 +115,14 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         local_update, local_gen = in_process(name, args.repeats)
-        http_update, http_gen = over_http(name, args.repeats)
+        http_update, http_gen, call, httpx_call = over_http(name, args.repeats)
         params = sum(p.numel() for p in load_model(name).parameters())
         rows.append({"model": name, "params": params, "update_local_ms": local_update * 1e3,
                      "update_http_ms": http_update * 1e3,
                      "http_overhead_ms": (http_update - local_update) * 1e3,
                      "tok_s_local": REQUESTS * TOKENS / local_gen,
-                     "tok_s_http": REQUESTS * TOKENS / http_gen})
+                     "tok_s_http": REQUESTS * TOKENS / http_gen,
+                     "call_ms": call * 1e3, "httpx_call_ms": httpx_call * 1e3})
     print(f"\nweight update (ipc) and generation ({REQUESTS} x {TOKENS} tokens), median of "
           f"{args.repeats}")
     print_table(rows, [("model", "model", ""), ("params", "params", ","),
@@ -116,7 +130,9 @@ def main() -> None:
                        ("update_http_ms", "update HTTP ms", ".2f"),
                        ("http_overhead_ms", "HTTP overhead ms", ".2f"),
                        ("tok_s_local", "gen tok/s in-proc", ".0f"),
-                       ("tok_s_http", "gen tok/s HTTP", ".0f")])
+                       ("tok_s_http", "gen tok/s HTTP", ".0f"),
+                       ("call_ms", "control call ms", ".3f"),
+                       ("httpx_call_ms", "same through httpx ms", ".3f")])
     print(f"wrote {write_json('http', rows, vars(args))}")
 
 

@@ -16,6 +16,8 @@ deadline becomes `TransferTimeout`. It needs httpx (the `serve` extra), imported
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +44,7 @@ from wtransfer.protocol import (
 )
 from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.records import PauseMode, check_pause_mode
+from wtransfer.transport.http_client import CLIENT_KEEPALIVE_S, HTTPConnections
 
 T = TypeVar("T")
 log = logging.getLogger("wtransfer.clients")
@@ -467,13 +470,6 @@ def _error_fields(response: Any) -> dict[str, str]:
     return {"type": relayed_kind(message) or "HTTPError", "message": message}
 
 
-CLIENT_KEEPALIVE_S = 4.0
-"""How long an idle HTTP connection is kept for reuse: less than any server keeps one open
-(uvicorn's default is 5 s; `wtransfer serve` keeps them far longer), so a request is never
-written into a connection the server is closing ("Server disconnected without sending a
-response" on a slow host)."""
-
-
 def http_session(base_url: str, **options: Any) -> Any:
     """An `httpx.Client` for `base_url` whose idle connections expire before a server's."""
     httpx = _httpx()
@@ -499,42 +495,33 @@ class HTTPClient(SingleEngineClient):
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
         self.base_url = base_url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout_s = timeout_s
-        self._http = self._connect()
-
-    def _connect(self) -> Any:
-        return http_session(self.base_url, headers=self._headers,
-                            timeout=_httpx().Timeout(self.timeout_s))
+        self._http = HTTPConnections(
+            self.base_url, timeout_s=timeout_s,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
 
     def _request(self, method: str, path: str, *, json_body: Any = None, packed: Any = None,
                  params: dict[str, str] | None = None) -> Any:
-        httpx = _httpx()
-        kwargs: dict[str, Any] = {"params": params}
+        body, headers = None, {}
         if packed is not None:
-            kwargs.update(content=wire.encode(packed),
-                          headers={"Content-Type": "application/msgpack"})
+            body, headers = wire.encode(packed), {"Content-Type": "application/msgpack"}
         elif json_body is not None:
-            kwargs["json"] = json_body
+            body, headers = json.dumps(json_body).encode(), {"Content-Type": "application/json"}
         try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.TimeoutException:
+            response = self._http.request(method, path, body=body, headers=headers,
+                                          params=params)
+        except TimeoutError:
             raise TransferTimeout(f"{method} {self.base_url}{path}: no answer within "
                                   f"{self.timeout_s:g}s") from None
-        except httpx.TransportError as exc:
+        except (OSError, http.client.HTTPException) as exc:
             raise PeerError(f"{method} {self.base_url}{path}: cannot reach the server: "
-                            f"{exc}") from None
-        if response.status_code >= 500:
-            # a server that failed inside a request may close the connection without saying
-            # so; the next call must not find it in the pool. The old pool is left to the
-            # calls still using it on other threads (a fleet's), closed when it is collected
-            self._http = self._connect()
-        if response.status_code >= 400:
+                            f"{type(exc).__name__}: {exc}") from None
+        if response.status >= 400:
             raise from_reply(_error_fields(response), f"{method} {path} -> "
-                                                      f"{response.status_code}")
+                                                      f"{response.status}")
         if not response.content:
             return None
-        if "json" in response.headers.get("content-type", ""):
+        if "json" in response.content_type:
             return response.json()
         return response.text  # a plain-text answer (vLLM's adapter routes give one)
 
@@ -605,7 +592,7 @@ class HTTPClient(SingleEngineClient):
                                              "sampling_params": sampling}))
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Close the idle connections."""
         self._http.close()
 
     def __repr__(self) -> str:
