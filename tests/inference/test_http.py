@@ -300,7 +300,7 @@ def test_http_client_reports_server_errors_with_their_type(dev):
     or `NotInitializedError` (one of them) while no test before this one initialized the
     shared server."""
     client = wtransfer.HTTPClient(dev.url, api_key=KEY)
-    with pytest.raises(PeerError, match="409: (LifecycleError|NotInitializedError)") as err:
+    with pytest.raises(PeerError, match=r"409: (LifecycleError|NotInitializedError)") as err:
         client.update_weights({})
     assert err.value.remote_type in ("LifecycleError", "NotInitializedError")
     with pytest.raises(PeerError, match="401"):
