@@ -10,7 +10,9 @@ once (engines behind an external load balancer).
 generate. Init and update infos travel as msgpack (they may hold bytes such as IPC handles);
 every other body is JSON. Error replies become the `PeerError` of
 `wtransfer.errors.from_reply` (a 409 is a `RemoteLifecycleError`, say); a request past its
-deadline becomes `TransferTimeout`. It needs httpx (the `serve` extra), imported on first use.
+deadline becomes `TransferTimeout`. It needs only the standard library
+(`wtransfer.transport.http_client`); `http_session` (the demo's and tests' clients) needs
+httpx (the `serve` extra), imported on first use.
 """
 
 from __future__ import annotations
@@ -482,7 +484,7 @@ def _httpx() -> Any:
     try:
         import httpx
     except ImportError:
-        raise ConfigError("HTTPClient needs httpx: from the clone, "
+        raise ConfigError("http_session needs httpx: from the clone, "
                           "pip install -e '.[serve]'") from None
     return httpx
 
@@ -496,6 +498,8 @@ class HTTPClient(SingleEngineClient):
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        if api_key is not None and (not api_key.isprintable() or not api_key.isascii()):
+            raise ConfigError("api_key must be printable ASCII (it travels in a header)")
         self._http = HTTPConnections(
             self.base_url, timeout_s=timeout_s,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
@@ -506,7 +510,11 @@ class HTTPClient(SingleEngineClient):
         if packed is not None:
             body, headers = wire.encode(packed), {"Content-Type": "application/msgpack"}
         elif json_body is not None:
-            body, headers = json.dumps(json_body).encode(), {"Content-Type": "application/json"}
+            try:
+                body = json.dumps(json_body, allow_nan=False).encode()
+            except ValueError as exc:
+                raise ConfigError(f"{method} {path}: the body is not valid JSON: {exc}") from None
+            headers = {"Content-Type": "application/json"}
         try:
             response = self._http.request(method, path, body=body, headers=headers,
                                           params=params)

@@ -15,6 +15,7 @@ import importlib.abc
 import importlib.util
 import inspect
 import os
+import re
 import sys
 import threading
 import time
@@ -81,8 +82,13 @@ def mark(label: str) -> None:
 
 
 def _label(template: str, args: tuple[Any, ...]) -> str:
+    """`template` with the arguments it names ("{1}"); no other argument is turned into
+    text (a tensor's text would read the device)."""
+    if "{" not in template:
+        return template
+    named = {int(i) for i in re.findall(r"\{(\d+)\}", template)}
     try:
-        return template.format(*(str(a) for a in args))
+        return template.format(*(str(a) if i in named else "" for i, a in enumerate(args)))
     except IndexError:
         return template
 

@@ -253,7 +253,8 @@ def test_tensors_made_as_they_are_yielded_pack_bit_exact():
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_whole_update_into_a_tp_worker_copies_and_checks_only_the_parts_it_keeps(rank):
+def test_a_whole_update_into_a_tp_worker_copies_and_checks_only_the_parts_it_keeps(
+        rank, monkeypatch):
     """`load_whole` (a zero-copy update: every tensor whole in the sender's memory) into one
     worker of TP=2 copies only its layout's part of each split tensor, row-split (contiguous)
     or column-split (strided): its weights equal the full tensors' parts bit-exact, it counts
@@ -278,6 +279,10 @@ def test_a_whole_update_into_a_tp_worker_copies_and_checks_only_the_parts_it_kee
 
     target = ShardTarget(worker, kept)
     programs = PiecePrograms()
+    plans = []
+    plan_whole = UpdateSession._plan_whole
+    monkeypatch.setattr(UpdateSession, "_plan_whole",
+                        lambda self, *a: plans.append(1) or plan_whole(self, *a))
     sources = [byte_view(state[m.name]).clone() for m in metas]  # the trainer's memory
     by_name = {m.name: tensor_from_bytes(src, m) for m, src in zip(metas, sources, strict=True)}
 
@@ -297,6 +302,7 @@ def test_a_whole_update_into_a_tp_worker_copies_and_checks_only_the_parts_it_kee
             assert torch.equal(live[name], layout.take(by_name[name])), (step, name)
         assert received == sum(lay.nbytes for lay in kept.values())
         assert received < 0.7 * sum(t.nbytes for t in state.values())
+    assert len(plans) == 1  # the second update replayed the first one's copies
     mine = kept[strided].boxes[0]
     theirs = 0 if mine.offsets[-1] else -1  # a column this worker does not keep
     by_name[strided][0, theirs] = float("nan")
@@ -304,3 +310,24 @@ def test_a_whole_update_into_a_tp_worker_copies_and_checks_only_the_parts_it_kee
     by_name[strided][0, mine.offsets[-1]] = float("nan")
     with pytest.raises(NonFiniteError, match=f"'{strided}' holds NaN"):
         update()
+
+
+def test_a_whole_update_asks_what_a_target_keeps_only_where_it_offers_views_of_parts():
+    """A target without `region` views (vLLM's records what it keeps when asked) is not asked
+    what it keeps by a whole update: every tensor goes whole to `load_weights`."""
+    from wtransfer.receiver.target import WeightTarget
+
+    class NoViews(ModuleTarget):
+        region = WeightTarget.region  # (the base's: no views)
+
+        def keeps(self):
+            raise AssertionError("a whole update asked what this target keeps")
+
+    metas = [TensorMeta("w", "float32", (4, 3)), TensorMeta("b", "float32", (3,))]
+    sent = build_module(metas, 3).state_dict()
+    module = build_module(metas, 0)
+    session = UpdateSession(NoViews(module), "cpu")
+    session.announce(metas)
+    session.load_whole([byte_view(sent[m.name]).clone() for m in metas])
+    session.finish()
+    assert all(torch.equal(module.state_dict()[n], sent[n]) for n in sent)

@@ -16,6 +16,13 @@ Everything a program names must stay put: the tensor list, what the worker keeps
 target's storages (`WeightTarget.regions_key`; None for a target whose storages move, which
 keeps nothing) and the staging buffer; the receiver drops them all when its sender or
 staging changes.
+
+A zero-copy update (every tensor read whole from the sender's memory) has one program, a
+`WholeProgram`: where each tensor, or each part a TP worker keeps, goes. It is kept as soon as
+it is worked out (it depends on no earlier bucket: every update still checks each source's
+size and that no tensor arrives twice) and replayed while the update reads the very same
+list of sources (`wtransfer_ipc.zero_copy` makes a new one whenever a storage, the layout or
+the tensor list changes) into the same target storages; a miss drops it.
 """
 
 from __future__ import annotations
@@ -92,8 +99,9 @@ class ProgramContext:
 
 
 class PiecePrograms:
-    """The programs of the last finished M->N update, for the updates after it (see the
-    module docstring); owned by a receiver, which drops them with its staging."""
+    """The programs of the last finished M->N update, for the updates after it, and the last
+    zero-copy update's (see the module docstring); owned by a receiver, which drops them with
+    its staging."""
 
     def __init__(self) -> None:
         self._kept: dict[ProgramKey, PieceProgram] = {}
@@ -141,7 +149,10 @@ class PiecePrograms:
         if self._whole is None:
             return None
         made_under, program = self._whole
-        return program if program.sources is sources and context.same(made_under) else None
+        if program.sources is sources and context.same(made_under):
+            return program
+        self._whole = None  # (its views hold storages the update no longer reads or writes)
+        return None
 
     def keep_whole(self, context: ProgramContext, program: WholeProgram) -> None:
         """Keep a whole update's program for the next update (it holds views of the sources

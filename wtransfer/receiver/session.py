@@ -549,10 +549,12 @@ class UpdateSession:
                 batch.assembled.append((meta.name, part.buffer))
 
     def load_whole(self, sources: Sequence[torch.Tensor]) -> None:
-        """Load every announced tensor whole from its own flat uint8 source (a zero-copy
-        update: the sender's storage). Every source is checked first; then each tensor's copy
-        is queued as its destination is found (`CopyQueue`), so the device starts copying
-        after the first tensor and the host's bookkeeping of the rest runs while it copies."""
+        """Load every announced tensor from its own flat uint8 source (a zero-copy update:
+        the sender's storage); a target that keeps parts of tensors (a TP worker) gets only
+        those. Every source is checked first; the copies are worked out (or the last
+        update's replayed, `_whole_program`), every rollback snapshot is queued, then every
+        copy (large ones spread over streams by `CopyQueue`, checked as they copy where the
+        device can)."""
         if len(sources) != len(self._metas):
             raise MetadataError(f"{len(sources)} sources for {len(self._metas)} tensors")
         pending = self._pending
@@ -592,7 +594,7 @@ class UpdateSession:
     def _whole_program(self, sources: Sequence[torch.Tensor]) -> WholeProgram:
         """The copies of a whole update from `sources`: the last update's when it read the
         same sources into the same storages, else worked out (and kept for the next)."""
-        kept = self._kept if self._kept is not None else self._target.keeps()
+        kept = self._kept if self._kept is not None else self._crop_layouts()
         context = None
         if self._programs is not None and self._target is self._origin:
             storages = self._origin.regions_key()
@@ -608,6 +610,14 @@ class UpdateSession:
             assert self._programs is not None
             self._programs.keep_whole(context, program)
         return program
+
+    def _crop_layouts(self) -> dict[str, TensorLayout] | None:
+        """What the target keeps of each tensor where it offers views of those parts
+        (`WeightTarget.region`), so a whole update copies only them; None: every tensor goes
+        whole (a target without views, such as vLLM's, is not asked what it keeps)."""
+        if type(self._target).region is WeightTarget.region:
+            return None
+        return self._target.keeps()
 
     def _plan_whole(self, sources: Sequence[torch.Tensor],
                     kept: dict[str, TensorLayout] | None) -> WholeProgram:
@@ -628,7 +638,7 @@ class UpdateSession:
                 for box, dest in parts:
                     part = full[box.slices()]
                     program.nbytes += box.numel * meta.itemsize
-                    if part.is_contiguous() and dest.is_contiguous():
+                    if part.is_contiguous() and dest.is_contiguous() and dest.dtype == dtype:
                         program.copies.append((name, dtype, byte_view(dest), byte_view(part)))
                     else:
                         program.strided_dests.append(dest)

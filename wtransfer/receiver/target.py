@@ -104,9 +104,10 @@ class WeightTarget(ABC):
         return None
 
     def regions_key(self) -> Hashable | None:
-        """What identifies the storages `region` views now (equal keys: equal views), so a
-        receiver may reuse an earlier update's views (`wtransfer.receiver.programs`); None,
-        the default, for a target that cannot tell: its views are found anew every time."""
+        """What identifies the storages `region` and `direct_bytes` view now, and what
+        `keeps` answers (equal keys: equal views and parts), so a receiver may reuse an
+        earlier update's views (`wtransfer.receiver.programs`); None, the default, for a
+        target that cannot tell: its views are found anew every time."""
         return None
 
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -223,10 +224,12 @@ class ModuleTarget(WeightTarget):
         return self._dest(name)[box.slices()]
 
     def regions_key(self) -> Hashable | None:
-        """Where every parameter and buffer lives now (a `region` view stays valid while it
-        does); None for a subclass that finds its regions its own way."""
-        if type(self).region is not ModuleTarget.region or \
-                type(self)._dest is not ModuleTarget._dest:
+        """Where every parameter and buffer lives now (a `region` or `direct_bytes` view stays
+        valid while it does); None for a subclass that finds its destinations its own way."""
+        kind = type(self)
+        if kind.region is not ModuleTarget.region or kind._dest is not ModuleTarget._dest \
+                or kind.direct_bytes is not ModuleTarget.direct_bytes \
+                or kind.keeps is not ModuleTarget.keeps:
             return None
         return tuple((tensor.data_ptr(), tensor.stride()) for tensor in self._state.values())
 
