@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -76,3 +77,29 @@ def progress(message: str) -> None:
     """One timestamped line on stderr (a run cut short by its time limit shows how far it
     got)."""
     print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+def tp_update_parser(description: str, updates: int) -> argparse.ArgumentParser:
+    """The arguments of the scripts that watch trainer ranks update our TP engine
+    (`profile_update.py`, `update_timeline.py`)."""
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--path", choices=["one-sender", "m2n"], default="m2n")
+    parser.add_argument("--bucket-mb", type=int, default=1024)
+    parser.add_argument("--updates", type=int, default=updates)
+    return parser
+
+
+def tp_engine(args: argparse.Namespace) -> Any:
+    """`wtransfer serve` of `args.model` with `args.tp` workers on `args.device`, over ipc,
+    staging and rollback off (an `HTTPPolicyServer`; close it)."""
+    from wtransfer.demos.rl.servers import HTTPPolicyServer
+
+    progress(f"starting the engine ({args.model}, TP={args.tp}, {args.device})")
+    return HTTPPolicyServer(model=args.model, seed=2, backend="ipc",
+                            tensor_parallel_size=args.tp, update_staging="off",
+                            update_rollback="off", start_timeout_s=600, device=args.device)

@@ -15,16 +15,14 @@ a socket poll or a sleep, is left out), so waits show as missing samples, not as
 
 from __future__ import annotations
 
-import argparse
 import collections
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from common import progress
+from common import progress, tp_engine, tp_update_parser
 
-from wtransfer.demos.rl.servers import HTTPPolicyServer
 from wtransfer.launch.trainer_ranks import TrainerRanks
 
 
@@ -52,23 +50,12 @@ def summarize(raw: Path, top: int) -> list[str]:
 
 def main() -> None:
     """Run, record, print."""
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-0.6b")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--path", choices=["one-sender", "m2n"], default="m2n")
-    parser.add_argument("--bucket-mb", type=int, default=1024)
-    parser.add_argument("--updates", type=int, default=10)
+    parser = tp_update_parser(__doc__ or "", 10)
     parser.add_argument("--rate", type=int, default=200, help="samples per second")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--py-spy", default="py-spy")
     args = parser.parse_args()
-    progress(f"starting the engine ({args.model}, TP={args.tp}, {args.device})")
-    server = HTTPPolicyServer(model=args.model, seed=2, backend="ipc",
-                              tensor_parallel_size=args.tp, update_staging="off",
-                              update_rollback="off", start_timeout_s=600, device=args.device)
+    server = tp_engine(args)
     out = Path(tempfile.mkdtemp(prefix="wtransfer-profile-"))
     try:
         engine = subprocess.run(["pgrep", "-f", "wtransfer serve|wtransfer.inference.tp.worker"],

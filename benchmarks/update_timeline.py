@@ -14,14 +14,13 @@ update and how often it ran; then the last update's every mark, in order, from r
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import statistics
 import tempfile
 from pathlib import Path
 
-from common import progress
+from common import progress, tp_engine, tp_update_parser
 
 Mark = tuple[int, str, str, str]  # (ns, role, thread, label)
 
@@ -63,28 +62,16 @@ def time_inside(marks: list[Mark], begin: int, end: int
 
 def main() -> None:
     """Run, collect, print."""
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-0.6b")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--path", choices=["one-sender", "m2n"], default="m2n")
-    parser.add_argument("--bucket-mb", type=int, default=1024)
-    parser.add_argument("--updates", type=int, default=5)
+    parser = tp_update_parser(__doc__ or "", 5)
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="wtransfer-timeline-"))
     os.environ["WTRANSFER_TIMELINE"] = str(folder)
     hook = str(Path(__file__).parent / "timeline_hook")
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (hook, os.environ.get("PYTHONPATH", "")) if p)
-    from wtransfer.demos.rl.servers import HTTPPolicyServer
     from wtransfer.launch.trainer_ranks import TrainerRanks
 
-    progress(f"starting the engine ({args.model}, TP={args.tp}, {args.device})")
-    server = HTTPPolicyServer(model=args.model, seed=2, backend="ipc",
-                              tensor_parallel_size=args.tp, update_staging="off",
-                              update_rollback="off", start_timeout_s=600, device=args.device)
+    server = tp_engine(args)
     try:
         m2n = args.path == "m2n"
         progress(f"{args.ranks} trainer ranks, {args.updates} + 1 updates ({args.path})")
