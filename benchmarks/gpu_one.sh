@@ -103,9 +103,9 @@ profile)
         grep -A14 "^engine\|median update" $OUT/profile-$path.txt | head -60
     done ;;
 timeline)
-    for path in ${PATHS:-m2n one-sender}; do
+    for path in ${PATHS:-m2n one-sender}; do  # (a cold 8B engine start took 83 s once)
         echo "$(ts) a timeline of every process through 8B 2 -> TP=2 updates: $path"
-        timeout ${TIMELINE_S:-240} python3 benchmarks/update_timeline.py --model qwen3-8b \
+        timeout ${TIMELINE_S:-300} python3 benchmarks/update_timeline.py --model qwen3-8b \
             --device cuda:0 --tp 2 --path $path --updates 3 > $OUT/timeline-$path.txt 2>&1
         echo "rc $?"; grep -B2 -A40 "median update" $OUT/timeline-$path.txt | head -60
     done ;;
