@@ -10,9 +10,9 @@ once (engines behind an external load balancer).
 generate. Init and update infos travel as msgpack (they may hold bytes such as IPC handles);
 every other body is JSON. Error replies become the `PeerError` of
 `wtransfer.errors.from_reply` (a 409 is a `RemoteLifecycleError`, say); a request past its
-deadline becomes `TransferTimeout`. It needs only the standard library
-(`wtransfer.transport.http_client`); `http_session` (the demo's and tests' clients) needs
-httpx (the `serve` extra), imported on first use.
+deadline becomes `TransferTimeout`. It needs no HTTP library beyond the standard one
+(`wtransfer.transport.http_client`; msgpack for its packed bodies); `http_session` (the
+demo's and tests' clients) needs httpx (the `serve` extra), imported on first use.
 """
 
 from __future__ import annotations
@@ -512,7 +512,7 @@ class HTTPClient(SingleEngineClient):
         elif json_body is not None:
             try:
                 body = json.dumps(json_body, allow_nan=False).encode()
-            except ValueError as exc:
+            except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{method} {path}: the body is not valid JSON: {exc}") from None
             headers = {"Content-Type": "application/json"}
         try:

@@ -35,9 +35,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    """Notes each connection it closes."""
+
+    closed = threading.Event()
+
+    def shutdown_request(self, request):
+        super().shutdown_request(request)
+        self.closed.set()
+
+
 @pytest.fixture
 def server():
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    httpd = _Server(("127.0.0.1", 0), _Handler)
+    _Server.closed = threading.Event()
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     _Handler.seen = []
@@ -49,7 +60,7 @@ def server():
 def test_a_connection_the_server_closed_while_idle_is_not_reused(server):
     client = wtransfer.HTTPClient(server + "/base", timeout_s=5)
     assert client._request("GET", "/close-after")["path"] == "/base/close-after"
-    time.sleep(0.2)  # the server has closed the kept-alive connection by now
+    assert _Server.closed.wait(10)  # the server closed the kept-alive connection
     assert client._request("GET", "/next")["path"] == "/base/next"
     assert client.get_weight_version() == "v1"
 

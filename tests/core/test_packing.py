@@ -313,12 +313,22 @@ def test_a_whole_update_into_a_tp_worker_copies_and_checks_only_the_parts_it_kee
 
 
 def test_a_whole_update_asks_what_a_target_keeps_only_where_it_offers_views_of_parts():
-    """A target without `region` views (vLLM's records what it keeps when asked) is not asked
-    what it keeps by a whole update: every tensor goes whole to `load_weights`."""
+    """A target without views (vLLM's records what it keeps when asked) is not asked what it
+    keeps by a whole update: every tensor goes whole to `load_weights`."""
     from wtransfer.receiver.target import WeightTarget
+
+    loaded = []
 
     class NoViews(ModuleTarget):
         region = WeightTarget.region  # (the base's: no views)
+
+        def direct_bytes(self, name):
+            return None
+
+        def load_weights(self, weights):
+            weights = list(weights)
+            loaded.extend((name, tuple(t.shape)) for name, t in weights)
+            super().load_weights(weights)
 
         def keeps(self):
             raise AssertionError("a whole update asked what this target keeps")
@@ -331,3 +341,4 @@ def test_a_whole_update_asks_what_a_target_keeps_only_where_it_offers_views_of_p
     session.load_whole([byte_view(sent[m.name]).clone() for m in metas])
     session.finish()
     assert all(torch.equal(module.state_dict()[n], sent[n]) for n in sent)
+    assert sorted(loaded) == [("b", (3,)), ("w", (4, 3))]

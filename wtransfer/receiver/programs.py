@@ -154,6 +154,11 @@ class PiecePrograms:
         self._whole = None  # (its views hold storages the update no longer reads or writes)
         return None
 
+    def drop_whole(self) -> None:
+        """Forget the zero-copy program (an update that cannot keep one: its views would hold
+        storages nothing reads)."""
+        self._whole = None
+
     def keep_whole(self, context: ProgramContext, program: WholeProgram) -> None:
         """Keep a whole update's program for the next update (it holds views of the sources
         and of the target's storages, so only the last one is kept)."""

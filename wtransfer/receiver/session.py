@@ -609,6 +609,8 @@ class UpdateSession:
         if context is not None:
             assert self._programs is not None
             self._programs.keep_whole(context, program)
+        elif self._programs is not None:
+            self._programs.drop_whole()
         return program
 
     def _crop_layouts(self) -> dict[str, TensorLayout] | None:
