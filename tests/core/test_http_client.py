@@ -5,7 +5,6 @@ library's errors, query parameters and a base path reach the server."""
 import http.server
 import socket
 import threading
-import time
 
 import pytest
 
@@ -17,11 +16,13 @@ from wtransfer.launch.processes import free_port
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive
     seen: list[str] = []
+    answer_slow = threading.Event()
+    """Set once the client gave up on the slow call (the handler waits at most 10 s)."""
 
     def do_GET(self):
         self.seen.append(self.path)
         if self.path.startswith("/base/slow"):
-            time.sleep(1.0)
+            self.answer_slow.wait(10)
         body = b'{"weight_version": "v1", "path": "%s"}' % self.path.encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -52,6 +53,7 @@ def server():
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     _Handler.seen = []
+    _Handler.answer_slow = threading.Event()
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
     httpd.shutdown()
     httpd.server_close()
@@ -75,6 +77,7 @@ def test_a_call_past_its_timeout_raises_transfer_timeout(server):
     client = wtransfer.HTTPClient(server + "/base", timeout_s=0.2)
     with pytest.raises(TransferTimeout, match=r"no answer within 0\.2s"):
         client._request("GET", "/slow")
+    _Handler.answer_slow.set()
 
 
 def test_a_server_that_is_not_there_is_a_peer_error():

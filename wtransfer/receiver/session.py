@@ -594,23 +594,19 @@ class UpdateSession:
     def _whole_program(self, sources: Sequence[torch.Tensor]) -> WholeProgram:
         """The copies of a whole update from `sources`: the last update's when it read the
         same sources into the same storages, else worked out (and kept for the next)."""
-        kept = self._kept if self._kept is not None else self._crop_layouts()
-        context = None
-        if self._programs is not None and self._target is self._origin:
-            storages = self._origin.regions_key()
-            if storages is not None:
-                context = ProgramContext(self._listed, kept, storages)
-        if context is not None:
-            assert self._programs is not None
-            found = self._programs.find_whole(context, sources)
+        context = self._program_context()  # (its storages key covers what the target keeps)
+        programs = self._programs
+        if context is not None and programs is not None:
+            found = programs.find_whole(context, sources)
             if found is not None:
                 return found
-        program = self._plan_whole(sources, kept)
-        if context is not None:
-            assert self._programs is not None
-            self._programs.keep_whole(context, program)
-        elif self._programs is not None:
-            self._programs.drop_whole()
+        program = self._plan_whole(
+            sources, self._kept if self._kept is not None else self._crop_layouts())
+        if programs is not None:
+            if context is not None:
+                programs.keep_whole(context, program)
+            else:
+                programs.drop_whole()
         return program
 
     def _crop_layouts(self) -> dict[str, TensorLayout] | None:
