@@ -15,6 +15,8 @@ an in-process engine while a trainer thread pushes its weights over ipc every `-
 - **staged copy**: staged, committed by copying the shadow into the live weights (their
   addresses stay: captured CUDA graphs stay valid);
 - **none eager**: no updates, every step eager (no CUDA graphs): what the graphs bring.
+- **none gather**: no updates, decode attention gathering its keys for SDPA
+  (``paged_attention=False``): what reading the paged cache in place brings.
 
 The floor, measured in the same run on the same device: one read of every weight (a decode
 step cannot take less); each mode's step interval is reported against it.
@@ -54,7 +56,8 @@ MODES: dict[str, dict[str, Any]] = {
          "staged": {"update_staging": "swap"},
          "staged keep KV": {"update_staging": "swap", "update_reprefill": False},
          "staged copy": {"update_staging": "copy"},
-         "none eager": {"update_staging": "off", "cuda_graphs": False}}
+         "none eager": {"update_staging": "off", "cuda_graphs": False},
+         "none gather": {"update_staging": "off", "paged_attention": False}}
 
 
 async def load(engine: AsyncEngine, inflight: int, max_tokens: int, stop: asyncio.Event,

@@ -3,12 +3,15 @@
 `AttentionBatch.build` lays out one step's tokens once (cache slots, rotary tables, padded
 query and key indices, masks); every layer then attends with one kernel call per group: the
 decoding sequences (one new token each) in one, the prefilling ones in another. No Python runs
-per sequence on the hot path. docs/inference.md says how it is laid out and what it costs.
+per sequence on the hot path. On CUDA, where Triton is, a decode group reads the paged cache
+in place (`wtransfer.inference.model.paged_decode`) instead of gathering its keys for SDPA.
+docs/inference.md says how it is laid out and what it costs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +32,19 @@ class AttentionGroup:
     take: torch.Tensor | None
     """[n] index of each real query among the B * Tq padded ones (None: all of them, in flat
     row order: the group is the whole step, one row per sequence)."""
-    context_slots: torch.Tensor
-    """[B, Lk] cache slot of each key position (positions past a sequence's end are masked)."""
+    context_slots: torch.Tensor | None
+    """[B, Lk] cache slot of each key position (positions past a sequence's end are masked);
+    None where the group decodes through the paged kernel."""
     mask: torch.Tensor | None
     """[B, 1, group * Tq, Lk] which keys each query sees, laid out for grouped-query attention
-    (None: every key, one sequence decoding)."""
+    (None: every key, one sequence decoding, or the paged kernel)."""
+    tables: torch.Tensor | None = None
+    """[B, blocks] block table of each sequence where the group decodes through the paged
+    kernel (one query per sequence), else None."""
+    lengths: torch.Tensor | None = None
+    """[B] keys of each sequence (its position + 1) for the paged kernel, else None."""
+    block_size: int = 0
+    """Cache slots per block (the paged kernel's)."""
 
 
 @dataclass
@@ -53,11 +64,12 @@ class AttentionBatch:
     @classmethod
     def build(cls, kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
               segments: Sequence[SegmentSpec], *, block_size: int, gqa_group: int,
-              head_dim: int, theta: float, zero_slot: int, device: torch.device
-              ) -> AttentionBatch:
+              head_dim: int, theta: float, zero_slot: int, device: torch.device,
+              paged: bool = False) -> AttentionBatch:
         """Lay out a step whose sequences are `segments` (rows in order, covering the batch);
         keys past a sequence's end read `zero_slot`, a cache slot nothing writes (a masked
-        key still spreads a NaN it holds over its row)."""
+        key still spreads a NaN it holds over its row). `paged`: the decoding sequences
+        attend through the paged kernel (`paged_decode_kernel` said it applies)."""
         tables = _padded([s[4] for s in segments], device)
         firsts = [s[0] for s in segments]
         lengths = [s[1] - s[0] for s in segments]
@@ -73,10 +85,15 @@ class AttentionBatch:
         prefill = [i for i, n in enumerate(lengths) if n > 1]
         groups = []
         for members in (decode, prefill):
-            if members:
+            if not members:
+                continue
+            whole = len(members) == len(segments)
+            if paged and members is decode:
+                groups.append(_paged_group(members, segments, firsts, tables, block_size,
+                                           device, whole=whole))
+            else:
                 groups.append(_group(members, segments, firsts, lengths, tables, block_size,
-                                     gqa_group, zero_slot, device,
-                                     whole=len(members) == len(segments)))
+                                     gqa_group, zero_slot, device, whole=whole))
         return cls(kv, slots, cos.unsqueeze(1), sin.unsqueeze(1), groups)
 
 
@@ -121,6 +138,41 @@ def _group(members: list[int], segments: Sequence[SegmentSpec], firsts: list[int
                           mask)
 
 
+def _paged_group(members: list[int], segments: Sequence[SegmentSpec], firsts: list[int],
+                 tables: torch.Tensor, block_size: int, device: torch.device, *,
+                 whole: bool) -> AttentionGroup:
+    """The layout of decoding sequences `members` for the paged kernel: their rows, block
+    tables and lengths; nothing gathered, nothing masked."""
+    rows = torch.tensor([firsts[i] for i in members], dtype=torch.long, device=device)
+    ends = torch.tensor([segments[i][3] for i in members], dtype=torch.long, device=device)
+    chosen = tables if whole else tables[torch.tensor(members, device=device)]
+    return AttentionGroup(rows, rows[:, None], None if whole else
+                          torch.arange(len(members), device=device), None, None,
+                          tables=chosen, lengths=ends, block_size=block_size)
+
+
+PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                        int], torch.Tensor]
+
+
+@functools.cache
+def _paged_module() -> PagedDecode | None:
+    try:
+        from wtransfer.inference.model.paged_decode import paged_decode
+    except ImportError:  # (no Triton: decode groups gather their keys for SDPA)
+        return None
+    return paged_decode
+
+
+def paged_decode_kernel(device: torch.device, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether decode attention can read the paged cache in place here: CUDA, Triton
+    importable, and heads the kernel takes."""
+    if device.type != "cuda" or _paged_module() is None:
+        return False
+    from wtransfer.inference.model.paged_decode import supports
+    return supports(head_dim, dtype)
+
+
 _INVERSE: dict[tuple[int, float, torch.device], torch.Tensor] = {}
 
 
@@ -159,6 +211,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
     out: torch.Tensor | None = None
     for g in batch.groups:
         n_seqs, tq = g.query_rows.shape
+        if g.lengths is not None:
+            kernel = _paged_module()
+            assert kernel is not None and g.tables is not None
+            queries = q if g.take is None else q[g.rows]
+            att = kernel(queries, k_cache, v_cache, g.tables, g.lengths, g.block_size)
+            if g.take is None:
+                return att
+            if out is None:
+                out = q.new_empty(n, heads, dim)
+            out[g.rows] = att
+            continue
+        assert g.context_slots is not None
         queries = (q[g.query_rows].view(n_seqs, tq, kv_heads, group, dim)
                    .permute(0, 2, 3, 1, 4).reshape(n_seqs, kv_heads, group * tq, dim))
         keys = k_cache[g.context_slots].transpose(1, 2)

@@ -75,7 +75,7 @@ class DecodeGraphs:
     def __init__(self, model: Qwen3ForCausalLM, kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  *, block_size: int, scratch_block: int, zero_slot: int, max_seqs: int,
                  longest_context: int,
-                 epoch: Callable[[], int], capture: bool = True) -> None:
+                 epoch: Callable[[], int], capture: bool = True, paged: bool = False) -> None:
         self.model = model
         self.kv = kv
         self.block_size = block_size
@@ -88,6 +88,9 @@ class DecodeGraphs:
         self.longest_context = longest_context
         self.epoch = epoch
         self.capture = capture
+        self.paged = paged
+        """Decode attention through the paged kernel (reads each sequence's keys up to its
+        length), else gathered for SDPA up to the context bucket."""
         self.device = next(model.parameters()).device
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._epoch = epoch()
@@ -208,18 +211,22 @@ class DecodeGraphs:
         """The decode forward from the static inputs into the static logits."""
         cfg = self.model.config
         batch, blocks = graph.tables.shape
-        context = blocks * self.block_size
-        group = cfg.num_attention_heads // cfg.num_key_value_heads
         cos, sin = rotary_tables(graph.positions, cfg.head_dim, cfg.rope_theta)
-        offsets = torch.arange(self.block_size, device=self.device)
-        context_slots = (graph.tables[:, :, None] * self.block_size + offsets).reshape(
-            batch, blocks * self.block_size)[:, :context]
-        keys = torch.arange(context, device=self.device)
-        visible = keys[None, :] <= graph.positions[:, None]
-        context_slots = torch.where(visible, context_slots, self.zero_slot)
-        mask = visible[:, None, None, :].expand(batch, 1, group, context)
         rows = torch.arange(batch, device=self.device)
+        if self.paged:
+            group = AttentionGroup(rows, rows[:, None], None, None, None, tables=graph.tables,
+                                   lengths=graph.positions + 1, block_size=self.block_size)
+        else:
+            context = blocks * self.block_size
+            heads = cfg.num_attention_heads // cfg.num_key_value_heads
+            offsets = torch.arange(self.block_size, device=self.device)
+            context_slots = (graph.tables[:, :, None] * self.block_size + offsets).reshape(
+                batch, blocks * self.block_size)[:, :context]
+            keys = torch.arange(context, device=self.device)
+            visible = keys[None, :] <= graph.positions[:, None]
+            context_slots = torch.where(visible, context_slots, self.zero_slot)
+            mask = visible[:, None, None, :].expand(batch, 1, heads, context)
+            group = AttentionGroup(rows, rows[:, None], None, context_slots, mask)
         layout = AttentionBatch(self.kv, graph.slots, cos.unsqueeze(1), sin.unsqueeze(1),
-                                [AttentionGroup(rows, rows[:, None], None, context_slots,
-                                                mask)])
+                                [group])
         graph.logits.copy_(self.model.logits(self.model(graph.ids, layout)))
