@@ -10,12 +10,13 @@ docs/inference.md says how it is laid out and what it costs.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from wtransfer.inference.model.layer_kernels import fused_for, paged_decode_for
 
 SegmentSpec = tuple[int, int, int, int, list[int]]
 """One sequence in a step: (first row, end row, first new position, end position, block table)."""
@@ -151,26 +152,10 @@ def _paged_group(members: list[int], segments: Sequence[SegmentSpec], firsts: li
                           tables=chosen, lengths=ends, block_size=block_size)
 
 
-PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                        int], torch.Tensor]
-
-
-@functools.cache
-def _paged_module() -> PagedDecode | None:
-    try:
-        from wtransfer.inference.model.paged_decode import paged_decode
-    except ImportError:  # (no Triton: decode groups gather their keys for SDPA)
-        return None
-    return paged_decode
-
-
 def paged_decode_kernel(device: torch.device, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether decode attention can read the paged cache in place here: CUDA, Triton
     importable, and heads the kernel takes."""
-    if device.type != "cuda" or _paged_module() is None:
-        return False
-    from wtransfer.inference.model.paged_decode import supports
-    return supports(head_dim, dtype)
+    return paged_decode_for(device, head_dim, dtype) is not None
 
 
 _INVERSE: dict[tuple[int, float, torch.device], torch.Tensor] = {}
@@ -191,6 +176,9 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply rotary embeddings to x [N, heads, head_dim] (computed in float32)."""
+    fused = fused_for(x)
+    if fused is not None and x.shape[-1] & (x.shape[-1] - 1) == 0 and cos.is_contiguous():
+        return fused.rotate(x.contiguous(), cos, sin)
     half = x.shape[-1] // 2
     xf = x.float()
     turned = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
@@ -212,10 +200,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
     for g in batch.groups:
         n_seqs, tq = g.query_rows.shape
         if g.lengths is not None:
-            kernel = _paged_module()
+            kernel = paged_decode_for(q.device, dim, q.dtype)
             assert kernel is not None and g.tables is not None
             queries = q if g.take is None else q[g.rows]
-            att = kernel(queries, k_cache, v_cache, g.tables, g.lengths, g.block_size)
+            att = kernel.paged_decode(queries, k_cache, v_cache, g.tables, g.lengths,
+                                      g.block_size)
             if g.take is None:
                 return att
             if out is None:

@@ -25,6 +25,7 @@ from wtransfer.inference.config import MODEL_CONFIGS, ModelConfig
 from wtransfer.inference.model.attention import AttentionBatch, attend
 from wtransfer.inference.model.experts import Experts
 from wtransfer.inference.model.fp8_linear import Fp8Linear, quantize_model
+from wtransfer.inference.model.layer_kernels import fused_for
 from wtransfer.inference.model.parallel import (
     ALONE,
     Parallel,
@@ -45,6 +46,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize the last dimension."""
+        fused = fused_for(x)
+        if fused is not None:
+            return fused.rms_norm(x.contiguous(), self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)

@@ -7,11 +7,11 @@ depend on the others in the batch. docs/inference.md says what it replaced and w
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from wtransfer.inference.model.layer_kernels import launching_on
 
 TILE = 64
 """Keys per iteration of a program."""
@@ -75,9 +75,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError("paged_decode needs the last dimension of q and the caches dense and "
                          "both caches laid out alike")
     rows = max(16, triton.next_power_of_2(group))
-    on_device = (torch.cuda.device(q.device) if q.device.type == "cuda"
-                 else contextlib.nullcontext())  # (the host: Triton's interpreter, in tests)
-    with on_device:
+    with launching_on(q):
         _paged_decode_kernel[(batch, kv_heads)](
             q, k_cache, v_cache, tables, lengths, out, dim ** -0.5,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
