@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the engine serving `--inflight` greedy streams (as
 `benchmarks/stall.py` drives it), then `torch.profiler` over a window of steps. Prints, per
-step: the wall time between steps, the device's busy time (the sum of its kernels' durations),
-the kernels launched, and the kernels that took most of it; beside them one read of every
+step: the wall time between steps, the device's busy time (the sum of its kernels' durations;
+copies and memsets left out), the kernels launched, and the kernels that took most of it; beside them one read of every
 weight (the floor of a decode step), measured in the same process.
 
     python benchmarks/decode_profile.py --device cuda --model qwen3-0.6b --inflight 16
@@ -49,7 +49,8 @@ async def main(args: argparse.Namespace) -> None:
     kernels: collections.Counter[str] = collections.Counter()
     counts: collections.Counter[str] = collections.Counter()
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        if (event.device_type == torch.autograd.DeviceType.CUDA
+                and not event.name.startswith(("Memcpy", "Memset"))):
             kernels[event.name] += event.device_time
             counts[event.name] += 1
     steps = max(steps, 1)

@@ -170,9 +170,10 @@ class EngineConfig:
     """Replay decode steps as CUDA graphs where they apply (CUDA, one worker, a dense model,
     no adapters: `wtransfer.inference.steps.decode_graphs`); False: every step eager."""
     paged_attention: bool = True
-    """On CUDA where Triton imports: decode attention reads each sequence's keys in place from
-    the paged cache, one kernel per layer for the batch (`wtransfer.inference.model.paged_decode`);
-    False: the keys are gathered (up to the context bucket in a decode graph) for SDPA."""
+    """On CUDA where Triton imports, for heads of 16 to 256 values (a power of two) in bf16,
+    fp16 or fp32: decode attention reads each sequence's keys in place from the paged cache,
+    one kernel per layer for the batch (`wtransfer.inference.model.paged_decode`); False, or
+    elsewhere: the keys are gathered (up to the context bucket in a decode graph) for SDPA."""
     batch_invariant: bool = False
     """Compute each sequence on its own so its tokens never depend on its batch-mates (and turn
     prefix caching off, whose cached blocks come from other sequences' computations)."""

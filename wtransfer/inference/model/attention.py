@@ -70,7 +70,7 @@ class AttentionBatch:
         """Lay out a step whose sequences are `segments` (rows in order, covering the batch);
         keys past a sequence's end read `zero_slot`, a cache slot nothing writes (a masked
         key still spreads a NaN it holds over its row). `paged`: the decoding sequences
-        attend through the paged kernel (`paged_decode_kernel` said it applies)."""
+        attend through the paged kernel (`layer_kernels.paged_decode_for` said it applies)."""
         tables = _padded([s[4] for s in segments], device)
         firsts = [s[0] for s in segments]
         lengths = [s[1] - s[0] for s in segments]
@@ -152,12 +152,6 @@ def _paged_group(members: list[int], segments: Sequence[SegmentSpec], firsts: li
                           tables=chosen, lengths=ends, block_size=block_size)
 
 
-def paged_decode_kernel(device: torch.device, head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether decode attention can read the paged cache in place here: CUDA, Triton
-    importable, and heads the kernel takes."""
-    return paged_decode_for(device, head_dim, dtype) is not None
-
-
 _INVERSE: dict[tuple[int, float, torch.device], torch.Tensor] = {}
 
 
@@ -177,7 +171,8 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply rotary embeddings to x [N, heads, head_dim] (computed in float32)."""
     fused = fused_for(x)
-    if fused is not None and x.shape[-1] & (x.shape[-1] - 1) == 0 and cos.is_contiguous():
+    if (fused is not None and x.shape[-1] & (x.shape[-1] - 1) == 0 and cos.is_contiguous()
+            and sin.is_contiguous() and cos.shape == sin.shape == (x.shape[0], 1, x.shape[-1])):
         return fused.rotate(x.contiguous(), cos, sin)
     half = x.shape[-1] // 2
     xf = x.float()
@@ -200,8 +195,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
     for g in batch.groups:
         n_seqs, tq = g.query_rows.shape
         if g.lengths is not None:
-            kernel = paged_decode_for(q.device, dim, q.dtype)
-            assert kernel is not None and g.tables is not None
+            kernel = paged_decode_for(k_cache.device, dim, k_cache.dtype)
+            assert kernel is not None and g.tables is not None, "the runner chose it"
             queries = q if g.take is None else q[g.rows]
             att = kernel.paged_decode(queries, k_cache, v_cache, g.tables, g.lengths,
                                       g.block_size)

@@ -1,16 +1,14 @@
 """One Triton kernel each for RMSNorm and rotary embeddings (CUDA only; imported where Triton
-is). Eagerly each is a chain of small kernels (RMSNorm nine, a rotation seven) that a decode
-step launches some forty times per layer: at small models and batches their count, not their
-bytes, sets the step's time. Both compute in float32 as the eager code does and round once;
-`layer_kernels` says where they are used."""
+is). Eagerly each is a chain of small kernels (RMSNorm nine, a rotation seven): some fifty per
+layer of a decode step (four norms, two rotations), and at small models and batches their
+count, not their bytes, sets the step's time. Both compute in float32 as the eager code does
+and round once; `layer_kernels` says where they are used."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from wtransfer.inference.model.layer_kernels import launching_on
 
 
 @triton.jit
@@ -45,12 +43,13 @@ def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads,  # type: ignore[no-u
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x's last dimension (x contiguous, on CUDA) times `weight`, in x's dtype."""
+    """RMSNorm of x's last dimension (x contiguous, on CUDA) times `weight` (dense, of that
+    size), in x's dtype."""
     size = x.shape[-1]
     out = torch.empty_like(x)
     rows = x.numel() // size if size else 0
     if rows:
-        with launching_on(x):
+        with torch.cuda.device(x.device):  # (the calling thread's may be another)
             _rms_norm_kernel[(rows,)](x, weight, out, size, eps,
                                       WIDTH=triton.next_power_of_2(size),
                                       num_warps=4 if size <= 1024 else 8)
@@ -63,7 +62,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     tokens, heads, dim = x.shape
     out = torch.empty_like(x)
     if tokens:
-        with launching_on(x):
+        with torch.cuda.device(x.device):  # (the calling thread's may be another)
             _rotate_kernel[(tokens, heads)](x, cos, sin, out, heads, HALF=dim // 2,
                                             num_warps=1)
     return out

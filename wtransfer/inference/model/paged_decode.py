@@ -11,8 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from wtransfer.inference.model.layer_kernels import launching_on
-
 TILE = 64
 """Keys per iteration of a program."""
 
@@ -22,7 +20,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr,  # type: 
                          out_ptr, scale, q_seq, q_head, kv_slot, kv_head, table_seq,
                          out_seq, out_head,
                          GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
-                         BLOCK: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK: tl.constexpr, TILE: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     length = tl.load(lengths_ptr + seq)
@@ -41,14 +39,14 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr,  # type: 
         slot = block.to(tl.int64) * BLOCK + key % BLOCK
         at = slot[:, None] * kv_slot + kvh * kv_head + dim[None, :]
         k = tl.load(k_ptr + at, mask=inside[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # (fp32: no TF32)
         scores = tl.where(inside[None, :], scores * scale, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, 1))
         weights = tl.exp(scores - new_best[:, None])
         fade = tl.exp(best - new_best)
         total = total * fade + tl.sum(weights, 1)
         v = tl.load(v_ptr + at, mask=inside[:, None], other=0.0)
-        acc = acc * fade[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * fade[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
         best = new_best
     out = acc / total[:, None]
     tl.store(out_ptr + seq * out_seq + head[:, None] * out_head + dim[None, :],
@@ -57,7 +55,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr,  # type: 
 
 def supports(dim: int, dtype: torch.dtype) -> bool:
     """Whether the kernel takes heads of `dim` values in `dtype`."""
-    return (dim >= 16 and dim & (dim - 1) == 0
+    return (16 <= dim <= 256 and dim & (dim - 1) == 0
             and dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
@@ -71,15 +69,19 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     out = torch.empty_like(q)
-    if k_cache.stride(2) != 1 or v_cache.stride() != k_cache.stride() or q.stride(2) != 1:
-        raise ValueError("paged_decode needs the last dimension of q and the caches dense and "
-                         "both caches laid out alike")
+    if (k_cache.stride(2) != 1 or v_cache.stride() != k_cache.stride() or q.stride(2) != 1
+            or tables.stride(1) != 1 or lengths.stride(0) != 1):
+        raise ValueError("paged_decode needs the last dimension of q, the caches and the "
+                         "tables dense, and both caches laid out alike")
+    if k_cache.shape[2] != dim or v_cache.shape != k_cache.shape or heads % kv_heads:
+        raise ValueError(f"paged_decode: queries of {heads} heads of {dim} do not fit caches "
+                         f"of shape {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     rows = max(16, triton.next_power_of_2(group))
-    with launching_on(q):
+    with torch.cuda.device(q.device):  # (the calling thread's may be another)
         _paged_decode_kernel[(batch, kv_heads)](
             q, k_cache, v_cache, tables, lengths, out, dim ** -0.5,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
             out.stride(0), out.stride(1),
             GROUP=group, ROWS=rows, DIM=dim, BLOCK=block_size, TILE=TILE,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+            num_warps=4)
     return out

@@ -214,19 +214,20 @@ class DecodeGraphs:
         cos, sin = rotary_tables(graph.positions, cfg.head_dim, cfg.rope_theta)
         rows = torch.arange(batch, device=self.device)
         if self.paged:
-            group = AttentionGroup(rows, rows[:, None], None, None, None, tables=graph.tables,
-                                   lengths=graph.positions + 1, block_size=self.block_size)
+            attention = AttentionGroup(rows, rows[:, None], None, None, None,
+                                       tables=graph.tables, lengths=graph.positions + 1,
+                                       block_size=self.block_size)
         else:
             context = blocks * self.block_size
-            heads = cfg.num_attention_heads // cfg.num_key_value_heads
+            group = cfg.num_attention_heads // cfg.num_key_value_heads
             offsets = torch.arange(self.block_size, device=self.device)
             context_slots = (graph.tables[:, :, None] * self.block_size + offsets).reshape(
                 batch, blocks * self.block_size)[:, :context]
             keys = torch.arange(context, device=self.device)
             visible = keys[None, :] <= graph.positions[:, None]
             context_slots = torch.where(visible, context_slots, self.zero_slot)
-            mask = visible[:, None, None, :].expand(batch, 1, heads, context)
-            group = AttentionGroup(rows, rows[:, None], None, context_slots, mask)
+            mask = visible[:, None, None, :].expand(batch, 1, group, context)
+            attention = AttentionGroup(rows, rows[:, None], None, context_slots, mask)
         layout = AttentionBatch(self.kv, graph.slots, cos.unsqueeze(1), sin.unsqueeze(1),
-                                [group])
+                                [attention])
         graph.logits.copy_(self.model.logits(self.model(graph.ids, layout)))

@@ -12,8 +12,9 @@ import torch
 
 from wtransfer.errors import ConfigError
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.model.attention import AttentionBatch, paged_decode_kernel
+from wtransfer.inference.model.attention import AttentionBatch
 from wtransfer.inference.model.decoder import Qwen3ForCausalLM
+from wtransfer.inference.model.layer_kernels import paged_decode_for
 from wtransfer.inference.model.lora_layers import LoRARows
 from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.steps.decode_graphs import DecodeGraphs
@@ -71,8 +72,8 @@ class ModelRunner:
                     torch.zeros(shape, dtype=param.dtype, device=param.device))
                    for _ in range(cfg.num_hidden_layers)]
         self.device = param.device
-        self.paged = config.paged_attention and paged_decode_kernel(self.device, cfg.head_dim,
-                                                                     param.dtype)
+        self.paged = config.paged_attention and paged_decode_for(
+            self.device, cfg.head_dim, param.dtype) is not None
         """Decode attention reads the paged cache in place (`EngineConfig.paged_attention`
         where the kernel applies), else gathers the keys for SDPA."""
         self._generators: dict[str, torch.Generator] = {}
