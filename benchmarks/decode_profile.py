@@ -1,8 +1,9 @@
 """Where a decode step's time goes: the engine serving `--inflight` greedy streams (as
 `benchmarks/stall.py` drives it), then `torch.profiler` over a window of steps. Prints, per
 step: the wall time between steps, the device's busy time (the sum of its kernels' durations;
-copies and memsets left out), the kernels launched, and the kernels that took most of it; beside them one read of every
-weight (the floor of a decode step), measured in the same process.
+copies and memsets left out), the kernels launched, and the kernels that took most of it;
+beside them one read of every weight (the floor of a decode step), measured in the same
+process.
 
     python benchmarks/decode_profile.py --device cuda --model qwen3-0.6b --inflight 16
 """
