@@ -124,3 +124,41 @@ def test_shutdown_gives_the_device_memory_back():
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() <= start + (1 << 20), (
             torch.cuda.memory_allocated() - start)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graphs_of_the_weights_a_swap_brings_back_are_replayed_not_captured_again(device):
+    """A swap alternates the weights between two sets of storages: the second update lands
+    where the first engine's weights were, and the graphs captured there are replayed (none
+    captured again), reading the new values: tokens of a fresh engine with those weights."""
+    async def main():
+        engine = engine_on(device, graphs=True, update_staging="swap")
+        client = LocalEngineClient(engine)
+        try:
+            prompts = requests(4)
+            await tokens_of(engine, prompts)
+            graphs = engine.core.replica.runner.graphs
+            first = graphs.built
+            trainer = load_model("tiny", seed=1)
+            with wtransfer.trainer_init(IPCTrainerInitInfo(timeout_s=60), client=client,
+                                        source=wtransfer.ModuleSource(trainer)) as sender:
+                await asyncio.to_thread(sender.send_weights, "v1")
+                await tokens_of(engine, prompts)
+                second = graphs.built
+                assert second > first  # (new addresses: captured)
+                with torch.no_grad():
+                    for p in trainer.parameters():
+                        p.mul_(-0.5)
+                await asyncio.to_thread(sender.send_weights, "v2")
+            after = await tokens_of(engine, prompts)
+            assert graphs.built == second  # (back where the first graphs read)
+            fresh = engine_on(device, graphs=False)
+            try:
+                await asyncio.to_thread(fresh.core.replica.model.load_state_dict,
+                                        trainer.state_dict())
+                assert after == await tokens_of(fresh, prompts)
+            finally:
+                fresh.shutdown()
+        finally:
+            engine.shutdown()
+    run(main())

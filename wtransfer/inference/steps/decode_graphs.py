@@ -6,15 +6,18 @@ the same few thousand kernel launches every time; `DecodeGraphs` captures it onc
 compute a dummy token against a scratch KV slot no sequence owns; padding keys are masked.
 
 A graph holds the addresses of the weights it read. A staged `swap` commit (and a rollback)
-exchanges weight storages, so the runner's `epoch` moves and every graph is dropped and
-captured again on next use; in-place updates and `copy` commits keep the addresses.
-docs/inference.md says what each costs.
+exchanges weight storages, so the runner's `epoch` moves: the graphs are then looked up by the
+addresses the weights now have. A swap alternates between two sets of storages, so the set
+captured for the other one is kept (`KEPT_SETS`) and replayed again once the weights are back
+there; any other set of addresses captures its own on next use. In-place updates and `copy`
+commits keep the addresses. docs/inference.md says what each costs.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +32,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 """Batch sizes a graph is captured for (a step runs in the smallest that holds it)."""
 SHORTEST_CONTEXT = 256
 """The smallest context bucket; buckets double from it up to `longest_context`."""
+KEPT_SETS = 2
+"""Sets of graphs kept, each for one set of weight addresses (a swap's live and shadow)."""
 
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -93,6 +98,10 @@ class DecodeGraphs:
         length), else gathered for SDPA up to the context bucket."""
         self.device = next(model.parameters()).device
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        """The graphs of the weights' present addresses, by (batch, context) bucket."""
+        self._sets: OrderedDict[tuple[int, ...], dict[tuple[int, int], _Graph]] = OrderedDict()
+        """Graph sets by the weights' addresses, the present one last."""
+        self._sets[self._addresses()] = self._graphs
         self._epoch = epoch()
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._stream = capture_stream(self.device) if capture else None
@@ -123,9 +132,13 @@ class DecodeGraphs:
 
     def _run(self, segments: Sequence[tuple[int, int, int, int, list[int]]],
              ids: Sequence[int]) -> torch.Tensor | None:
-        if self.epoch() != self._epoch:
-            self._graphs.clear()  # the weights moved: captured addresses are stale
+        if self.epoch() != self._epoch:  # the weights moved: the graphs of where they are now
             self._epoch = self.epoch()
+            addresses = self._addresses()
+            self._graphs = self._sets.pop(addresses, {})
+            self._sets[addresses] = self._graphs
+            while len(self._sets) > KEPT_SETS:
+                self._sets.popitem(last=False)
         batch = next(b for b in self.batch_buckets if b >= len(segments))
         context = SHORTEST_CONTEXT
         while context < max(s[3] for s in segments):
@@ -138,7 +151,8 @@ class DecodeGraphs:
                 self.disabled = f"{type(exc).__name__}: {exc}"
                 log.warning("CUDA graphs are off for this engine, every step runs eagerly: "
                             "capturing a decode step failed: %s", self.disabled)
-                self._graphs.clear()
+                self._sets.clear()  # (every set: graphs are off for good)
+                self._graphs = {}
                 return None
             self._graphs[(batch, context)] = graph
         self._fill(graph, segments, ids)
@@ -166,6 +180,10 @@ class DecodeGraphs:
         graph.inputs.copy_(graph.host, non_blocking=True)
         if graph.copied is not None:
             graph.copied.record(torch.cuda.current_stream(self.device))
+
+    def _addresses(self) -> tuple[int, ...]:
+        """Where every weight of the model lies (what a captured graph reads)."""
+        return tuple(p.data_ptr() for p in self.model.parameters())
 
     def _new(self, batch: int, context: int) -> _Graph:
         """Static buffers for a (batch, context) bucket, captured unless on the host."""
