@@ -110,8 +110,8 @@ class DecodeGraphs:
                                    dtype=torch.float32, device=self.device)
         """The output of every graph (one replay at a time), sliced to its batch."""
         self.built = 0
-        """Graphs built (captured on CUDA) since start; a swap commit makes the next decode
-        steps build theirs again."""
+        """Graphs built (captured on CUDA) since start; a swap commit to weight addresses
+        without a kept set makes the next decode steps build theirs."""
         self.disabled: str | None = None
         """Why graphs are off for good (a capture failed), else None."""
 
