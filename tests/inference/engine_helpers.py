@@ -1,9 +1,11 @@
 """Helpers shared by the inference-engine tests (single-process and data-parallel)."""
 
 import asyncio
+import importlib
 import time
 
 import pytest
+import torch
 
 from wtransfer.inference import SamplingParams
 
@@ -33,3 +35,18 @@ async def collect(engine, rid, prompt, params=GREEDY, progress=None):
         if progress is not None:
             progress[rid] = len(out.outputs[0].token_ids)
     return last
+
+
+async def tokens_of(engine, prompts, params=GREEDY):
+    """Each prompt's tokens from `engine` ({request id: prompt}), every request at once."""
+    outs = await asyncio.gather(*(collect(engine, rid, p, params) for rid, p in prompts.items()))
+    return {rid: o.outputs[0].token_ids for rid, o in zip(prompts, outs, strict=True)}
+
+
+def triton_kernels(name):
+    """`wtransfer.inference.model.<name>` (a module of Triton kernels), or skip the test where
+    there is no CUDA device or no Triton."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton", reason=f"{name} holds Triton kernels")
+    return importlib.import_module(f"wtransfer.inference.model.{name}")

@@ -10,16 +10,15 @@ import asyncio
 
 import pytest
 import torch
-from engine_helpers import collect, run
+from engine_helpers import GREEDY, collect, run, tokens_of
 from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
-from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient, SamplingParams
+from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient
 from wtransfer.inference.model.decoder import load_model
 from wtransfer.inference.steps.decode_graphs import DecodeGraphs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
 
 
 def engine_on(device, *, graphs, **config):
@@ -46,11 +45,6 @@ def requests(n):
     out = {f"r{i}": [(11 * i + 3 * j) % 256 for j in range(2 + i % 7)] for i in range(n - 1)}
     out["long"] = [(5 * j) % 256 for j in range(250)]
     return out
-
-
-async def tokens_of(engine, prompts):
-    outs = await asyncio.gather(*(collect(engine, rid, p, GREEDY) for rid, p in prompts.items()))
-    return {rid: o.outputs[0].token_ids for rid, o in zip(prompts, outs, strict=True)}
 
 
 @pytest.mark.parametrize("device", DEVICES)

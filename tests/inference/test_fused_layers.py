@@ -3,11 +3,9 @@ uses on CUDA outside autograd) give the eager chains' values, and an engine runn
 the tokens of one that does not (`WTRANSFER_FUSED_LAYERS=0`). Tolerances: torch's defaults
 for the dtype (the kernels sum in another order and may fuse a multiply and an add)."""
 
-import asyncio
-
 import pytest
 import torch
-from engine_helpers import collect, run
+from engine_helpers import run, tokens_of, triton_kernels
 
 from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams
 from wtransfer.inference.model import layer_kernels
@@ -19,11 +17,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def fused():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    pytest.importorskip("triton", reason="the fused layers are Triton kernels")
-    from wtransfer.inference.model import fused
-    return fused
+    return triton_kernels("fused")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -61,9 +55,7 @@ def test_an_engine_with_fused_layers_gives_the_eager_layers_tokens(fused, monkey
     async def tokens():
         engine = AsyncEngine(EngineConfig(model="tiny", device="cuda"))
         try:
-            outs = await asyncio.gather(*(collect(engine, rid, p, params)
-                                          for rid, p in prompts.items()))
-            return [o.outputs[0].token_ids for o in outs]
+            return await tokens_of(engine, prompts, params)
         finally:
             engine.shutdown()
 

@@ -3,12 +3,10 @@
 never reads past a sequence's length (a NaN left in a freed block does not leak in), and an
 engine decoding through it gives the tokens of one that gathers its keys."""
 
-import asyncio
-
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_helpers import collect, run
+from engine_helpers import collect, run, tokens_of, triton_kernels
 
 from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams
 from wtransfer.inference.model import layer_kernels
@@ -20,11 +18,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    pytest.importorskip("triton", reason="the paged decode kernel is a Triton kernel")
-    from wtransfer.inference.model.paged_decode import paged_decode
-    return paged_decode
+    return triton_kernels("paged_decode").paged_decode
 
 
 def reference(q, k_cache, v_cache, tables, lengths):
@@ -109,9 +103,7 @@ def test_an_engine_decoding_in_place_gives_the_tokens_of_one_gathering_its_keys(
                                           paged_attention=paged))
         try:
             assert engine.core.replica.runner.paged == paged
-            outs = await asyncio.gather(*(collect(engine, rid, p, params)
-                                          for rid, p in prompts.items()))
-            return [o.outputs[0].token_ids for o in outs]
+            return await tokens_of(engine, prompts, params)
         finally:
             engine.shutdown()
 
