@@ -69,8 +69,8 @@ def test_decode_graphs_give_the_eager_tokens(device, batch):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_swap_commit_makes_graphs_read_the_new_weights(device):
-    """After a staged swap commit every decode graph is built again: the tokens are those of
-    a fresh engine holding the new weights, never of the old ones."""
+    """After a staged swap commit the decode graphs are built again for the new storages: the
+    tokens are those of a fresh engine holding the new weights, never of the old ones."""
     async def main():
         engine = engine_on(device, graphs=True, update_staging="swap")
         fresh = engine_on(device, graphs=False, seed=1)
@@ -123,8 +123,9 @@ def test_shutdown_gives_the_device_memory_back():
 @pytest.mark.parametrize("device", DEVICES)
 def test_graphs_of_the_weights_a_swap_brings_back_are_replayed_not_captured_again(device):
     """A swap alternates the weights between two sets of storages: the second update lands
-    where the first engine's weights were, and the graphs captured there are replayed (none
-    captured again), reading the new values: tokens of a fresh engine with those weights."""
+    where the engine's first weights were, and the graphs captured there are replayed (only a
+    bucket not used before is captured), reading the new values: tokens of a fresh engine with
+    those weights. A rollback goes back to the first update's set and tokens."""
     async def main():
         engine = engine_on(device, graphs=True, update_staging="swap")
         client = LocalEngineClient(engine)
@@ -132,20 +133,23 @@ def test_graphs_of_the_weights_a_swap_brings_back_are_replayed_not_captured_agai
             prompts = requests(4)
             await tokens_of(engine, prompts)
             graphs = engine.core.replica.runner.graphs
-            first = graphs.built
+            first, first_set = graphs.built, graphs._graphs
+            first_buckets = set(first_set)
             trainer = load_model("tiny", seed=1)
             with wtransfer.trainer_init(IPCTrainerInitInfo(timeout_s=60), client=client,
                                         source=wtransfer.ModuleSource(trainer)) as sender:
                 await asyncio.to_thread(sender.send_weights, "v1")
-                await tokens_of(engine, prompts)
-                second = graphs.built
-                assert second > first  # (new addresses: captured)
+                middle = await tokens_of(engine, prompts)
+                second, second_set = graphs.built, graphs._graphs
+                assert second > first and second_set is not first_set  # (new addresses)
                 with torch.no_grad():
                     for p in trainer.parameters():
                         p.mul_(-0.5)
                 await asyncio.to_thread(sender.send_weights, "v2")
             after = await tokens_of(engine, prompts)
-            assert graphs.built == second  # (back where the first graphs read)
+            assert after != middle and graphs.disabled is None
+            assert graphs._graphs is first_set  # (back where the first graphs read)
+            assert graphs.built == second + len(set(first_set) - first_buckets)
             fresh = engine_on(device, graphs=False)
             try:
                 await asyncio.to_thread(fresh.core.replica.model.load_state_dict,
@@ -153,6 +157,9 @@ def test_graphs_of_the_weights_a_swap_brings_back_are_replayed_not_captured_agai
                 assert after == await tokens_of(fresh, prompts)
             finally:
                 fresh.shutdown()
+            await engine.rollback_weights()
+            assert await tokens_of(engine, prompts) == middle
+            assert graphs._graphs is second_set and graphs.disabled is None
         finally:
             engine.shutdown()
     run(main())

@@ -182,8 +182,10 @@ class DecodeGraphs:
             graph.copied.record(torch.cuda.current_stream(self.device))
 
     def _addresses(self) -> tuple[int, ...]:
-        """Where every weight of the model lies (what a captured graph reads)."""
-        return tuple(p.data_ptr() for p in self.model.parameters())
+        """Where every tensor of the model's state lies (what a captured graph reads, and
+        what a staged commit exchanges), each alias once."""
+        state = {id(t): t for t in self.model.state_dict(keep_vars=True).values()}
+        return tuple(t.data_ptr() for t in state.values())
 
     def _new(self, batch: int, context: int) -> _Graph:
         """Static buffers for a (batch, context) bucket, captured unless on the host."""
