@@ -19,7 +19,8 @@
 #     bash benchmarks/gpu_one.sh finite   # the checked copy against copy_; what refusing NaN/inf
 #                                         # costs an 8B zero-copy update
 #     bash benchmarks/gpu_one.sh engine   # the engine's GPU tests, then benchmarks/stall.py on
-#                                         # CUDA (MODELS, INFLIGHT, MODES: what to run)
+#                                         # CUDA (MODELS, INFLIGHT, MODES: what to run), then
+#                                         # decode_profile.py with and without the Triton layers
 #     bash benchmarks/gpu_one.sh profile  # py-spy of the engine and ranks during the 8B
 #                                         # 2 -> TP=2 updates (one sender, then M->N); needs
 #                                         # the py-spy wheel in .whl/ (pip download py-spy)
@@ -123,8 +124,15 @@ engine)
         > $OUT/engine-tests.txt 2>&1; echo "rc $?"; tail -5 $OUT/engine-tests.txt
     echo "$(ts) decode speed and update stall: ${MODELS:=qwen3-0.6b,qwen3-8b} x ${INFLIGHT:=16}"
     timeout ${STALL_S:-330} python3 benchmarks/stall.py --device cuda --models $MODELS \
-        --inflight $INFLIGHT --modes "${MODES:-none,none eager,staged,staged copy}" \
-        --updates 3 2>&1 | tee $OUT/stall.txt | tail -30; echo "rc $?" ;;
+        --inflight $INFLIGHT --modes "${MODES:-none,none gather,staged,staged keep KV}" \
+        --updates 3 2>&1 | tee $OUT/stall.txt | tail -30; echo "rc $?"
+    echo "$(ts) where a decode step's time goes: kernels per step, with and without the Triton"
+    echo "   layers (${MODELS%%,*} x16)"
+    for fused in 1 0; do
+        WTRANSFER_FUSED_LAYERS=$fused timeout 60 python3 benchmarks/decode_profile.py \
+            --model ${MODELS%%,*} --inflight 16 $([ $fused = 0 ] && echo --gather) 2>&1 \
+            | grep -v USDT | tail -14
+    done ;;
 *) echo "usage: gpu_one.sh suite|paths|ipc|ucx|peers|m2n|trace|profile|timeline|finite|engine"; exit 2 ;;
 esac
 echo "$(ts) done"
