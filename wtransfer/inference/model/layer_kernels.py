@@ -43,6 +43,9 @@ def _works(name: str, device: torch.device, dtype: torch.dtype,
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (name, device, dtype)
+    known = _tried.get(key)  # (every call after the first: no lock)
+    if known is not None:
+        return module if known else None
     with _lock:
         if key not in _tried:
             try:
