@@ -102,7 +102,7 @@ def test_an_engine_decoding_in_place_gives_the_tokens_of_one_gathering_its_keys(
         engine = AsyncEngine(EngineConfig(model="tiny", device="cuda", cuda_graphs=graphs,
                                           paged_attention=paged))
         try:
-            assert engine.core.replica.runner.paged == paged
+            assert (engine.core.replica.runner.paged_decode is not None) == paged
             return await tokens_of(engine, prompts, params)
         finally:
             engine.shutdown()
@@ -127,8 +127,9 @@ def test_a_step_of_prefills_and_decodes_attends_alike_in_place_and_gathered(kern
         kv = [tuple(c.clone().cuda() for c in cache)]
         batch = AttentionBatch.build(kv, segments, block_size=BLOCK, gqa_group=heads // kv_heads,
                                      head_dim=dim, theta=1e6, zero_slot=slots - 1,
-                                     device=torch.device("cuda"), paged=paged)
-        assert (batch.groups[0].lengths is not None) == paged
+                                     device=torch.device("cuda"),
+                                     paged=kernel if paged else None)
+        assert (batch.groups[0].paged is not None) == paged
         with torch.no_grad():
             outs.append(attend(q, k, v, 0, batch))
     torch.testing.assert_close(outs[0], outs[1])
@@ -143,7 +144,7 @@ def test_a_kernel_that_fails_its_trial_is_not_used(kernel, monkeypatch, caplog):
     assert "no compiler here" in caplog.text
     engine = AsyncEngine(EngineConfig(model="tiny", device="cuda"))
     try:
-        assert engine.core.replica.runner.paged is False
+        assert engine.core.replica.runner.paged_decode is None
         out = run(collect(engine, "r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0)))
         assert len(out.outputs[0].token_ids) == 4
     finally:

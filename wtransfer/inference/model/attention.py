@@ -10,16 +10,34 @@ docs/inference.md says how it is laid out and what it costs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from wtransfer.inference.model.layer_kernels import fused_for, paged_decode_for
+from wtransfer.inference.model.layer_kernels import fused_for
 
 SegmentSpec = tuple[int, int, int, int, list[int]]
 """One sequence in a step: (first row, end row, first new position, end position, block table)."""
+
+PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                        int], torch.Tensor]
+"""`wtransfer.inference.model.paged_decode.paged_decode`: (q, k_cache, v_cache, tables,
+lengths, block_size) -> attention output."""
+
+
+@dataclass
+class PagedLayout:
+    """A decode group read in place from the paged cache by `kernel`, one query a sequence."""
+
+    kernel: PagedDecode
+    tables: torch.Tensor
+    """[B, blocks] block table of each sequence."""
+    lengths: torch.Tensor
+    """[B] keys of each sequence (its position + 1)."""
+    block_size: int
+    """Cache slots per block."""
 
 
 @dataclass
@@ -39,13 +57,9 @@ class AttentionGroup:
     mask: torch.Tensor | None
     """[B, 1, group * Tq, Lk] which keys each query sees, laid out for grouped-query attention
     (None: every key, one sequence decoding, or the paged kernel)."""
-    tables: torch.Tensor | None = None
-    """[B, blocks] block table of each sequence where the group decodes through the paged
-    kernel (one query per sequence), else None."""
-    lengths: torch.Tensor | None = None
-    """[B] keys of each sequence (its position + 1) for the paged kernel, else None."""
-    block_size: int = 0
-    """Cache slots per block (the paged kernel's)."""
+    paged: PagedLayout | None = None
+    """Where the group decodes through the paged kernel (then nothing is gathered or masked),
+    else None."""
 
 
 @dataclass
@@ -66,11 +80,11 @@ class AttentionBatch:
     def build(cls, kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
               segments: Sequence[SegmentSpec], *, block_size: int, gqa_group: int,
               head_dim: int, theta: float, zero_slot: int, device: torch.device,
-              paged: bool = False) -> AttentionBatch:
+              paged: PagedDecode | None = None) -> AttentionBatch:
         """Lay out a step whose sequences are `segments` (rows in order, covering the batch);
         keys past a sequence's end read `zero_slot`, a cache slot nothing writes (a masked
-        key still spreads a NaN it holds over its row). `paged`: the decoding sequences
-        attend through the paged kernel (`layer_kernels.paged_decode_for` said it applies)."""
+        key still spreads a NaN it holds over its row). `paged`: the kernel the decoding
+        sequences attend through (`layer_kernels.paged_decode_for` said it applies)."""
         tables = _padded([s[4] for s in segments], device)
         firsts = [s[0] for s in segments]
         lengths = [s[1] - s[0] for s in segments]
@@ -89,9 +103,9 @@ class AttentionBatch:
             if not members:
                 continue
             whole = len(members) == len(segments)
-            if paged and members is decode:
-                groups.append(_paged_group(members, segments, firsts, tables, block_size,
-                                           device, whole=whole))
+            if paged is not None and members is decode:
+                groups.append(_paged_group(paged, members, segments, firsts, tables,
+                                           block_size, device, whole=whole))
             else:
                 groups.append(_group(members, segments, firsts, lengths, tables, block_size,
                                      gqa_group, zero_slot, device, whole=whole))
@@ -139,9 +153,9 @@ def _group(members: list[int], segments: Sequence[SegmentSpec], firsts: list[int
                           mask)
 
 
-def _paged_group(members: list[int], segments: Sequence[SegmentSpec], firsts: list[int],
-                 tables: torch.Tensor, block_size: int, device: torch.device, *,
-                 whole: bool) -> AttentionGroup:
+def _paged_group(kernel: PagedDecode, members: list[int], segments: Sequence[SegmentSpec],
+                 firsts: list[int], tables: torch.Tensor, block_size: int,
+                 device: torch.device, *, whole: bool) -> AttentionGroup:
     """The layout of decoding sequences `members` for the paged kernel: their rows, block
     tables and lengths; nothing gathered, nothing masked."""
     rows = torch.tensor([firsts[i] for i in members], dtype=torch.long, device=device)
@@ -149,7 +163,7 @@ def _paged_group(members: list[int], segments: Sequence[SegmentSpec], firsts: li
     chosen = tables if whole else tables[torch.tensor(members, device=device)]
     return AttentionGroup(rows, rows[:, None], None if whole else
                           torch.arange(len(members), device=device), None, None,
-                          tables=chosen, lengths=ends, block_size=block_size)
+                          PagedLayout(kernel, chosen, ends, block_size))
 
 
 _INVERSE: dict[tuple[int, float, torch.device], torch.Tensor] = {}
@@ -169,11 +183,17 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply rotary embeddings to x [N, heads, head_dim] (computed in float32)."""
+    """Apply rotary embeddings to x [N, heads, head_dim] (computed in float32), through the
+    fused kernel where it applies."""
     fused = fused_for(x)
     if (fused is not None and x.shape[-1] & (x.shape[-1] - 1) == 0 and cos.is_contiguous()
             and sin.is_contiguous() and cos.shape == sin.shape == (x.shape[0], 1, x.shape[-1])):
         return fused.rotate(x.contiguous(), cos, sin)
+    return rotate_eager(x, cos, sin)
+
+
+def rotate_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate` in eager torch operations."""
     half = x.shape[-1] // 2
     xf = x.float()
     turned = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
@@ -194,12 +214,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
     out: torch.Tensor | None = None
     for g in batch.groups:
         n_seqs, tq = g.query_rows.shape
-        if g.lengths is not None:
-            kernel = paged_decode_for(k_cache.device, dim, k_cache.dtype)
-            assert kernel is not None and g.tables is not None, "the runner chose it"
+        if g.paged is not None:
             queries = q if g.take is None else q[g.rows]
-            att = kernel.paged_decode(queries, k_cache, v_cache, g.tables, g.lengths,
-                                      g.block_size)
+            att = g.paged.kernel(queries, k_cache, v_cache, g.paged.tables, g.paged.lengths,
+                                 g.paged.block_size)
             if g.take is None:
                 return att
             if out is None:

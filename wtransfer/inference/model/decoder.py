@@ -49,9 +49,14 @@ class RMSNorm(nn.Module):
         fused = fused_for(x)
         if fused is not None:
             return fused.rms_norm(x.contiguous(), self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return rms_norm_eager(x, self.weight, self.eps)
+
+
+def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x's last dimension times `weight`, in eager torch operations (float32)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
 
 
 class Attention(nn.Module):

@@ -23,7 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from wtransfer.inference.model.attention import AttentionBatch, AttentionGroup, rotary_tables
+from wtransfer.inference.model.attention import (
+    AttentionBatch,
+    AttentionGroup,
+    PagedDecode,
+    PagedLayout,
+    rotary_tables,
+)
 from wtransfer.inference.model.decoder import Qwen3ForCausalLM
 
 log = logging.getLogger(__name__)
@@ -80,7 +86,8 @@ class DecodeGraphs:
     def __init__(self, model: Qwen3ForCausalLM, kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  *, block_size: int, scratch_block: int, zero_slot: int, max_seqs: int,
                  longest_context: int,
-                 epoch: Callable[[], int], capture: bool = True, paged: bool = False) -> None:
+                 epoch: Callable[[], int], capture: bool = True,
+                 paged: PagedDecode | None = None) -> None:
         self.model = model
         self.kv = kv
         self.block_size = block_size
@@ -94,8 +101,8 @@ class DecodeGraphs:
         self.epoch = epoch
         self.capture = capture
         self.paged = paged
-        """Decode attention through the paged kernel (reads each sequence's keys up to its
-        length), else gathered for SDPA up to the context bucket."""
+        """The kernel decode attention reads each sequence's keys with, up to its length;
+        None: they are gathered for SDPA up to the context bucket."""
         self.device = next(model.parameters()).device
         self._graphs: dict[tuple[int, int], _Graph] = {}
         """The graphs of the weights' present addresses, by (batch, context) bucket."""
@@ -233,10 +240,9 @@ class DecodeGraphs:
         batch, blocks = graph.tables.shape
         cos, sin = rotary_tables(graph.positions, cfg.head_dim, cfg.rope_theta)
         rows = torch.arange(batch, device=self.device)
-        if self.paged:
-            attention = AttentionGroup(rows, rows[:, None], None, None, None,
-                                       tables=graph.tables, lengths=graph.positions + 1,
-                                       block_size=self.block_size)
+        if self.paged is not None:
+            attention = AttentionGroup(rows, rows[:, None], None, None, None, PagedLayout(
+                self.paged, graph.tables, graph.positions + 1, self.block_size))
         else:
             context = blocks * self.block_size
             group = cfg.num_attention_heads // cfg.num_key_value_heads

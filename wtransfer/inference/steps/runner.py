@@ -12,7 +12,7 @@ import torch
 
 from wtransfer.errors import ConfigError
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.model.attention import AttentionBatch
+from wtransfer.inference.model.attention import AttentionBatch, PagedDecode
 from wtransfer.inference.model.decoder import Qwen3ForCausalLM
 from wtransfer.inference.model.layer_kernels import paged_decode_for
 from wtransfer.inference.model.lora_layers import LoRARows
@@ -72,10 +72,13 @@ class ModelRunner:
                     torch.zeros(shape, dtype=param.dtype, device=param.device))
                    for _ in range(cfg.num_hidden_layers)]
         self.device = param.device
-        self.paged = config.paged_attention and paged_decode_for(
-            self.device, cfg.head_dim, param.dtype) is not None
-        """Decode attention reads the paged cache in place (`EngineConfig.paged_attention`
-        where the kernel applies), else gathers the keys for SDPA."""
+        kernels = (paged_decode_for(self.device, cfg.head_dim, param.dtype)
+                   if config.paged_attention else None)
+        self.paged_decode: PagedDecode | None = (kernels.paged_decode if kernels is not None
+                                                 else None)
+        """The kernel decode attention reads the paged cache in place with
+        (`EngineConfig.paged_attention`, where it applies); None: the keys are gathered for
+        SDPA."""
         self._generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
         """Decode steps as CUDA graphs (`EngineConfig.cuda_graphs`; None: every step eager)."""
@@ -86,7 +89,7 @@ class ModelRunner:
                                        zero_slot=self.zero_slot,
                                        max_seqs=config.max_num_seqs,
                                        longest_context=min(cfg.max_position_embeddings, 8192),
-                                       epoch=weights_epoch, paged=self.paged)
+                                       epoch=weights_epoch, paged=self.paged_decode)
 
     def slots_of(self, table: list[int], start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) of a sequence whose block table is `table`."""
@@ -114,7 +117,7 @@ class ModelRunner:
             self.kv, plan.segments, block_size=self.config.block_size,
             gqa_group=cfg.num_attention_heads // cfg.num_key_value_heads,
             head_dim=cfg.head_dim, theta=cfg.rope_theta, zero_slot=self.zero_slot,
-            device=self.device, paged=self.paged)
+            device=self.device, paged=self.paged_decode)
         hidden = self.model(torch.tensor(plan.ids, dtype=torch.long, device=self.device), batch)
         last = torch.tensor([s[1] - 1 for s in plan.segments], device=self.device)
         return self.model.logits(hidden[last])
