@@ -26,13 +26,18 @@ Per mode: tokens/s over the window (and its ratio to **none**), and per update t
 of one step and the start of the next) and, staged, of `update_commit_ms` (the swap itself).
 Steps slowed beside a staged transfer, and the re-prefill after a commit (work every kept
 request needs to be computed with the new weights; the paused path does the same after its
-resume), are compute: they show in tokens/s.
+resume), are compute: they show in tokens/s. Where they go, per update (median): the serving
+time lost while the transfer ran (`lost in`) and in the 0.4 s after it (`lost after`: the
+commit, the re-prefill, decode graphs captured for new addresses), each against the token
+rate of the 0.4 s before that update; `graphs built` counts decode graphs captured in the
+measured window.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import statistics
 import subprocess
@@ -58,6 +63,12 @@ MODES: dict[str, dict[str, Any]] = {
          "staged copy": {"update_staging": "copy"},
          "none eager": {"update_staging": "off", "cuda_graphs": False},
          "none gather": {"update_staging": "off", "paged_attention": False}}
+
+BEFORE_S = 0.4
+"""The window before each update whose token rate the update's losses are measured against."""
+AFTER_S = 0.4
+"""The window after each update's transfer its after-effects (commit, re-prefill, graphs
+captured again) are counted in."""
 
 
 async def load(engine: AsyncEngine, inflight: int, max_tokens: int, stop: asyncio.Event,
@@ -109,6 +120,28 @@ def weight_read_ms(engine: AsyncEngine, repeats: int = 5) -> float:
     return statistics.median(times[1:])
 
 
+async def sample_tokens(counted: list[int], trace: list[tuple[float, int]],
+                        stop: asyncio.Event) -> None:
+    """Record (time, tokens so far) every 5 ms until `stop`."""
+    while not stop.is_set():
+        trace.append((time.perf_counter(), counted[0]))
+        await asyncio.sleep(0.005)
+
+
+def tokens_between(trace: list[tuple[float, int]], a: float, b: float) -> float:
+    """Tokens streamed between times `a` and `b`, from the samples nearest each."""
+    times = [t for t, _ in trace]
+    first = trace[min(bisect.bisect_left(times, a), len(trace) - 1)][1]
+    last = trace[min(bisect.bisect_left(times, b), len(trace) - 1)][1]
+    return float(last - first)
+
+
+def serving_lost_ms(trace: list[tuple[float, int]], a: float, b: float,
+                    rate: float) -> float:
+    """How many ms of serving at `rate` tokens/s the window [a, b] lost."""
+    return ((b - a) - tokens_between(trace, a, b) / rate) * 1e3
+
+
 async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: float,
                    max_tokens: int, device: str) -> dict[str, Any]:
     updating = not mode.startswith("none")
@@ -116,23 +149,27 @@ async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: 
                                       device=device, **MODES[mode]))
     floor = weight_read_ms(engine) if not updating else float("nan")
     trainer = load_model(model, seed=1, device=device)
-    stop, counted = asyncio.Event(), [0]
+    stop, counted, trace = asyncio.Event(), [0], []
     driving = asyncio.create_task(load(engine, inflight, max_tokens, stop, counted))
+    sampling = asyncio.create_task(sample_tokens(counted, trace, stop))
     await asyncio.sleep(1.0)  # every request streaming
     client = LocalEngineClient(engine)
     sender = await asyncio.to_thread(wtransfer.trainer_init, IPCTrainerInitInfo(
         bucket_bytes=64 << 20, timeout_s=600), client=client,
         source=wtransfer.ModuleSource(trainer))
     interval = await step_interval(engine)
-    stalls, commits, transfers = [], [], []
+    stalls, commits, transfers, windows = [], [], [], []
+    graphs_before = (await engine.stats())["decode_graphs_built"]
     start, base = time.perf_counter(), counted[0]
     for k in range(updates if updating else 0):
         await asyncio.sleep(every_s)
+        sent = time.perf_counter()
         if mode == "paused":
             await engine.pause_generation(mode="keep", clear_cache=True)
         stats = await asyncio.to_thread(sender.send_weights, f"u{k}")
         if mode == "paused":
             await engine.resume_generation()
+        windows.append((sent, time.perf_counter()))
         transfers.append(stats.seconds * 1e3)
         info = await engine.weight_info()
         while info["update_stall_ms"] is None:  # the first step after it closes its window
@@ -142,11 +179,22 @@ async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: 
         commits.append(info["update_commit_ms"])
     if not updating:
         await asyncio.sleep(every_s * updates)
+    else:
+        await asyncio.sleep(AFTER_S)
     elapsed = time.perf_counter() - start
     tokens = counted[0] - base
+    graphs_built = (await engine.stats())["decode_graphs_built"] - graphs_before
+    peak_gib = (torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda")
+                else float("nan"))  # the process's: the trainer's copy of the weights included
     stop.set()
     await engine.abort_requests()
     await asyncio.wait_for(driving, 120)
+    await sampling
+    lost_in, lost_after = [], []
+    for sent, done in windows:  # against the rate of the steady window before each update
+        rate = tokens_between(trace, sent - BEFORE_S, sent) / BEFORE_S
+        lost_in.append(serving_lost_ms(trace, sent, done, rate))
+        lost_after.append(serving_lost_ms(trace, done, done + AFTER_S, rate))
     sender.shutdown()
     engine.shutdown()
     del engine, sender, client
@@ -156,7 +204,10 @@ async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: 
             "transfer_ms": statistics.median(transfers) if transfers else float("nan"),
             "stall_ms": statistics.median(stalls) if stalls else float("nan"),
             "commit_ms": statistics.median(commits) if mode.startswith("staged")
-            else float("nan"), "updates": len(stalls)}
+            else float("nan"), "updates": len(stalls), "peak_gib": peak_gib,
+            "graphs_built": graphs_built,
+            "lost_in_ms": statistics.median(lost_in) if lost_in else float("nan"),
+            "lost_after_ms": statistics.median(lost_after) if lost_after else float("nan")}
 
 
 def one_mode_in_a_child(args: argparse.Namespace, model: str, mode: str,
@@ -211,7 +262,10 @@ def main() -> None:
                        ("step_ms", "step ms", ".2f"), ("step_vs_floor", "step/floor", ".2f"),
                        ("transfer_ms", "transfer ms", ".1f"),
                        ("stall_ms", "stall ms", ".2f"), ("commit_ms", "commit ms", ".3f"),
-                       ("updates", "updates", "d")])
+                       ("updates", "updates", "d"), ("peak_gib", "peak GiB", ".1f"),
+                       ("graphs_built", "graphs built", "d"),
+                       ("lost_in_ms", "lost in ms", ".1f"),
+                       ("lost_after_ms", "lost after ms", ".1f")])
     print(f"wrote {write_json('stall', rows, vars(args))}")
 
 

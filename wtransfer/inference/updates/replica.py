@@ -696,5 +696,7 @@ class Replica:
                 "last_update_seconds": self.receiver.last_update_seconds if self.receiver else 0,
                 "torn": self.torn,
                 "update_stall_ms": self.stall.last_ms,
+                "decode_graphs_built": (self.runner.graphs.built
+                                        if self.runner.graphs is not None else 0),
                 "prefilled_remote": self.prefilled["remote"],
                 "prefilled_local": self.prefilled["local"]}
