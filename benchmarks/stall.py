@@ -149,7 +149,8 @@ async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: 
                                       device=device, **MODES[mode]))
     floor = weight_read_ms(engine) if not updating else float("nan")
     trainer = load_model(model, seed=1, device=device)
-    stop, counted, trace = asyncio.Event(), [0], []
+    stop, counted = asyncio.Event(), [0]
+    trace: list[tuple[float, int]] = []
     driving = asyncio.create_task(load(engine, inflight, max_tokens, stop, counted))
     sampling = asyncio.create_task(sample_tokens(counted, trace, stop))
     await asyncio.sleep(1.0)  # every request streaming

@@ -29,12 +29,15 @@ def engine_on(device, *, graphs, **config):
                                       **config))
     runner = engine.core.replica.runner
     if graphs and device == "cpu":
+        staging = engine.core.replica.staging  # (as the engine's runner is given it)
         runner.graphs = DecodeGraphs(runner.model, runner.kv, block_size=16,
                                      scratch_block=runner.num_blocks,
                                      zero_slot=runner.zero_slot,
                                      max_seqs=engine.core.config.max_num_seqs,
                                      longest_context=2048, epoch=engine.core.replica._weights_epoch,
-                                     capture=False)
+                                     capture=False, other_weights=(
+                                         staging.shadow_in_place if staging is not None
+                                         and staging.mode == "swap" else None))
     assert (runner.graphs is not None) == graphs
     return engine
 
@@ -69,8 +72,9 @@ def test_decode_graphs_give_the_eager_tokens(device, batch):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_swap_commit_makes_graphs_read_the_new_weights(device):
-    """After a staged swap commit the decode graphs are built again for the new storages: the
-    tokens are those of a fresh engine holding the new weights, never of the old ones."""
+    """After a staged swap commit the decode graphs replayed are those captured for the
+    shadow's storages before the update wrote them: the tokens are those of a fresh engine
+    holding the new weights, never of the old ones."""
     async def main():
         engine = engine_on(device, graphs=True, update_staging="swap")
         fresh = engine_on(device, graphs=False, seed=1)
@@ -78,7 +82,7 @@ def test_a_swap_commit_makes_graphs_read_the_new_weights(device):
             prompts = requests(4)
             before = await tokens_of(engine, prompts)
             graphs = engine.core.replica.runner.graphs
-            built = graphs.built
+            built, present = graphs.built, graphs._graphs
             trainer = load_model("tiny", seed=1)
             client = LocalEngineClient(engine)
             with wtransfer.trainer_init(IPCTrainerInitInfo(timeout_s=60), client=client,
@@ -86,7 +90,7 @@ def test_a_swap_commit_makes_graphs_read_the_new_weights(device):
                 await asyncio.to_thread(sender.send_weights, "v1")
             after = await tokens_of(engine, prompts)
             assert after == await tokens_of(fresh, prompts) and after != before
-            assert graphs.built > built
+            assert graphs._graphs is not present and graphs.built == built
         finally:
             engine.shutdown()
             fresh.shutdown()
@@ -121,11 +125,10 @@ def test_shutdown_gives_the_device_memory_back():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_graphs_of_the_weights_a_swap_brings_back_are_replayed_not_captured_again(device):
-    """A swap alternates the weights between two sets of storages: the second update lands
-    where the engine's first weights were, and the graphs captured there are replayed (only a
-    bucket not used before is captured), reading the new values: tokens of a fresh engine with
-    those weights. A rollback goes back to the first update's set and tokens."""
+def test_no_swap_commit_captures_graphs_each_bucket_is_captured_for_both_sets_first(device):
+    """A swap alternates the weights between two sets of storages, and each bucket is captured
+    for both when first used: the steps after every commit (and after a rollback) replay graphs
+    captured before it, reading the new values: tokens of a fresh engine with those weights."""
     async def main():
         engine = engine_on(device, graphs=True, update_staging="swap")
         client = LocalEngineClient(engine)
@@ -133,15 +136,16 @@ def test_graphs_of_the_weights_a_swap_brings_back_are_replayed_not_captured_agai
             prompts = requests(4)
             await tokens_of(engine, prompts)
             graphs = engine.core.replica.runner.graphs
-            first, first_set = graphs.built, graphs._graphs
-            first_buckets = set(first_set)
+            first_set = graphs._graphs
+            buckets = set(first_set)
+            assert graphs.built == 2 * len(buckets) and len(graphs._sets) == 2
             trainer = load_model("tiny", seed=1)
             with wtransfer.trainer_init(IPCTrainerInitInfo(timeout_s=60), client=client,
                                         source=wtransfer.ModuleSource(trainer)) as sender:
                 await asyncio.to_thread(sender.send_weights, "v1")
                 middle = await tokens_of(engine, prompts)
-                second, second_set = graphs.built, graphs._graphs
-                assert second > first and second_set is not first_set  # (new addresses)
+                second_set = graphs._graphs
+                assert second_set is not first_set  # (new addresses: the other set)
                 with torch.no_grad():
                     for p in trainer.parameters():
                         p.mul_(-0.5)
@@ -149,7 +153,9 @@ def test_graphs_of_the_weights_a_swap_brings_back_are_replayed_not_captured_agai
             after = await tokens_of(engine, prompts)
             assert after != middle and graphs.disabled is None
             assert graphs._graphs is first_set  # (back where the first graphs read)
-            assert graphs.built == second + len(set(first_set) - first_buckets)
+            buckets = set(first_set) | set(second_set)
+            assert set(first_set) == set(second_set) == buckets
+            assert graphs.built == 2 * len(buckets)  # (no bucket captured twice for a set)
             fresh = engine_on(device, graphs=False)
             try:
                 await asyncio.to_thread(fresh.core.replica.model.load_state_dict,
@@ -160,6 +166,7 @@ def test_graphs_of_the_weights_a_swap_brings_back_are_replayed_not_captured_agai
             await engine.rollback_weights()
             assert await tokens_of(engine, prompts) == middle
             assert graphs._graphs is second_set and graphs.disabled is None
+            assert graphs.built == 2 * len(set(first_set) | set(second_set))
         finally:
             engine.shutdown()
     run(main())

@@ -7,10 +7,11 @@ compute a dummy token against a scratch KV slot no sequence owns; padding keys a
 
 A graph holds the addresses of the weights it read. A staged `swap` commit (and a rollback)
 exchanges weight storages, so the runner's `epoch` moves: the graphs are then looked up by the
-addresses the weights now have. A swap alternates between two sets of storages, so the set
-captured for the other one is kept (`KEPT_SETS`) and replayed again once the weights are back
-there; any other set of addresses captures its own on next use. In-place updates and `copy`
-commits keep the addresses. docs/inference.md says what each costs.
+addresses the weights now have. A swap alternates between two sets of storages; given
+`other_weights` (the shadow put in place for a while), each bucket is captured for both sets
+when first used, so a commit replays graphs captured before it. Sets are kept by address
+(`KEPT_SETS`); any other set captures its own on next use. In-place updates and `copy` commits
+keep the addresses. docs/inference.md says what each costs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -87,7 +89,9 @@ class DecodeGraphs:
                  *, block_size: int, scratch_block: int, zero_slot: int, max_seqs: int,
                  longest_context: int,
                  epoch: Callable[[], int], capture: bool = True,
-                 paged: PagedDecode | None = None) -> None:
+                 paged: PagedDecode | None = None,
+                 other_weights: Callable[[], AbstractContextManager[None]] | None = None
+                 ) -> None:
         self.model = model
         self.kv = kv
         self.block_size = block_size
@@ -103,12 +107,16 @@ class DecodeGraphs:
         self.paged = paged
         """The kernel decode attention reads each sequence's keys with, up to its length;
         None: they are gathered for SDPA up to the context bucket."""
+        self.other_weights = other_weights
+        """Puts the storages the weights have after the next swap commit in place for a
+        while (None: they never move, or only capture on next use)."""
         self.device = next(model.parameters()).device
         self._graphs: dict[tuple[int, int], _Graph] = {}
         """The graphs of the weights' present addresses, by (batch, context) bucket."""
         self._sets: OrderedDict[tuple[int, ...], dict[tuple[int, int], _Graph]] = OrderedDict()
         """Graph sets by the weights' addresses, the present one last."""
-        self._sets[self._addresses()] = self._graphs
+        self._present = self._addresses()
+        self._sets[self._present] = self._graphs
         self._epoch = epoch()
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._stream = capture_stream(self.device) if capture else None
@@ -141,11 +149,9 @@ class DecodeGraphs:
              ids: Sequence[int]) -> torch.Tensor | None:
         if self.epoch() != self._epoch:  # the weights moved: the graphs of where they are now
             self._epoch = self.epoch()
-            addresses = self._addresses()
-            self._graphs = self._sets.pop(addresses, {})
-            self._sets[addresses] = self._graphs
-            while len(self._sets) > KEPT_SETS:
-                self._sets.popitem(last=False)
+            self._present = self._addresses()
+            self._graphs = self._sets.setdefault(self._present, {})
+            self._keep_present_last()
         batch = next(b for b in self.batch_buckets if b >= len(segments))
         context = SHORTEST_CONTEXT
         while context < max(s[3] for s in segments):
@@ -154,6 +160,8 @@ class DecodeGraphs:
         if graph is None:
             try:
                 graph = self._new(batch, context)
+                self._graphs[(batch, context)] = graph
+                self._new_for_other_weights(batch, context)
             except Exception as exc:  # (a kernel that cannot be captured: run eagerly)
                 self.disabled = f"{type(exc).__name__}: {exc}"
                 log.warning("CUDA graphs are off for this engine, every step runs eagerly: "
@@ -161,13 +169,29 @@ class DecodeGraphs:
                 self._sets.clear()  # (every set: graphs are off for good)
                 self._graphs = {}
                 return None
-            self._graphs[(batch, context)] = graph
         self._fill(graph, segments, ids)
         if graph.graph is not None:
             graph.graph.replay()
         else:
             self._forward(graph)
         return graph.logits[: len(segments)].clone()  # the next replay overwrites them
+
+    def _new_for_other_weights(self, batch: int, context: int) -> None:
+        """Capture bucket (batch, context) for where the weights will be after a swap commit
+        too, so the steps after it replay instead of capturing."""
+        if self.other_weights is None:
+            return
+        with self.other_weights():
+            graphs = self._sets.setdefault(self._addresses(), {})
+            if (batch, context) not in graphs:
+                graphs[(batch, context)] = self._new(batch, context)
+        self._keep_present_last()
+
+    def _keep_present_last(self) -> None:
+        """The present set last, and no more than `KEPT_SETS` sets (the oldest go)."""
+        self._sets.move_to_end(self._present)
+        while len(self._sets) > KEPT_SETS:
+            self._sets.popitem(last=False)
 
     def _fill(self, graph: _Graph, segments: Sequence[tuple[int, int, int, int, list[int]]],
               ids: Sequence[int]) -> None:

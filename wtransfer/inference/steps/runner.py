@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,9 @@ class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig,
                  before_forward: Callable[[StepPlan], None] | None = None,
                  lora: tuple[LoRARows, Callable[[Sequence], int]] | None = None,
-                 weights_epoch: Callable[[], int] = lambda: 0) -> None:
+                 weights_epoch: Callable[[], int] = lambda: 0,
+                 other_weights: Callable[[], AbstractContextManager[None]] | None = None
+                 ) -> None:
         self.model = model
         self.config = config
         self.before_forward = before_forward
@@ -89,7 +92,8 @@ class ModelRunner:
                                        zero_slot=self.zero_slot,
                                        max_seqs=config.max_num_seqs,
                                        longest_context=min(cfg.max_position_embeddings, 8192),
-                                       epoch=weights_epoch, paged=self.paged_decode)
+                                       epoch=weights_epoch, paged=self.paged_decode,
+                                       other_weights=other_weights)
 
     def slots_of(self, table: list[int], start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) of a sequence whose block table is `table`."""

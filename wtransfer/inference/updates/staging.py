@@ -6,8 +6,10 @@ share one). A staged update's receiver writes only into the shadow (its target i
 `wtransfer.inference.updates.shard_target.ShardTarget` over `dest`); the live weights change only at
 `commit`, on the engine's thread between two steps:
 
-- ``swap`` exchanges the live and shadow storages (O(1) per tensor): the shadow then holds the
-  previous version, so `rollback` is a swap back, until the next update starts staging;
+- ``swap`` exchanges the live and shadow storages of every tensor (O(1) each): the shadow then
+  holds the previous version, so `rollback` is a swap back, until the next update starts
+  staging. The weights' addresses alternate between two sets, and decode graphs are captured
+  for both (`shadow_in_place`): no commit waits for a capture;
 - ``copy`` copies the shadow into the live storages (pointers never change, for engines whose
   kernels captured them), one copy of what the update wrote; no previous version stays.
 
@@ -19,7 +21,8 @@ were; the tensors it wrote are levelled again by the next `prepare`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -103,7 +106,8 @@ class StagedWeights:
         many tensors changed. `previous_version` labels what the shadow holds after a swap."""
         names = sorted(self.written)
         if self.mode == "swap":
-            self._swap(names)
+            if names:
+                self._swap_all()
             self._differ = set(names)
             self.previous = previous_version
         else:
@@ -123,19 +127,41 @@ class StagedWeights:
             raise LifecycleError("no previous weight version is resident: rollback is "
                                  "possible once after an update committed, until the next "
                                  "update starts")
-        names = sorted(self._differ)
-        self._swap(names)
+        changed = len(self._differ)
+        if changed:
+            self._swap_all()
         self.previous = None
-        return len(names)
+        return changed
 
-    def _swap(self, names: Sequence[str]) -> None:
-        """Exchange the live and shadow storages of `names` (every alias follows, since
-        aliases are one parameter object)."""
-        for name in names:
+    def _swap_all(self) -> None:
+        """Exchange the live and shadow storages of every tensor (every alias follows, since
+        aliases are one parameter object). Those an update did not write are equal on both
+        sides; exchanging them too keeps the weights' addresses alternating between two sets,
+        the ones decode graphs were captured for (`shadow_in_place`)."""
+        for name, shadow in self.shadow.items():
             live = self._live[name]
             held = live.data
-            live.data = self.shadow[name]
+            live.data = shadow
             self.shadow[name] = held
-        self.swaps += bool(names)
-        if names and self.shadow[names[0]].is_cuda:
+        self.swaps += 1
+        if self.shadow and next(iter(self.shadow.values())).is_cuda:
             torch.cuda.current_stream().synchronize()
+
+    @contextmanager
+    def shadow_in_place(self) -> Iterator[None]:
+        """For the duration, the module reads the shadow's storages: the addresses its
+        weights have after the next swap commit (or rollback), for capturing what will run
+        there. On the engine's thread, between steps; an update may be writing the shadow
+        meanwhile, so what runs inside reads values that are not yet any version's."""
+        if self.mode != "swap":
+            raise LifecycleError("only swap staging moves the weights' storages")
+        held = {}
+        try:
+            for name, shadow in self.shadow.items():
+                live = self._live[name]
+                held[name] = live.data
+                live.data = shadow
+            yield
+        finally:
+            for name, data in held.items():
+                self._live[name].data = data
