@@ -11,10 +11,12 @@ docs/inference.md says how it is laid out and what it costs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from wtransfer.inference.model.layer_kernels import fused_for
 
@@ -25,6 +27,16 @@ PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
                         int], torch.Tensor]
 """`wtransfer.inference.model.paged_decode.paged_decode`: (q, k_cache, v_cache, tables,
 lengths, block_size) -> attention output."""
+
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The kernels SDPA may choose on CUDA. Not cuDNN's: it builds a plan for every new shape
+(about 60 ms on an H100), and the shapes of a prefill or a gathered decode change from one step
+to the next."""
+
+
+def sdpa_backends(device: torch.device) -> AbstractContextManager[None]:
+    """Where a forward on `device` runs, SDPA chooses among `SDPA_BACKENDS` (on CUDA)."""
+    return sdpa_kernel(SDPA_BACKENDS) if device.type == "cuda" else nullcontext()
 
 
 @dataclass

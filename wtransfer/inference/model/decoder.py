@@ -22,7 +22,7 @@ from torch import nn
 
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.inference.config import MODEL_CONFIGS, ModelConfig
-from wtransfer.inference.model.attention import AttentionBatch, attend
+from wtransfer.inference.model.attention import AttentionBatch, attend, sdpa_backends
 from wtransfer.inference.model.experts import Experts
 from wtransfer.inference.model.fp8_linear import Fp8Linear, quantize_model
 from wtransfer.inference.model.layer_kernels import fused_for
@@ -193,8 +193,9 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of the flat batch `input_ids`."""
         h = self.embed(input_ids)
-        for layer in self.model.layers:
-            h = layer(h, batch)
+        with sdpa_backends(h.device):
+            for layer in self.model.layers:
+                h = layer(h, batch)
         return self.model.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
