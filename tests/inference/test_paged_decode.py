@@ -6,8 +6,8 @@ engine decoding through it gives the tokens of one that gathers its keys."""
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 from engine_helpers import collect, run, tokens_of, triton_kernels
+from torch.profiler import ProfilerActivity, profile
 
 from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams
 from wtransfer.inference.model import layer_kernels
