@@ -195,8 +195,9 @@ async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: 
     lost_in, lost_after = [], []
     for sent, done in windows:  # against the rate of the steady window before each update
         rate = tokens_between(trace, sent - BEFORE_S, sent) / BEFORE_S
-        lost_in.append(serving_lost_ms(trace, sent, done, rate))
-        lost_after.append(serving_lost_ms(trace, done, done + AFTER_S, rate))
+        if rate > 0:  # (else nothing streamed before it: nothing to lose against)
+            lost_in.append(serving_lost_ms(trace, sent, done, rate))
+            lost_after.append(serving_lost_ms(trace, done, done + AFTER_S, rate))
     sender.shutdown()
     engine.shutdown()
     del engine, sender, client

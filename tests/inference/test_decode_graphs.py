@@ -22,7 +22,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def engine_on(device, *, graphs, **config):
-    """A tiny float32 engine; on the host with `graphs`, the static layout replayed eagerly."""
+    """A tiny float32 engine; on the host with `graphs`, the static layout replayed eagerly
+    (nothing is captured there, so only the CUDA variants can catch a graph replayed over
+    addresses the weights left)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     engine = AsyncEngine(EngineConfig(model="tiny", device=device, cuda_graphs=graphs,
@@ -125,7 +127,7 @@ def test_shutdown_gives_the_device_memory_back():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_no_swap_commit_captures_graphs_each_bucket_is_captured_for_both_sets_first(device):
+def test_buckets_are_captured_for_both_address_sets_and_never_at_a_commit(device):
     """A swap alternates the weights between two sets of storages, and each bucket is captured
     for both when first used: the steps after every commit (and after a rollback) replay graphs
     captured before it, reading the new values: tokens of a fresh engine with those weights."""

@@ -134,7 +134,7 @@ def _merge_stats(per_rank: list[Any]) -> dict[str, Any]:
     total = {key: sum(s[key] for s in per_rank)
              for key in ("steps", "tokens_generated", "running", "waiting",
                          "prefix_cache_hits", "preemptions", "last_update_bytes",
-                         "dummy_steps", "waves_started")}
+                         "dummy_steps", "waves_started", "decode_graphs_built")}
     return {**total, "paused": any(s["paused"] for s in per_rank),
             "torn": any(s["torn"] for s in per_rank),
             "weight_version": per_rank[0]["weight_version"],

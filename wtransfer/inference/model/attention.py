@@ -10,13 +10,13 @@ docs/inference.md says how it is laid out and what it costs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from wtransfer.inference.model.layer_kernels import fused_for
 
@@ -28,15 +28,34 @@ PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
 """`wtransfer.inference.model.paged_decode.paged_decode`: (q, k_cache, v_cache, tables,
 lengths, block_size) -> attention output."""
 
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-"""The kernels SDPA may choose on CUDA. Not cuDNN's: it builds a plan for every new shape
-(about 60 ms on an H100), and the shapes of a prefill or a gathered decode change from one step
-to the next."""
+_CUDNN_OFF_LOCK = threading.Lock()
+_cudnn_off_users = 0
+_cudnn_was_on = False
 
 
-def sdpa_backends(device: torch.device) -> AbstractContextManager[None]:
-    """Where a forward on `device` runs, SDPA chooses among `SDPA_BACKENDS` (on CUDA)."""
-    return sdpa_kernel(SDPA_BACKENDS) if device.type == "cuda" else nullcontext()
+@contextmanager
+def without_cudnn_attention(device: torch.device) -> Iterator[None]:
+    """While a forward on CUDA runs, SDPA does not choose cuDNN's kernel: it builds a plan for
+    every new shape (67-131 ms on an H100), and a serving step's prefill shapes are new nearly
+    every time. The switch is the process's: the first forward to enter turns cuDNN attention
+    off where it was on, the last to leave turns it back on (other threads' SDPA calls in
+    between choose among the other kernels)."""
+    global _cudnn_off_users, _cudnn_was_on
+    if device.type != "cuda":
+        yield
+        return
+    with _CUDNN_OFF_LOCK:
+        if _cudnn_off_users == 0:
+            _cudnn_was_on = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        _cudnn_off_users += 1
+    try:
+        yield
+    finally:
+        with _CUDNN_OFF_LOCK:
+            _cudnn_off_users -= 1
+            if _cudnn_off_users == 0 and _cudnn_was_on:
+                torch.backends.cuda.enable_cudnn_sdp(True)
 
 
 @dataclass

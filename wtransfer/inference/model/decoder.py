@@ -22,7 +22,11 @@ from torch import nn
 
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.inference.config import MODEL_CONFIGS, ModelConfig
-from wtransfer.inference.model.attention import AttentionBatch, attend, sdpa_backends
+from wtransfer.inference.model.attention import (
+    AttentionBatch,
+    attend,
+    without_cudnn_attention,
+)
 from wtransfer.inference.model.experts import Experts
 from wtransfer.inference.model.fp8_linear import Fp8Linear, quantize_model
 from wtransfer.inference.model.layer_kernels import fused_for
@@ -193,7 +197,7 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of the flat batch `input_ids`."""
         h = self.embed(input_ids)
-        with sdpa_backends(h.device):
+        with without_cudnn_attention(h.device):
             for layer in self.model.layers:
                 h = layer(h, batch)
         return self.model.norm(h)

@@ -90,7 +90,7 @@ class DecodeGraphs:
                  longest_context: int,
                  epoch: Callable[[], int], capture: bool = True,
                  paged: PagedDecode | None = None,
-                 other_weights: Callable[[], AbstractContextManager[None]] | None = None
+                 other_weights: Callable[[], AbstractContextManager[bool]] | None = None
                  ) -> None:
         self.model = model
         self.kv = kv
@@ -108,14 +108,19 @@ class DecodeGraphs:
         """The kernel decode attention reads each sequence's keys with, up to its length;
         None: they are gathered for SDPA up to the context bucket."""
         self.other_weights = other_weights
-        """Puts the storages the weights have after the next swap commit in place for a
-        while (None: they never move, or only capture on next use)."""
+        """Puts the storages the weights will have after the next swap commit in place for
+        a while, yielding whether it did (None: no swap staging; any new address set
+        captures its graphs when first used)."""
+        self._pending: set[tuple[int, int]] = set()
+        """Buckets not yet captured for the other address set (the weights were being read
+        when they were captured for the present one)."""
         self.device = next(model.parameters()).device
         self._graphs: dict[tuple[int, int], _Graph] = {}
         """The graphs of the weights' present addresses, by (batch, context) bucket."""
         self._sets: OrderedDict[tuple[int, ...], dict[tuple[int, int], _Graph]] = OrderedDict()
         """Graph sets by the weights' addresses, the present one last."""
         self._present = self._addresses()
+        """The weights' addresses now: the key of `_graphs` in `_sets`."""
         self._sets[self._present] = self._graphs
         self._epoch = epoch()
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -157,17 +162,20 @@ class DecodeGraphs:
         while context < max(s[3] for s in segments):
             context *= 2
         graph = self._graphs.get((batch, context))
-        if graph is None:
+        if graph is None or self._pending:
             try:
-                graph = self._new(batch, context)
-                self._graphs[(batch, context)] = graph
-                self._new_for_other_weights(batch, context)
+                if graph is None:
+                    graph = self._new(batch, context)
+                    self._graphs[(batch, context)] = graph
+                    self._pending.add((batch, context))
+                self._new_for_other_weights()
             except Exception as exc:  # (a kernel that cannot be captured: run eagerly)
                 self.disabled = f"{type(exc).__name__}: {exc}"
                 log.warning("CUDA graphs are off for this engine, every step runs eagerly: "
                             "capturing a decode step failed: %s", self.disabled)
                 self._sets.clear()  # (every set: graphs are off for good)
                 self._graphs = {}
+                self._pending.clear()
                 return None
         self._fill(graph, segments, ids)
         if graph.graph is not None:
@@ -176,15 +184,21 @@ class DecodeGraphs:
             self._forward(graph)
         return graph.logits[: len(segments)].clone()  # the next replay overwrites them
 
-    def _new_for_other_weights(self, batch: int, context: int) -> None:
-        """Capture bucket (batch, context) for where the weights will be after a swap commit
-        too, so the steps after it replay instead of capturing."""
+    def _new_for_other_weights(self) -> None:
+        """Capture the pending buckets for where the weights will be after a swap commit
+        too, so the steps after it replay instead of capturing (left pending while the
+        weights are being read: `StagedWeights.lock`)."""
         if self.other_weights is None:
+            self._pending.clear()
             return
-        with self.other_weights():
+        with self.other_weights() as placed:
+            if not placed:
+                return
             graphs = self._sets.setdefault(self._addresses(), {})
-            if (batch, context) not in graphs:
-                graphs[(batch, context)] = self._new(batch, context)
+            for bucket in sorted(self._pending):
+                if bucket not in graphs:
+                    graphs[bucket] = self._new(*bucket)
+            self._pending.clear()
         self._keep_present_last()
 
     def _keep_present_last(self) -> None:

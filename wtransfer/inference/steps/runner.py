@@ -54,7 +54,7 @@ class ModelRunner:
                  before_forward: Callable[[StepPlan], None] | None = None,
                  lora: tuple[LoRARows, Callable[[Sequence], int]] | None = None,
                  weights_epoch: Callable[[], int] = lambda: 0,
-                 other_weights: Callable[[], AbstractContextManager[None]] | None = None
+                 other_weights: Callable[[], AbstractContextManager[bool]] | None = None
                  ) -> None:
         self.model = model
         self.config = config

@@ -568,12 +568,16 @@ class Replica:
         info = get_backend(backend).sender_class().init_info_cls
         fields: Any = parse_record(info, init_fields, where="push_weights init_fields")
         client = RPCClient(address, timeout_s=fields.timeout_s)
-        try:
-            with trainer_init(fields, client=client, source=ModuleSource(self.model)) as sender:
+        reading = self.staging.lock if self.staging is not None else contextlib.nullcontext()
+        try:  # (staged, on the lane: the engine thread moves no weight while this reads them)
+            with reading, trainer_init(fields, client=client,
+                                       source=ModuleSource(self.model)) as sender:
                 sender.send_weights(weight_version=self.weight_version)
+                sent = {"weight_version": self.weight_version,
+                        "fingerprint": self.fingerprint()}
         finally:
             client.close()
-        return {"weight_version": self.weight_version, "fingerprint": self.fingerprint()}
+        return sent
 
     def rollback_weights(self) -> None:
         """Swap the previous version back in on every rank (staged swap updates, once after a

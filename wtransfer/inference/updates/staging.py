@@ -21,6 +21,7 @@ were; the tensors it wrote are levelled again by the next `prepare`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
@@ -68,6 +69,10 @@ class StagedWeights:
         self.previous: str | None = None
         """The version label the shadow holds after a swap commit (what `rollback` brings
         back), else None."""
+        self.lock = threading.Lock()
+        """Held while the live weights are read or moved: `prepare`, `commit`, `rollback`, a
+        push of the live weights from another thread. `shadow_in_place` only takes it when it
+        is free, so nothing reading the module sees the shadow in its place."""
 
     @property
     def nbytes(self) -> int:
@@ -92,29 +97,31 @@ class StagedWeights:
         """Level the shadow with the live weights where they differ, before an update stages
         into it (off the step loop: the engine keeps reading the live weights meanwhile). The
         previous version a swap left in the shadow is gone from here on."""
-        for name in sorted(self._differ | self.written):
-            self.shadow[name].copy_(self._live[name].detach())
-        if self.shadow and next(iter(self.shadow.values())).is_cuda:
-            torch.cuda.current_stream().synchronize()
-        self._differ.clear()
-        self.written.clear()
-        self.previous = None
+        with self.lock:
+            for name in sorted(self._differ | self.written):
+                self.shadow[name].copy_(self._live[name].detach())
+            if self.shadow and next(iter(self.shadow.values())).is_cuda:
+                torch.cuda.current_stream().synchronize()
+            self._differ.clear()
+            self.written.clear()
+            self.previous = None
 
     @torch.no_grad()
     def commit(self, previous_version: str) -> int:
         """Make what the update wrote live (on the engine's thread, between steps); returns how
         many tensors changed. `previous_version` labels what the shadow holds after a swap."""
         names = sorted(self.written)
-        if self.mode == "swap":
-            if names:
-                self._swap_all()
-            self._differ = set(names)
-            self.previous = previous_version
-        else:
-            for name in names:
-                self._live[name].detach().copy_(self.shadow[name])
-            self._differ.clear()
-        self.written.clear()
+        with self.lock:
+            if self.mode == "swap":
+                if names:
+                    self._swap_all()
+                self._differ = set(names)
+                self.previous = previous_version
+            else:
+                for name in names:
+                    self._live[name].detach().copy_(self.shadow[name])
+                self._differ.clear()
+            self.written.clear()
         return len(names)
 
     def rollback(self) -> int:
@@ -127,10 +134,17 @@ class StagedWeights:
             raise LifecycleError("no previous weight version is resident: rollback is "
                                  "possible once after an update committed, until the next "
                                  "update starts")
-        changed = len(self._differ)
-        if changed:
-            self._swap_all()
-        self.previous = None
+        if not self.lock.acquire(blocking=False):
+            raise LifecycleError("the live weights are being read (an update is starting, or "
+                                 "they are being pushed to a joining instance); roll back "
+                                 "once that is done")
+        try:
+            changed = len(self._differ)
+            if changed:
+                self._swap_all()
+            self.previous = None
+        finally:
+            self.lock.release()
         return changed
 
     def _swap_all(self) -> None:
@@ -148,20 +162,25 @@ class StagedWeights:
             torch.cuda.current_stream().synchronize()
 
     @contextmanager
-    def shadow_in_place(self) -> Iterator[None]:
-        """For the duration, the module reads the shadow's storages: the addresses its
-        weights have after the next swap commit (or rollback), for capturing what will run
-        there. On the engine's thread, between steps; an update may be writing the shadow
-        meanwhile, so what runs inside reads values that are not yet any version's."""
+    def shadow_in_place(self) -> Iterator[bool]:
+        """For the duration, the module reads the shadow's storages: the addresses its weights
+        have after the next swap commit (or rollback), for capturing what will run there.
+        Yields False, with nothing moved, while the live weights are being read or moved
+        (`lock`). On the engine's thread, between steps; an update may be writing the shadow
+        meanwhile, so what runs inside must not depend on its values."""
         if self.mode != "swap":
             raise LifecycleError("only swap staging moves the weights' storages")
-        held = {}
+        if not self.lock.acquire(blocking=False):
+            yield False
+            return
+        held: dict[str, torch.Tensor] = {}
         try:
             for name, shadow in self.shadow.items():
                 live = self._live[name]
                 held[name] = live.data
                 live.data = shadow
-            yield
+            yield True
         finally:
             for name, data in held.items():
                 self._live[name].data = data
+            self.lock.release()

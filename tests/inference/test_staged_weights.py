@@ -1,0 +1,86 @@
+"""`StagedWeights` on its own: a swap commit exchanges every tensor (the weights' addresses
+alternate between two sets), what an update did not write stays what was live, and the shadow
+is put in the module's place only while nothing else reads or moves the live weights."""
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from wtransfer.errors import LifecycleError
+from wtransfer.inference.updates.staging import StagedWeights
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+
+def update(staging, version, **values):
+    """Stage `values` ({"0": 1.0}: layer 0's weight filled with 1.0) and commit them."""
+    staging.prepare()
+    for layer, value in values.items():
+        staging.dest(f"{layer}.weight").fill_(value)
+    return staging.commit(version)
+
+
+def weights(module):
+    return {name: t.detach().clone() for name, t in module.state_dict().items()}
+
+
+def test_updates_of_some_tensors_keep_the_others_and_addresses_alternate_between_two_sets():
+    module = model()
+    staging = StagedWeights(module, "swap")
+    first = [p.data_ptr() for p in module.parameters()]
+    start = weights(module)
+    assert update(staging, "v0", **{"0": 1.0}) == 1
+    second = [p.data_ptr() for p in module.parameters()]
+    assert not set(first) & set(second)  # (every tensor moved, the unwritten ones too)
+    assert update(staging, "v1", **{"1": 2.0}) == 1
+    assert [p.data_ptr() for p in module.parameters()] == first
+    now = weights(module)
+    assert (now["0.weight"] == 1.0).all() and (now["1.weight"] == 2.0).all()
+    assert torch.equal(now["0.bias"], start["0.bias"])
+    assert staging.rollback() == 1  # (v0 back: layer 1 as it was, layer 0 as v0 left it)
+    back = weights(module)
+    assert (back["0.weight"] == 1.0).all() and torch.equal(back["1.weight"], start["1.weight"])
+    assert [p.data_ptr() for p in module.parameters()] == second
+
+
+def test_an_update_starting_while_the_shadow_is_in_place_levels_from_the_live_weights():
+    """A decode-graph capture puts the shadow in the module's place on the engine thread;
+    an update starting on the transfer lane meanwhile waits for it, so it levels the shadow
+    from the live weights, not from the shadow itself."""
+    module = model()
+    staging = StagedWeights(module, "swap")
+    update(staging, "v0", **{"0": 1.0})
+    levelled = threading.Event()
+    with staging.shadow_in_place() as placed:
+        assert placed
+        lane = threading.Thread(target=lambda: (staging.prepare(), levelled.set()))
+        lane.start()
+        assert not levelled.wait(0.3)  # (it waits for the shadow to leave)
+    lane.join(10)
+    assert levelled.is_set()
+    staging.dest("1.weight").fill_(2.0)
+    staging.commit("v1")
+    now = weights(module)
+    assert (now["0.weight"] == 1.0).all() and (now["1.weight"] == 2.0).all()
+
+
+def test_the_shadow_is_not_put_in_place_nor_a_rollback_made_while_the_weights_are_read():
+    module = model()
+    staging = StagedWeights(module, "swap")
+    update(staging, "v0", **{"0": 1.0})
+    live = [p.data_ptr() for p in module.parameters()]
+    with staging.lock:  # (an update levelling the shadow, or a push reading the weights)
+        with staging.shadow_in_place() as placed:
+            assert not placed
+            assert [p.data_ptr() for p in module.parameters()] == live
+        with pytest.raises(LifecycleError, match="being read"):
+            staging.rollback()
+    with staging.shadow_in_place() as placed:
+        assert placed and [p.data_ptr() for p in module.parameters()] != live
+    assert [p.data_ptr() for p in module.parameters()] == live
+    assert staging.rollback() == 1  # (once nothing reads them)
