@@ -18,7 +18,8 @@
 #                                         # updates (M->N, then one sender), one time axis
 #     bash benchmarks/gpu_one.sh finite   # the checked copy against copy_; what refusing NaN/inf
 #                                         # costs an 8B zero-copy update
-#     bash benchmarks/gpu_one.sh engine   # the engine's GPU tests, then benchmarks/stall.py on
+#     bash benchmarks/gpu_one.sh engine   # the engine's GPU tests, SDPA's kernels per new
+#                                         # prefill shape, then benchmarks/stall.py on
 #                                         # CUDA (MODELS, INFLIGHT, MODES: what to run), then
 #                                         # decode_profile.py with and without the Triton layers
 #     bash benchmarks/gpu_one.sh profile  # py-spy of the engine and ranks during the 8B
@@ -122,6 +123,8 @@ engine)
     echo "$(ts) the engine's GPU tests (CUDA graphs, memory given back at shutdown)"
     timeout ${TESTS_S:-240} python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/inference \
         > $OUT/engine-tests.txt 2>&1; echo "rc $?"; tail -5 $OUT/engine-tests.txt
+    echo "$(ts) SDPA's kernels on prefill shapes: first call per new shape, then"
+    timeout 60 python3 benchmarks/sdpa_plans.py 2>&1 | grep -v Warn | tail -17
     echo "$(ts) decode speed and update stall: ${MODELS:=qwen3-0.6b,qwen3-8b} x ${INFLIGHT:=16}"
     timeout ${STALL_S:-330} python3 benchmarks/stall.py --device cuda --models $MODELS \
         --inflight $INFLIGHT --modes "${MODES:-none,none gather,staged,staged keep KV}" \
