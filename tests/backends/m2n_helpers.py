@@ -15,7 +15,10 @@ BUCKET = 16 << 10
 
 
 def fields(backend="nccl", **extra):
-    where = {"nccl": {"master_address": "127.0.0.1"}, "ipc": {"m2n": True}}.get(backend, {})
+    """Init fields of an M->N sender: sharded ranks that each hold a client go M->N by
+    default over every backend (ipc: through shared memory; CUDA staging and replicas ask
+    with m2n=True)."""
+    where = {"nccl": {"master_address": "127.0.0.1"}}.get(backend, {})
     return {**where, "bucket_bytes": BUCKET, "timeout_s": 30.0, **extra}
 
 

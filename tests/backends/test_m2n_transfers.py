@@ -210,7 +210,7 @@ def test_replicated_ranks_share_the_load_over_ipc(ranks):
     with spawn_receiver("ipc", model="mixed", seed=2) as receiver:
         with TrainerRanks(ranks, backend="ipc", addresses=[receiver.address], senders=ranks,
                           updates=2, replicate=True, fingerprint=True,
-                          init_fields=fields("ipc")) as trainers:
+                          init_fields=fields("ipc", m2n=True)) as trainers:
             outs = [trainers.wait_for(r, "sent", 180, count=2) for r in range(ranks)]
             assert trainers.wait(60) == [0] * ranks
         client = RPCClient(receiver.address, timeout_s=30)
@@ -232,7 +232,7 @@ def test_two_trainer_processes_feed_two_engine_workers_on_one_gpu_over_cuda_ipc(
     flags = ["--model", "tiny", "--tensor-parallel-size", "2", "--device", "cuda:0"]
     engine = serve(*flags, backend="ipc")
     with TrainerRanks(2, backend="ipc", addresses=[engine.url], senders=2, model="llm:tiny",
-                      seed=5, device="cuda:0", init_fields=fields("ipc"),
+                      seed=5, device="cuda:0", init_fields=fields("ipc", m2n=True),
                       fingerprint=True) as trainers:
         outs = [trainers.wait_for(r, "sent", 180) for r in range(2)]
         assert trainers.wait(60) == [0, 0]

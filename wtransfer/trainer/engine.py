@@ -606,8 +606,10 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
 
     def _m2n_wanted(self, requested: bool | None) -> bool:
         """Whether updates go M->N (every rank sends its own shards to the workers that keep
-        them): when asked, or by default (`requested` None) when the source is sharded and
-        every trainer rank has a client; asked without every rank having one is refused."""
+        them): when asked, or by default (`requested` None) when the source is sharded, every
+        trainer rank has a client and every rank holds one box of each tensor (placements
+        such as FSDP2 over a tensor-parallel dimension gather instead); asked without every
+        rank having a client is refused."""
         group = self.ranks.group
         everyone = group is None or len(group.senders) == group.size
         if requested and not everyone:
@@ -616,8 +618,18 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                               f"{len(group.senders)} of {group.size} ranks have a client; "
                               "give every rank a client (only the first makes control calls)")
         if requested is None:
-            return everyone and self.source.sharded
+            return everyone and self.source.sharded and self._one_box_per_rank()
         return requested
+
+    def _one_box_per_rank(self) -> bool:
+        """Whether this rank holds one box of each tensor (what an M->N plan pairs); the
+        placements are the same on every rank, so every rank answers alike."""
+        try:
+            self.source.layouts(0)
+        except ConfigError as exc:
+            log.info("updates gather each bucket instead of going M->N: %s", exc)
+            return False
+        return True
 
     def _may_slice_per_worker(self) -> bool:
         """Whether one sender may send each worker only what it keeps (1->N): a lone sender

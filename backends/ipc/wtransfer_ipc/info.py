@@ -46,11 +46,12 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     """True: each trainer rank packs only its own shards (no gathering), each box once, into
     its own staging, and each worker copies out of every rank's staging only the parts it
     keeps (`wtransfer_ipc.m2n`); every trainer rank needs a client then. False: gather each
-    bucket to a sender, and every worker reads all of it. None (default): M->N where one
-    sender packs through shared memory into one engine of several workers (1->N: each worker
-    reads only what it keeps), else False. Several sharded ranks ask for it explicitly for now:
-    FSDP2 x TP strided shards are refused on this path, and a receiver without regions (vLLM)
-    assembles each tensor in a full-size buffer while the ranks' pieces arrive."""
+    bucket to a sender, and every worker reads all of it. None (default): M->N through shared
+    memory where sharded ranks each hold a client and each holds one box of every tensor
+    (FSDP2 x TP strided shards gather), and where one sender packs into one engine of several
+    workers (1->N: each worker reads only what it keeps); else False (deltas, adapters,
+    fleets, CUDA staging: several ranks there ask with True). A receiver without regions
+    (vLLM) assembles each tensor in a full-size buffer while the ranks' pieces arrive."""
 
 
 @dataclass(frozen=True, kw_only=True)
