@@ -172,3 +172,27 @@ def test_buckets_are_captured_for_both_address_sets_and_never_at_a_commit(device
         finally:
             engine.shutdown()
     run(main())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bucket_used_while_the_weights_are_read_is_captured_for_the_other_set_later(device):
+    """While something reads the live weights off the engine thread (an update levelling the
+    shadow, a push), the shadow is not put in their place: a bucket first used then is
+    captured for the present set only, and for the other set on a later step."""
+    async def main():
+        engine = engine_on(device, graphs=True, update_staging="swap")
+        try:
+            staging = engine.core.replica.staging
+            graphs = engine.core.replica.runner.graphs
+            prompts = requests(4)
+            with staging.lock:
+                first = await tokens_of(engine, prompts)
+            buckets = set(graphs._graphs)
+            assert graphs._pending == buckets and len(graphs._sets) == 1
+            assert await tokens_of(engine, prompts) == first
+            assert not graphs._pending and len(graphs._sets) == 2
+            assert all(set(kept) == buckets for kept in graphs._sets.values())
+            assert graphs.built == 2 * len(buckets)
+        finally:
+            engine.shutdown()
+    run(main())

@@ -268,6 +268,10 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         fragment = self._on_senders(lambda: {**self._connect(), "sender_id": self.sender_id})
         fragments: list[dict[str, Any]] = [f for f in self.ranks.gather(fragment)
                                            if f is not None]
+        ways = [f.get("m2n") for f in fragments]
+        if len(set(ways)) > 1:  # (each sender decides alone, from its own init info)
+            raise ConfigError(f"the sending ranks disagree on going M->N (by rank: {ways}); "
+                              "pass the same m2n, and the same device, on every rank")
         merged = self._merge(fragments)
         self.sender_id = str(fragments[0]["sender_id"])  # the lead's: the receivers' sender
         self.updates = updates_for(self.updates, self.init_info, backend=self.backend_name,
@@ -627,7 +631,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         try:
             self.source.layouts(0)
         except ConfigError as exc:
-            log.info("updates gather each bucket instead of going M->N: %s", exc)
+            log.warning("updates gather each bucket instead of going M->N: %s", exc)
             return False
         return True
 

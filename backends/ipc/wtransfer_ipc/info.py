@@ -49,9 +49,10 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     bucket to a sender, and every worker reads all of it. None (default): M->N through shared
     memory where sharded ranks each hold a client and each holds one box of every tensor
     (FSDP2 x TP strided shards gather), and where one sender packs into one engine of several
-    workers (1->N: each worker reads only what it keeps); else False (deltas, adapters,
-    fleets, CUDA staging: several ranks there ask with True). A receiver without regions
-    (vLLM) assembles each tensor in a full-size buffer while the ranks' pieces arrive."""
+    workers (1->N: each worker reads only what it keeps); else False (adapters, fleets, CUDA
+    staging: several ranks there ask with True; deltas of sharded ranks need nccl or ucx). A
+    receiver without regions (vLLM) assembles each tensor in a full-size buffer while the
+    ranks' pieces arrive (its peak memory is not measured yet)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -200,8 +200,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
     def _m2n_by_default(self) -> bool:
         """The default (`IPCTrainerInitInfo.m2n` None) through shared memory: sharded ranks
-        that each hold a client stage their own shards (nothing gathered: 1.87x faster than
-        gathering at Qwen3-0.6B on the 2-core VM), and one sender into one engine of several
+        that each hold a client stage their own shards (nothing gathered: measured in
+        docs/sharded-trainers.md), and one sender into one engine of several
         workers sends each worker only the parts it keeps (1->N). Not for deltas or adapters
         (their M->N forms are the pair buckets of nccl and ucx), nor CUDA staging (zero-copy
         already copies only each worker's part; several ranks there ask with m2n=True), nor a

@@ -169,6 +169,8 @@ class DPRank:
         """Run what the lane handed over, and answer its finished calls (main loop)."""
         while self._boundary:
             fn, future = self._boundary.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue  # (its caller gave up waiting: it must not run any more)
             try:
                 future.set_result(fn())
             except Exception as exc:

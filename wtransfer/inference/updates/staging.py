@@ -110,8 +110,8 @@ class StagedWeights:
     def commit(self, previous_version: str) -> int:
         """Make what the update wrote live (on the engine's thread, between steps); returns how
         many tensors changed. `previous_version` labels what the shadow holds after a swap."""
-        names = sorted(self.written)
         with self.lock:
+            names = sorted(self.written)
             if self.mode == "swap":
                 if names:
                     self._swap_all()
@@ -130,15 +130,15 @@ class StagedWeights:
         if self.mode != "swap":
             raise LifecycleError("rollback_weights needs update_staging='swap': copy staging "
                                  "copies the new weights over the old ones, keeping none")
-        if self.previous is None:
-            raise LifecycleError("no previous weight version is resident: rollback is "
-                                 "possible once after an update committed, until the next "
-                                 "update starts")
         if not self.lock.acquire(blocking=False):
             raise LifecycleError("the live weights are being read (an update is starting, or "
                                  "they are being pushed to a joining instance); roll back "
                                  "once that is done")
         try:
+            if self.previous is None:
+                raise LifecycleError("no previous weight version is resident: rollback is "
+                                     "possible once after an update committed, until the "
+                                     "next update starts")
             changed = len(self._differ)
             if changed:
                 self._swap_all()

@@ -53,6 +53,7 @@ class TransferLane:
         try:
             commit.result(timeout=self._timeout_s)
         except FutureTimeout:
+            commit.cancel()  # (not left queued to run during a later update)
             raise TransferTimeout(f"the commit did not reach a step boundary within "
                                   f"{self._timeout_s:g}s") from None
 
