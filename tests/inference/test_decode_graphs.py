@@ -38,8 +38,8 @@ def engine_on(device, *, graphs, **config):
                                      max_seqs=engine.core.config.max_num_seqs,
                                      longest_context=2048, epoch=engine.core.replica._weights_epoch,
                                      capture=False, other_weights=(
-                                         staging.shadow_in_place if staging is not None
-                                         and staging.mode == "swap" else None))
+                                         staging.other_weights if staging is not None
+                                         else None))
     assert (runner.graphs is not None) == graphs
     return engine
 

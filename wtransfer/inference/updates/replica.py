@@ -126,9 +126,7 @@ class Replica:
             self.workers.step if self.workers is not None else None),
             lora=(self.lora_rows, self._slot_of) if self.lora_rows is not None else None,
             weights_epoch=self._weights_epoch,
-            other_weights=(self.staging.shadow_in_place
-                           if self.staging is not None and self.staging.mode == "swap"
-                           else None))
+            other_weights=self.staging.other_weights if self.staging is not None else None)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,

@@ -22,8 +22,8 @@ were; the tensors it wrote are levelled again by the next `prepare`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Literal
 
 import torch
@@ -152,11 +152,7 @@ class StagedWeights:
         aliases are one parameter object). Those an update did not write are equal on both
         sides; exchanging them too keeps the weights' addresses alternating between two sets,
         the ones decode graphs were captured for (`shadow_in_place`)."""
-        for name, shadow in self.shadow.items():
-            live = self._live[name]
-            held = live.data
-            live.data = shadow
-            self.shadow[name] = held
+        self.shadow.update(self._place(self.shadow))
         self.swaps += 1
         if self.shadow and next(iter(self.shadow.values())).is_cuda:
             torch.cuda.current_stream().synchronize()
@@ -173,14 +169,26 @@ class StagedWeights:
         if not self.lock.acquire(blocking=False):
             yield False
             return
-        held: dict[str, torch.Tensor] = {}
         try:
-            for name, shadow in self.shadow.items():
-                live = self._live[name]
-                held[name] = live.data
-                live.data = shadow
-            yield True
+            held = self._place(self.shadow)
+            try:
+                yield True
+            finally:
+                self._place(held)
         finally:
-            for name, data in held.items():
-                self._live[name].data = data
             self.lock.release()
+
+    def _place(self, storages: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Make each named live tensor use the storage `storages` gives it (every alias
+        follows: aliases are one parameter object); returns the storages they had."""
+        held = {}
+        for name, storage in storages.items():
+            live = self._live[name]
+            held[name] = live.data
+            live.data = storage
+        return held
+
+    @property
+    def other_weights(self) -> Callable[[], AbstractContextManager[bool]] | None:
+        """`shadow_in_place` where commits move the weights' storages (swap), else None."""
+        return self.shadow_in_place if self.mode == "swap" else None
