@@ -94,9 +94,15 @@ def test_a_tensor_of_another_size_is_refused():
 
 
 @pytest.mark.gpu
-def test_changes_on_cuda_equal_those_on_the_host():
+@pytest.mark.parametrize("group_bytes", [1 << 30, 1000])
+def test_changes_on_cuda_equal_those_on_the_host(monkeypatch, group_bytes):
+    """Through the Triton kernels (one comparison and one gather per group), in one group
+    and in many."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+    assert compare._kernels_for(torch.device("cuda")) is not None  # the kernels run here
+    monkeypatch.setitem(compare.GROUP_BYTES, "cuda", group_bytes)
     tensors = _tensors()
     on_gpu = {name: t.cuda() for name, t in tensors.items()}
     host, device = _copy_of(tensors), _copy_of(on_gpu, "cuda")
@@ -115,3 +121,27 @@ def test_changes_on_cuda_equal_those_on_the_host():
                 assert torch.equal(got[name].index.cpu().long(), want[name].index.long())
                 assert torch.equal(got[name].values.cpu(), want[name].values)
             assert torch.equal(device.view(name).cpu(), host.view(name)), (fraction, name)
+
+
+@pytest.mark.gpu
+def test_a_group_table_is_kept_while_its_tensors_stay_and_rebuilt_when_one_moves():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(3)
+    tensors = {f"w{i}": torch.randn(4096 + 64 * i, generator=gen).bfloat16().cuda()
+               for i in range(4)}
+    last = _copy_of(tensors, "cuda")
+    limits = {name: 1 << 20 for name in tensors}
+    tensors["w1"][5] += 1
+    assert _changes(last, tensors, limits)["w1"].index.tolist() == [5]
+    (table,) = last._tables.values()
+    tensors["w2"][7] += 1
+    _changes(last, tensors, limits)
+    assert last._tables[(2, 0)] is table  # kept
+    tensors["w3"] = tensors["w3"].clone()  # the same values elsewhere
+    tensors["w3"][9] += 1
+    changes = _changes(last, tensors, limits)
+    assert changes["w3"].index.tolist() == [9] and changes["w2"].count == 0
+    assert last._tables[(2, 0)] is not table
+    assert last._tables[(2, 0)].ptrs[3] == tensors["w3"].data_ptr()

@@ -5,18 +5,30 @@ The copy lives in one flat buffer per element width, each tensor at an 8-byte-al
 offset, so a group of consecutive tensors is one run of 8-byte words: each tensor is
 compared against its run word by word into one mask, the changed words are found with one
 `nonzero` over the group, gathered, and compared element by element in one pass. The copy
-is brought up to date with one scatter of the changed words.
+is brought up to date with one scatter of the changed words. On CUDA the comparison and the
+gather are one Triton launch each per group (`wtransfer.delta.compare_kernels`, used where it
+gave the eager ops' results on a probe) instead of a few launches per tensor.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from wtransfer.delta.codec import BITS_VIEW, bits
 from wtransfer.packing import TensorMeta
+
+if TYPE_CHECKING:
+    from wtransfer.delta.compare_kernels import GroupTable
+
+logger = logging.getLogger(__name__)
 
 GROUP_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
 """Tensors are compared in groups of about this many bytes (the word mask of a group is an
@@ -68,6 +80,7 @@ class LastSent:
             sizes[width] = start + _aligned_numel(meta.numel, width)
         self._buffers = {width: torch.zeros(n, dtype=BITS_VIEW[width], device=device)
                          for width, n in sizes.items()}
+        self._tables: dict[tuple[int, int], GroupTable] = {}
 
     @property
     def nbytes(self) -> int:
@@ -145,34 +158,32 @@ class LastSent:
                 by_elements.append((slot, flat))
                 mask[word0:word0 + _aligned_numel(slot.numel, width) // lanes].zero_()
                 continue
-            words = flat.view(torch.int64)
-            torch.ne(words, copy_words[word0:word0 + words.numel()],
-                     out=mask[word0:word0 + words.numel()])
-            by_words.append((slot, words, word0))
+            by_words.append((slot, flat.view(torch.int64), word0))
         out = {slot.name: self._by_elements(slot, flat, limits[slot.name])
                for slot, flat in by_elements}
         if not by_words:
             return out
+        kernels = _kernels_for(self.device)
+        table = None
+        if kernels is None:
+            for _, words, word0 in by_words:
+                torch.ne(words, copy_words[word0:word0 + words.numel()],
+                         out=mask[word0:word0 + words.numel()])
+        else:
+            table = self._table(first, by_words, mask.numel(), kernels)
+            kernels.compare(table, copy_words, mask)
         word = self._changed_words(mask)
         if word is None:  # most words changed: tensor by tensor, without most indices
             for slot, words, _ in by_words:
                 out[slot.name] = self._by_elements(slot, words.view(buffer.dtype),
                                                    limits[slot.name])
             return out
-        starts = torch.tensor([w0 for _, _, w0 in by_words] + [mask.numel()],
-                              device=self.device)
-        words_of = _counts(word, starts)
-        owner = torch.searchsorted(starts, word, right=True).sub_(1)
-        local = word - starts.index_select(0, owner)
-        now_words = torch.empty_like(word)
-        at = 0
-        for (_, words, _), count in zip(by_words, words_of, strict=True):
-            if count:
-                torch.index_select(words, 0, local[at:at + count],
-                                   out=now_words[at:at + count])
-            at += count
-        was_words = copy_words.index_select(0, word)
-        copy_words.index_copy_(0, word, now_words)
+        if kernels is not None and table is not None:
+            owner, now_words, was_words = kernels.gather(table, word, copy_words)
+            local = word - table.starts.index_select(0, owner)
+        else:
+            owner, local, now_words, was_words = _gathered(by_words, word, copy_words,
+                                                           mask.numel())
         now_lanes, was_lanes = now_words.view(buffer.dtype), was_words.view(buffer.dtype)
         position = torch.nonzero(now_lanes != was_lanes).squeeze(1)
         values = now_lanes.index_select(0, position)
@@ -187,6 +198,17 @@ class LastSent:
             out[slot.name] = Change(count, index[at:at + count], values[at:at + count])
             at += count
         return out
+
+    def _table(self, first: int, by_words: list[tuple[_Slot, torch.Tensor, int]], end: int,
+               kernels: ModuleType) -> GroupTable:
+        """The kernels' table of a group (built again only when a tensor moved)."""
+        words = [w for _, w, _ in by_words]
+        starts = [w0 for _, _, w0 in by_words]
+        width = by_words[0][0].width
+        table = self._tables.get((width, first))
+        if table is None or table.key != kernels.table_key(words, starts):
+            table = self._tables[(width, first)] = kernels.GroupTable.build(words, starts, end)
+        return table
 
     def _changed_words(self, mask: torch.Tensor) -> torch.Tensor | None:
         """Ascending positions of `mask`'s true entries; None when more than `DENSE_WORDS`
@@ -212,6 +234,58 @@ class LastSent:
         values = flat.index_select(0, index)
         last.index_copy_(0, index, values)
         return Change(int(index.numel()), index, values)
+
+
+def _gathered(by_words: list[tuple[_Slot, torch.Tensor, int]], word: torch.Tensor,
+              copy_words: torch.Tensor, end: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The eager gather of changed run words `word`: (each one's tensor, its word within
+    that tensor, its word now, its word in the copy before), the copy then holding the
+    words now; a few launches per tensor."""
+    starts = torch.tensor([w0 for _, _, w0 in by_words] + [end], device=word.device)
+    words_of = _counts(word, starts)
+    owner = torch.searchsorted(starts, word, right=True).sub_(1)
+    local = word - starts.index_select(0, owner)
+    now_words = torch.empty_like(word)
+    at = 0
+    for (_, words, _), count in zip(by_words, words_of, strict=True):
+        if count:
+            torch.index_select(words, 0, local[at:at + count], out=now_words[at:at + count])
+        at += count
+    was_words = copy_words.index_select(0, word)
+    copy_words.index_copy_(0, word, now_words)
+    return owner, local, now_words, was_words
+
+
+_kernels: dict[torch.device, ModuleType | None] = {}
+_kernels_lock = threading.Lock()
+
+
+def _kernels_for(device: torch.device) -> ModuleType | None:
+    """`wtransfer.delta.compare_kernels` where it runs on `device` and gave the eager
+    results on a probe (checked once per device), else None: eager ops on a host, without
+    Triton, or with ``WTRANSFER_DELTA_TRITON=0``."""
+    if device.type != "cuda" or os.environ.get("WTRANSFER_DELTA_TRITON", "1") == "0":
+        return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _kernels_lock:
+        if device not in _kernels:
+            _kernels[device] = _checked(device)
+        return _kernels[device]
+
+
+def _checked(device: torch.device) -> ModuleType | None:
+    try:
+        from wtransfer.delta import compare_kernels
+        if compare_kernels.works_on(device):
+            return compare_kernels
+        logger.warning("the Triton delta comparison differs from the eager one on %s: "
+                       "using the eager one", device)
+    except Exception as exc:  # no Triton, no compiler, a launch error: eager still works
+        logger.warning("the Triton delta comparison is unavailable on %s (%s): using the "
+                       "eager one", device, exc)
+    return None
 
 
 def _counts(ascending: torch.Tensor, bounds: torch.Tensor) -> list[int]:
