@@ -19,7 +19,7 @@ from wtransfer_nccl import NCCLTrainerInitInfo
 from wtransfer_ucx import UCXTrainerInitInfo
 
 import wtransfer
-from wtransfer.errors import ConfigError, EngineDeadError
+from wtransfer.errors import ConfigError, EngineDeadError, LifecycleError
 from wtransfer.inference import (
     AsyncEngine,
     EngineConfig,
@@ -262,3 +262,48 @@ def test_an_engine_idle_for_longer_than_its_step_timeout_still_serves():
             single.shutdown()
 
     run(main(), deadline_s=120)
+
+
+def test_a_rollback_a_worker_cannot_do_leaves_every_rank_as_it_was():
+    """TP=2, staged swap updates: a rollback brings the previous version back on both workers
+    (the full tensors' fingerprint); one that worker 1 cannot do (its previous version gone,
+    as an update start that reached only it leaves it) is refused with that worker's reason,
+    and no rank rolled back: the engine still holds the last update whole, with its label."""
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny", tensor_parallel_size=2,
+                                          update_staging="swap"))
+        client = LocalEngineClient(engine)
+
+        def push(model, version):
+            with wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=1 << 16, timeout_s=60),
+                                        client=client,
+                                        source=wtransfer.ModuleSource(model)) as sender:
+                sender.send_weights(weight_version=version)
+
+        def start_on_workers_only():
+            workers = engine.core.replica.workers
+            workers.wait(workers.call_all("start_weight_update", []), "start")
+            workers.wait(workers.call_all("discard_weight_update", ["a test"]), "discard")
+
+        try:
+            original = await engine.fingerprint()
+            first, second = load_model("tiny", seed=1), load_model("tiny", seed=2)
+            await asyncio.to_thread(push, first, "v1")
+            await engine.rollback_weights()
+            assert await engine.fingerprint() == original
+            assert await engine.get_weight_version() == "default"
+            await asyncio.to_thread(push, first, "v1")
+            await asyncio.to_thread(push, second, "v2")
+            await asyncio.to_thread(start_on_workers_only)
+            with pytest.raises(LifecycleError, match="no rank rolled back: tensor-parallel "
+                                                     "worker 1: no previous weight version"):
+                await engine.rollback_weights()
+            assert await engine.fingerprint() == wtransfer.fingerprint(second.state_dict())
+            assert await engine.get_weight_version() == "v2"
+            greedy_params = SamplingParams(max_tokens=8, temperature=0)
+            out = await collect(engine, "after", PROMPTS[0], greedy_params)
+            assert [s.version for s in out.outputs[0].weight_versions] == ["v2"]
+        finally:
+            engine.shutdown()
+
+    run(main(), deadline_s=180)

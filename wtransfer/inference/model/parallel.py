@@ -116,6 +116,20 @@ class Collective:
         group = self.control if tensor.device.type == "cpu" else self.pg
         self._run("broadcast", group.broadcast([tensor], opts))
 
+    def all_gather_records(self, record: Any) -> list[Any]:
+        """Every rank's plain-data `record`, in rank order (msgpack through byte tensors)."""
+        data = wire.encode(record)
+        sizes = [int(n) for n in self._gather_control(torch.tensor([len(data)]))]
+        mine = torch.zeros(max(sizes), dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return [wire.decode(part[:n].numpy().tobytes())
+                for part, n in zip(self._gather_control(mine), sizes, strict=True)]
+
+    def _gather_control(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._run("all-gather", self.control.allgather([parts], [tensor]))
+        return parts
+
     def broadcast_record(self, record: Any) -> Any:
         """Rank 0's plain-data `record` on every rank (msgpack through byte tensors: no
         pickle); the others pass None."""

@@ -113,14 +113,27 @@ class ShardWeights:
         if self.staging is not None:
             self.staging.commit(previous_version)
 
-    def rollback_weights(self) -> None:
-        """Swap the previous version back in (staged swap updates)."""
+    def reserve_rollback(self) -> None:
+        """Check this rank can roll back and hold it ready (`StagedWeights.reserve_rollback`);
+        `rollback_weights(reserved=True)` or `release_rollback` follows."""
         if self.staging is None:
             raise LifecycleError("rollback_weights needs staged updates "
                                  "(update_staging='swap')")
-        self.staging.rollback()
+        self.staging.reserve_rollback()
+
+    def rollback_weights(self, *, reserved: bool = False) -> None:
+        """Swap the previous version back in (staged swap updates)."""
+        if not reserved:
+            self.reserve_rollback()
+        assert self.staging is not None
+        self.staging.rollback(reserved=True)
         if self.receiver is not None:
             self.receiver.forget_delta_base()  # the weights are no update's any more
+
+    def release_rollback(self) -> None:
+        """Give up a reservation: another rank cannot roll back."""
+        assert self.staging is not None
+        self.staging.release_rollback()
 
     def info(self) -> dict[str, Any]:
         """This worker's update state and bytes."""

@@ -113,11 +113,7 @@ class Worker:
                 self.weights.commit(str(message["previous"]))
                 self.collective.barrier()  # done: rank 0 goes on (sync_done)
             elif op == "rollback":
-                try:
-                    self.weights.rollback_weights()
-                except WTransferError as exc:  # rank 0 checked first; say it, keep stepping
-                    log.error("tensor-parallel worker %d: rollback failed: %s", self.rank, exc)
-                self.collective.barrier()
+                self.roll_back_if_all_can()
             elif op == "fingerprint":
                 state = self.model.state_dict()
                 for name in sorted(state):
@@ -125,6 +121,22 @@ class Worker:
             elif op == "shutdown":
                 return
             # "idle": rank 0 is alive and has nothing to step
+
+    def roll_back_if_all_can(self) -> None:
+        """Rank 0's rollback: say whether this worker can (its reason if not), and roll back
+        only when every rank can, so that no rank holds another version than the others."""
+        try:
+            self.weights.reserve_rollback()
+            refusal = ""
+        except WTransferError as exc:
+            refusal = str(exc)
+        refusals = self.collective.all_gather_records(refusal)
+        if not refusal:
+            if any(refusals):
+                self.weights.release_rollback()
+            else:
+                self.weights.rollback_weights(reserved=True)
+        self.collective.barrier()
 
     def close(self) -> None:
         """Stop the command thread and release the receiver."""

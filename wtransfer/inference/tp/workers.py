@@ -119,6 +119,15 @@ class TPWorkers:
         self.sync(op, **fields)
         self.collective.barrier()
 
+    def agree_to_roll_back(self) -> list[str]:
+        """Ask every worker whether it can roll back (rank 0 can: it checked first); returns
+        each refusing worker's reason, named. Each worker then rolls back only if none
+        refused; `collective.barrier()` waits for that."""
+        self.sync("rollback")
+        refusals = self.collective.all_gather_records("")
+        return [f"tensor-parallel worker {rank}: {reason}"
+                for rank, reason in enumerate(refusals) if reason]
+
     def keepalive(self) -> None:
         """An idle engine tells its workers it is there (op "idle") a few times per
         `step_timeout_s`: they wait on the next message within that deadline, so that a dead

@@ -590,9 +590,22 @@ class Replica:
             raise LifecycleError("rollback_weights with LoRA adapters loaded is not supported "
                                  "yet (their slots would go back, their labels not)")
         previous = self.staging.previous
-        self.weights.rollback_weights()  # checks first: the workers only follow a good one
+        self.weights.reserve_rollback()  # checks first: the workers are asked only then
+        refusals: list[str] = []
+        try:
+            if self.workers is not None:
+                refusals = self.workers.agree_to_roll_back()
+        except BaseException:
+            self.weights.release_rollback()
+            raise
+        if refusals:
+            self.weights.release_rollback()
+        else:
+            self.weights.rollback_weights(reserved=True)
         if self.workers is not None:
-            self.workers.sync_done("rollback")
+            self.workers.collective.barrier()  # every worker did the same
+        if refusals:
+            raise LifecycleError(f"no rank rolled back: {'; '.join(refusals)}")
         self.weight_version = previous or self.weight_version
         self._after_weights_changed()
 

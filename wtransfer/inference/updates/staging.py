@@ -124,21 +124,13 @@ class StagedWeights:
             self.written.clear()
         return len(names)
 
-    def rollback(self) -> int:
+    def rollback(self, *, reserved: bool = False) -> int:
         """Swap the previous version back in (swap mode, after a commit and before the next
-        update starts staging); returns how many tensors changed."""
-        if self.mode != "swap":
-            raise LifecycleError("rollback_weights needs update_staging='swap': copy staging "
-                                 "copies the new weights over the old ones, keeping none")
-        if not self.lock.acquire(blocking=False):
-            raise LifecycleError("the live weights are being read (an update is starting, or "
-                                 "they are being pushed to a joining instance); roll back "
-                                 "once that is done")
+        update starts staging); returns how many tensors changed. `reserved`: the caller
+        holds `reserve_rollback`'s reservation (released here)."""
+        if not reserved:
+            self.reserve_rollback()
         try:
-            if self.previous is None:
-                raise LifecycleError("no previous weight version is resident: rollback is "
-                                     "possible once after an update committed, until the "
-                                     "next update starts")
             changed = len(self._differ)
             if changed:
                 self._swap_all()
@@ -146,6 +138,28 @@ class StagedWeights:
         finally:
             self.lock.release()
         return changed
+
+    def reserve_rollback(self) -> None:
+        """Take `lock` with a rollback known to be possible, for ranks that must all agree
+        before any rolls back: `rollback(reserved=True)` or `release_rollback` follows.
+        `LifecycleError` (nothing held) where it is not: copy staging, the weights being read,
+        no previous version resident."""
+        if self.mode != "swap":
+            raise LifecycleError("rollback_weights needs update_staging='swap': copy staging "
+                                 "copies the new weights over the old ones, keeping none")
+        if not self.lock.acquire(blocking=False):
+            raise LifecycleError("the live weights are being read (an update is starting, or "
+                                 "they are being pushed to a joining instance); roll back "
+                                 "once that is done")
+        if self.previous is None:
+            self.lock.release()
+            raise LifecycleError("no previous weight version is resident: rollback is "
+                                 "possible once after an update committed, until the "
+                                 "next update starts")
+
+    def release_rollback(self) -> None:
+        """Give up a reservation (`reserve_rollback`): another rank refused."""
+        self.lock.release()
 
     def _swap_all(self) -> None:
         """Exchange the live and shadow storages of every tensor (every alias follows, since
