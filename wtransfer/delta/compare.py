@@ -163,23 +163,33 @@ class LastSent:
                for slot, flat in by_elements}
         if not by_words:
             return out
-        kernels = _kernels_for(self.device)
+        kernels = _kernels_for(buffer.device)
         table = None
-        if kernels is None:
+        if kernels is not None:
+            try:
+                table = self._table(first, by_words, mask.numel(), kernels)
+                kernels.compare(table, copy_words, mask)
+            except Exception as exc:  # a specialization the probe did not compile
+                _give_up(buffer.device, exc)
+                table = None
+        if table is None:
             for _, words, word0 in by_words:
                 torch.ne(words, copy_words[word0:word0 + words.numel()],
                          out=mask[word0:word0 + words.numel()])
-        else:
-            table = self._table(first, by_words, mask.numel(), kernels)
-            kernels.compare(table, copy_words, mask)
         word = self._changed_words(mask)
         if word is None:  # most words changed: tensor by tensor, without most indices
             for slot, words, _ in by_words:
                 out[slot.name] = self._by_elements(slot, words.view(buffer.dtype),
                                                    limits[slot.name])
             return out
+        gathered = None
         if kernels is not None and table is not None:
-            owner, now_words, was_words = kernels.gather(table, word, copy_words)
+            try:
+                gathered = kernels.gather(table, word, copy_words)
+            except Exception as exc:
+                _give_up(buffer.device, exc)
+        if gathered is not None and table is not None:
+            owner, now_words, was_words = gathered
             local = word - table.starts.index_select(0, owner)
         else:
             owner, local, now_words, was_words = _gathered(by_words, word, copy_words,
@@ -273,6 +283,15 @@ def _kernels_for(device: torch.device) -> ModuleType | None:
         if device not in _kernels:
             _kernels[device] = _checked(device)
         return _kernels[device]
+
+
+def _give_up(device: torch.device, exc: Exception) -> None:
+    """The kernels failed to compile or launch on `device` for a shape the probe did not
+    have: the eager ops from here on."""
+    logger.warning("the Triton delta comparison failed on %s (%s): using the eager one",
+                   device, exc)
+    with _kernels_lock:
+        _kernels[device] = None
 
 
 def _checked(device: torch.device) -> ModuleType | None:

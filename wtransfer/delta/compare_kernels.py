@@ -134,7 +134,7 @@ def works_on(device: torch.device) -> bool:
     want_copy = torch.cat(tensors)
     starts = [0, sizes[0], sizes[0] + sizes[1]]
     table = GroupTable.build(tensors, starts, copy.numel())
-    mask = torch.zeros(copy.numel(), dtype=torch.bool, device=device)
+    mask = torch.ones(copy.numel(), dtype=torch.bool, device=device)  # each word written
     compare(table, copy, mask)
     word = torch.nonzero(mask).squeeze(1)
     was = copy.index_select(0, word)

@@ -126,9 +126,9 @@ class ShardWeights:
         if not reserved:
             self.reserve_rollback()
         assert self.staging is not None
-        self.staging.rollback(reserved=True)
-        if self.receiver is not None:
+        if self.receiver is not None:  # (first: no update may start on the old base)
             self.receiver.forget_delta_base()  # the weights are no update's any more
+        self.staging.rollback(reserved=True)
 
     def release_rollback(self) -> None:
         """Give up a reservation: another rank cannot roll back."""

@@ -125,16 +125,21 @@ class Worker:
     def roll_back_if_all_can(self) -> None:
         """Rank 0's rollback: say whether this worker can (its reason if not), and roll back
         only when every rank can, so that no rank holds another version than the others."""
+        refusal: str | None = None
         try:
             self.weights.reserve_rollback()
-            refusal = ""
         except WTransferError as exc:
-            refusal = str(exc)
-        refusals = self.collective.all_gather_records(refusal)
-        if not refusal:
-            if any(refusals):
+            refusal = str(exc) or type(exc).__name__
+        try:
+            refusals = self.collective.all_gather_records(refusal)
+        except BaseException:
+            if refusal is None:
                 self.weights.release_rollback()
-            else:
+            raise
+        if refusal is None:
+            if any(r is not None for r in refusals):
+                self.weights.release_rollback()
+            else:  # (a failure here ends this worker: rank 0 then finds the group dead)
                 self.weights.rollback_weights(reserved=True)
         self.collective.barrier()
 

@@ -113,7 +113,7 @@ class TPWorkers:
         self._last_sync = time.monotonic()
 
     def sync_done(self, op: str, **fields: Any) -> None:
-        """`sync(op)` and wait until every worker has done it ("commit", "rollback"): a
+        """`sync(op)` and wait until every worker has done it (a "commit"): a
         weight-transfer command sent after it (the next update's start levels the shadow)
         reaches workers whose weights already changed."""
         self.sync(op, **fields)
@@ -124,9 +124,9 @@ class TPWorkers:
         each refusing worker's reason, named. Each worker then rolls back only if none
         refused; `collective.barrier()` waits for that."""
         self.sync("rollback")
-        refusals = self.collective.all_gather_records("")
+        refusals = self.collective.all_gather_records(None)
         return [f"tensor-parallel worker {rank}: {reason}"
-                for rank, reason in enumerate(refusals) if reason]
+                for rank, reason in enumerate(refusals) if reason is not None]
 
     def keepalive(self) -> None:
         """An idle engine tells its workers it is there (op "idle") a few times per

@@ -598,12 +598,19 @@ class Replica:
         except BaseException:
             self.weights.release_rollback()
             raise
-        if refusals:
-            self.weights.release_rollback()
-        else:
-            self.weights.rollback_weights(reserved=True)
-        if self.workers is not None:
-            self.workers.collective.barrier()  # every worker did the same
+        try:
+            if refusals:
+                self.weights.release_rollback()
+            else:
+                self.weights.rollback_weights(reserved=True)
+        except BaseException as exc:
+            if self.workers is not None:  # the workers rolled back: the ranks now disagree
+                raise EngineDeadError(f"rank 0 failed to roll back after its tensor-parallel "
+                                      f"workers did: {exc}") from exc
+            raise
+        finally:
+            if self.workers is not None:
+                self.workers.collective.barrier()  # every worker did the same
         if refusals:
             raise LifecycleError(f"no rank rolled back: {'; '.join(refusals)}")
         self.weight_version = previous or self.weight_version
