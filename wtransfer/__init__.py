@@ -14,6 +14,7 @@ from wtransfer.protocol import WeightSyncClient
 from wtransfer.receiver.engine import ReceiverState, WeightTransferEngine
 from wtransfer.receiver.target import ModuleTarget, WeightTarget
 from wtransfer.records import (
+    Capabilities,
     ReceiverInitInfo,
     TrainerInitInfo,
     TransferStats,
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend",
     "BackendInfo",
+    "Capabilities",
     "FanoutClient",
     "HTTPClient",
     "LocalClient",

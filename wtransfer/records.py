@@ -15,10 +15,12 @@ order); `replica` tells copies of the same boxes on several ranks apart.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import secrets
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal, get_args
 
@@ -69,6 +71,39 @@ def check_sender_id(value: str | None) -> None:
     """`ConfigError` unless `value` is None or a sender identity (8-64 lowercase hex digits)."""
     if value is not None and not _SENDER_ID.fullmatch(value):
         raise ConfigError(f"sender_id must be 8-64 lowercase hex digits, got {value!r:.80}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What a backend can do beyond the hooks it implements, declared once: its sender and
+    receiver classes both hold the same record (`capabilities`)."""
+
+    pair_deltas: bool = False
+    """M->N moves each pair bucket as a message of its own, which a delta encodes
+    (`wtransfer.delta.pieces`)."""
+    calls_read_sender_memory: bool = True
+    """The sender reuses the memory an update call reads (a staging slot, its own tensors)
+    once the call is answered, so the call must have read it before it returns (ipc). False
+    where the data plane tells the sender when bytes moved (nccl, ucx): a staged engine may
+    then run such a call on a thread of its own and answer at once."""
+    sender_check_s: float | None = None
+    """How often the receiver's deadline timer asks `_sender_gone` while an open update waits
+    for the sender's next call; None where the receiver cannot tell (the update then waits
+    `timeout_s`)."""
+
+
+def declared_capabilities(cls: type, legacy: Mapping[str, str]) -> Capabilities:
+    """`cls`'s capabilities, with any `legacy` class attribute it sets itself (an old name
+    -> its `Capabilities` field: how backends declared them before the record) folded in,
+    with a DeprecationWarning."""
+    own = {field: vars(cls)[name] for name, field in legacy.items() if name in vars(cls)}
+    record: Capabilities = getattr(cls, "capabilities", Capabilities())
+    if not own:
+        return record
+    warnings.warn(f"{cls.__name__} sets {sorted(n for n in legacy if n in vars(cls))} as "
+                  f"class attributes; declare `capabilities = Capabilities(...)` instead",
+                  DeprecationWarning, stacklevel=3)
+    return dataclasses.replace(record, **own)
 
 
 DEFAULT_BUCKET_BYTES = 64 << 20

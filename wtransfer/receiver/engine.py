@@ -13,7 +13,8 @@ Public methods are template methods: parse dicts into the backend's dataclasses,
 state, then call the backend's ``_init / _start / _receive / _finish / _shutdown`` hooks.
 An update whose sender makes no call for `timeout_s` is failed by a deadline timer (a thread
 of its own), so an engine never waits forever on a trainer that died; a backend that can
-tell its sender is gone (`sender_check_s`, `_sender_gone`) fails it as soon as it knows.
+tell its sender is gone (`Capabilities.sender_check_s`, `_sender_gone`) fails it as soon as
+it knows.
 Reading `state` never changes it.
 """
 
@@ -44,7 +45,14 @@ from wtransfer.receiver.deltas import DeltaBase
 from wtransfer.receiver.programs import PiecePrograms
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
-from wtransfer.records import ReceiverInitInfo, TensorLayout, UpdateInfo, check_version
+from wtransfer.records import (
+    Capabilities,
+    ReceiverInitInfo,
+    TensorLayout,
+    UpdateInfo,
+    check_version,
+    declared_capabilities,
+)
 from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.receiver.engine")
@@ -77,14 +85,14 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
     backend_name: ClassVar[str]
     init_info_cls: ClassVar[type]
     update_info_cls: ClassVar[type]
-    calls_read_sender_memory: ClassVar[bool] = True
-    """Whether the sender reuses the memory an update call reads (a staging slot, its own
-    tensors) once the call is answered, so the call must have read it before it returns
-    (ipc). False where the data plane tells the sender when bytes moved (nccl, ucx): a staged
-    engine may then run such a call on a thread of its own and answer at once."""
-    sender_check_s: ClassVar[float | None] = None
-    """How often the deadline timer asks `_sender_gone` while an open update waits for the sender's
-    next call; None for a backend that cannot tell (the update then waits `timeout_s`)."""
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    """What the backend can do (the same record as its sender's)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.capabilities = declared_capabilities(cls, {
+            "calls_read_sender_memory": "calls_read_sender_memory",
+            "sender_check_s": "sender_check_s"})
 
     def __init__(self, target: WeightTarget, *, device: str | torch.device = "cpu",
                  worker_index: int = 0, rollback: bool = False) -> None:
@@ -213,9 +221,9 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         """When the deadline timer should look at the open update next."""
         assert self.init_info is not None
         deadline = self._last_call + self.init_info.timeout_s
-        if self.sender_check_s is None:
+        if self.capabilities.sender_check_s is None:
             return deadline
-        return min(deadline, time.monotonic() + self.sender_check_s)
+        return min(deadline, time.monotonic() + self.capabilities.sender_check_s)
 
     def _call(self) -> _CallGuard:
         return _CallGuard(self)

@@ -26,7 +26,7 @@ from wtransfer.fingerprint import fingerprint
 from wtransfer.launch.processes import ChildProcess, free_port, spawn_receiver, spawn_trainer
 from wtransfer.protocol import WeightSyncClient
 from wtransfer.receiver.target import ModuleTarget
-from wtransfer.records import TrainerInitInfo
+from wtransfer.records import Capabilities, TrainerInitInfo
 from wtransfer.registry import create_receiver, get_backend, trainer_init
 from wtransfer.rpc import RPCClient
 from wtransfer.shapes import build_module, model_metas, randomize
@@ -335,6 +335,13 @@ class BackendConformance(DeltaCases):
             stale.shutdown()
             current.shutdown()
 
+    def test_sender_and_receiver_declare_one_capabilities_record(self) -> None:
+        """The backend says what it can do once: its sender and receiver classes hold equal
+        `Capabilities` records."""
+        backend = get_backend(self.backend)
+        assert isinstance(backend.sender_class().capabilities, Capabilities)
+        assert backend.sender_class().capabilities == backend.receiver_class().capabilities
+
     def test_lifecycle_misuse_raises_lifecycle_error(self) -> None:
         """Calls out of order raise LifecycleError with the fix."""
         target = ModuleTarget(self.trainer_model())
@@ -436,7 +443,7 @@ class BackendConformance(DeltaCases):
         """A backend whose receiver can tell its sender is gone (`sender_check_s`) fails a
         killed trainer's open update as soon as it knows, not after `timeout_s` (120 s here;
         the wait below allows half of it), naming why; a new trainer's update then lands."""
-        if get_backend(self.backend).receiver_class().sender_check_s is None:
+        if get_backend(self.backend).receiver_class().capabilities.sender_check_s is None:
             pytest.skip(f"{self.backend} receivers cannot tell their sender is gone; an "
                         "update waits out timeout_s (test_trainer_killed_mid_transfer_...)")
         status = self._kill_a_trainer_mid_update(

@@ -64,11 +64,13 @@ from wtransfer.protocol import (
 from wtransfer.records import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_NUM_BUFFERS,
+    Capabilities,
     PauseMode,
     TrainerInitInfo,
     TransferStats,
     check_pause_mode,
     check_version,
+    declared_capabilities,
     new_sender_id,
 )
 from wtransfer.trainer.calls import UpdateCalls
@@ -165,6 +167,12 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
 
     backend_name: ClassVar[str]
     init_info_cls: ClassVar[type]
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    """What the backend can do (the same record as its receiver's)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.capabilities = declared_capabilities(cls, {"takes_pair_deltas": "pair_deltas"})
 
     def __init__(self, init_info: TInitT, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
@@ -277,7 +285,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self.updates = updates_for(self.updates, self.init_info, backend=self.backend_name,
                                    collective=self.collective,
                                    own_shards=self.sends_own_shards,
-                                   pair_deltas=self.takes_pair_deltas)
+                                   pair_deltas=self.capabilities.pair_deltas)
         merged = {**merged, "sender_id": self.sender_id, "backend": self.backend_name,
                   "plan": record_to_wire(self.plan_params)}
         self._on_senders(lambda: self._init_receivers(merged))
@@ -307,9 +315,6 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         without deltas."""
         return self.updates.diff
 
-    takes_pair_deltas: ClassVar[bool] = False
-    """Whether this backend's M->N moves each pair bucket as a message of its own, which a
-    delta encodes (`wtransfer.delta.pieces`)."""
 
     def send_weights(self, weight_version: str | None = None, *,
                      pause: PauseMode | None = None) -> TransferStats:

@@ -6,7 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from wtransfer.errors import ConfigError, MetadataError
-from wtransfer.records import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
+from wtransfer.records import Capabilities, ReceiverInitInfo, TrainerInitInfo, UpdateInfo
+
+CAPABILITIES = Capabilities(sender_check_s=0.2)
+"""What ipc can do: an update call reads the sender's staging (or its tensors) before it is
+answered; the receiver watches the sender's process."""
 
 TRANSPORTS = ("shm", "cuda")
 CUDA_BUCKET_BYTES = 1 << 30

@@ -18,7 +18,7 @@ from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.transport.m2n import pieces_from_wire
 from wtransfer_ipc.cuda import SenderEvents, drain, open_buffer
-from wtransfer_ipc.info import IPCInitInfo, IPCUpdateInfo, ZeroCopyUpdate
+from wtransfer_ipc.info import CAPABILITIES, IPCInitInfo, IPCUpdateInfo, ZeroCopyUpdate
 from wtransfer_ipc.sender_process import ProcessWatch
 from wtransfer_ipc.shm import SharedBuffer, creator_alive, sweep
 from wtransfer_ipc.zero_copy import ZeroCopyImports
@@ -32,7 +32,7 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
     backend_name = "ipc"
     init_info_cls = IPCInitInfo
     update_info_cls = IPCUpdateInfo
-    sender_check_s = 0.2
+    capabilities = CAPABILITIES
 
     def __init__(self, target: WeightTarget, **options: Any) -> None:
         super().__init__(target, **options)

@@ -24,6 +24,7 @@ from wtransfer.transport.window import CallChannel
 from wtransfer_ipc import m2n
 from wtransfer_ipc.cuda import await_event, export_buffer, exported_event, withdraw_event
 from wtransfer_ipc.info import (
+    CAPABILITIES,
     CUDA_BUCKET_BYTES,
     CUDA_NUM_BUFFERS,
     STAGING_FIELDS,
@@ -44,6 +45,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
     """
 
     backend_name = "ipc"
+    capabilities = CAPABILITIES
     init_info_cls = IPCTrainerInitInfo
 
     def __init__(self, init_info: IPCTrainerInitInfo, *, client: WeightSyncClient | None,

@@ -6,7 +6,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from wtransfer.errors import ConfigError
-from wtransfer.records import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
+from wtransfer.records import Capabilities, ReceiverInitInfo, TrainerInitInfo, UpdateInfo
+
+LIFELINE_CHECK_S = 0.2
+"""How often an open update looks at its lifeline (between calls, and while a broadcast is
+awaited: NCCL never notices a dead rank on its own)."""
+CAPABILITIES = Capabilities(pair_deltas=True, calls_read_sender_memory=False,
+                            sender_check_s=LIFELINE_CHECK_S)
+"""What nccl can do: M->N pair buckets as messages of their own; the group paces the
+sender; the receiver watches its lifeline."""
 
 TRANSPORTS = ("nccl", "gloo")
 

@@ -30,7 +30,7 @@ from wtransfer_nccl.group import (
     make_group,
     sender_store,
 )
-from wtransfer_nccl.info import NCCLInitInfo, NCCLUpdateInfo
+from wtransfer_nccl.info import CAPABILITIES, LIFELINE_CHECK_S, NCCLInitInfo, NCCLUpdateInfo
 from wtransfer_nccl.m2n import (
     Planner,
     m2n_store,
@@ -40,9 +40,6 @@ from wtransfer_nccl.m2n import (
     whole_layouts,
 )
 
-_LIFELINE_CHECK_S = 0.2
-"""How often an open update looks at its lifeline (between calls, and while a broadcast is
-awaited: NCCL never notices a dead rank on its own)."""
 _LIFELINE_CONNECT_S = 5.0
 """How long a worker's init tries to connect its lifeline before it goes on without one."""
 
@@ -58,8 +55,7 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
     backend_name = "nccl"
     init_info_cls = NCCLInitInfo
     update_info_cls = NCCLUpdateInfo
-    sender_check_s = _LIFELINE_CHECK_S
-    calls_read_sender_memory = False  # the data plane paces the sender
+    capabilities = CAPABILITIES
 
     def __init__(self, target: WeightTarget, **options: Any) -> None:
         super().__init__(target, **options)
@@ -195,15 +191,15 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
 
     def _stop_check(self, stop: threading.Event | None) -> Callable[[], None]:
         """What a wait asks every few microseconds: whether another share failed (`stop`),
-        and, every `_LIFELINE_CHECK_S`, whether the trainer is gone."""
-        next_look = time.monotonic() + _LIFELINE_CHECK_S
+        and, every `LIFELINE_CHECK_S`, whether the trainer is gone."""
+        next_look = time.monotonic() + LIFELINE_CHECK_S
 
         def stopped() -> None:
             nonlocal next_look
             if stop is not None and stop.is_set():
                 raise PeerError("another sender's share failed")
             if time.monotonic() >= next_look:
-                next_look = time.monotonic() + _LIFELINE_CHECK_S
+                next_look = time.monotonic() + LIFELINE_CHECK_S
                 gone = self._sender_gone()
                 if gone is not None:
                     raise PeerError(f"a transfer cannot complete: {gone}")

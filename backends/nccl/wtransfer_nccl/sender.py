@@ -31,7 +31,7 @@ from wtransfer_nccl.group import (
     sender_store,
     session_store,
 )
-from wtransfer_nccl.info import NCCLTrainerInitInfo
+from wtransfer_nccl.info import CAPABILITIES, NCCLTrainerInitInfo
 from wtransfer_nccl.m2n import (
     Planner,
     m2n_store,
@@ -51,7 +51,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
 
     backend_name = "nccl"
     init_info_cls = NCCLTrainerInitInfo
-    takes_pair_deltas = True
+    capabilities = CAPABILITIES
 
     def __init__(self, init_info: NCCLTrainerInitInfo, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:

@@ -6,7 +6,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from wtransfer.errors import ConfigError, MetadataError
-from wtransfer.records import ReceiverInitInfo, TrainerInitInfo, UpdateInfo
+from wtransfer.records import Capabilities, ReceiverInitInfo, TrainerInitInfo, UpdateInfo
+
+CAPABILITIES = Capabilities(pair_deltas=True, calls_read_sender_memory=False,
+                            sender_check_s=0.2)
+"""What ucx can do: M->N pair buckets as messages of their own; the data plane paces the
+sender; the receiver watches its endpoint."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ from wtransfer.records import TensorLayout
 from wtransfer.transport.m2n import PairBucket, Planner, whole_layouts
 from wtransfer.transport.window import receive_buckets
 from wtransfer_ucx import m2n
-from wtransfer_ucx.info import UCXInitInfo, UCXUpdateInfo
+from wtransfer_ucx.info import CAPABILITIES, UCXInitInfo, UCXUpdateInfo
 from wtransfer_ucx.m2n_reads import RankReads
 from wtransfer_ucx.remote_reads import ImportedKeys
 from wtransfer_ucx.transport import (
@@ -42,8 +42,7 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
     backend_name = "ucx"
     init_info_cls = UCXInitInfo
     update_info_cls = UCXUpdateInfo
-    sender_check_s = 0.2
-    calls_read_sender_memory = False  # the data plane paces the sender
+    capabilities = CAPABILITIES
 
     def __init__(self, target: WeightTarget, **options: Any) -> None:
         super().__init__(target, **options)

@@ -23,7 +23,7 @@ from wtransfer.trainer.source import WeightSource
 from wtransfer.transport.m2n import Planner, fragment_with_layouts, planner_of
 from wtransfer.transport.window import SendChannel
 from wtransfer_ucx import m2n
-from wtransfer_ucx.info import UCXTrainerInitInfo
+from wtransfer_ucx.info import CAPABILITIES, UCXTrainerInitInfo
 from wtransfer_ucx.m2n_reads import rank_table
 from wtransfer_ucx.remote_reads import ExportedTensors, readable
 from wtransfer_ucx.transport import (
@@ -64,7 +64,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
 
     backend_name = "ucx"
     init_info_cls = UCXTrainerInitInfo
-    takes_pair_deltas = True
+    capabilities = CAPABILITIES
 
     def __init__(self, init_info: UCXTrainerInitInfo, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:

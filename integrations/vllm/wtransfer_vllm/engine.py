@@ -132,7 +132,7 @@ class WTransferEngine(WeightTransferEngine[Any, Any]):
         """Hand the update to the receiver: on a thread of ours, answering at once, for a
         staged engine whose backend's data plane paces the sender (nccl, ucx: their one
         update call carries the whole transfer, which would hold vLLM's engine core)."""
-        if self.staging is not None and not self.receiver.calls_read_sender_memory:
+        if self.staging is not None and not self.receiver.capabilities.calls_read_sender_memory:
             self._received.append(self._receiving.submit(self._receive_in_background,
                                                          update_info))
             return

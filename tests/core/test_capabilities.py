@@ -1,0 +1,34 @@
+"""A backend's capabilities record: declared once, read by both sides; the class attributes
+backends set before the record still work, with a DeprecationWarning."""
+
+import pytest
+
+from wtransfer import Capabilities, TrainerTransferEngine, WeightTransferEngine, get_backend
+
+
+def test_each_shipped_backend_declares_one_record_for_both_sides():
+    for name in ("ipc", "nccl", "ucx"):
+        backend = get_backend(name)
+        assert backend.sender_class().capabilities is backend.receiver_class().capabilities
+
+
+def test_a_receiver_setting_the_old_class_attributes_gets_them_in_its_record():
+    with pytest.warns(DeprecationWarning, match=r"\['sender_check_s'\] as class attributes"):
+        class OldReceiver(WeightTransferEngine):  # type: ignore[type-arg]
+            sender_check_s = 0.5
+
+    assert OldReceiver.capabilities == Capabilities(sender_check_s=0.5)
+    assert WeightTransferEngine.capabilities == Capabilities()  # the base is untouched
+
+
+def test_a_sender_setting_takes_pair_deltas_gets_pair_deltas():
+    with pytest.warns(DeprecationWarning, match="takes_pair_deltas"):
+        class OldSender(TrainerTransferEngine):  # type: ignore[type-arg]
+            takes_pair_deltas = True
+
+    assert OldSender.capabilities.pair_deltas is True
+
+    class Subclass(OldSender):  # inherits the folded record, no second warning
+        pass
+
+    assert Subclass.capabilities.pair_deltas is True
