@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -61,6 +61,23 @@ class _Slot:
     numel: int
 
 
+@dataclass
+class _Launched:
+    """A group whose word comparison is queued: its tensors, those compared word by word
+    (slot, int64 view, first word in the run) or element by element, and what finishing it
+    reads."""
+
+    group: list[tuple[_Slot, torch.Tensor, torch.Tensor]]
+    width: int
+    copy_words: torch.Tensor
+    mask: torch.Tensor
+    by_words: list[tuple[_Slot, torch.Tensor, int]] = field(default_factory=list)
+    by_elements: list[tuple[_Slot, torch.Tensor]] = field(default_factory=list)
+    table: GroupTable | None = None
+    done: torch.cuda.Event | None = None
+    """Recorded on the side stream after the comparison (None: queued on the current one)."""
+
+
 def _aligned_numel(numel: int, width: int) -> int:
     lanes = 8 // width
     return -(-numel // lanes) * lanes
@@ -81,6 +98,7 @@ class LastSent:
         self._buffers = {width: torch.zeros(n, dtype=BITS_VIEW[width], device=device)
                          for width, n in sizes.items()}
         self._tables: dict[tuple[int, int], GroupTable] = {}
+        self._side: torch.cuda.Stream | None = None
 
     @property
     def nbytes(self) -> int:
@@ -113,35 +131,44 @@ class LastSent:
         """(name, tensor as given, what changed) for each named tensor `now` since the copy,
         which then holds it; tensors are held only until their group is compared (a group
         per element width, so interleaved widths do not cut groups short). A tensor with
-        more than `limits[name]` changed elements may come without indices."""
+        more than `limits[name]` changed elements may come without indices. On CUDA the
+        next group's comparison runs on a stream of its own while this one's changes are
+        gathered."""
         most = GROUP_BYTES.get(self.device.type, GROUP_BYTES["cpu"])
-        pending: dict[int, list[tuple[_Slot, torch.Tensor, torch.Tensor]]] = {}
+        forming: dict[int, list[tuple[_Slot, torch.Tensor, torch.Tensor]]] = {}
         sizes: dict[int, int] = {}
+        launched: _Launched | None = None
         for name, tensor in now:
             flat = self._bits(name, tensor)
             slot = self._slots[name]
-            group = pending.setdefault(slot.width, [])
+            group = forming.setdefault(slot.width, [])
             if group and (slot.start != group[-1][0].start
                           + _aligned_numel(group[-1][0].numel, slot.width)
                           or sizes[slot.width] + flat.numel() * slot.width > most):
-                yield from self._compared(group, limits)
-                group = pending[slot.width] = []
+                launched = yield from self._next(launched, group, limits)
+                group = forming[slot.width] = []
                 sizes[slot.width] = 0
             group.append((slot, flat, tensor))
             sizes[slot.width] = sizes.get(slot.width, 0) + flat.numel() * slot.width
-        for group in pending.values():
+        for group in forming.values():
             if group:
-                yield from self._compared(group, limits)
+                launched = yield from self._next(launched, group, limits)
+        if launched is not None:
+            yield from self._finished(launched, limits)
 
-    def _compared(self, group: list[tuple[_Slot, torch.Tensor, torch.Tensor]],
-                  limits: Mapping[str, int]) -> Iterator[tuple[str, torch.Tensor, Change]]:
-        found = self._group([(slot, flat) for slot, flat, _ in group], limits)
-        for slot, _, tensor in group:
-            yield slot.name, tensor, found[slot.name]
+    def _next(self, launched: _Launched | None,
+              group: list[tuple[_Slot, torch.Tensor, torch.Tensor]], limits: Mapping[str, int]
+              ) -> Generator[tuple[str, torch.Tensor, Change], None, _Launched]:
+        """Start comparing `group`, then finish the group started before it; returns what
+        was started."""
+        started = self._launch(group)
+        if launched is not None:
+            yield from self._finished(launched, limits)
+        return started
 
-    def _group(self, group: list[tuple[_Slot, torch.Tensor]], limits: Mapping[str, int]
-               ) -> dict[str, Change]:
-        """Compare consecutive tensors of one width, occupying one run of the copy."""
+    def _launch(self, group: list[tuple[_Slot, torch.Tensor, torch.Tensor]]) -> _Launched:
+        """Queue the word comparison of consecutive tensors of one width (one run of the
+        copy): through the kernels on a side stream where they run, else eager ops."""
         width = group[0][0].width
         lanes = 8 // width  # elements per 8-byte word
         buffer = self._buffers[width]
@@ -150,38 +177,75 @@ class LastSent:
         end = last_slot.start + _aligned_numel(last_slot.numel, width)
         copy_words = buffer[first:end].view(torch.int64)
         mask = torch.empty(copy_words.numel(), dtype=torch.bool, device=self.device)
-        by_words: list[tuple[_Slot, torch.Tensor, int]] = []
-        by_elements: list[tuple[_Slot, torch.Tensor]] = []
-        for slot, flat in group:
+        launched = _Launched(group, width, copy_words, mask)
+        for slot, flat, _ in group:
             word0 = (slot.start - first) // lanes
             if slot.numel % lanes or flat.data_ptr() % 8:  # not whole 8-byte words
-                by_elements.append((slot, flat))
+                launched.by_elements.append((slot, flat))
                 mask[word0:word0 + _aligned_numel(slot.numel, width) // lanes].zero_()
                 continue
-            by_words.append((slot, flat.view(torch.int64), word0))
-        out = {slot.name: self._by_elements(slot, flat, limits[slot.name])
-               for slot, flat in by_elements}
-        if not by_words:
-            return out
+            launched.by_words.append((slot, flat.view(torch.int64), word0))
+        if not launched.by_words:
+            return launched
         kernels = _kernels_for(buffer.device)
-        table = None
         if kernels is not None:
             try:
-                table = self._table(first, by_words, mask.numel(), kernels)
-                kernels.compare(table, copy_words, mask)
+                launched.table = self._table(first, launched.by_words, mask.numel(), kernels)
+                table = launched.table
+                if buffer.device.type == "cuda":
+                    launched.done = self._on_side(
+                        buffer.device, lambda: kernels.compare(table, copy_words, mask))
+                else:  # (Triton's interpreter)
+                    kernels.compare(table, copy_words, mask)
             except Exception as exc:  # a specialization the probe did not compile
                 _give_up(buffer.device, exc)
-                table = None
-        if table is None:
-            for _, words, word0 in by_words:
+                launched.table = None
+        if launched.table is None:
+            for _, words, word0 in launched.by_words:
                 torch.ne(words, copy_words[word0:word0 + words.numel()],
                          out=mask[word0:word0 + words.numel()])
+        return launched
+
+    def _on_side(self, device: torch.device, queue: Callable[[], None]) -> torch.cuda.Event:
+        """Run `queue` on this copy's side stream on `device`, after what the current stream
+        queued (the tensors' last writes); returns the event the current stream waits on
+        before it reads the result."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        current = torch.cuda.current_stream(device)
+        self._side.wait_stream(current)
+        with torch.cuda.stream(self._side):
+            queue()
+            done = torch.cuda.Event()
+            done.record(self._side)
+        return done
+
+    def _finished(self, launched: _Launched, limits: Mapping[str, int]
+                  ) -> Iterator[tuple[str, torch.Tensor, Change]]:
+        found = self._gathered_changes(launched, limits)
+        for slot, _, tensor in launched.group:
+            yield slot.name, tensor, found[slot.name]
+
+    def _gathered_changes(self, launched: _Launched, limits: Mapping[str, int]
+                          ) -> dict[str, Change]:
+        """The changes of a launched group, the copy brought up to date."""
+        width, copy_words, mask = launched.width, launched.copy_words, launched.mask
+        by_words, table = launched.by_words, launched.table
+        lanes = 8 // width
+        buffer = self._buffers[width]
+        if launched.done is not None:
+            torch.cuda.current_stream(mask.device).wait_event(launched.done)
+        out = {slot.name: self._by_elements(slot, flat, limits[slot.name])
+               for slot, flat in launched.by_elements}
+        if not by_words:
+            return out
         word = self._changed_words(mask)
         if word is None:  # most words changed: tensor by tensor, without most indices
             for slot, words, _ in by_words:
                 out[slot.name] = self._by_elements(slot, words.view(buffer.dtype),
                                                    limits[slot.name])
             return out
+        kernels = _kernels_for(buffer.device)
         gathered = None
         if kernels is not None and table is not None:
             try:
@@ -200,7 +264,7 @@ class LastSent:
         in_words = position // lanes
         index = local.index_select(0, in_words).mul_(lanes).add_(position % lanes)
         owner = owner.index_select(0, in_words)
-        if end - first < 1 << 31:  # every index fits the wire's widest common index dtype
+        if copy_words.numel() * lanes < 1 << 31:  # every index fits the widest common dtype
             index = index.to(torch.int32)
         elements_of = _counts(owner, torch.arange(len(by_words) + 1, device=self.device))
         at = 0
