@@ -16,7 +16,7 @@ from wtransfer.delta.codec import (
     index_dtype_for,
     sparse_limit,
 )
-from wtransfer.delta.compare import Change, LastSent
+from wtransfer.delta.compare import LastSent
 from wtransfer.delta.header import DeltaHeader
 from wtransfer.delta.pieces import WHOLE, EncodedBucket, encode_bucket
 from wtransfer.errors import MetadataError
@@ -128,27 +128,30 @@ class DeltaSender:
                                            meta.itemsize) if self.sparse else 0)
                   for meta in metas}
         assert self._last is not None
-        found: dict[str, tuple[torch.Tensor | None, torch.device, Change]] = {}
+        by_name = {meta.name: meta for meta in metas}
+        found: dict[str, tuple[DeltaEntry, TensorMeta, torch.Tensor]] = {}
         for name, tensor, change in self._last.changes(source.tensors(), limits):
-            sparse = change.count <= limits[name] and change.index is not None
-            found[name] = (None if sparse else tensor.detach(), tensor.device, change)
-        for meta in metas:  # (only tensors that go whole were kept)
-            whole, device, change = found[meta.name]
-            if change.count == 0:
-                continue
-            if whole is None:
-                assert change.index is not None and change.values is not None
+            if change.count == 0:  # (encoded as each group comes: the next one is compared
+                continue  # meanwhile on a GPU)
+            meta = by_name[name]
+            if change.count <= limits[name] and change.index is not None:
+                assert change.values is not None
                 index_dtype = index_dtype_for(meta.numel)
                 payload = encode_sparse(change.values, change.index,
-                                        index_dtype).to(device)
+                                        index_dtype).to(tensor.device)
                 entry = DeltaEntry(meta.name, change.count, index_dtype, meta.dtype)
-                items.append((entry.wire_meta(meta), payload))
-                moved += payload.numel() * payload.element_size()
-            else:
-                entry = DeltaEntry(meta.name, change.count, DENSE, meta.dtype)
-                items.append((meta, whole))
-                moved += meta.nbytes
-            total_changed += change.count
+                found[name] = (entry, entry.wire_meta(meta), payload)
+            else:  # (only tensors that go whole are kept)
+                found[name] = (DeltaEntry(meta.name, change.count, DENSE, meta.dtype), meta,
+                               tensor.detach())
+        for meta in metas:
+            if meta.name not in found:
+                continue
+            entry, wire_meta, data = found[meta.name]
+            items.append((wire_meta, data))
+            moved += (meta.nbytes if entry.index_dtype == DENSE
+                      else data.numel() * data.element_size())
+            total_changed += entry.count
             entries.append(entry)
         total = sum(m.numel for m in metas)
         fraction = total_changed / total if total else 0.0
