@@ -92,6 +92,10 @@ class Capabilities:
     `timeout_s`)."""
 
 
+LEGACY_CAPABILITY_NAMES = ("takes_pair_deltas", "calls_read_sender_memory", "sender_check_s")
+"""The class attributes backends set before `Capabilities` (still read, deprecated)."""
+
+
 def declared_capabilities(cls: type, legacy: Mapping[str, str]) -> Capabilities:
     """`cls`'s capabilities, with any `legacy` class attribute it sets itself (an old name
     -> its `Capabilities` field: how backends declared them before the record) folded in,
@@ -102,7 +106,7 @@ def declared_capabilities(cls: type, legacy: Mapping[str, str]) -> Capabilities:
         return record
     warnings.warn(f"{cls.__name__} sets {sorted(n for n in legacy if n in vars(cls))} as "
                   f"class attributes; declare `capabilities = Capabilities(...)` instead",
-                  DeprecationWarning, stacklevel=3)
+                  DeprecationWarning, stacklevel=4)  # (the class statement, past ABCMeta)
     return dataclasses.replace(record, **own)
 
 

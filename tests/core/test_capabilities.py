@@ -9,6 +9,8 @@ from wtransfer import Capabilities, TrainerTransferEngine, WeightTransferEngine,
 def test_each_shipped_backend_declares_one_record_for_both_sides():
     for name in ("ipc", "nccl", "ucx"):
         backend = get_backend(name)
+        if backend.missing():
+            continue  # (ucx without its wheels)
         assert backend.sender_class().capabilities is backend.receiver_class().capabilities
 
 

@@ -149,3 +149,31 @@ def test_a_group_table_is_kept_while_its_tensors_stay_and_rebuilt_when_one_moves
     assert changes["w3"].index.tolist() == [9] and changes["w2"].count == 0
     assert last._tables[(2, 0)] is not table
     assert last._tables[(2, 0)].ptrs[3] == tensors["w3"].data_ptr()
+
+
+def test_a_name_that_comes_twice_is_refused():
+    tensors = {"a": torch.zeros(64), "b": torch.zeros(64)}
+    last = _copy_of(tensors)
+    with pytest.raises(ValueError, match="'a' comes twice in one update"):
+        list(last.changes([("a", tensors["a"]), ("b", tensors["b"]), ("a", tensors["a"])],
+                          {"a": 1, "b": 1}))
+
+
+def test_a_source_that_skips_a_listed_tensor_is_refused_not_taken_as_unchanged():
+    from wtransfer.delta.sender import DeltaSender
+    from wtransfer.errors import MetadataError
+    from wtransfer.trainer.source import ModuleSource
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+
+    class Skipping(ModuleSource):
+        def tensors(self):
+            yield from ((n, t) for n, t in super().tensors() if n != "1.bias")
+
+    sender = DeltaSender()
+    source = ModuleSource(model)
+    sender.landed(sender.prepare(source))
+    with torch.no_grad():
+        model[1].bias.add_(1)
+    with pytest.raises(MetadataError, match=r"listed \['1.bias'\] \(1 tensors\) but did not"):
+        sender.prepare(Skipping(model))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -130,41 +130,45 @@ class LastSent:
                 ) -> Iterator[tuple[str, torch.Tensor, Change]]:
         """(name, tensor as given, what changed) for each named tensor `now` since the copy,
         which then holds it; tensors are held only until their group is compared (a group
-        per element width, so interleaved widths do not cut groups short). A tensor with
-        more than `limits[name]` changed elements may come without indices. On CUDA the
-        next group's comparison runs on a stream of its own while this one's changes are
-        gathered."""
+        per element width, so interleaved widths do not cut groups short; on CUDA, where
+        the next group's comparison runs on a stream of its own while this one's changes
+        are gathered, until the group after it is queued too). A tensor with more than
+        `limits[name]` changed elements may come without indices; a name that comes twice is
+        a ValueError."""
         most = GROUP_BYTES.get(self.device.type, GROUP_BYTES["cpu"])
         forming: dict[int, list[tuple[_Slot, torch.Tensor, torch.Tensor]]] = {}
         sizes: dict[int, int] = {}
-        launched: _Launched | None = None
-        for name, tensor in now:
-            flat = self._bits(name, tensor)
-            slot = self._slots[name]
-            group = forming.setdefault(slot.width, [])
-            if group and (slot.start != group[-1][0].start
-                          + _aligned_numel(group[-1][0].numel, slot.width)
-                          or sizes[slot.width] + flat.numel() * slot.width > most):
-                launched = yield from self._next(launched, group, limits)
-                group = forming[slot.width] = []
-                sizes[slot.width] = 0
-            group.append((slot, flat, tensor))
-            sizes[slot.width] = sizes.get(slot.width, 0) + flat.numel() * slot.width
-        for group in forming.values():
-            if group:
-                launched = yield from self._next(launched, group, limits)
-        if launched is not None:
-            yield from self._finished(launched, limits)
-
-    def _next(self, launched: _Launched | None,
-              group: list[tuple[_Slot, torch.Tensor, torch.Tensor]], limits: Mapping[str, int]
-              ) -> Generator[tuple[str, torch.Tensor, Change], None, _Launched]:
-        """Start comparing `group`, then finish the group started before it; returns what
-        was started."""
-        started = self._launch(group)
-        if launched is not None:
-            yield from self._finished(launched, limits)
-        return started
+        seen: set[str] = set()
+        queued: list[_Launched] = []  # compared or being compared, changes not yet gathered
+        try:
+            for name, tensor in now:
+                if name in seen:
+                    raise ValueError(f"{name!r} comes twice in one update")
+                seen.add(name)
+                flat = self._bits(name, tensor)
+                slot = self._slots[name]
+                group = forming.setdefault(slot.width, [])
+                if group and (slot.start != group[-1][0].start
+                              + _aligned_numel(group[-1][0].numel, slot.width)
+                              or sizes[slot.width] + flat.numel() * slot.width > most):
+                    queued.append(self._launch(group))
+                    while len(queued) > 1 or (queued and queued[-1].done is None):
+                        yield from self._finished(queued.pop(0), limits)
+                    group = forming[slot.width] = []
+                    sizes[slot.width] = 0
+                group.append((slot, flat, tensor))
+                sizes[slot.width] = sizes.get(slot.width, 0) + flat.numel() * slot.width
+            for group in forming.values():
+                if group:
+                    queued.append(self._launch(group))
+                    while len(queued) > 1 or (queued and queued[-1].done is None):
+                        yield from self._finished(queued.pop(0), limits)
+            while queued:
+                yield from self._finished(queued.pop(0), limits)
+        finally:  # stopped early: nothing the side stream still writes may be freed under it
+            for launched in queued:
+                if launched.done is not None:
+                    torch.cuda.current_stream(launched.mask.device).wait_event(launched.done)
 
     def _launch(self, group: list[tuple[_Slot, torch.Tensor, torch.Tensor]]) -> _Launched:
         """Queue the word comparison of consecutive tensors of one width (one run of the

@@ -130,7 +130,9 @@ class DeltaSender:
         assert self._last is not None
         by_name = {meta.name: meta for meta in metas}
         found: dict[str, tuple[DeltaEntry, TensorMeta, torch.Tensor]] = {}
+        seen: set[str] = set()
         for name, tensor, change in self._last.changes(source.tensors(), limits):
+            seen.add(name)
             if change.count == 0:  # (encoded as each group comes: the next one is compared
                 continue  # meanwhile on a GPU)
             meta = by_name[name]
@@ -144,6 +146,10 @@ class DeltaSender:
             else:  # (only tensors that go whole are kept)
                 found[name] = (DeltaEntry(meta.name, change.count, DENSE, meta.dtype), meta,
                                tensor.detach())
+        missing = [meta.name for meta in metas if meta.name not in seen]
+        if missing:
+            raise MetadataError(f"the source listed {missing[:3]} ({len(missing)} tensors) "
+                                f"but did not yield them")
         for meta in metas:
             if meta.name not in found:
                 continue

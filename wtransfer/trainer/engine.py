@@ -315,7 +315,6 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         without deltas."""
         return self.updates.diff
 
-
     def send_weights(self, weight_version: str | None = None, *,
                      pause: PauseMode | None = None) -> TransferStats:
         """Send every tensor of the source: start -> update(s) -> finish on the client (with
