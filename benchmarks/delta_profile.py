@@ -8,7 +8,9 @@ total time (torch.profiler). ``WTRANSFER_DELTA_TRITON=0`` runs the eager compari
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import time
 
@@ -26,6 +28,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-8b")
     parser.add_argument("--fractions", default="0.0003,0.01")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--python", action="store_true",
+                        help="also the host's Python functions of one prepare (cProfile)")
     args = parser.parse_args()
     metas = model_metas(args.model)
     model = build_module(metas, seed=1, device="cuda")
@@ -59,6 +63,15 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         sender.landed(sender.prepare(source))
         torch.cuda.synchronize()
+    if args.python:
+        perturb(model, fraction, seed=step + 2)
+        torch.cuda.synchronize()
+        python = cProfile.Profile()
+        python.enable()
+        sender.landed(sender.prepare(source))
+        torch.cuda.synchronize()
+        python.disable()
+        pstats.Stats(python).sort_stats("tottime").print_stats(25)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18,
                                     max_name_column_width=48))
 

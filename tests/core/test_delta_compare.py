@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from wtransfer.delta import compare
-from wtransfer.delta.codec import bits
+from wtransfer.delta.codec import bits, encode_sparse, index_dtype_for
 from wtransfer.delta.compare import Change, LastSent
 from wtransfer.packing import TensorMeta
 
@@ -124,7 +124,14 @@ def test_changes_on_cuda_equal_those_on_the_host(monkeypatch, group_bytes):
             if want[name].index is not None:
                 assert torch.equal(got[name].index.cpu().long(), want[name].index.long())
                 assert torch.equal(got[name].values.cpu(), want[name].values)
+            if got[name].payload is not None:  # encoded with the group's other tensors
+                assert 0 < want[name].count <= limits[name]
+                expected = encode_sparse(want[name].values, want[name].index,
+                                         index_dtype_for(tensors[name].numel()))
+                assert torch.equal(got[name].payload.cpu(), expected), (fraction, name)
             assert torch.equal(device.view(name).cpu(), host.view(name)), (fraction, name)
+        if fraction == 0.02:  # (most tensors changed, all within their limits)
+            assert sum(c.payload is not None for c in got.values()) >= 6
 
 
 @pytest.mark.gpu

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from wtransfer.delta.codec import BITS_VIEW, bits
+from wtransfer.delta.codec import BITS_VIEW, INDEX_DTYPES, bits, index_dtype_for
 from wtransfer.packing import TensorMeta
 
 if TYPE_CHECKING:
@@ -50,6 +50,10 @@ class Change:
     count: int
     index: torch.Tensor | None
     values: torch.Tensor | None
+    payload: torch.Tensor | None = None
+    """The sparse payload of these indices and values (`codec.encode_sparse`'s bytes, with
+    `codec.index_dtype_for`'s indices), where the group was encoded at once (CUDA kernels,
+    at most the caller's limit changed), else None."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,8 @@ class LastSent:
     """The bits of each tensor of `metas` as last sent, on `device` (zeros until `take`)."""
 
     def __init__(self, metas: Iterable[TensorMeta], device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:  # (compared with tensors')
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         sizes: dict[int, int] = {}
         self._slots: dict[str, _Slot] = {}
@@ -271,9 +277,17 @@ class LastSent:
         if copy_words.numel() * lanes < 1 << 31:  # every index fits the widest common dtype
             index = index.to(torch.int32)
         elements_of = _counts(owner, torch.arange(len(by_words) + 1, device=self.device))
+        payloads: list[torch.Tensor | None] = [None] * len(by_words)
+        if kernels is not None and gathered is not None:
+            try:
+                payloads = _encoded(kernels, by_words, elements_of, limits, index, values,
+                                    owner)
+            except Exception as exc:
+                _give_up(buffer.device, exc)
         at = 0
-        for (slot, _, _), count in zip(by_words, elements_of, strict=True):
-            out[slot.name] = Change(count, index[at:at + count], values[at:at + count])
+        for (slot, _, _), count, payload in zip(by_words, elements_of, payloads, strict=True):
+            out[slot.name] = Change(count, index[at:at + count], values[at:at + count],
+                                    payload)
             at += count
         return out
 
@@ -333,6 +347,37 @@ def _gathered(by_words: list[tuple[_Slot, torch.Tensor, int]], word: torch.Tenso
     was_words = copy_words.index_select(0, word)
     copy_words.index_copy_(0, word, now_words)
     return owner, local, now_words, was_words
+
+
+def _encoded(kernels: ModuleType, by_words: list[tuple[_Slot, torch.Tensor, int]],
+             counts: list[int], limits: Mapping[str, int], index: torch.Tensor,
+             values: torch.Tensor, owner: torch.Tensor) -> list[torch.Tensor | None]:
+    """The sparse payload of each tensor of a group that changed, at most its limit (else
+    None), written into one buffer by one launch (each payload 8-byte aligned in it)."""
+    width = values.element_size()
+    rows: list[list[int]] = [[], [], [], []]  # first element, index at, values at, index width
+    spans: list[tuple[int, int] | None] = []
+    first = total = 0
+    for (slot, _, _), count in zip(by_words, counts, strict=True):
+        index_width = 0
+        span = None
+        if 0 < count <= limits[slot.name]:
+            index_width = INDEX_DTYPES[index_dtype_for(slot.numel)].itemsize
+            span = (total, count * (index_width + width))
+        spans.append(span)
+        start = span[0] if span is not None else 0
+        for row, value in zip(rows, (first, start, start + count * index_width, index_width),
+                              strict=True):
+            row.append(value)
+        if span is not None:
+            total += -(-span[1] // 8) * 8
+        first += count
+    if not total:
+        return [None] * len(by_words)
+    out = torch.empty(total, dtype=torch.uint8, device=values.device)
+    layout = torch.tensor(rows, dtype=torch.int64).to(values.device)
+    kernels.encode(index, values, owner, layout, out)
+    return [None if span is None else out.narrow(0, span[0], span[1]) for span in spans]
 
 
 _kernels: dict[torch.device, ModuleType | None] = {}

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from wtransfer.delta.codec import encode_sparse
+
 BLOCK = 4096
 """8-byte words per program of the comparison (32 KiB of each side)."""
 GATHER_BLOCK = 1024
@@ -142,4 +144,55 @@ def works_on(device: torch.device) -> bool:
     return (torch.equal(word, changed) and torch.equal(was_seen, was)
             and torch.equal(now, want_copy.index_select(0, word))
             and torch.equal(owner, torch.tensor([0, 0, 1, 2], device=device))
-            and torch.equal(copy, want_copy))
+            and torch.equal(copy, want_copy) and _encodes(device))
+
+
+def _encodes(device: torch.device) -> bool:
+    """Whether `encode` writes `encode_sparse`'s bytes: a tensor with uint16 indices (its
+    values ending off an 8-byte boundary), one with int32 indices, one left out."""
+    index = torch.tensor([1, 5, 9, 7, 70_000, 3], dtype=torch.int32, device=device)
+    values = torch.tensor([-1, 2, -300, 4, 32767, 9], dtype=torch.int16, device=device)
+    owner = torch.tensor([0, 0, 0, 1, 1, 2], device=device)
+    layout = torch.tensor([[0, 3, 5], [0, 16, 0], [6, 24, 0], [2, 4, 0]], device=device)
+    out = torch.zeros(40, dtype=torch.uint8, device=device)
+    encode(index, values, owner, layout, out)
+    want = [encode_sparse(values[:3], index[:3], "uint16"),
+            encode_sparse(values[3:5], index[3:5], "int32")]
+    return (torch.equal(out[:12], want[0]) and torch.equal(out[16:28], want[1])
+            and not out[12:16].any() and not out[28:].any())
+
+
+@triton.jit
+def _encode_kernel(index, values, owner, first, index_at, values_at,  # type: ignore[no-untyped-def]
+                   index_width, out, n, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    tensor = tl.load(owner + offsets, mask=inside, other=0)
+    rank = offsets - tl.load(first + tensor, mask=inside, other=0)
+    width = tl.load(index_width + tensor, mask=inside, other=0)
+    encoded = inside & (width > 0)
+    at = tl.load(index_at + tensor, mask=inside, other=0) + rank * width
+    position = tl.load(index + offsets, mask=encoded, other=0).to(tl.int64)
+    for byte in tl.static_range(8):  # little-endian, the index dtype's bytes only
+        tl.store(out + at + byte, ((position >> (8 * byte)) & 0xFF).to(tl.uint8),
+                 mask=encoded & (byte < width))
+    at = tl.load(values_at + tensor, mask=inside, other=0) + rank * WIDTH
+    value = tl.load(values + offsets, mask=encoded, other=0).to(tl.int64)
+    for byte in tl.static_range(WIDTH):
+        tl.store(out + at + byte, ((value >> (8 * byte)) & 0xFF).to(tl.uint8), mask=encoded)
+
+
+def encode(index: torch.Tensor, values: torch.Tensor, owner: torch.Tensor,
+           layout: torch.Tensor, out: torch.Tensor) -> None:
+    """Write the sparse payloads of a group's changed elements into `out` (uint8) at once:
+    element i (its flat index `index[i]`, its bits `values[i]`) belongs to tensor
+    `owner[i]`; `layout` (int64, one row per tensor: its first element in `index`, where its
+    indices and its values start in `out`, its index width in bytes, 0 for a tensor not
+    encoded) places it."""
+    n = index.numel()
+    if n:
+        first, index_at, values_at, index_width = layout.unbind(0)
+        with _on(out.device):
+            _encode_kernel[(triton.cdiv(n, GATHER_BLOCK),)](
+                index, values, owner, first, index_at, values_at, index_width, out, n,
+                WIDTH=values.element_size(), BLOCK=GATHER_BLOCK, num_warps=4)

@@ -139,8 +139,9 @@ class DeltaSender:
             if change.count <= limits[name] and change.index is not None:
                 assert change.values is not None
                 index_dtype = index_dtype_for(meta.numel)
-                payload = encode_sparse(change.values, change.index,
-                                        index_dtype).to(tensor.device)
+                payload = (change.payload if change.payload is not None else
+                           encode_sparse(change.values, change.index,
+                                         index_dtype).to(tensor.device))
                 entry = DeltaEntry(meta.name, change.count, index_dtype, meta.dtype)
                 found[name] = (entry, entry.wire_meta(meta), payload)
             else:  # (only tensors that go whole are kept)
