@@ -390,3 +390,39 @@ def test_two_ranks_on_one_gpu_receive_cuda_weights_over_cuda_ipc():
             engine.shutdown()
 
     run(main())
+
+
+def test_a_rollback_one_rank_cannot_do_leaves_every_rank_as_it_was():
+    """Two staged (swap) ranks: a rollback brings the previous version back on both; one that
+    rank 1 cannot do (its previous version gone, as an update start that reached only it
+    leaves it) is refused naming rank 1 and why, and no rank rolled back: both still hold
+    the last update, with its label, and serve it."""
+    async def main():
+        engine = dp_engine(2, update_staging="swap")
+        first, second = load_model("tiny", seed=1), load_model("tiny", seed=2)
+
+        def push(model, version):
+            with trainer_sender(engine, model) as sender:
+                sender.send_weights(weight_version=version)
+
+        try:
+            original = await engine.fingerprint()
+            await asyncio.to_thread(push, first, "v1")
+            await engine.rollback_weights()
+            assert await engine.fingerprint() == original  # (the ranks agree, or it raises)
+            assert await engine.get_weight_version() == "default"
+            await asyncio.to_thread(push, first, "v1")
+            await asyncio.to_thread(push, second, "v2")
+            await asyncio.wrap_future(engine.core.rank_call(1, "start_weight_update"))
+            await asyncio.wrap_future(engine.core.rank_call(1, "discard_weight_update", "test"))
+            with pytest.raises(LifecycleError, match=r"no rank rolled back: data-parallel rank "
+                                                     r"1: .*no previous weight version"):
+                await engine.rollback_weights()
+            assert await engine.fingerprint() == wtransfer.fingerprint(second.state_dict())
+            assert await engine.get_weight_version() == "v2"
+            out = await collect(engine, "after", [1, 2, 3], GREEDY)
+            assert [s.version for s in out.outputs[0].weight_versions] == ["v2"]
+        finally:
+            engine.shutdown()
+
+    run(main(), deadline_s=180)

@@ -73,8 +73,16 @@ class EngineCommands(Protocol):
         """Send the live weights, as a trainer would, to the receiver served at `address` (a
         new instance joining from this one); their version and fingerprint."""
 
-    def rollback_weights(self) -> None:
-        """Swap the previous weight version back in (staged swap updates)."""
+    def reserve_rollback(self) -> None:
+        """Hold a rollback ready (every rank able; `LifecycleError` naming the one that is
+        not): data-parallel ranks all reserve before any rolls back."""
+
+    def rollback_weights(self, reserved: bool = False) -> None:
+        """Swap the previous weight version back in (staged swap updates); `reserved`: after
+        `reserve_rollback`."""
+
+    def release_rollback(self) -> None:
+        """Give up a reserved rollback (another rank could not roll back)."""
 
     def update_weight_version(self, version: str) -> None:
         """Relabel the current weights."""

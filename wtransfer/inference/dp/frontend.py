@@ -34,6 +34,7 @@ from wtransfer.channel import Channel, ChannelClosedError, wait_any
 from wtransfer.errors import (
     ConfigError,
     IntegrityError,
+    LifecycleError,
     PeerError,
     RemoteEngineDeadError,
     WTransferError,
@@ -109,6 +110,15 @@ def _all(futures: list[Future[Any]]) -> Future[list[Any]]:
     for future in futures:
         future.add_done_callback(one_done)
     return out
+
+
+def _settle(out: Future[None], done: Future[Any]) -> None:
+    """Complete `out` as `done` completed (its failure, else None)."""
+    exc = done.exception()
+    if exc is not None:
+        out.set_exception(exc)
+    else:
+        out.set_result(None)
 
 
 def _agree(what: str) -> Callable[[list[Any]], Any]:
@@ -373,10 +383,39 @@ class DataParallelCore:
                                                   bool(clear_cache)), lambda _: None))
             if command == "stats":
                 return _then(self._everyone("stats"), self._stats)
+            if command == "rollback_weights" and not (args and args[0]):
+                return self._rollback_everywhere()
             combine = _COMBINE.get(command, lambda _: None)
             return _then(self._everyone(command, *args), combine)
         except Exception as exc:
             return _failed(exc)
+
+    def _rollback_everywhere(self) -> Future[None]:
+        """Every rank reserves its rollback; all roll back, or (one could not) every rank that
+        reserved lets go and the future fails with `LifecycleError` naming each refusing
+        rank: the ranks never end on different versions."""
+        out: Future[None] = Future()
+        reserving = [self._call(rank, "reserve_rollback") for rank in range(self.size)]
+
+        def reserved(_: Future[Any]) -> None:
+            refused = [(rank, f.exception()) for rank, f in enumerate(reserving)
+                       if f.exception() is not None]
+            if not refused:
+                done = _all([self._call(rank, "rollback_weights", True)
+                             for rank in range(self.size)])
+                done.add_done_callback(lambda f: _settle(out, f))
+                return
+            for rank, f in enumerate(reserving):
+                if f.exception() is None:
+                    self._call(rank, "release_rollback")
+            if any(not isinstance(exc, LifecycleError) for _, exc in refused):
+                out.set_exception(refused[0][1] or LifecycleError("rollback refused"))
+                return
+            out.set_exception(LifecycleError("no rank rolled back: " + "; ".join(
+                str(exc) for _, exc in refused)))  # (each names its rank)
+
+        _all(reserving).add_done_callback(reserved)
+        return out
 
     def _outstanding(self) -> list[int]:
         """Unfinished requests per rank (call under the lock)."""

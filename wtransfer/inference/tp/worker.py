@@ -82,6 +82,8 @@ class Worker:
         self.runner = ModelRunner(self.model, config)
         self._parent = os.getppid()
         self._stop = threading.Event()
+        self._rollback_reserved = False
+        """Whether this worker holds a rollback reserved (`reserve_rollback`)."""
 
     def serve_commands(self) -> None:
         """The command thread: run each weight-transfer command in order and answer it."""
@@ -112,8 +114,10 @@ class Worker:
             elif op == "commit":
                 self.weights.commit(str(message["previous"]))
                 self.collective.barrier()  # done: rank 0 goes on (sync_done)
-            elif op == "rollback":
-                self.roll_back_if_all_can()
+            elif op == "rollback_reserve":
+                self.reserve_rollback()
+            elif op in ("rollback", "rollback_release"):
+                self.finish_rollback(go=op == "rollback")
             elif op == "fingerprint":
                 state = self.model.state_dict()
                 for name in sorted(state):
@@ -122,9 +126,10 @@ class Worker:
                 return
             # "idle": rank 0 is alive and has nothing to step
 
-    def roll_back_if_all_can(self) -> None:
-        """Rank 0's rollback: say whether this worker can (its reason if not), and roll back
-        only when every rank can, so that no rank holds another version than the others."""
+    def reserve_rollback(self) -> None:
+        """Rank 0's rollback, first half: say whether this worker can roll back (its reason if
+        not) and hold it ready only if every rank can, so that no rank ends on another
+        version than the others."""
         refusal: str | None = None
         try:
             self.weights.reserve_rollback()
@@ -136,11 +141,19 @@ class Worker:
             if refusal is None:
                 self.weights.release_rollback()
             raise
-        if refusal is None:
-            if any(r is not None for r in refusals):
-                self.weights.release_rollback()
-            else:  # (a failure here ends this worker: rank 0 then finds the group dead)
+        self._rollback_reserved = refusal is None and all(r is None for r in refusals)
+        if refusal is None and not self._rollback_reserved:
+            self.weights.release_rollback()
+        self.collective.barrier()
+
+    def finish_rollback(self, go: bool) -> None:
+        """Rank 0's rollback, second half: roll back what was reserved (`go`), or let go."""
+        if self._rollback_reserved:
+            self._rollback_reserved = False
+            if go:  # (a failure here ends this worker: rank 0 then finds the group dead)
                 self.weights.rollback_weights(reserved=True)
+            else:
+                self.weights.release_rollback()
         self.collective.barrier()
 
     def close(self) -> None:

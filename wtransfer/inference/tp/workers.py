@@ -119,12 +119,14 @@ class TPWorkers:
         self.sync(op, **fields)
         self.collective.barrier()
 
-    def agree_to_roll_back(self) -> list[str]:
-        """Ask every worker whether it can roll back (rank 0 can: it checked first); returns
-        each refusing worker's reason, named. Each worker then rolls back only if none
-        refused; `collective.barrier()` waits for that."""
-        self.sync("rollback")
+    def reserve_rollback(self) -> list[str]:
+        """Every worker reserves its rollback (rank 0 has: it checked first); returns each
+        refusing worker's reason, named. Where one refused, none holds a reservation when
+        this returns; else each rolls back on a later `sync("rollback")`, or lets go on
+        `sync_done("rollback_release")`."""
+        self.sync("rollback_reserve")
         refusals = self.collective.all_gather_records(None)
+        self.collective.barrier()
         return [f"tensor-parallel worker {rank}: {reason}"
                 for rank, reason in enumerate(refusals) if reason is not None]
 

@@ -92,6 +92,8 @@ class Replica:
         mode = self._staging_mode(full, device)
         rollback = mode == "off" and self._rollback_enabled(full)
         self.workers: TPWorkers | None = None
+        self._rollback_reserved = False
+        """Whether `reserve_rollback` holds every rank's rollback ready."""
         """Ranks 1..N-1 of this replica's tensor-parallel group (None: not split)."""
         self._failures_seen = 0
         """Rank 0's failure count when `settle_failure` last looked."""
@@ -577,9 +579,12 @@ class Replica:
             client.close()
         return sent
 
-    def rollback_weights(self) -> None:
-        """Swap the previous version back in on every rank (staged swap updates, once after a
-        commit until the next update starts), with its label; requests in flight re-prefill."""
+    def reserve_rollback(self) -> None:
+        """Hold a rollback ready on every rank of this replica (rank 0 and its tensor-parallel
+        workers): each has a previous version resident and its live weights free. Where one
+        cannot, nothing is held and `LifecycleError` names it and why. `rollback_weights(
+        reserved=True)` or `release_rollback` follows (data-parallel ranks all reserve before
+        any rolls back)."""
         if self.staging is None:
             raise LifecycleError("rollback_weights needs staged updates "
                                  "(update_staging='swap')")
@@ -589,20 +594,36 @@ class Replica:
         if self.adapters is not None and self.adapters.live:
             raise LifecycleError("rollback_weights with LoRA adapters loaded is not supported "
                                  "yet (their slots would go back, their labels not)")
-        previous = self.staging.previous
-        self.weights.reserve_rollback()  # checks first: the workers are asked only then
+        if self._rollback_reserved:
+            raise LifecycleError("a rollback is already reserved here")
+        self.weights.reserve_rollback()  # rank 0 first: the workers are asked only then
         refusals: list[str] = []
         try:
             if self.workers is not None:
-                refusals = self.workers.agree_to_roll_back()
+                refusals = self.workers.reserve_rollback()
         except BaseException:
             self.weights.release_rollback()
             raise
+        if refusals:
+            self.weights.release_rollback()
+            raise LifecycleError(f"no rank rolled back: {'; '.join(refusals)}")
+        self._rollback_reserved = True
+
+    def rollback_weights(self, reserved: bool = False) -> None:
+        """Swap the previous version back in on every rank (staged swap updates, once after a
+        commit until the next update starts), with its label; requests in flight re-prefill.
+        `reserved`: after this replica's `reserve_rollback`."""
+        if not reserved:
+            self.reserve_rollback()
+        elif not self._rollback_reserved:
+            raise LifecycleError("rollback_weights(reserved=True) without reserve_rollback")
+        assert self.staging is not None
+        self._rollback_reserved = False
+        previous = self.staging.previous
+        if self.workers is not None:
+            self.workers.sync("rollback")  # each rolls back what it reserved
         try:
-            if refusals:
-                self.weights.release_rollback()
-            else:
-                self.weights.rollback_weights(reserved=True)
+            self.weights.rollback_weights(reserved=True)
         except BaseException as exc:
             if self.workers is not None:  # the workers rolled back: the ranks now disagree
                 raise EngineDeadError(f"rank 0 failed to roll back after its tensor-parallel "
@@ -611,10 +632,18 @@ class Replica:
         finally:
             if self.workers is not None:
                 self.workers.collective.barrier()  # every worker did the same
-        if refusals:
-            raise LifecycleError(f"no rank rolled back: {'; '.join(refusals)}")
         self.weight_version = previous or self.weight_version
         self._after_weights_changed()
+
+    def release_rollback(self) -> None:
+        """Give up this replica's reservation (another data-parallel rank could not roll
+        back); nothing when none is held."""
+        if not self._rollback_reserved:
+            return
+        self._rollback_reserved = False
+        if self.workers is not None:
+            self.workers.sync_done("rollback_release")
+        self.weights.release_rollback()
 
     def _label(self, weight_version: str | None, *, reprefill: bool = False) -> None:
         """The update landed: label what it changed (the base weights, or only the adapters
