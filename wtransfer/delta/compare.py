@@ -13,8 +13,6 @@ gave the eager ops' results on a probe) instead of a few launches per tensor.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -23,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from wtransfer.delta.codec import BITS_VIEW, INDEX_DTYPES, bits, index_dtype_for
+from wtransfer.device_kernels import CheckedKernels
 from wtransfer.packing import TensorMeta
 
 if TYPE_CHECKING:
@@ -380,31 +379,12 @@ def _encoded(kernels: ModuleType, by_words: list[tuple[_Slot, torch.Tensor, int]
     return [None if span is None else out.narrow(0, span[0], span[1]) for span in spans]
 
 
-_kernels: dict[torch.device, ModuleType | None] = {}
-_kernels_lock = threading.Lock()
-
-
-def _kernels_for(device: torch.device) -> ModuleType | None:
-    """`wtransfer.delta.compare_kernels` where it runs on `device` and gave the eager
-    results on a probe (checked once per device), else None: eager ops on a host, without
-    Triton, or with ``WTRANSFER_DELTA_TRITON=0``."""
-    if device.type != "cuda" or os.environ.get("WTRANSFER_DELTA_TRITON", "1") == "0":
-        return None
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    with _kernels_lock:
-        if device not in _kernels:
-            _kernels[device] = _checked(device)
-        return _kernels[device]
-
-
 def _give_up(device: torch.device, exc: Exception) -> None:
     """The kernels failed to compile or launch on `device` for a shape the probe did not
     have: the eager ops from here on."""
     logger.warning("the Triton delta comparison failed on %s (%s): using the eager one",
                    device, exc)
-    with _kernels_lock:
-        _kernels[device] = None
+    _kernels.drop(device)
 
 
 def _checked(device: torch.device) -> ModuleType | None:
@@ -418,6 +398,12 @@ def _checked(device: torch.device) -> ModuleType | None:
         logger.warning("the Triton delta comparison is unavailable on %s (%s): using the "
                        "eager one", device, exc)
     return None
+
+
+_kernels = CheckedKernels("WTRANSFER_DELTA_TRITON", _checked)
+"""`wtransfer.delta.compare_kernels` on each CUDA device where it gave the eager results on a
+probe; eager ops on a host, without Triton, or with ``WTRANSFER_DELTA_TRITON=0``."""
+_kernels_for = _kernels.on
 
 
 def _counts(ascending: torch.Tensor, bounds: torch.Tensor) -> list[int]:

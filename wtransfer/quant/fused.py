@@ -6,11 +6,11 @@ turns the Triton kernel off."""
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from types import ModuleType
 
 import torch
+
+from wtransfer.device_kernels import CheckedKernels
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
@@ -45,23 +45,10 @@ def eager_round(blocks: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return torch.div(blocks, local).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-_by_device: dict[torch.device, ModuleType | None] = {}
-_lock = threading.Lock()
-
-
 def triton_for(tensor: torch.Tensor) -> ModuleType | None:
     """`wtransfer.quant.fp8_triton` for `tensor` where it reproduced the eager bytes on its
     device (checked once per device) and its dtype is one it was checked for, else None."""
-    device = tensor.device
-    if (device.type != "cuda" or tensor.dtype not in TRITON_DTYPES
-            or os.environ.get("WTRANSFER_FP8_TRITON", "1") == "0"):
-        return None
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    with _lock:
-        if device not in _by_device:
-            _by_device[device] = _checked(device)
-        return _by_device[device]
+    return _kernels.on(tensor.device) if tensor.dtype in TRITON_DTYPES else None
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -114,3 +101,7 @@ def _checked(device: torch.device) -> ModuleType | None:
                        device, exc)
         return None
     return fp8_triton
+
+
+_kernels = CheckedKernels("WTRANSFER_FP8_TRITON", _checked)
+"""The Triton quantizer on each CUDA device where it gave the eager bytes on the probe."""
