@@ -84,3 +84,31 @@ def test_the_shadow_is_not_put_in_place_nor_a_rollback_made_while_the_weights_ar
         assert placed and [p.data_ptr() for p in module.parameters()] != live
     assert [p.data_ptr() for p in module.parameters()] == live
     assert staging.rollback() == 1  # (once nothing reads them)
+
+
+def test_an_update_start_during_a_reserved_rollback_is_refused_not_blocked():
+    """A rollback reserved across commands (data-parallel ranks agree first) holds the lock
+    until a later command: an update starting meanwhile is refused with a LifecycleError
+    instead of waiting (which could block that later command); after the rollback it lands."""
+    model = torch.nn.Linear(4, 4)
+    staging = StagedWeights(model, "swap")
+    staging.prepare()
+    staging.dest("weight").add_(1)
+    staging.commit("v0")
+    staging.reserve_rollback()
+    failed: list[BaseException] = []
+
+    def start():
+        try:
+            staging.prepare()
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert len(failed) == 1 and isinstance(failed[0], LifecycleError)
+    assert "rollback of the weights is reserved" in str(failed[0])
+    assert staging.rollback(reserved=True) == 1
+    staging.prepare()  # free again

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -37,6 +38,7 @@ from wtransfer.errors import (
     LifecycleError,
     PeerError,
     RemoteEngineDeadError,
+    TransferTimeout,
     WTransferError,
     from_reply,
     reply_result,
@@ -110,15 +112,6 @@ def _all(futures: list[Future[Any]]) -> Future[list[Any]]:
     for future in futures:
         future.add_done_callback(one_done)
     return out
-
-
-def _settle(out: Future[None], done: Future[Any]) -> None:
-    """Complete `out` as `done` completed (its failure, else None)."""
-    exc = done.exception()
-    if exc is not None:
-        out.set_exception(exc)
-    else:
-        out.set_result(None)
 
 
 def _agree(what: str) -> Callable[[list[Any]], Any]:
@@ -383,8 +376,14 @@ class DataParallelCore:
                                                   bool(clear_cache)), lambda _: None))
             if command == "stats":
                 return _then(self._everyone("stats"), self._stats)
-            if command == "rollback_weights" and not (args and args[0]):
+            if command == "rollback_weights":
+                if args and args[0]:
+                    raise ConfigError("rollback_weights(reserved=True) is a data-parallel "
+                                      "rank's step, not the engine's")
                 return self._rollback_everywhere()
+            if command in ("reserve_rollback", "release_rollback"):
+                raise ConfigError(f"{command} is a data-parallel rank's step of "
+                                  "rollback_weights, not a command of the engine")
             combine = _COMBINE.get(command, lambda _: None)
             return _then(self._everyone(command, *args), combine)
         except Exception as exc:
@@ -393,29 +392,42 @@ class DataParallelCore:
     def _rollback_everywhere(self) -> Future[None]:
         """Every rank reserves its rollback; all roll back, or (one could not) every rank that
         reserved lets go and the future fails with `LifecycleError` naming each refusing
-        rank: the ranks never end on different versions."""
+        rank: the ranks never end on different versions. On a thread of its own (the io
+        thread, which completes the ranks' futures, must never wait on them)."""
         out: Future[None] = Future()
-        reserving = [self._call(rank, "reserve_rollback") for rank in range(self.size)]
 
-        def reserved(_: Future[Any]) -> None:
-            refused = [(rank, f.exception()) for rank, f in enumerate(reserving)
-                       if f.exception() is not None]
-            if not refused:
-                done = _all([self._call(rank, "rollback_weights", True)
-                             for rank in range(self.size)])
-                done.add_done_callback(lambda f: _settle(out, f))
-                return
-            for rank, f in enumerate(reserving):
-                if f.exception() is None:
-                    self._call(rank, "release_rollback")
-            if any(not isinstance(exc, LifecycleError) for _, exc in refused):
-                out.set_exception(refused[0][1] or LifecycleError("rollback refused"))
-                return
-            out.set_exception(LifecycleError("no rank rolled back: " + "; ".join(
-                str(exc) for _, exc in refused)))  # (each names its rank)
+        def run() -> None:
+            try:
+                self._rollback_in_two_phases()
+            except BaseException as exc:
+                out.set_exception(exc)
+            else:
+                out.set_result(None)
 
-        _all(reserving).add_done_callback(reserved)
+        threading.Thread(target=run, name="wtransfer-dp-rollback", daemon=True).start()
         return out
+
+    def _rollback_in_two_phases(self) -> None:
+        deadline = self.config.call_timeout_s
+        reserving = [self._call(rank, "reserve_rollback") for rank in range(self.size)]
+        futures.wait(reserving, timeout=deadline)
+        held = [rank for rank, f in enumerate(reserving) if f.done() and f.exception() is None]
+        if len(held) == self.size:
+            results = _all([self._call(rank, "rollback_weights", True)
+                            for rank in range(self.size)])
+            results.result(timeout=deadline)
+            return
+        for rank in held:  # (best effort: a rank that cannot answer is failing anyway)
+            self._call(rank, "release_rollback")
+        refused = [f.exception() if f.done() else TransferTimeout(
+                       f"data-parallel rank {rank} did not reserve its rollback within "
+                       f"{deadline:g}s")
+                   for rank, f in enumerate(reserving) if rank not in held]
+        other = [exc for exc in refused if not isinstance(exc, LifecycleError)]
+        if other:
+            raise other[0]  # type: ignore[misc]
+        raise LifecycleError("no rank rolled back: " + "; ".join(
+            str(exc) for exc in refused))  # (each names its rank)
 
     def _outstanding(self) -> list[int]:
         """Unfinished requests per rank (call under the lock)."""

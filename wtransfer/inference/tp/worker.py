@@ -3,7 +3,8 @@
 Run by rank 0 as ``python -m wtransfer.inference.tp.worker``. It loads the model, keeps its
 shard, joins the group's collective, then follows rank 0: every broadcast message is one
 forward to compute with it (``step``) or something to do at that step boundary (``commit``,
-``rollback``, ``fingerprint``, ``shutdown``), or ``idle``: an engine with nothing to step says
+``rollback_reserve`` then ``rollback`` or ``rollback_release``, ``fingerprint``,
+``shutdown``), or ``idle``: an engine with nothing to step says
 it is alive, within the deadline each worker waits for the next message. Weight-transfer
 commands arrive on the command socket and run on a thread of their own (one at a time, in
 order), beside the step loop.

@@ -92,11 +92,11 @@ class Replica:
         mode = self._staging_mode(full, device)
         rollback = mode == "off" and self._rollback_enabled(full)
         self.workers: TPWorkers | None = None
-        self._rollback_reserved = False
-        """Whether `reserve_rollback` holds every rank's rollback ready."""
         """Ranks 1..N-1 of this replica's tensor-parallel group (None: not split)."""
         self._failures_seen = 0
         """Rank 0's failure count when `settle_failure` last looked."""
+        self._rollback_reserved = False
+        """Whether `reserve_rollback` holds every rank's rollback ready."""
         par = ALONE
         if tp > 1:
             self.workers = TPWorkers(config, first_worker=worker_index, staging=mode,
@@ -568,7 +568,8 @@ class Replica:
         info = get_backend(backend).sender_class().init_info_cls
         fields: Any = parse_record(info, init_fields, where="push_weights init_fields")
         client = RPCClient(address, timeout_s=fields.timeout_s)
-        reading = self.staging.lock if self.staging is not None else contextlib.nullcontext()
+        reading = (self.staging.reading() if self.staging is not None
+                   else contextlib.nullcontext())
         try:  # (staged, on the lane: the engine thread moves no weight while this reads them)
             with reading, trainer_init(fields, client=client,
                                        source=ModuleSource(self.model)) as sender:
@@ -641,9 +642,11 @@ class Replica:
         if not self._rollback_reserved:
             return
         self._rollback_reserved = False
-        if self.workers is not None:
-            self.workers.sync_done("rollback_release")
-        self.weights.release_rollback()
+        try:
+            if self.workers is not None:
+                self.workers.sync_done("rollback_release")
+        finally:
+            self.weights.release_rollback()
 
     def _label(self, weight_version: str | None, *, reprefill: bool = False) -> None:
         """The update landed: label what it changed (the base weights, or only the adapters

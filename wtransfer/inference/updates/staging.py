@@ -69,6 +69,8 @@ class StagedWeights:
         self.previous: str | None = None
         """The version label the shadow holds after a swap commit (what `rollback` brings
         back), else None."""
+        self._reserved = False
+        """Whether a rollback holds `lock` until a later command (`reserve_rollback`)."""
         self.lock = threading.Lock()
         """Held while the live weights are read or moved: `prepare`, `commit`, `rollback`, a
         push of the live weights from another thread. `shadow_in_place` only takes it when it
@@ -97,7 +99,7 @@ class StagedWeights:
         """Level the shadow with the live weights where they differ, before an update stages
         into it (off the step loop: the engine keeps reading the live weights meanwhile). The
         previous version a swap left in the shadow is gone from here on."""
-        with self.lock:
+        with self.reading():
             for name in sorted(self._differ | self.written):
                 self.shadow[name].copy_(self._live[name].detach())
             if self.shadow and next(iter(self.shadow.values())).is_cuda:
@@ -105,6 +107,21 @@ class StagedWeights:
             self._differ.clear()
             self.written.clear()
             self.previous = None
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Hold `lock` to read or level the live weights off the engine thread: waits while
+        a step boundary's commit or a push holds it; `LifecycleError` while a rollback holds
+        it reserved (which lasts until a later command: waiting could block that command)."""
+        while not self.lock.acquire(timeout=0.05):
+            if self._reserved:
+                raise LifecycleError("a rollback of the weights is reserved here (its ranks "
+                                     "agree before any rolls back); start the update once it "
+                                     "completed")
+        try:
+            yield
+        finally:
+            self.lock.release()
 
     @torch.no_grad()
     def commit(self, previous_version: str) -> int:
@@ -130,12 +147,14 @@ class StagedWeights:
         holds `reserve_rollback`'s reservation (released here)."""
         if not reserved:
             self.reserve_rollback()
+            self._reserved = False  # (done within this call: nothing waits on it meanwhile)
         try:
             changed = len(self._differ)
             if changed:
                 self._swap_all()
             self.previous = None
         finally:
+            self._reserved = False
             self.lock.release()
         return changed
 
@@ -156,9 +175,11 @@ class StagedWeights:
             raise LifecycleError("no previous weight version is resident: rollback is "
                                  "possible once after an update committed, until the "
                                  "next update starts")
+        self._reserved = True
 
     def release_rollback(self) -> None:
         """Give up a reservation (`reserve_rollback`): another rank refused."""
+        self._reserved = False
         self.lock.release()
 
     def _swap_all(self) -> None:
