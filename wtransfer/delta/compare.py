@@ -156,24 +156,29 @@ class LastSent:
                 if group and (slot.start != group[-1][0].start
                               + _aligned_numel(group[-1][0].numel, slot.width)
                               or sizes[slot.width] + flat.numel() * slot.width > most):
-                    queued.append(self._launch(group))
-                    while len(queued) > 1 or (queued and queued[-1].done is None):
-                        yield from self._finished(queued.pop(0), limits)
+                    yield from self._queue(queued, group, limits)
                     group = forming[slot.width] = []
                     sizes[slot.width] = 0
                 group.append((slot, flat, tensor))
                 sizes[slot.width] = sizes.get(slot.width, 0) + flat.numel() * slot.width
             for group in forming.values():
                 if group:
-                    queued.append(self._launch(group))
-                    while len(queued) > 1 or (queued and queued[-1].done is None):
-                        yield from self._finished(queued.pop(0), limits)
+                    yield from self._queue(queued, group, limits)
             while queued:
                 yield from self._finished(queued.pop(0), limits)
         finally:  # stopped early: nothing the side stream still writes may be freed under it
             for launched in queued:
                 if launched.done is not None:
                     torch.cuda.current_stream(launched.mask.device).wait_event(launched.done)
+
+    def _queue(self, queued: list[_Launched],
+               group: list[tuple[_Slot, torch.Tensor, torch.Tensor]], limits: Mapping[str, int]
+               ) -> Iterator[tuple[str, torch.Tensor, Change]]:
+        """Queue `group`'s comparison, then gather the changes of every group queued before
+        it (and its own, unless its comparison runs on the side stream)."""
+        queued.append(self._launch(group))
+        while len(queued) > 1 or (queued and queued[-1].done is None):
+            yield from self._finished(queued.pop(0), limits)
 
     def _launch(self, group: list[tuple[_Slot, torch.Tensor, torch.Tensor]]) -> _Launched:
         """Queue the word comparison of consecutive tensors of one width (one run of the
