@@ -3,7 +3,8 @@
 #     bash benchmarks/gpu_one.sh suite    # every gpu-marked test but the stress ones, four at
 #                                         # a time (one GPU)
 #     bash benchmarks/gpu_one.sh paths    # staged commit, delta compare, MoE on CUDA, FP8 matmul
-#                                         # and update, hand-over, ipc
+#                                         # and update, the delta prepare with and without
+#                                         # Triton, hand-over, ipc
 #     bash benchmarks/gpu_one.sh ipc      # the ipc ratios alone (three runs, RUNS="1" for one;
 #                                         # BUCKETS=0 for zero-copy and the default packed
 #                                         # path only)
@@ -57,6 +58,12 @@ paths|ipc)
         echo "$(ts) FP8 engine fed both ways"
         timeout 200 python3 benchmarks/fp8_update.py --model qwen3-8b --device cuda:0 \
             --repeats 3 2>&1 | tee $OUT/fp8.txt | tail -8; echo "rc $?"
+        echo "$(ts) the delta sender's prepare: the Triton comparison, then the eager ops"
+        for triton in 1 0; do
+            WTRANSFER_DELTA_TRITON=$triton timeout 100 python3 benchmarks/delta_profile.py \
+                --model qwen3-8b > $OUT/delta-$triton.txt 2>&1; echo "rc $?"
+            grep -E "perturbed|copy" $OUT/delta-$triton.txt
+        done
         echo "$(ts) bucket hand-over and copy strategies"
         timeout 150 python3 benchmarks/handover.py --model qwen3-8b --buckets-mb 64,1024 \
             2>&1 | tee $OUT/handover.txt | tail -30; echo "rc $?"
