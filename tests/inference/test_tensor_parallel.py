@@ -307,3 +307,43 @@ def test_a_rollback_a_worker_cannot_do_leaves_every_rank_as_it_was():
             engine.shutdown()
 
     run(main(), deadline_s=180)
+
+
+def test_a_refused_rollback_lets_every_worker_of_every_rank_go():
+    """DP=2 x TP=2, staged swap updates: data-parallel rank 1 cannot roll back (its previous
+    version gone), so rank 0 and its worker, which had reserved, let go and no weight moved;
+    the next update then lands on all four workers (nothing left holding their weights) and
+    a rollback brings all four back to the version before it."""
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny", data_parallel_size=2,
+                                          tensor_parallel_size=2, update_staging="swap",
+                                          dp_sync_interval=8, step_timeout_s=60.0))
+        client = LocalEngineClient(engine)
+        models = {v: load_model("tiny", seed=s) for v, s in (("v1", 1), ("v2", 2), ("v3", 3))}
+
+        def push(version):
+            with wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=1 << 16, timeout_s=60),
+                                        client=client,
+                                        source=wtransfer.ModuleSource(models[version])) as s:
+                s.send_weights(weight_version=version)
+
+        try:
+            await asyncio.to_thread(push, "v1")
+            await asyncio.to_thread(push, "v2")
+            await asyncio.wrap_future(engine.core.rank_call(1, "start_weight_update"))
+            await asyncio.wrap_future(engine.core.rank_call(1, "discard_weight_update", "test"))
+            with pytest.raises(LifecycleError, match="no rank rolled back: data-parallel rank "
+                                                     r"1: .*no previous weight version"):
+                await engine.rollback_weights()
+            assert await engine.fingerprint() == wtransfer.fingerprint(
+                models["v2"].state_dict())
+            await asyncio.to_thread(push, "v3")
+            assert await engine.get_weight_version() == "v3"
+            await engine.rollback_weights()
+            assert await engine.fingerprint() == wtransfer.fingerprint(
+                models["v2"].state_dict())
+            assert await engine.get_weight_version() == "v2"
+        finally:
+            engine.shutdown()
+
+    run(main(), deadline_s=240)
