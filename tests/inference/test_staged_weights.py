@@ -3,6 +3,7 @@ alternate between two sets), what an update did not write stays what was live, a
 is put in the module's place only while nothing else reads or moves the live weights."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -112,3 +113,28 @@ def test_an_update_start_during_a_reserved_rollback_is_refused_not_blocked():
     assert "rollback of the weights is reserved" in str(failed[0])
     assert staging.rollback(reserved=True) == 1
     staging.prepare()  # free again
+
+
+def test_an_update_start_during_a_one_shot_rollback_waits_for_it(monkeypatch):
+    """A rollback done within one command (no ranks to agree with) holds the lock only while
+    it swaps: an update starting meanwhile waits and then lands, it is not refused."""
+    model = torch.nn.Linear(4, 4)
+    staging = StagedWeights(model, "swap")
+    staging.prepare()
+    staging.dest("weight").add_(1)
+    staging.commit("v0")
+    swap = staging._swap_all
+    swapping = threading.Event()
+
+    def slow_swap():
+        swapping.set()
+        time.sleep(0.3)  # (longer than the start's polls of the lock)
+        swap()
+
+    monkeypatch.setattr(staging, "_swap_all", slow_swap)
+    roll = threading.Thread(target=staging.rollback)
+    roll.start()
+    assert swapping.wait(10)
+    staging.prepare()  # waits for the swap, then levels the shadow: no LifecycleError
+    roll.join(10)
+    assert not roll.is_alive() and staging.previous is None

@@ -397,6 +397,8 @@ class DataParallelCore:
         out: Future[None] = Future()
 
         def run() -> None:
+            if not out.set_running_or_notify_cancel():  # (the caller gave up already)
+                return
             try:
                 self._rollback_in_two_phases()
             except BaseException as exc:
@@ -408,26 +410,43 @@ class DataParallelCore:
         return out
 
     def _rollback_in_two_phases(self) -> None:
-        deadline = self.config.call_timeout_s
+        timeout = self.config.call_timeout_s
+        deadline = time.monotonic() + timeout  # (both phases within one call's deadline)
         reserving = [self._call(rank, "reserve_rollback") for rank in range(self.size)]
-        futures.wait(reserving, timeout=deadline)
+        futures.wait(reserving, timeout=timeout)
         held = [rank for rank, f in enumerate(reserving) if f.done() and f.exception() is None]
         if len(held) == self.size:
-            results = _all([self._call(rank, "rollback_weights", True)
-                            for rank in range(self.size)])
-            results.result(timeout=deadline)
+            going = _all([self._call(rank, "rollback_weights", True)
+                          for rank in range(self.size)])
+            try:
+                going.result(timeout=max(0.0, deadline - time.monotonic()))
+            except futures.TimeoutError:
+                raise TransferTimeout(f"the data-parallel ranks did not all roll back within "
+                                      f"{timeout:g}s; their versions may differ (weight_info "
+                                      f"says)") from None
             return
         for rank in held:  # (best effort: a rank that cannot answer is failing anyway)
             self._call(rank, "release_rollback")
+        for rank, f in enumerate(reserving):
+            if not f.done():  # a rank that reserves after all: let it go then
+                f.add_done_callback(self._release_if_reserved(rank))
         refused = [f.exception() if f.done() else TransferTimeout(
                        f"data-parallel rank {rank} did not reserve its rollback within "
-                       f"{deadline:g}s")
+                       f"{timeout:g}s")
                    for rank, f in enumerate(reserving) if rank not in held]
         other = [exc for exc in refused if not isinstance(exc, LifecycleError)]
         if other:
             raise other[0]  # type: ignore[misc]
         raise LifecycleError("no rank rolled back: " + "; ".join(
             str(exc) for exc in refused))  # (each names its rank)
+
+    def _release_if_reserved(self, rank: int) -> Callable[[Future[Any]], None]:
+        """A done-callback: `rank`'s late reservation, if it succeeded, is let go (it only
+        queues the message)."""
+        def release(reserved: Future[Any]) -> None:
+            if reserved.exception() is None:
+                self._call(rank, "release_rollback")
+        return release
 
     def _outstanding(self) -> list[int]:
         """Unfinished requests per rank (call under the lock)."""

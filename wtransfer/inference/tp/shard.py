@@ -113,18 +113,18 @@ class ShardWeights:
         if self.staging is not None:
             self.staging.commit(previous_version)
 
-    def reserve_rollback(self) -> None:
+    def reserve_rollback(self, *, hold: bool = True) -> None:
         """Check this rank can roll back and hold it ready (`StagedWeights.reserve_rollback`);
         `rollback_weights(reserved=True)` or `release_rollback` follows."""
         if self.staging is None:
             raise LifecycleError("rollback_weights needs staged updates "
                                  "(update_staging='swap')")
-        self.staging.reserve_rollback()
+        self.staging.reserve_rollback(hold=hold)
 
     def rollback_weights(self, *, reserved: bool = False) -> None:
         """Swap the previous version back in (staged swap updates)."""
         if not reserved:
-            self.reserve_rollback()
+            self.reserve_rollback(hold=False)
         assert self.staging is not None
         if self.receiver is not None:  # (first: no update may start on the old base)
             self.receiver.forget_delta_base()  # the weights are no update's any more

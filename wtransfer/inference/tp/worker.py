@@ -116,7 +116,7 @@ class Worker:
                 self.weights.commit(str(message["previous"]))
                 self.collective.barrier()  # done: rank 0 goes on (sync_done)
             elif op == "rollback_reserve":
-                self.reserve_rollback()
+                self.reserve_rollback(hold=bool(message["hold"]))
             elif op in ("rollback", "rollback_release"):
                 self.finish_rollback(go=op == "rollback")
             elif op == "fingerprint":
@@ -127,13 +127,13 @@ class Worker:
                 return
             # "idle": rank 0 is alive and has nothing to step
 
-    def reserve_rollback(self) -> None:
+    def reserve_rollback(self, hold: bool) -> None:
         """Rank 0's rollback, first half: say whether this worker can roll back (its reason if
         not) and hold it ready only if every rank can, so that no rank ends on another
         version than the others."""
         refusal: str | None = None
         try:
-            self.weights.reserve_rollback()
+            self.weights.reserve_rollback(hold=hold)
         except WTransferError as exc:
             refusal = str(exc) or type(exc).__name__
         try:

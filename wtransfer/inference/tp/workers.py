@@ -119,12 +119,12 @@ class TPWorkers:
         self.sync(op, **fields)
         self.collective.barrier()
 
-    def reserve_rollback(self) -> list[str]:
+    def reserve_rollback(self, hold: bool) -> list[str]:
         """Every worker reserves its rollback (rank 0 has: it checked first); returns each
         refusing worker's reason, named. Where one refused, none holds a reservation when
         this returns; else each rolls back on a later `sync("rollback")`, or lets go on
         `sync_done("rollback_release")`."""
-        self.sync("rollback_reserve")
+        self.sync("rollback_reserve", hold=hold)
         refusals = self.collective.all_gather_records(None)
         self.collective.barrier()
         return [f"tensor-parallel worker {rank}: {reason}"

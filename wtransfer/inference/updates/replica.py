@@ -580,7 +580,7 @@ class Replica:
             client.close()
         return sent
 
-    def reserve_rollback(self) -> None:
+    def reserve_rollback(self, hold: bool = True) -> None:
         """Hold a rollback ready on every rank of this replica (rank 0 and its tensor-parallel
         workers): each has a previous version resident and its live weights free. Where one
         cannot, nothing is held and `LifecycleError` names it and why. `rollback_weights(
@@ -597,11 +597,11 @@ class Replica:
                                  "yet (their slots would go back, their labels not)")
         if self._rollback_reserved:
             raise LifecycleError("a rollback is already reserved here")
-        self.weights.reserve_rollback()  # rank 0 first: the workers are asked only then
+        self.weights.reserve_rollback(hold=hold)  # rank 0 first: then the workers
         refusals: list[str] = []
         try:
             if self.workers is not None:
-                refusals = self.workers.reserve_rollback()
+                refusals = self.workers.reserve_rollback(hold)
         except BaseException:
             self.weights.release_rollback()
             raise
@@ -615,14 +615,18 @@ class Replica:
         commit until the next update starts), with its label; requests in flight re-prefill.
         `reserved`: after this replica's `reserve_rollback`."""
         if not reserved:
-            self.reserve_rollback()
+            self.reserve_rollback(hold=False)  # (done within this command)
         elif not self._rollback_reserved:
             raise LifecycleError("rollback_weights(reserved=True) without reserve_rollback")
         assert self.staging is not None
         self._rollback_reserved = False
         previous = self.staging.previous
         if self.workers is not None:
-            self.workers.sync("rollback")  # each rolls back what it reserved
+            try:
+                self.workers.sync("rollback")  # each rolls back what it reserved
+            except BaseException:
+                self.weights.release_rollback()
+                raise
         try:
             self.weights.rollback_weights(reserved=True)
         except BaseException as exc:

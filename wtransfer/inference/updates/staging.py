@@ -146,8 +146,7 @@ class StagedWeights:
         update starts staging); returns how many tensors changed. `reserved`: the caller
         holds `reserve_rollback`'s reservation (released here)."""
         if not reserved:
-            self.reserve_rollback()
-            self._reserved = False  # (done within this call: nothing waits on it meanwhile)
+            self.reserve_rollback(hold=False)
         try:
             changed = len(self._differ)
             if changed:
@@ -158,11 +157,12 @@ class StagedWeights:
             self.lock.release()
         return changed
 
-    def reserve_rollback(self) -> None:
+    def reserve_rollback(self, *, hold: bool = True) -> None:
         """Take `lock` with a rollback known to be possible, for ranks that must all agree
         before any rolls back: `rollback(reserved=True)` or `release_rollback` follows.
-        `LifecycleError` (nothing held) where it is not: copy staging, the weights being read,
-        no previous version resident."""
+        `hold`: the reservation lasts until a later command, so an update starting meanwhile
+        is refused rather than left waiting (`reading`). `LifecycleError` (nothing held) where
+        it is not possible: copy staging, the weights being read, no previous version."""
         if self.mode != "swap":
             raise LifecycleError("rollback_weights needs update_staging='swap': copy staging "
                                  "copies the new weights over the old ones, keeping none")
@@ -175,7 +175,7 @@ class StagedWeights:
             raise LifecycleError("no previous weight version is resident: rollback is "
                                  "possible once after an update committed, until the "
                                  "next update starts")
-        self._reserved = True
+        self._reserved = hold
 
     def release_rollback(self) -> None:
         """Give up a reservation (`reserve_rollback`): another rank refused."""
