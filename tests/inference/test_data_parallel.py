@@ -407,6 +407,8 @@ def test_a_rollback_one_rank_cannot_do_leaves_every_rank_as_it_was():
 
         try:
             original = await engine.fingerprint()
+            with pytest.raises(wtransfer.errors.ConfigError, match="data-parallel rank's step"):
+                engine.core.submit("reserve_rollback").result(10)
             await asyncio.to_thread(push, first, "v1")
             await engine.rollback_weights()
             assert await engine.fingerprint() == original  # (the ranks agree, or it raises)

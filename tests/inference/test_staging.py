@@ -220,6 +220,10 @@ def test_rollback_swaps_the_previous_version_back_once():
             original = await engine.fingerprint()
             with pytest.raises(LifecycleError, match="no previous weight version"):
                 await engine.rollback_weights()
+            for step, args in (("reserve_rollback", ()), ("release_rollback", ()),
+                               ("rollback_weights", (True,))):  # (a DP front end's steps)
+                with pytest.raises(ConfigError, match="is a data-parallel rank's step"):
+                    engine.core.submit(step, *args)
             first = load_model("tiny", seed=1)
             await asyncio.to_thread(push, engine, first, "v1")
             assert await engine.fingerprint() == wtransfer.fingerprint(first.state_dict())

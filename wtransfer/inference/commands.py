@@ -112,6 +112,18 @@ def check_command(command: str) -> None:
         raise ConfigError(f"unknown engine command {command!r}; known: {sorted(COMMANDS)}")
 
 
+def check_engine_call(command: str, args: Sequence[Any]) -> None:
+    """`check_command`, and `ConfigError` for the steps of a rollback that only a
+    data-parallel front end sends its ranks (`reserve_rollback`, `release_rollback`,
+    `rollback_weights(reserved=True)`): an engine's callers roll back in one call."""
+    check_command(command)
+    if command in ("reserve_rollback", "release_rollback") or (
+            command == "rollback_weights" and args and args[0]):
+        raise ConfigError(f"{command} with {list(args)} is a data-parallel rank's step of "
+                          f"rollback_weights, not a call to an engine; call "
+                          f"rollback_weights()")
+
+
 TRANSFER_COMMANDS: frozenset[str] = frozenset({
     "init_weight_transfer_engine", "start_weight_update", "update_weights",
     "stage_weight_update", "discard_weight_update", "finish_weight_update",

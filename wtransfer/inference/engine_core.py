@@ -24,7 +24,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from wtransfer.errors import EngineDeadError, LifecycleError
-from wtransfer.inference.commands import Emit, check_command, run_command
+from wtransfer.inference.commands import Emit, check_engine_call, run_command
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.updates.replica import Replica
 from wtransfer.inference.updates.transfer_lane import TransferLane
@@ -80,7 +80,7 @@ class EngineCore:
 
     def submit(self, command: str, *args: Any) -> Future[Any]:
         """Run the named command (one of `COMMANDS`) on the engine thread."""
-        check_command(command)  # refused at once, not on the engine thread
+        check_engine_call(command, args)  # refused at once, not on the engine thread
         if self._lane is not None and self._lane.takes(command) and self._failure is None:
             return self._lane.submit(command, args)
         return self.call(self._run_command, command, args)

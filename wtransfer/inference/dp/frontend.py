@@ -43,7 +43,7 @@ from wtransfer.errors import (
     from_reply,
     reply_result,
 )
-from wtransfer.inference.commands import Emit, check_command
+from wtransfer.inference.commands import Emit, check_command, check_engine_call
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.dp.collective import host_store
 from wtransfer.inference.outputs import RequestOutput
@@ -365,7 +365,7 @@ class DataParallelCore:
     def submit(self, command: str, *args: Any) -> Future[Any]:
         """Run one of `COMMANDS` across the ranks (see the module docstring)."""
         try:
-            check_command(command)
+            check_engine_call(command, args)
             if command == "add_request":
                 return self._add_request(*args)
             if command == "abort":
@@ -377,13 +377,7 @@ class DataParallelCore:
             if command == "stats":
                 return _then(self._everyone("stats"), self._stats)
             if command == "rollback_weights":
-                if args and args[0]:
-                    raise ConfigError("rollback_weights(reserved=True) is a data-parallel "
-                                      "rank's step, not the engine's")
                 return self._rollback_everywhere()
-            if command in ("reserve_rollback", "release_rollback"):
-                raise ConfigError(f"{command} is a data-parallel rank's step of "
-                                  "rollback_weights, not a command of the engine")
             combine = _COMBINE.get(command, lambda _: None)
             return _then(self._everyone(command, *args), combine)
         except Exception as exc:
