@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from wtransfer.delta.compare_kernels import GroupTable
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 GROUP_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
 """Tensors are compared in groups of about this many bytes (the word mask of a group is an
@@ -203,17 +204,17 @@ class LastSent:
             return launched
         kernels = _kernels_for(buffer.device)
         if kernels is not None:
-            try:
-                launched.table = self._table(first, launched.by_words, mask.numel(), kernels)
-                table = launched.table
-                if buffer.device.type == "cuda":
-                    launched.done = self._on_side(
-                        buffer.device, lambda: kernels.compare(table, copy_words, mask))
-                else:  # (Triton's interpreter)
+            def queue() -> tuple[GroupTable, torch.cuda.Event | None]:
+                table = self._table(first, launched.by_words, mask.numel(), kernels)
+                if buffer.device.type != "cuda":  # (Triton's interpreter)
                     kernels.compare(table, copy_words, mask)
-            except Exception as exc:  # a specialization the probe did not compile
-                _give_up(buffer.device, exc)
-                launched.table = None
+                    return table, None
+                return table, self._on_side(
+                    buffer.device, lambda: kernels.compare(table, copy_words, mask))
+
+            queued = _through_kernels(buffer.device, queue)
+            if queued is not None:
+                launched.table, launched.done = queued
         if launched.table is None:
             for _, words, word0 in launched.by_words:
                 torch.ne(words, copy_words[word0:word0 + words.numel()],
@@ -262,10 +263,8 @@ class LastSent:
         kernels = _kernels_for(buffer.device)
         gathered = None
         if kernels is not None and table is not None:
-            try:
-                gathered = kernels.gather(table, word, copy_words)
-            except Exception as exc:
-                _give_up(buffer.device, exc)
+            gathered = _through_kernels(buffer.device,
+                                        lambda: kernels.gather(table, word, copy_words))
         if gathered is not None and table is not None:
             owner, now_words, was_words = gathered
             local = word - table.starts.index_select(0, owner)
@@ -281,13 +280,12 @@ class LastSent:
         if copy_words.numel() * lanes < 1 << 31:  # every index fits the widest common dtype
             index = index.to(torch.int32)
         elements_of = _counts(owner, torch.arange(len(by_words) + 1, device=self.device))
-        payloads: list[torch.Tensor | None] = [None] * len(by_words)
+        payloads: list[torch.Tensor | None] | None = None
         if kernels is not None and gathered is not None:
-            try:
-                payloads = _encoded(kernels, by_words, elements_of, limits, index, values,
-                                    owner)
-            except Exception as exc:
-                _give_up(buffer.device, exc)
+            payloads = _through_kernels(buffer.device, lambda: _encoded(
+                kernels, by_words, elements_of, limits, index, values, owner))
+        if payloads is None:
+            payloads = [None] * len(by_words)
         at = 0
         for (slot, _, _), count, payload in zip(by_words, elements_of, payloads, strict=True):
             out[slot.name] = Change(count, index[at:at + count], values[at:at + count],
@@ -384,12 +382,16 @@ def _encoded(kernels: ModuleType, by_words: list[tuple[_Slot, torch.Tensor, int]
     return [None if span is None else out.narrow(0, span[0], span[1]) for span in spans]
 
 
-def _give_up(device: torch.device, exc: Exception) -> None:
-    """The kernels failed to compile or launch on `device` for a shape the probe did not
-    have: the eager ops from here on."""
-    logger.warning("the Triton delta comparison failed on %s (%s): using the eager one",
-                   device, exc)
-    _kernels.drop(device)
+def _through_kernels(device: torch.device, call: Callable[[], T]) -> T | None:
+    """`call()`, which runs the kernels on `device`; None where they fail to compile or
+    launch for a shape the probe did not have (the eager ops from then on)."""
+    try:
+        return call()
+    except Exception as exc:
+        logger.warning("the Triton delta comparison failed on %s (%s): using the eager one",
+                       device, exc)
+        _kernels.drop(device)
+        return None
 
 
 def _checked(device: torch.device) -> ModuleType | None:
