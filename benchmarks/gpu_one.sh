@@ -8,6 +8,8 @@
 #     bash benchmarks/gpu_one.sh ipc      # the ipc ratios alone (three runs, RUNS="1" for one;
 #                                         # BUCKETS=0 for zero-copy and the default packed
 #                                         # path only)
+#     bash benchmarks/gpu_one.sh delta    # the delta comparison's GPU tests; the 8B prepare
+#                                         # through the Triton scan and the eager ops
 #     bash benchmarks/gpu_one.sh ucx      # ucx's default (reads where UCX chose them) and
 #                                         # tagged buckets against one raw UCX send
 #     bash benchmarks/gpu_one.sh peers    # checkpoint-engine side by side
@@ -76,6 +78,18 @@ paths|ipc)
             --backend ipc --device cuda:0 --models qwen3-8b \
             --bucket-mb "${BUCKETS:-0,1024x4,512x4}" --repeats 5 > $OUT/ipc-$run.txt 2>&1; echo "rc $?"
         tail -10 $OUT/ipc-$run.txt
+    done ;;
+delta)
+    echo "$(ts) the delta comparison's GPU tests"
+    timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=60 \
+        tests/core/test_delta_compare.py tests/inference/test_delta_engine.py > $OUT/delta-tests.txt 2>&1
+    echo "rc $?"; grep -E "passed|failed|FAILED|Error" $OUT/delta-tests.txt | tail -15
+    echo "$(ts) the delta sender's prepare: the Triton scan, then the eager ops"
+    for triton in 1 0; do
+        fractions=0.0003,0.01; [ $triton = 1 ] && fractions=0.0003,0.01,0.05,0.3
+        WTRANSFER_DELTA_TRITON=$triton timeout 150 python3 benchmarks/delta_profile.py \
+            --model qwen3-8b --fractions $fractions > $OUT/delta-$triton.txt 2>&1; echo "rc $?"
+        grep -E "perturbed|copy|_kernel|Self CUDA" $OUT/delta-$triton.txt
     done ;;
 ucx)
     echo "$(ts) ucx: the default (what UCX chose here) and tagged 1 GiB buckets, one GPU"

@@ -98,8 +98,9 @@ def test_a_tensor_of_another_size_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("group_bytes", [1 << 30, 1000])
 def test_changes_on_cuda_equal_those_on_the_host(monkeypatch, group_bytes):
-    """Through the Triton kernels (one comparison and one gather per group), in one group
-    and in many."""
+    """Through the Triton kernels (one scan and one encoding per group), in one group and in
+    many, with few changes (kept by the scan) and many (more than it keeps: tensor by
+    tensor)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("triton")

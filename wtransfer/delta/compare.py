@@ -5,9 +5,10 @@ The copy lives in one flat buffer per element width, each tensor at an 8-byte-al
 offset, so a group of consecutive tensors is one run of 8-byte words: each tensor is
 compared against its run word by word into one mask, the changed words are found with one
 `nonzero` over the group, gathered, and compared element by element in one pass. The copy
-is brought up to date with one scatter of the changed words. On CUDA the comparison and the
-gather are one Triton launch each per group (`wtransfer.delta.compare_kernels`, used where it
-gave the eager ops' results on a probe) instead of a few launches per tensor.
+is brought up to date with one scatter of the changed words. On CUDA one Triton launch per
+group compares and writes the changed elements in order (`wtransfer.delta.compare_kernels`,
+used where it gave the eager ops' results on a probe): one read of the tensors and the copy,
+one device sync per group.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ from wtransfer.device_kernels import CheckedKernels
 from wtransfer.packing import TensorMeta
 
 if TYPE_CHECKING:
-    from wtransfer.delta.compare_kernels import GroupTable
+    from wtransfer.delta.compare_kernels import GroupTable, Scan
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-GROUP_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
+GROUP_BYTES = {"cuda": 512 << 20, "cpu": 64 << 20}
 """Tensors are compared in groups of about this many bytes (the word mask of a group is an
-eighth of it): large on a GPU (fewer syncs), smaller on a host (the mask stays in cache)."""
+eighth of it on a host, what the GPU's scan keeps about a sixteenth of its elements): large
+on a GPU (fewer syncs), smaller on a host (the mask stays in cache)."""
 DENSE_WORDS = 0.25
 """A group with more than this fraction of its words changed is compared tensor by tensor
 (gathering most of it would cost more than the tensors' own size)."""
@@ -69,17 +71,18 @@ class _Slot:
 class _Launched:
     """A group whose word comparison is queued: its tensors, those compared word by word
     (slot, int64 view, first word in the run) or element by element, and what finishing it
-    reads."""
+    reads: the word mask of the eager ops, or the kernels' table and scan."""
 
     group: list[tuple[_Slot, torch.Tensor, torch.Tensor]]
     width: int
     copy_words: torch.Tensor
-    mask: torch.Tensor
     by_words: list[tuple[_Slot, torch.Tensor, int]] = field(default_factory=list)
     by_elements: list[tuple[_Slot, torch.Tensor]] = field(default_factory=list)
+    mask: torch.Tensor | None = None
     table: GroupTable | None = None
+    found: Scan | None = None
     done: torch.cuda.Event | None = None
-    """Recorded on the side stream after the comparison (None: queued on the current one)."""
+    """Recorded on the side stream after the scan (None: queued on the current one)."""
 
 
 def _aligned_numel(numel: int, width: int) -> int:
@@ -139,7 +142,7 @@ class LastSent:
         per element width, so interleaved widths do not cut groups short; on CUDA, where
         the next group's comparison runs on a stream of its own while this one's changes
         are gathered, until the group after it is queued too). A tensor with more than
-        `limits[name]` changed elements may come without indices; a name that comes twice is
+        `limits[name]` changed elements comes without indices; a name that comes twice is
         a ValueError."""
         most = GROUP_BYTES.get(self.device.type, GROUP_BYTES["cpu"])
         forming: dict[int, list[tuple[_Slot, torch.Tensor, torch.Tensor]]] = {}
@@ -170,7 +173,7 @@ class LastSent:
         finally:  # stopped early: nothing the side stream still writes may be freed under it
             for launched in queued:
                 if launched.done is not None:
-                    torch.cuda.current_stream(launched.mask.device).wait_event(launched.done)
+                    torch.cuda.current_stream(self.device).wait_event(launched.done)
 
     def _queue(self, queued: list[_Launched],
                group: list[tuple[_Slot, torch.Tensor, torch.Tensor]], limits: Mapping[str, int]
@@ -191,34 +194,42 @@ class LastSent:
         last_slot = group[-1][0]
         end = last_slot.start + _aligned_numel(last_slot.numel, width)
         copy_words = buffer[first:end].view(torch.int64)
-        mask = torch.empty(copy_words.numel(), dtype=torch.bool, device=self.device)
-        launched = _Launched(group, width, copy_words, mask)
+        launched = _Launched(group, width, copy_words)
         for slot, flat, _ in group:
-            word0 = (slot.start - first) // lanes
             if slot.numel % lanes or flat.data_ptr() % 8:  # not whole 8-byte words
                 launched.by_elements.append((slot, flat))
-                mask[word0:word0 + _aligned_numel(slot.numel, width) // lanes].zero_()
-                continue
-            launched.by_words.append((slot, flat.view(torch.int64), word0))
+            else:
+                launched.by_words.append((slot, flat.view(torch.int64),
+                                          (slot.start - first) // lanes))
         if not launched.by_words:
             return launched
         kernels = _kernels_for(buffer.device)
         if kernels is not None:
-            def queue() -> tuple[GroupTable, torch.cuda.Event | None]:
-                table = self._table(first, launched.by_words, mask.numel(), kernels)
+            def queue() -> tuple[GroupTable, Scan, torch.cuda.Event | None]:
+                table = self._table(first, launched.by_words, copy_words.numel(), kernels)
+                found = kernels.Scan.empty(table, copy_words.numel() * lanes, buffer.dtype,
+                                           _index_dtype(copy_words.numel() * lanes))
+
+                def scan() -> None:
+                    kernels.scan(table, copy_words, found, width)
+
                 if buffer.device.type != "cuda":  # (Triton's interpreter)
-                    kernels.compare(table, copy_words, mask)
-                    return table, None
-                return table, self._on_side(
-                    buffer.device, lambda: kernels.compare(table, copy_words, mask))
+                    scan()
+                    return table, found, None
+                return table, found, self._on_side(buffer.device, scan)
 
             queued = _through_kernels(buffer.device, queue)
             if queued is not None:
-                launched.table, launched.done = queued
-        if launched.table is None:
-            for _, words, word0 in launched.by_words:
-                torch.ne(words, copy_words[word0:word0 + words.numel()],
-                         out=mask[word0:word0 + words.numel()])
+                launched.table, launched.found, launched.done = queued
+                return launched
+        launched.mask = mask = torch.empty(copy_words.numel(), dtype=torch.bool,
+                                           device=self.device)
+        for slot, _ in launched.by_elements:
+            word0 = (slot.start - first) // lanes
+            mask[word0:word0 + _aligned_numel(slot.numel, width) // lanes].zero_()
+        for _, words, word0 in launched.by_words:
+            torch.ne(words, copy_words[word0:word0 + words.numel()],
+                     out=mask[word0:word0 + words.numel()])
         return launched
 
     def _on_side(self, device: torch.device, queue: Callable[[], None]) -> torch.cuda.Event:
@@ -244,54 +255,78 @@ class LastSent:
     def _gathered_changes(self, launched: _Launched, limits: Mapping[str, int]
                           ) -> dict[str, Change]:
         """The changes of a launched group, the copy brought up to date."""
-        width, copy_words, mask = launched.width, launched.copy_words, launched.mask
-        by_words, table = launched.by_words, launched.table
-        lanes = 8 // width
+        width, copy_words, by_words = launched.width, launched.copy_words, launched.by_words
         buffer = self._buffers[width]
         if launched.done is not None:
-            torch.cuda.current_stream(mask.device).wait_event(launched.done)
+            torch.cuda.current_stream(self.device).wait_event(launched.done)
         out = {slot.name: self._by_elements(slot, flat, limits[slot.name])
                for slot, flat in launched.by_elements}
         if not by_words:
             return out
-        word = self._changed_words(mask)
-        if word is None:  # most words changed: tensor by tensor, without most indices
+        found = None
+        if launched.found is not None and launched.table is not None:
+            found = self._scanned(launched.found, launched.table, copy_words, width)
+        elif launched.mask is not None:
+            found = self._masked(launched.mask, by_words, copy_words, width)
+        if found is None:  # most words changed: tensor by tensor, without most indices
             for slot, words, _ in by_words:
                 out[slot.name] = self._by_elements(slot, words.view(buffer.dtype),
                                                    limits[slot.name])
             return out
+        index, values, owner, elements_of = found
         kernels = _kernels_for(buffer.device)
-        gathered = None
-        if kernels is not None and table is not None:
-            gathered = _through_kernels(buffer.device,
-                                        lambda: kernels.gather(table, word, copy_words))
-        if gathered is not None and table is not None:
-            owner, now_words, was_words = gathered
-            local = word - table.starts.index_select(0, owner)
-        else:
-            owner, local, now_words, was_words = _gathered(by_words, word, copy_words,
-                                                           mask.numel())
-        now_lanes, was_lanes = now_words.view(buffer.dtype), was_words.view(buffer.dtype)
-        position = torch.nonzero(now_lanes != was_lanes).squeeze(1)
-        values = now_lanes.index_select(0, position)
-        in_words = position // lanes
-        index = local.index_select(0, in_words).mul_(lanes).add_(position % lanes)
-        owner = owner.index_select(0, in_words)
-        if copy_words.numel() * lanes < 1 << 31:  # every index fits the widest common dtype
-            index = index.to(torch.int32)
-        elements_of = _counts(owner, torch.arange(len(by_words) + 1, device=self.device))
         payloads: list[torch.Tensor | None] | None = None
-        if kernels is not None and gathered is not None:
+        if kernels is not None and launched.found is not None:
             payloads = _through_kernels(buffer.device, lambda: _encoded(
                 kernels, by_words, elements_of, limits, index, values, owner))
         if payloads is None:
             payloads = [None] * len(by_words)
         at = 0
         for (slot, _, _), count, payload in zip(by_words, elements_of, payloads, strict=True):
-            out[slot.name] = Change(count, index[at:at + count], values[at:at + count],
-                                    payload)
+            out[slot.name] = (Change(count, None, None) if count > limits[slot.name] else
+                              Change(count, index[at:at + count], values[at:at + count],
+                                     payload))
             at += count
         return out
+
+    def _scanned(self, found: Scan, table: GroupTable, copy_words: torch.Tensor, width: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None:
+        """The changed elements of a scanned group (index in its tensor, bits now, tensor)
+        and each tensor's count, the copy brought up to date; None where more changed than
+        the scan kept (the copy as it was)."""
+        counts = found.counts.tolist()  # (the group's one sync)
+        total = sum(counts)
+        if total > found.capacity:
+            return None
+        index, values = found.index[:total], found.values[:total]
+        owner = found.owner[:total]
+        lanes = 8 // width
+        at = table.starts.index_select(0, owner).mul_(lanes).add_(index)
+        copy_words.view(values.dtype).index_copy_(0, at, values)
+        return index, values, owner, counts
+
+    def _masked(self, mask: torch.Tensor, by_words: list[tuple[_Slot, torch.Tensor, int]],
+                copy_words: torch.Tensor, width: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None:
+        """The changed elements of a group compared word by word into `mask` by the eager
+        ops, as `_scanned` gives them; None where more than `DENSE_WORDS` of the words
+        changed (the copy as it was)."""
+        word = self._changed_words(mask)
+        if word is None:
+            return None
+        lanes = 8 // width
+        dtype = self._buffers[width].dtype
+        owner, local, now_words, was_words = _gathered(by_words, word, copy_words,
+                                                       mask.numel())
+        now_lanes, was_lanes = now_words.view(dtype), was_words.view(dtype)
+        position = torch.nonzero(now_lanes != was_lanes).squeeze(1)
+        values = now_lanes.index_select(0, position)
+        in_words = position // lanes
+        index = local.index_select(0, in_words).mul_(lanes).add_(position % lanes)
+        owner = owner.index_select(0, in_words)
+        index = index.to(_index_dtype(copy_words.numel() * lanes))
+        counts = _counts(owner, torch.arange(len(by_words) + 1, device=self.device))
+        return index, values, owner, counts
 
     def _table(self, first: int, by_words: list[tuple[_Slot, torch.Tensor, int]], end: int,
                kernels: ModuleType) -> GroupTable:
@@ -380,6 +415,11 @@ def _encoded(kernels: ModuleType, by_words: list[tuple[_Slot, torch.Tensor, int]
     layout = torch.tensor(rows, dtype=torch.int64).to(values.device)
     kernels.encode(index, values, owner, layout, out)
     return [None if span is None else out.narrow(0, span[0], span[1]) for span in spans]
+
+
+def _index_dtype(elements: int) -> torch.dtype:
+    """The index dtype of a group's changes: int32 where every index of its run fits."""
+    return torch.int32 if elements < 1 << 31 else torch.int64
 
 
 def _through_kernels(device: torch.device, call: Callable[[], T]) -> T | None:

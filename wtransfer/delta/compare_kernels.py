@@ -1,7 +1,10 @@
-"""The GPU comparison of a group of tensors in two Triton launches (CUDA only; imported where
-Triton is): one compares every tensor of the group word by word against its run of the
-last-sent copy, one gathers the changed words from wherever each tensor lies and writes them
-into the copy. `GroupTable` holds a group's addresses on the device."""
+"""The GPU comparison of a group of tensors against the last-sent copy in one Triton launch
+(CUDA only; imported where Triton is): each program compares a block of one tensor's 8-byte
+words with its run of the copy, element by element, and writes the changed elements' indices,
+bits and tensor at their place in the group's ascending order, which it learns from the
+programs before it (a decoupled look-back: each program publishes its count, then its running
+total). One more launch encodes the group's sparse payloads into one buffer. `GroupTable`
+holds a group's addresses on the device."""
 
 from __future__ import annotations
 
@@ -15,47 +18,62 @@ import triton.language as tl
 
 from wtransfer.delta.codec import encode_sparse
 
-BLOCK = 4096
-"""8-byte words per program of the comparison (32 KiB of each side)."""
-GATHER_BLOCK = 1024
-"""Changed words per program of the gather."""
+BLOCK = 1024
+"""8-byte words per program of the scan (8 KiB of each side)."""
+ENCODE_BLOCK = 1024
+"""Changed elements per program of the encoding."""
+KEPT_SHARE = 16
+"""A scan keeps the first 1/KEPT_SHARE of its group's elements that changed (the counts are
+always whole); a group with more changed is compared tensor by tensor."""
+
+_COUNT = tl.constexpr(1 << 60)
+"""A program's published status: its count (or its running total) below this bit, then 1
+(count only) or 2 (running total) above it; 0 before it publishes."""
 
 
 @triton.jit
-def _compare_kernel(ptrs, words, word0, block_tensor, block_start,  # type: ignore[no-untyped-def]
-                    copy, mask, BLOCK: tl.constexpr):
-    program = tl.program_id(0)
+def _scan_kernel(ptrs, words, word0, block_tensor, block_start, copy,  # type: ignore[no-untyped-def]
+                 ticket, status, counts, index_out, values_out, owner_out, capacity,
+                 LANES: tl.constexpr, BITS: tl.constexpr, ELEMENT: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    # programs take their blocks in launch order, so every block before one is being worked
+    program = tl.atomic_add(ticket, 1)
     tensor = tl.load(block_tensor + program)
     offsets = tl.load(block_start + program) + tl.arange(0, BLOCK)
     inside = offsets < tl.load(words + tensor)
-    base = tl.load(word0 + tensor)
     source = tl.load(ptrs + tensor).to(tl.pointer_type(tl.int64))
     now = tl.load(source + offsets, mask=inside, other=0)
-    was = tl.load(copy + base + offsets, mask=inside, other=0)
-    tl.store(mask + base + offsets, (now != was).to(tl.int8), mask=inside)
-
-
-@triton.jit
-def _gather_kernel(ptrs, starts, owner, word, copy,  # type: ignore[no-untyped-def]
-                   now_out, was_out, n, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < n
-    tensor = tl.load(owner + offsets, mask=inside, other=0)
-    at = tl.load(word + offsets, mask=inside, other=0)
-    local = at - tl.load(starts + tensor, mask=inside, other=0)
-    source = tl.load(ptrs + tensor, mask=inside, other=0).to(tl.pointer_type(tl.int64))
-    now = tl.load(source + local, mask=inside, other=0)
-    was = tl.load(copy + at, mask=inside, other=0)
-    tl.store(now_out + offsets, now, mask=inside)
-    tl.store(was_out + offsets, was, mask=inside)
-    tl.store(copy + at, now, mask=inside)
+    was = tl.load(copy + tl.load(word0 + tensor) + offsets, mask=inside, other=0)
+    shift = (tl.arange(0, LANES) * BITS).to(tl.int64)
+    lanes = (now[:, None] >> shift[None, :]) & ELEMENT
+    differ = ((((now ^ was)[:, None] >> shift[None, :]) & ELEMENT) != 0).to(tl.int64)
+    changed = tl.reshape(differ, (BLOCK * LANES,))
+    count = tl.sum(changed, axis=0)
+    tl.atomic_add(counts + tensor, count)
+    tl.atomic_xchg(status + program, count + tl.where(program == 0, 2, 1).to(tl.int64) * _COUNT)
+    before = count * 0
+    look = program - 1
+    while look >= 0:  # add the counts before this block up to a running total
+        seen = tl.atomic_add(status + look, 0)
+        state = seen // _COUNT
+        before += tl.where(state != 0, seen % _COUNT, 0)
+        look = tl.where(state == 2, -1, tl.where(state != 0, look - 1, look))
+    if program > 0:
+        tl.atomic_xchg(status + program, before + count + 2 * _COUNT)
+    if count > 0:
+        at = before + tl.cumsum(changed, axis=0) - changed
+        keep = (changed != 0) & (at < capacity)
+        element = offsets[:, None] * LANES + tl.arange(0, LANES)[None, :]
+        tl.store(index_out + at, tl.reshape(element, (BLOCK * LANES,)), mask=keep)
+        tl.store(values_out + at, tl.reshape(lanes, (BLOCK * LANES,)), mask=keep)
+        tl.store(owner_out + at, tensor, mask=keep)
 
 
 @dataclass(frozen=True, eq=False)
 class GroupTable:
     """One group's tensors on the device: each one's address (`ptrs`), 8-byte words and
     first word in the group's run of the copy (`starts`, with the run's end appended), and
-    the comparison's programs (which tensor, which word of it each starts at)."""
+    the scan's programs (which tensor, which word of it each starts at)."""
 
     key: tuple[int, ...]
     ptrs: torch.Tensor
@@ -93,28 +111,50 @@ def table_key(words: Sequence[torch.Tensor], starts: Sequence[int]) -> tuple[int
                  for v in (w.data_ptr(), w.numel(), s))
 
 
-def compare(table: GroupTable, copy_words: torch.Tensor, mask: torch.Tensor) -> None:
-    """`mask[w]` (bool) = word w of the run differs from the copy, for every word of the
-    table's tensors (other entries untouched); queued on the current stream."""
+@dataclass(frozen=True, eq=False)
+class Scan:
+    """What one scan of a group writes: each tensor's count of changed elements (`counts`),
+    and for the first `capacity` changed elements of the group in order, each one's index in
+    its tensor, its bits now and its tensor (`owner`)."""
+
+    counts: torch.Tensor
+    index: torch.Tensor
+    values: torch.Tensor
+    owner: torch.Tensor
+    status: torch.Tensor
+    ticket: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        """How many changed elements it keeps."""
+        return self.index.numel()
+
+    @classmethod
+    def empty(cls, table: GroupTable, elements: int, dtype: torch.dtype,
+              index_dtype: torch.dtype) -> Scan:
+        """The buffers of a scan of `table` (a run of `elements` elements of `dtype`),
+        allocated on the current stream."""
+        device = table.ptrs.device
+        capacity = max(elements // KEPT_SHARE, BLOCK * 8)
+        return cls(torch.zeros(table.words.numel(), dtype=torch.int64, device=device),
+                   torch.empty(capacity, dtype=index_dtype, device=device),
+                   torch.empty(capacity, dtype=dtype, device=device),
+                   torch.empty(capacity, dtype=torch.int32, device=device),
+                   torch.zeros(table.block_tensor.numel(), dtype=torch.int64, device=device),
+                   torch.zeros(1, dtype=torch.int32, device=device))
+
+
+def scan(table: GroupTable, copy_words: torch.Tensor, found: Scan, width: int) -> None:
+    """Compare the table's tensors (elements `width` bytes wide) with their runs of the copy
+    into `found`, queued on the current stream; the copy is left as it was."""
+    lanes = 8 // width
+    bits = 8 * width
     with _on(copy_words.device):
-        _compare_kernel[(table.block_tensor.numel(),)](
+        _scan_kernel[(table.block_tensor.numel(),)](
             table.ptrs, table.words, table.starts, table.block_tensor, table.block_start,
-            copy_words, mask.view(torch.int8), BLOCK=BLOCK, num_warps=8)
-
-
-def gather(table: GroupTable, word: torch.Tensor, copy_words: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For ascending changed run words `word`: (each one's tensor in the table, its word
-    now, its word in the copy before), the copy then holding the words now."""
-    owner = torch.searchsorted(table.starts, word, right=True).sub_(1)
-    now, was = torch.empty_like(word), torch.empty_like(word)
-    n = word.numel()
-    if n:
-        with _on(copy_words.device):
-            _gather_kernel[(triton.cdiv(n, GATHER_BLOCK),)](
-                table.ptrs, table.starts, owner, word, copy_words, now, was, n,
-                BLOCK=GATHER_BLOCK, num_warps=4)
-    return owner, now, was
+            copy_words, found.ticket, found.status, found.counts, found.index, found.values,
+            found.owner, found.capacity, LANES=lanes, BITS=bits,
+            ELEMENT=-1 if bits == 64 else (1 << bits) - 1, BLOCK=BLOCK, num_warps=8)
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -124,27 +164,36 @@ def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
 
 
 def works_on(device: torch.device) -> bool:
-    """Whether both kernels give the eager ops' results on `device` (a probe of three
-    tensors, one longer than a program, a few words changed)."""
+    """Whether the kernels give the eager ops' results on `device`: a scan of three tensors
+    (one longer than a program, a few elements changed, one scan keeping them all and one
+    keeping the first two), then an encoding."""
     gen = torch.Generator().manual_seed(7)
-    sizes = [BLOCK + 5, 3, 2 * BLOCK]
-    tensors = [torch.randint(-1 << 40, 1 << 40, (n,), generator=gen).to(device)
-               for n in sizes]
+    sizes = [4 * BLOCK + 20, 4, 8 * BLOCK]  # int16 elements
+    tensors = [torch.randint(-1 << 15, 1 << 15, (n,), dtype=torch.int16, generator=gen)
+               .to(device) for n in sizes]
     copy = torch.cat(tensors)
-    changed = torch.tensor([0, BLOCK + 4, BLOCK + 6, copy.numel() - 1], device=device)
+    changed = torch.tensor([0, 4 * BLOCK + 19, 4 * BLOCK + 21, copy.numel() - 1],
+                           device=device)
     copy[changed] += 1
-    want_copy = torch.cat(tensors)
-    starts = [0, sizes[0], sizes[0] + sizes[1]]
-    table = GroupTable.build(tensors, starts, copy.numel())
-    mask = torch.ones(copy.numel(), dtype=torch.bool, device=device)  # each word written
-    compare(table, copy, mask)
-    word = torch.nonzero(mask).squeeze(1)
-    was = copy.index_select(0, word)
-    owner, now, was_seen = gather(table, word, copy)
-    return (torch.equal(word, changed) and torch.equal(was_seen, was)
-            and torch.equal(now, want_copy.index_select(0, word))
-            and torch.equal(owner, torch.tensor([0, 0, 1, 2], device=device))
-            and torch.equal(copy, want_copy) and _encodes(device))
+    before = copy.clone()
+    starts = [0, sizes[0] // 4, (sizes[0] + sizes[1]) // 4]
+    words = [t.view(torch.int64) for t in tensors]
+    table = GroupTable.build(words, starts, copy.numel() // 4)
+    owner = torch.tensor([0, 0, 1, 2], dtype=torch.int32, device=device)
+    index = changed - torch.tensor([0, 0, sizes[0], sizes[0] + sizes[1]], device=device)
+    kept = []
+    for capacity in (None, 2):
+        found = Scan.empty(table, copy.numel(), torch.int16, torch.int32)
+        if capacity is not None:
+            found = Scan(found.counts, found.index[:capacity], found.values[:capacity],
+                         found.owner[:capacity], found.status, found.ticket)
+        scan(table, copy.view(torch.int64), found, 2)
+        n = found.capacity if capacity is not None else 4
+        kept.append(torch.equal(found.counts, torch.tensor([2, 1, 1], device=device))
+                    and torch.equal(found.index[:n].long(), index[:n])
+                    and torch.equal(found.owner[:n], owner[:n])
+                    and torch.equal(found.values[:n], torch.cat(tensors)[changed[:n]]))
+    return all(kept) and torch.equal(copy, before) and _encodes(device)
 
 
 def _encodes(device: torch.device) -> bool:
@@ -152,7 +201,7 @@ def _encodes(device: torch.device) -> bool:
     values ending off an 8-byte boundary), one with int32 indices, one left out."""
     index = torch.tensor([1, 5, 9, 7, 70_000, 3], dtype=torch.int32, device=device)
     values = torch.tensor([-1, 2, -300, 4, 32767, 9], dtype=torch.int16, device=device)
-    owner = torch.tensor([0, 0, 0, 1, 1, 2], device=device)
+    owner = torch.tensor([0, 0, 0, 1, 1, 2], dtype=torch.int32, device=device)
     layout = torch.tensor([[0, 3, 5], [0, 16, 0], [6, 24, 0], [2, 4, 0]], device=device)
     out = torch.zeros(40, dtype=torch.uint8, device=device)
     encode(index, values, owner, layout, out)
@@ -193,6 +242,6 @@ def encode(index: torch.Tensor, values: torch.Tensor, owner: torch.Tensor,
     if n:
         first, index_at, values_at, index_width = layout.unbind(0)
         with _on(out.device):
-            _encode_kernel[(triton.cdiv(n, GATHER_BLOCK),)](
+            _encode_kernel[(triton.cdiv(n, ENCODE_BLOCK),)](
                 index, values, owner, first, index_at, values_at, index_width, out, n,
-                WIDTH=values.element_size(), BLOCK=GATHER_BLOCK, num_warps=4)
+                WIDTH=values.element_size(), BLOCK=ENCODE_BLOCK, num_warps=4)
