@@ -2,13 +2,13 @@
 large tensors at a time: a handful of device syncs per GiB instead of several per tensor.
 
 The copy lives in one flat buffer per element width, each tensor at an 8-byte-aligned
-offset, so a group of consecutive tensors is one run of 8-byte words: each tensor is
-compared against its run word by word into one mask, the changed words are found with one
-`nonzero` over the group, gathered, and compared element by element in one pass. The copy
-is brought up to date with one scatter of the changed words. On CUDA one Triton launch per
-group compares and writes the changed elements in order (`wtransfer.delta.compare_kernels`,
-used where it gave the eager ops' results on a probe): one read of the tensors and the copy,
-one device sync per group.
+offset, so a group of consecutive tensors is one run of 8-byte words. On CUDA two Triton
+launches per group count and then write the changed elements in order, and the changed
+words into the copy (`wtransfer.delta.compare_kernels`, used where it gave the eager ops'
+results on a probe): about two reads of the tensors and the copy, one device sync per group.
+Elsewhere each tensor is compared against its run word by word into one mask, the changed
+words are found with one `nonzero` over the group, gathered, and compared element by element
+in one pass, and the copy is brought up to date with one scatter of the changed words.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 GROUP_BYTES = {"cuda": 512 << 20, "cpu": 64 << 20}
-"""Tensors are compared in groups of about this many bytes (the word mask of a group is an
-eighth of it on a host, what the GPU's scan keeps about a sixteenth of its elements): large
-on a GPU (fewer syncs), smaller on a host (the mask stays in cache)."""
+"""Tensors are compared in groups of about this many bytes: large on a GPU (fewer syncs; the
+scan's buffers hold up to a quarter of a group's elements), smaller on a host (its word
+mask, an eighth of the group's bytes, stays in cache)."""
 DENSE_WORDS = 0.25
 """A group with more than this fraction of its words changed is compared tensor by tensor
 (gathering most of it would cost more than the tensors' own size)."""
@@ -263,54 +263,63 @@ class LastSent:
                for slot, flat in launched.by_elements}
         if not by_words:
             return out
-        found = None
-        if launched.found is not None and launched.table is not None:
-            found = self._scanned(launched.found, launched.table, copy_words, width)
-        elif launched.mask is not None:
-            found = self._masked(launched.mask, by_words, copy_words, width)
+        if launched.found is not None:
+            out.update(self._scanned(launched.found, by_words, limits))
+            return out
+        assert launched.mask is not None
+        found = self._masked(launched.mask, by_words, copy_words, width)
         if found is None:  # most words changed: tensor by tensor, without most indices
             for slot, words, _ in by_words:
                 out[slot.name] = self._by_elements(slot, words.view(buffer.dtype),
                                                    limits[slot.name])
             return out
-        index, values, owner, elements_of = found
-        kernels = _kernels_for(buffer.device)
-        payloads: list[torch.Tensor | None] | None = None
-        if kernels is not None and launched.found is not None:
-            payloads = _through_kernels(buffer.device, lambda: _encoded(
-                kernels, by_words, elements_of, limits, index, values, owner))
-        if payloads is None:
-            payloads = [None] * len(by_words)
-        at = 0
-        for (slot, _, _), count, payload in zip(by_words, elements_of, payloads, strict=True):
-            out[slot.name] = (Change(count, None, None) if count > limits[slot.name] else
-                              Change(count, index[at:at + count], values[at:at + count],
-                                     payload))
-            at += count
+        index, values, counts = found
+        out.update(_split(by_words, counts, limits, index, values, [None] * len(by_words)))
         return out
 
-    def _scanned(self, found: Scan, table: GroupTable, copy_words: torch.Tensor, width: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None:
-        """The changed elements of a scanned group (index in its tensor, bits now, tensor)
-        and each tensor's count, the copy brought up to date; None where more changed than
-        the scan kept (the copy as it was)."""
+    def _scanned(self, found: Scan, by_words: list[tuple[_Slot, torch.Tensor, int]],
+                 limits: Mapping[str, int]) -> dict[str, Change]:
+        """The changes of a group the kernels scanned, encoded where sparse (the scan
+        brought the copy up to date); where more changed than it kept (the copy as it was),
+        each tensor by its count: unchanged, sent whole or compared on its own."""
         counts = found.counts.tolist()  # (the group's one sync)
         total = sum(counts)
         if total > found.capacity:
-            return None
+            return {slot.name: self._counted(slot, words.view(found.values.dtype), count,
+                                             limits[slot.name])
+                    for (slot, words, _), count in zip(by_words, counts, strict=True)}
         index, values = found.index[:total], found.values[:total]
-        owner = found.owner[:total]
-        lanes = 8 // width
-        at = table.starts.index_select(0, owner).mul_(lanes).add_(index)
-        copy_words.view(values.dtype).index_copy_(0, at, values)
-        return index, values, owner, counts
+        kernels = _kernels_for(self.device)
+        payloads = None
+        if kernels is not None:
+            def encoded() -> list[torch.Tensor | None]:
+                owner = torch.repeat_interleave(
+                    torch.arange(len(counts), device=self.device), found.counts,
+                    output_size=total)
+                return _encoded(kernels, by_words, counts, limits, index, values, owner)
+
+            payloads = _through_kernels(self.device, encoded)
+        return _split(by_words, counts, limits, index, values,
+                      payloads if payloads is not None else [None] * len(by_words))
+
+    def _counted(self, slot: _Slot, flat: torch.Tensor, count: int, limit: int) -> Change:
+        """One tensor's change from its count of changed elements alone, its copy brought up
+        to date: none, whole past its limit, else compared on its own."""
+        if count == 0:
+            return Change(0, torch.empty(0, dtype=torch.int64, device=self.device),
+                          flat[:0])
+        if count > limit:
+            self.view(slot.name).copy_(flat)
+            return Change(count, None, None)
+        return self._by_elements(slot, flat, limit)
 
     def _masked(self, mask: torch.Tensor, by_words: list[tuple[_Slot, torch.Tensor, int]],
                 copy_words: torch.Tensor, width: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None:
+                ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
         """The changed elements of a group compared word by word into `mask` by the eager
-        ops, as `_scanned` gives them; None where more than `DENSE_WORDS` of the words
-        changed (the copy as it was)."""
+        ops (each one's index in its tensor and bits now, in the group's order) and each
+        tensor's count, the copy brought up to date; None where more than `DENSE_WORDS` of
+        the words changed (the copy as it was)."""
         word = self._changed_words(mask)
         if word is None:
             return None
@@ -326,7 +335,7 @@ class LastSent:
         owner = owner.index_select(0, in_words)
         index = index.to(_index_dtype(copy_words.numel() * lanes))
         counts = _counts(owner, torch.arange(len(by_words) + 1, device=self.device))
-        return index, values, owner, counts
+        return index, values, counts
 
     def _table(self, first: int, by_words: list[tuple[_Slot, torch.Tensor, int]], end: int,
                kernels: ModuleType) -> GroupTable:
@@ -336,7 +345,8 @@ class LastSent:
         width = by_words[0][0].width
         table = self._tables.get((width, first))
         if table is None or table.key != kernels.table_key(words, starts):
-            table = self._tables[(width, first)] = kernels.GroupTable.build(words, starts, end)
+            table = self._tables[(width, first)] = kernels.GroupTable.build(words, starts, end,
+                                                                            width)
         return table
 
     def _changed_words(self, mask: torch.Tensor) -> torch.Tensor | None:
@@ -415,6 +425,20 @@ def _encoded(kernels: ModuleType, by_words: list[tuple[_Slot, torch.Tensor, int]
     layout = torch.tensor(rows, dtype=torch.int64).to(values.device)
     kernels.encode(index, values, owner, layout, out)
     return [None if span is None else out.narrow(0, span[0], span[1]) for span in spans]
+
+
+def _split(by_words: list[tuple[_Slot, torch.Tensor, int]], counts: list[int],
+           limits: Mapping[str, int], index: torch.Tensor, values: torch.Tensor,
+           payloads: list[torch.Tensor | None]) -> dict[str, Change]:
+    """Each tensor's change from a group's changed elements (its `counts[i]` of them in
+    turn); without indices past its limit."""
+    out = {}
+    at = 0
+    for (slot, _, _), count, payload in zip(by_words, counts, payloads, strict=True):
+        out[slot.name] = (Change(count, None, None) if count > limits[slot.name] else
+                          Change(count, index[at:at + count], values[at:at + count], payload))
+        at += count
+    return out
 
 
 def _index_dtype(elements: int) -> torch.dtype:

@@ -1,9 +1,9 @@
-"""The GPU comparison of a group of tensors against the last-sent copy in one Triton launch
-(CUDA only; imported where Triton is): each program compares a block of one tensor's 8-byte
-words with its run of the copy, element by element, and writes the changed elements' indices,
-bits and tensor at their place in the group's ascending order, which it learns from the
-programs before it (a decoupled look-back: each program publishes its count, then its running
-total). One more launch encodes the group's sparse payloads into one buffer. `GroupTable`
+"""The GPU comparison of a group of tensors against the last-sent copy in two Triton launches
+(CUDA only; imported where Triton is): one counts each block's changed elements (a block: a
+run of one tensor's 8-byte words), one compares the blocks that changed again and writes their
+changed elements' indices, bits and tensor at their place in the group's ascending order (the
+counts' running total), and the changed words into the copy, unless more changed than it
+keeps. One more launch encodes the group's sparse payloads into one buffer. `GroupTable`
 holds a group's addresses on the device."""
 
 from __future__ import annotations
@@ -16,81 +16,95 @@ import torch
 import triton
 import triton.language as tl
 
-from wtransfer.delta.codec import encode_sparse
+from wtransfer.delta.codec import BITS_VIEW, encode_sparse
 
-BLOCK = 1024
-"""8-byte words per program of the scan (8 KiB of each side)."""
+BLOCK_ELEMENTS = 2048
+"""Elements per block (a block holds this many over the element width's 8-byte words)."""
 ENCODE_BLOCK = 1024
 """Changed elements per program of the encoding."""
-KEPT_SHARE = 16
-"""A scan keeps the first 1/KEPT_SHARE of its group's elements that changed (the counts are
-always whole); a group with more changed is compared tensor by tensor."""
-
-_COUNT = tl.constexpr(1 << 60)
-"""A program's published status: its count (or its running total) below this bit, then 1
-(count only) or 2 (running total) above it; 0 before it publishes."""
+KEPT_SHARE = 4
+"""A scan keeps its group's changes where at most 1/KEPT_SHARE of its elements changed (the
+most a tensor sent sparse may have: an index and a value per element against the value
+alone); the counts are always whole."""
 
 
 @triton.jit
-def _scan_kernel(ptrs, words, word0, block_tensor, block_start, copy,  # type: ignore[no-untyped-def]
-                 ticket, status, counts, index_out, values_out, owner_out, capacity,
-                 LANES: tl.constexpr, BITS: tl.constexpr, ELEMENT: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    # programs take their blocks in launch order, so every block before one is being worked
-    program = tl.atomic_add(ticket, 1)
+def _block(ptrs, words, word0, block_tensor, block_start, copy,  # type: ignore[no-untyped-def]
+           program, LANES: tl.constexpr, BITS: tl.constexpr, ELEMENT: tl.constexpr,
+           BLOCK: tl.constexpr):
+    """One block's words (in its tensor and in the copy's run), its words now, its elements
+    now (BLOCK x LANES) and which of them changed (int32)."""
     tensor = tl.load(block_tensor + program)
     offsets = tl.load(block_start + program) + tl.arange(0, BLOCK)
     inside = offsets < tl.load(words + tensor)
     source = tl.load(ptrs + tensor).to(tl.pointer_type(tl.int64))
     now = tl.load(source + offsets, mask=inside, other=0)
-    was = tl.load(copy + tl.load(word0 + tensor) + offsets, mask=inside, other=0)
+    at = tl.load(word0 + tensor) + offsets
+    was = tl.load(copy + at, mask=inside, other=0)
     shift = (tl.arange(0, LANES) * BITS).to(tl.int64)
     lanes = (now[:, None] >> shift[None, :]) & ELEMENT
-    differ = ((((now ^ was)[:, None] >> shift[None, :]) & ELEMENT) != 0).to(tl.int64)
-    changed = tl.reshape(differ, (BLOCK * LANES,))
-    count = tl.sum(changed, axis=0)
-    tl.atomic_add(counts + tensor, count)
-    tl.atomic_xchg(status + program, count + tl.where(program == 0, 2, 1).to(tl.int64) * _COUNT)
-    before = count * 0
-    look = program - 1
-    while look >= 0:  # add the counts before this block up to a running total
-        seen = tl.atomic_add(status + look, 0)
-        state = seen // _COUNT
-        before += tl.where(state != 0, seen % _COUNT, 0)
-        look = tl.where(state == 2, -1, tl.where(state != 0, look - 1, look))
-    if program > 0:
-        tl.atomic_xchg(status + program, before + count + 2 * _COUNT)
-    if count > 0:
-        at = before + tl.cumsum(changed, axis=0) - changed
-        keep = (changed != 0) & (at < capacity)
+    differ = ((((now ^ was)[:, None] >> shift[None, :]) & ELEMENT) != 0).to(tl.int32)
+    return offsets, at, now, lanes, differ
+
+
+@triton.jit
+def _count_kernel(ptrs, words, word0, block_tensor, block_start, copy,  # type: ignore[no-untyped-def]
+                  block_counts, LANES: tl.constexpr, BITS: tl.constexpr,
+                  ELEMENT: tl.constexpr, BLOCK: tl.constexpr):
+    program = tl.program_id(0)
+    _, _, _, _, differ = _block(ptrs, words, word0, block_tensor, block_start, copy,
+                                   program, LANES, BITS, ELEMENT, BLOCK)
+    tl.store(block_counts + program, tl.sum(tl.sum(differ, axis=1), axis=0))
+
+
+@triton.jit
+def _write_kernel(ptrs, words, word0, block_tensor, block_start, copy,  # type: ignore[no-untyped-def]
+                  block_counts, block_ends, total, index_out, values_out, capacity,
+                  LANES: tl.constexpr, BITS: tl.constexpr, ELEMENT: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    program = tl.program_id(0)
+    count = tl.load(block_counts + program)
+    if (count > 0) & (tl.load(total) <= capacity):
+        offsets, at, now, lanes, differ = _block(
+            ptrs, words, word0, block_tensor, block_start, copy, program, LANES, BITS,
+            ELEMENT, BLOCK)
+        changed = tl.reshape(differ, (BLOCK * LANES,))
+        first = tl.load(block_ends + program) - count
+        out = first + (tl.cumsum(changed, axis=0) - changed).to(tl.int64)
+        keep = changed != 0
         element = offsets[:, None] * LANES + tl.arange(0, LANES)[None, :]
-        tl.store(index_out + at, tl.reshape(element, (BLOCK * LANES,)), mask=keep)
-        tl.store(values_out + at, tl.reshape(lanes, (BLOCK * LANES,)), mask=keep)
-        tl.store(owner_out + at, tensor, mask=keep)
+        tl.store(index_out + out, tl.reshape(element, (BLOCK * LANES,)), mask=keep)
+        tl.store(values_out + out, tl.reshape(lanes, (BLOCK * LANES,)), mask=keep)
+        tl.store(copy + at, now, mask=tl.sum(differ, axis=1) > 0)
 
 
 @dataclass(frozen=True, eq=False)
 class GroupTable:
     """One group's tensors on the device: each one's address (`ptrs`), 8-byte words and
-    first word in the group's run of the copy (`starts`, with the run's end appended), and
-    the scan's programs (which tensor, which word of it each starts at)."""
+    first word in the group's run of the copy (`starts`, with the run's end appended), its
+    blocks' end (`block_end`: one past its last block), and each block's tensor and first
+    word in it."""
 
     key: tuple[int, ...]
+    block: int
+    """8-byte words per block."""
     ptrs: torch.Tensor
     words: torch.Tensor
     starts: torch.Tensor
+    block_end: torch.Tensor
     block_tensor: torch.Tensor
     block_start: torch.Tensor
 
     @classmethod
-    def build(cls, words: Sequence[torch.Tensor], starts: Sequence[int], end: int
+    def build(cls, words: Sequence[torch.Tensor], starts: Sequence[int], end: int, width: int
               ) -> GroupTable:
-        """The table of int64 word views `words`, the i-th at word `starts[i]` of a run of
-        `end` words."""
+        """The table of int64 word views `words` of elements `width` bytes wide, the i-th at
+        word `starts[i]` of a run of `end` words."""
         device = words[0].device
         key = table_key(words, starts)
+        block = BLOCK_ELEMENTS * width // 8
         counts = [w.numel() for w in words]
-        blocks = [-(-count // BLOCK) for count in counts]
+        blocks = [-(-count // block) for count in counts]
         host = torch.tensor([[w.data_ptr() for w in words], counts, list(starts)],
                             dtype=torch.int64)
         ptrs, numels, begins = host.to(device).unbind(0)
@@ -98,11 +112,11 @@ class GroupTable:
         total = sum(blocks)
         block_tensor = torch.repeat_interleave(torch.arange(len(words), device=device),
                                                per_tensor, output_size=total)
-        first_block = torch.cumsum(per_tensor, 0) - per_tensor
+        block_end = torch.cumsum(per_tensor, 0)
         block_start = (torch.arange(total, device=device)
-                       - first_block.index_select(0, block_tensor)) * BLOCK
+                       - (block_end - per_tensor).index_select(0, block_tensor)) * block
         run = torch.cat([begins, torch.tensor([end], device=device)])
-        return cls(key, ptrs, numels, run, block_tensor, block_start)
+        return cls(key, block, ptrs, numels, run, block_end, block_tensor, block_start)
 
 
 def table_key(words: Sequence[torch.Tensor], starts: Sequence[int]) -> tuple[int, ...]:
@@ -113,16 +127,16 @@ def table_key(words: Sequence[torch.Tensor], starts: Sequence[int]) -> tuple[int
 
 @dataclass(frozen=True, eq=False)
 class Scan:
-    """What one scan of a group writes: each tensor's count of changed elements (`counts`),
-    and for the first `capacity` changed elements of the group in order, each one's index in
-    its tensor, its bits now and its tensor (`owner`)."""
+    """What one scan of a group writes: each tensor's count of changed elements (`counts`,
+    int64); where the group's count is at most `capacity`, each changed element's index in
+    its tensor and bits now, in the group's order; the blocks' counts and their running
+    total (`block_ends`, 0 first) on the way."""
 
     counts: torch.Tensor
     index: torch.Tensor
     values: torch.Tensor
-    owner: torch.Tensor
-    status: torch.Tensor
-    ticket: torch.Tensor
+    block_counts: torch.Tensor
+    block_ends: torch.Tensor
 
     @property
     def capacity(self) -> int:
@@ -135,26 +149,33 @@ class Scan:
         """The buffers of a scan of `table` (a run of `elements` elements of `dtype`),
         allocated on the current stream."""
         device = table.ptrs.device
-        capacity = max(elements // KEPT_SHARE, BLOCK * 8)
-        return cls(torch.zeros(table.words.numel(), dtype=torch.int64, device=device),
+        capacity = -(-elements // KEPT_SHARE)
+        blocks = table.block_tensor.numel()
+        return cls(torch.empty(table.words.numel(), dtype=torch.int64, device=device),
                    torch.empty(capacity, dtype=index_dtype, device=device),
                    torch.empty(capacity, dtype=dtype, device=device),
-                   torch.empty(capacity, dtype=torch.int32, device=device),
-                   torch.zeros(table.block_tensor.numel(), dtype=torch.int64, device=device),
-                   torch.zeros(1, dtype=torch.int32, device=device))
+                   torch.empty(blocks, dtype=torch.int32, device=device),
+                   torch.zeros(blocks + 1, dtype=torch.int64, device=device))
 
 
 def scan(table: GroupTable, copy_words: torch.Tensor, found: Scan, width: int) -> None:
     """Compare the table's tensors (elements `width` bytes wide) with their runs of the copy
-    into `found`, queued on the current stream; the copy is left as it was."""
-    lanes = 8 // width
+    into `found`, and write the changed words into the copy where the group's count is at
+    most `found.capacity` (else leave it as it was); queued on the current stream."""
+    blocks = table.block_tensor.numel()
     bits = 8 * width
+    shape = {"LANES": 8 // width, "BITS": bits, "BLOCK": table.block,
+             "ELEMENT": -1 if bits == 64 else (1 << bits) - 1}
+    columns = (table.ptrs, table.words, table.starts, table.block_tensor, table.block_start,
+               copy_words)
     with _on(copy_words.device):
-        _scan_kernel[(table.block_tensor.numel(),)](
-            table.ptrs, table.words, table.starts, table.block_tensor, table.block_start,
-            copy_words, found.ticket, found.status, found.counts, found.index, found.values,
-            found.owner, found.capacity, LANES=lanes, BITS=bits,
-            ELEMENT=-1 if bits == 64 else (1 << bits) - 1, BLOCK=BLOCK, num_warps=8)
+        _count_kernel[(blocks,)](*columns, found.block_counts, **shape, num_warps=4)
+        ends = found.block_ends
+        torch.cumsum(found.block_counts, 0, out=ends[1:])
+        torch.diff(ends.index_select(0, table.block_end), prepend=ends[:1], out=found.counts)
+        _write_kernel[(blocks,)](*columns, found.block_counts, ends[1:], ends[-1:],
+                                 found.index, found.values, found.capacity,
+                                 **shape, num_warps=4)
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -164,36 +185,44 @@ def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
 
 
 def works_on(device: torch.device) -> bool:
-    """Whether the kernels give the eager ops' results on `device`: a scan of three tensors
-    (one longer than a program, a few elements changed, one scan keeping them all and one
-    keeping the first two), then an encoding."""
+    """Whether the kernels give the eager ops' results on `device`, for every element width:
+    a scan of three tensors (one of several blocks, a few elements changed) keeping them
+    all, one keeping fewer than changed (counts only, the copy as it was); then an
+    encoding."""
+    return all(_scans(device, dtype) for dtype in BITS_VIEW.values()) and _encodes(device)
+
+
+def _scans(device: torch.device, dtype: torch.dtype) -> bool:
+    """The probe of `works_on` with elements of `dtype`."""
+    width = dtype.itemsize
+    lanes = 8 // width
     gen = torch.Generator().manual_seed(7)
-    sizes = [4 * BLOCK + 20, 4, 8 * BLOCK]  # int16 elements
-    tensors = [torch.randint(-1 << 15, 1 << 15, (n,), dtype=torch.int16, generator=gen)
-               .to(device) for n in sizes]
-    copy = torch.cat(tensors)
-    changed = torch.tensor([0, 4 * BLOCK + 19, 4 * BLOCK + 21, copy.numel() - 1],
-                           device=device)
-    copy[changed] += 1
-    before = copy.clone()
-    starts = [0, sizes[0] // 4, (sizes[0] + sizes[1]) // 4]
-    words = [t.view(torch.int64) for t in tensors]
-    table = GroupTable.build(words, starts, copy.numel() // 4)
-    owner = torch.tensor([0, 0, 1, 2], dtype=torch.int32, device=device)
+    sizes = [(4 * BLOCK_ELEMENTS + 20) // lanes * lanes, lanes, 8 * BLOCK_ELEMENTS]
+    now = torch.randint(0, 100, (sum(sizes),), generator=gen).to(dtype).to(device)
+    tensors = list(now.split(sizes))
+    changed = torch.tensor([0, sizes[0] - 1, sizes[0], now.numel() - 1], device=device)
+    starts = [0, sizes[0] // lanes, (sizes[0] + sizes[1]) // lanes]
+    table = GroupTable.build([t.view(torch.int64) for t in tensors], starts,
+                             now.numel() // lanes, width)
     index = changed - torch.tensor([0, 0, sizes[0], sizes[0] + sizes[1]], device=device)
-    kept = []
-    for capacity in (None, 2):
-        found = Scan.empty(table, copy.numel(), torch.int16, torch.int32)
+    right = []
+    for capacity in (None, 3):
+        copy = now.clone()
+        copy[changed] += 1
+        before = copy.clone()
+        found = Scan.empty(table, copy.numel(), dtype, torch.int32)
         if capacity is not None:
             found = Scan(found.counts, found.index[:capacity], found.values[:capacity],
-                         found.owner[:capacity], found.status, found.ticket)
-        scan(table, copy.view(torch.int64), found, 2)
-        n = found.capacity if capacity is not None else 4
-        kept.append(torch.equal(found.counts, torch.tensor([2, 1, 1], device=device))
-                    and torch.equal(found.index[:n].long(), index[:n])
-                    and torch.equal(found.owner[:n], owner[:n])
-                    and torch.equal(found.values[:n], torch.cat(tensors)[changed[:n]]))
-    return all(kept) and torch.equal(copy, before) and _encodes(device)
+                         found.block_counts, found.block_ends)
+        scan(table, copy.view(torch.int64), found, width)
+        counted = torch.equal(found.counts, torch.tensor([2, 1, 1], device=device))
+        if capacity is None:
+            right.append(counted and torch.equal(found.index[:4].long(), index)
+                         and torch.equal(found.values[:4], now[changed])
+                         and torch.equal(copy, now))
+        else:
+            right.append(counted and torch.equal(copy, before))
+    return all(right)
 
 
 def _encodes(device: torch.device) -> bool:
