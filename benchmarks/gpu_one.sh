@@ -89,7 +89,7 @@ delta)
         fractions=0.0003,0.01; [ $triton = 1 ] && fractions=0.0003,0.01,0.05,0.3
         WTRANSFER_DELTA_TRITON=$triton timeout 150 python3 benchmarks/delta_profile.py \
             --model qwen3-8b --fractions $fractions > $OUT/delta-$triton.txt 2>&1; echo "rc $?"
-        grep -E "perturbed|copy|_kernel|Self CUDA" $OUT/delta-$triton.txt
+        grep -E "perturbed|copy|_kernel|Self CUDA" $OUT/delta-$triton.txt | cut -c1-60,150-
     done ;;
 ucx)
     echo "$(ts) ucx: the default (what UCX chose here) and tagged 1 GiB buckets, one GPU"

@@ -1,7 +1,8 @@
 """The GPU comparison of a group of tensors against the last-sent copy in two Triton launches
-(CUDA only; imported where Triton is): one counts each block's changed elements (a block: a
-run of one tensor's 8-byte words), one compares the blocks that changed again and writes their
-changed elements' indices, bits and tensor at their place in the group's ascending order (the
+(CUDA only; imported where Triton is): one compares every 8-byte word, marking which of its
+elements changed, and counts each block's changed elements (a block: a run of one tensor's
+words); one reads the marks and the changed words of the blocks that changed and writes
+their changed elements' indices and bits at their place in the group's ascending order (the
 counts' running total), and the changed words into the copy, unless more changed than it
 keeps. One more launch encodes the group's sparse payloads into one buffer. `GroupTable`
 holds a group's addresses on the device."""
@@ -29,11 +30,10 @@ alone); the counts are always whole."""
 
 
 @triton.jit
-def _block(ptrs, words, word0, block_tensor, block_start, copy,  # type: ignore[no-untyped-def]
-           program, LANES: tl.constexpr, BITS: tl.constexpr, ELEMENT: tl.constexpr,
-           BLOCK: tl.constexpr):
-    """One block's words (in its tensor and in the copy's run), its words now, its elements
-    now (BLOCK x LANES) and which of them changed (int32)."""
+def _count_kernel(ptrs, words, word0, block_tensor, block_start, copy,  # type: ignore[no-untyped-def]
+                  changed_words, block_counts, LANES: tl.constexpr, BITS: tl.constexpr,
+                  ELEMENT: tl.constexpr, BLOCK: tl.constexpr):
+    program = tl.program_id(0)
     tensor = tl.load(block_tensor + program)
     offsets = tl.load(block_start + program) + tl.arange(0, BLOCK)
     inside = offsets < tl.load(words + tensor)
@@ -41,41 +41,40 @@ def _block(ptrs, words, word0, block_tensor, block_start, copy,  # type: ignore[
     now = tl.load(source + offsets, mask=inside, other=0)
     at = tl.load(word0 + tensor) + offsets
     was = tl.load(copy + at, mask=inside, other=0)
-    shift = (tl.arange(0, LANES) * BITS).to(tl.int64)
-    lanes = (now[:, None] >> shift[None, :]) & ELEMENT
+    lane = tl.arange(0, LANES)
+    shift = (lane * BITS).to(tl.int64)
     differ = ((((now ^ was)[:, None] >> shift[None, :]) & ELEMENT) != 0).to(tl.int32)
-    return offsets, at, now, lanes, differ
-
-
-@triton.jit
-def _count_kernel(ptrs, words, word0, block_tensor, block_start, copy,  # type: ignore[no-untyped-def]
-                  block_counts, LANES: tl.constexpr, BITS: tl.constexpr,
-                  ELEMENT: tl.constexpr, BLOCK: tl.constexpr):
-    program = tl.program_id(0)
-    _, _, _, _, differ = _block(ptrs, words, word0, block_tensor, block_start, copy,
-                                   program, LANES, BITS, ELEMENT, BLOCK)
+    tl.store(changed_words + at, tl.sum(differ << lane[None, :], axis=1).to(tl.uint8),
+             mask=inside)
     tl.store(block_counts + program, tl.sum(tl.sum(differ, axis=1), axis=0))
 
 
 @triton.jit
 def _write_kernel(ptrs, words, word0, block_tensor, block_start, copy,  # type: ignore[no-untyped-def]
-                  block_counts, block_ends, total, index_out, values_out, capacity,
-                  LANES: tl.constexpr, BITS: tl.constexpr, ELEMENT: tl.constexpr,
+                  changed_words, block_counts, block_ends, total, index_out, values_out,
+                  capacity, LANES: tl.constexpr, BITS: tl.constexpr, ELEMENT: tl.constexpr,
                   BLOCK: tl.constexpr):
     program = tl.program_id(0)
     count = tl.load(block_counts + program)
     if (count > 0) & (tl.load(total) <= capacity):
-        offsets, at, now, lanes, differ = _block(
-            ptrs, words, word0, block_tensor, block_start, copy, program, LANES, BITS,
-            ELEMENT, BLOCK)
-        changed = tl.reshape(differ, (BLOCK * LANES,))
-        first = tl.load(block_ends + program) - count
-        out = first + (tl.cumsum(changed, axis=0) - changed).to(tl.int64)
+        tensor = tl.load(block_tensor + program)
+        offsets = tl.load(block_start + program) + tl.arange(0, BLOCK)
+        inside = offsets < tl.load(words + tensor)
+        at = tl.load(word0 + tensor) + offsets
+        flags = tl.load(changed_words + at, mask=inside, other=0).to(tl.int32)
+        source = tl.load(ptrs + tensor).to(tl.pointer_type(tl.int64))
+        now = tl.load(source + offsets, mask=flags != 0, other=0)  # changed words only
+        lane = tl.arange(0, LANES)
+        shift = (lane * BITS).to(tl.int64)
+        changed = tl.reshape((flags[:, None] >> lane[None, :]) & 1, (BLOCK * LANES,))
+        out = (tl.load(block_ends + program) - count
+               + (tl.cumsum(changed, axis=0) - changed).to(tl.int64))
         keep = changed != 0
-        element = offsets[:, None] * LANES + tl.arange(0, LANES)[None, :]
+        element = offsets[:, None] * LANES + lane[None, :]
+        lanes = (now[:, None] >> shift[None, :]) & ELEMENT
         tl.store(index_out + out, tl.reshape(element, (BLOCK * LANES,)), mask=keep)
         tl.store(values_out + out, tl.reshape(lanes, (BLOCK * LANES,)), mask=keep)
-        tl.store(copy + at, now, mask=tl.sum(differ, axis=1) > 0)
+        tl.store(copy + at, now, mask=flags != 0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,12 +128,14 @@ def table_key(words: Sequence[torch.Tensor], starts: Sequence[int]) -> tuple[int
 class Scan:
     """What one scan of a group writes: each tensor's count of changed elements (`counts`,
     int64); where the group's count is at most `capacity`, each changed element's index in
-    its tensor and bits now, in the group's order; the blocks' counts and their running
-    total (`block_ends`, 0 first) on the way."""
+    its tensor and bits now, in the group's order; on the way, which elements of each word
+    changed, the blocks' counts and their running total (`block_ends`, 0 first)."""
 
     counts: torch.Tensor
     index: torch.Tensor
     values: torch.Tensor
+    changed_words: torch.Tensor
+    """Which elements of each word of the run changed (bit i: element i)."""
     block_counts: torch.Tensor
     block_ends: torch.Tensor
 
@@ -154,6 +155,7 @@ class Scan:
         return cls(torch.empty(table.words.numel(), dtype=torch.int64, device=device),
                    torch.empty(capacity, dtype=index_dtype, device=device),
                    torch.empty(capacity, dtype=dtype, device=device),
+                   torch.empty(elements * dtype.itemsize // 8, dtype=torch.uint8, device=device),
                    torch.empty(blocks, dtype=torch.int32, device=device),
                    torch.zeros(blocks + 1, dtype=torch.int64, device=device))
 
@@ -169,12 +171,13 @@ def scan(table: GroupTable, copy_words: torch.Tensor, found: Scan, width: int) -
     columns = (table.ptrs, table.words, table.starts, table.block_tensor, table.block_start,
                copy_words)
     with _on(copy_words.device):
-        _count_kernel[(blocks,)](*columns, found.block_counts, **shape, num_warps=4)
+        _count_kernel[(blocks,)](*columns, found.changed_words, found.block_counts, **shape,
+                                 num_warps=4)
         ends = found.block_ends
         torch.cumsum(found.block_counts, 0, out=ends[1:])
         torch.diff(ends.index_select(0, table.block_end), prepend=ends[:1], out=found.counts)
-        _write_kernel[(blocks,)](*columns, found.block_counts, ends[1:], ends[-1:],
-                                 found.index, found.values, found.capacity,
+        _write_kernel[(blocks,)](*columns, found.changed_words, found.block_counts, ends[1:],
+                                 ends[-1:], found.index, found.values, found.capacity,
                                  **shape, num_warps=4)
 
 
@@ -213,7 +216,7 @@ def _scans(device: torch.device, dtype: torch.dtype) -> bool:
         found = Scan.empty(table, copy.numel(), dtype, torch.int32)
         if capacity is not None:
             found = Scan(found.counts, found.index[:capacity], found.values[:capacity],
-                         found.block_counts, found.block_ends)
+                         found.changed_words, found.block_counts, found.block_ends)
         scan(table, copy.view(torch.int64), found, width)
         counted = torch.equal(found.counts, torch.tensor([2, 1, 1], device=device))
         if capacity is None:
