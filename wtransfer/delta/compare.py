@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 GROUP_BYTES = {"cuda": 512 << 20, "cpu": 64 << 20}
 """Tensors are compared in groups of about this many bytes: large on a GPU (fewer syncs; the
-scan's buffers hold up to a quarter of a group's elements), smaller on a host (its word
+scan's buffers hold up to a sixteenth of a group's elements), smaller on a host (its word
 mask, an eighth of the group's bytes, stays in cache)."""
 DENSE_WORDS = 0.25
 """A group with more than this fraction of its words changed is compared tensor by tensor
@@ -180,11 +180,12 @@ class LastSent:
                ) -> Iterator[tuple[str, torch.Tensor, Change]]:
         """Queue `group`'s comparison, then gather the changes of every group queued before
         it (and its own, unless its comparison runs on the side stream)."""
-        queued.append(self._launch(group))
+        queued.append(self._launch(group, limits))
         while len(queued) > 1 or (queued and queued[-1].done is None):
             yield from self._finished(queued.pop(0), limits)
 
-    def _launch(self, group: list[tuple[_Slot, torch.Tensor, torch.Tensor]]) -> _Launched:
+    def _launch(self, group: list[tuple[_Slot, torch.Tensor, torch.Tensor]],
+                limits: Mapping[str, int]) -> _Launched:
         """Queue the word comparison of consecutive tensors of one width (one run of the
         copy): through the kernels on a side stream where they run, else eager ops."""
         width = group[0][0].width
@@ -207,8 +208,11 @@ class LastSent:
         if kernels is not None:
             def queue() -> tuple[GroupTable, Scan, torch.cuda.Event | None]:
                 table = self._table(first, launched.by_words, copy_words.numel(), kernels)
-                found = kernels.Scan.empty(table, copy_words.numel() * lanes, buffer.dtype,
-                                           _index_dtype(copy_words.numel() * lanes))
+                elements = copy_words.numel() * lanes
+                sparse = sum(min(limits[slot.name], slot.numel)
+                             for slot, _, _ in launched.by_words)
+                found = kernels.Scan.empty(table, elements, buffer.dtype,
+                                           _index_dtype(elements), max(sparse, 1))
 
                 def scan() -> None:
                     kernels.scan(table, copy_words, found, width)

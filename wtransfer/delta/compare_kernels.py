@@ -23,10 +23,9 @@ BLOCK_ELEMENTS = 2048
 """Elements per block (a block holds this many over the element width's 8-byte words)."""
 ENCODE_BLOCK = 1024
 """Changed elements per program of the encoding."""
-KEPT_SHARE = 4
-"""A scan keeps its group's changes where at most 1/KEPT_SHARE of its elements changed (the
-most a tensor sent sparse may have: an index and a value per element against the value
-alone); the counts are always whole."""
+KEPT_SHARE = 16
+"""A scan keeps at most 1/KEPT_SHARE of its group's elements that changed (and no more than
+its tensors could send sparse); the counts are always whole."""
 
 
 @triton.jit
@@ -146,11 +145,12 @@ class Scan:
 
     @classmethod
     def empty(cls, table: GroupTable, elements: int, dtype: torch.dtype,
-              index_dtype: torch.dtype) -> Scan:
-        """The buffers of a scan of `table` (a run of `elements` elements of `dtype`),
-        allocated on the current stream."""
+              index_dtype: torch.dtype, sparse: int) -> Scan:
+        """The buffers of a scan of `table` (a run of `elements` elements of `dtype`, whose
+        tensors send at most `sparse` changed elements sparse), allocated on the current
+        stream."""
         device = table.ptrs.device
-        capacity = -(-elements // KEPT_SHARE)
+        capacity = min(-(-elements // KEPT_SHARE), sparse)
         blocks = table.block_tensor.numel()
         return cls(torch.empty(table.words.numel(), dtype=torch.int64, device=device),
                    torch.empty(capacity, dtype=index_dtype, device=device),
@@ -213,7 +213,7 @@ def _scans(device: torch.device, dtype: torch.dtype) -> bool:
         copy = now.clone()
         copy[changed] += 1
         before = copy.clone()
-        found = Scan.empty(table, copy.numel(), dtype, torch.int32)
+        found = Scan.empty(table, copy.numel(), dtype, torch.int32, copy.numel())
         if capacity is not None:
             found = Scan(found.counts, found.index[:capacity], found.values[:capacity],
                          found.changed_words, found.block_counts, found.block_ends)
