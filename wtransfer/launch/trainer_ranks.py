@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from datetime import timedelta
 from typing import IO, Any
 
@@ -273,11 +274,20 @@ def main(argv: list[str] | None = None) -> None:
                              "elements (else new random weights)")
     try:
         run(parser.parse_args(argv))
-    finally:  # a rank that fails (its sender refused at connect, say) still tears its group
-        import torch.distributed as dist  # down: left to the interpreter's exit, gloo's
+    except Exception:  # a rank that fails (its sender refused at connect, say) prints
+        traceback.print_exc()  # its error, tears its group down and exits 1 at once: left
+        sys.stderr.flush()  # to the interpreter's exit, a C++ thread still joinable there
+        _destroy_group()  # sometimes aborted the process ("terminate called without an
+        os._exit(1)  # active exception") instead of letting it exit with the error
+    _destroy_group()
 
-        if dist.is_initialized():  # threads sometimes aborted the process instead of
-            dist.destroy_process_group()  # letting it exit with the error
+
+def _destroy_group() -> None:
+    """Tear the rank's process group down, where one is up."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
