@@ -106,7 +106,7 @@ class LastSent:
             sizes[width] = start + _aligned_numel(meta.numel, width)
         self._buffers = {width: torch.zeros(n, dtype=BITS_VIEW[width], device=device)
                          for width, n in sizes.items()}
-        self._tables: dict[tuple[int, int], GroupTable] = {}
+        self._tables: dict[tuple[int, int, int], GroupTable] = {}
         self._side: torch.cuda.Stream | None = None
 
     @property
@@ -209,10 +209,9 @@ class LastSent:
             def queue() -> tuple[GroupTable, Scan, torch.cuda.Event | None]:
                 table = self._table(first, launched.by_words, copy_words.numel(), kernels)
                 elements = copy_words.numel() * lanes
-                sparse = sum(min(limits[slot.name], slot.numel)
-                             for slot, _, _ in launched.by_words)
-                found = kernels.Scan.empty(table, elements, buffer.dtype,
-                                           _index_dtype(elements), max(sparse, 1))
+                found = kernels.Scan.empty(
+                    table, elements, buffer.dtype, _index_dtype(elements),
+                    [min(limits[slot.name], slot.numel) for slot, _, _ in launched.by_words])
 
                 def scan() -> None:
                     kernels.scan(table, copy_words, found, width)
@@ -244,10 +243,14 @@ class LastSent:
             self._side = torch.cuda.Stream(device)
         current = torch.cuda.current_stream(device)
         self._side.wait_stream(current)
-        with torch.cuda.stream(self._side):
-            queue()
-            done = torch.cuda.Event()
-            done.record(self._side)
+        try:
+            with torch.cuda.stream(self._side):
+                queue()
+                done = torch.cuda.Event()
+                done.record(self._side)
+        except BaseException:  # part of it queued: nothing it writes may be freed under it
+            current.wait_stream(self._side)
+            raise
         return done
 
     def _finished(self, launched: _Launched, limits: Mapping[str, int]
@@ -278,7 +281,8 @@ class LastSent:
                                                    limits[slot.name])
             return out
         index, values, counts = found
-        out.update(_split(by_words, counts, limits, index, values, [None] * len(by_words)))
+        out.update(_split(by_words, counts, limits, index, values, [None] * len(by_words),
+                          counts))
         return out
 
     def _scanned(self, found: Scan, by_words: list[tuple[_Slot, torch.Tensor, int]],
@@ -287,7 +291,9 @@ class LastSent:
         brought the copy up to date); where more changed than it kept (the copy as it was),
         each tensor by its count: unchanged, sent whole or compared on its own."""
         counts = found.counts.tolist()  # (the group's one sync)
-        total = sum(counts)
+        kept = [c if c <= min(limits[slot.name], slot.numel) else 0
+                for (slot, _, _), c in zip(by_words, counts, strict=True)]
+        total = sum(kept)
         if total > found.capacity:
             return {slot.name: self._counted(slot, words.view(found.values.dtype), count,
                                              limits[slot.name])
@@ -298,13 +304,13 @@ class LastSent:
         if kernels is not None:
             def encoded() -> list[torch.Tensor | None]:
                 owner = torch.repeat_interleave(
-                    torch.arange(len(counts), device=self.device), found.counts,
+                    torch.arange(len(counts), device=self.device), found.kept,
                     output_size=total)
-                return _encoded(kernels, by_words, counts, limits, index, values, owner)
+                return _encoded(kernels, by_words, kept, limits, index, values, owner)
 
             payloads = _through_kernels(self.device, encoded)
         return _split(by_words, counts, limits, index, values,
-                      payloads if payloads is not None else [None] * len(by_words))
+                      payloads if payloads is not None else [None] * len(by_words), kept)
 
     def _counted(self, slot: _Slot, flat: torch.Tensor, count: int, limit: int) -> Change:
         """One tensor's change from its count of changed elements alone, its copy brought up
@@ -347,10 +353,10 @@ class LastSent:
         words = [w for _, w, _ in by_words]
         starts = [w0 for _, _, w0 in by_words]
         width = by_words[0][0].width
-        table = self._tables.get((width, first))
+        table = self._tables.get((width, first, end))
         if table is None or table.key != kernels.table_key(words, starts):
-            table = self._tables[(width, first)] = kernels.GroupTable.build(words, starts, end,
-                                                                            width)
+            table = self._tables[(width, first, end)] = kernels.GroupTable.build(
+                words, starts, end, width)
         return table
 
     def _changed_words(self, mask: torch.Tensor) -> torch.Tensor | None:
@@ -433,15 +439,17 @@ def _encoded(kernels: ModuleType, by_words: list[tuple[_Slot, torch.Tensor, int]
 
 def _split(by_words: list[tuple[_Slot, torch.Tensor, int]], counts: list[int],
            limits: Mapping[str, int], index: torch.Tensor, values: torch.Tensor,
-           payloads: list[torch.Tensor | None]) -> dict[str, Change]:
-    """Each tensor's change from a group's changed elements (its `counts[i]` of them in
-    turn); without indices past its limit."""
+           payloads: list[torch.Tensor | None], placed: list[int]) -> dict[str, Change]:
+    """Each tensor's change (`counts[i]` elements changed) from a group's changed elements,
+    where the i-th tensor holds the next `placed[i]` of them; without indices past its
+    limit."""
     out = {}
     at = 0
-    for (slot, _, _), count, payload in zip(by_words, counts, payloads, strict=True):
+    for (slot, _, _), count, payload, held in zip(by_words, counts, payloads, placed,
+                                                 strict=True):
         out[slot.name] = (Change(count, None, None) if count > limits[slot.name] else
                           Change(count, index[at:at + count], values[at:at + count], payload))
-        at += count
+        at += held
     return out
 
 

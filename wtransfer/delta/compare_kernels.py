@@ -50,12 +50,11 @@ def _count_kernel(ptrs, words, word0, block_tensor, block_start, copy,  # type: 
 
 @triton.jit
 def _write_kernel(ptrs, words, word0, block_tensor, block_start, copy,  # type: ignore[no-untyped-def]
-                  changed_words, block_counts, block_ends, total, index_out, values_out,
-                  capacity, LANES: tl.constexpr, BITS: tl.constexpr, ELEMENT: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  changed_words, block_counts, kept_counts, kept_ends, total, index_out,
+                  values_out, capacity, LANES: tl.constexpr, BITS: tl.constexpr,
+                  ELEMENT: tl.constexpr, BLOCK: tl.constexpr):
     program = tl.program_id(0)
-    count = tl.load(block_counts + program)
-    if (count > 0) & (tl.load(total) <= capacity):
+    if (tl.load(block_counts + program) > 0) & (tl.load(total) <= capacity):
         tensor = tl.load(block_tensor + program)
         offsets = tl.load(block_start + program) + tl.arange(0, BLOCK)
         inside = offsets < tl.load(words + tensor)
@@ -63,17 +62,23 @@ def _write_kernel(ptrs, words, word0, block_tensor, block_start, copy,  # type: 
         flags = tl.load(changed_words + at, mask=inside, other=0).to(tl.int32)
         source = tl.load(ptrs + tensor).to(tl.pointer_type(tl.int64))
         now = tl.load(source + offsets, mask=flags != 0, other=0)  # changed words only
+        was = tl.load(copy + at, mask=flags != 0, other=0)
         lane = tl.arange(0, LANES)
         shift = (lane * BITS).to(tl.int64)
-        changed = tl.reshape((flags[:, None] >> lane[None, :]) & 1, (BLOCK * LANES,))
-        out = (tl.load(block_ends + program) - count
-               + (tl.cumsum(changed, axis=0) - changed).to(tl.int64))
-        keep = changed != 0
-        element = offsets[:, None] * LANES + lane[None, :]
-        lanes = (now[:, None] >> shift[None, :]) & ELEMENT
-        tl.store(index_out + out, tl.reshape(element, (BLOCK * LANES,)), mask=keep)
-        tl.store(values_out + out, tl.reshape(lanes, (BLOCK * LANES,)), mask=keep)
-        tl.store(copy + at, now, mask=flags != 0)
+        marked = (flags[:, None] >> lane[None, :]) & 1
+        taken = tl.sum(tl.where(marked != 0, ELEMENT << shift[None, :], 0), axis=1)
+        word = was ^ ((now ^ was) & taken)  # (the marked elements only, as counted)
+        tl.store(copy + at, word, mask=flags != 0)
+        kept = tl.load(kept_counts + program)
+        if kept > 0:  # (a tensor over its limit travels whole: its elements are not kept)
+            changed = tl.reshape(marked, (BLOCK * LANES,))
+            out = (tl.load(kept_ends + program) - kept
+                   + (tl.cumsum(changed, axis=0) - changed).to(tl.int64))
+            keep = changed != 0
+            element = offsets[:, None] * LANES + lane[None, :]
+            lanes = (word[:, None] >> shift[None, :]) & ELEMENT
+            tl.store(index_out + out, tl.reshape(element, (BLOCK * LANES,)), mask=keep)
+            tl.store(values_out + out, tl.reshape(lanes, (BLOCK * LANES,)), mask=keep)
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,17 +131,22 @@ def table_key(words: Sequence[torch.Tensor], starts: Sequence[int]) -> tuple[int
 @dataclass(frozen=True, eq=False)
 class Scan:
     """What one scan of a group writes: each tensor's count of changed elements (`counts`,
-    int64); where the group's count is at most `capacity`, each changed element's index in
-    its tensor and bits now, in the group's order; on the way, which elements of each word
-    changed, the blocks' counts and their running total (`block_ends`, 0 first)."""
+    int64) and how many of them it kept (`kept`: all of them where at most the tensor's
+    limit, else none); where the group's kept elements are at most `capacity`, each kept
+    element's index in its tensor and bits now, in the group's order. On the way: which
+    elements of each word changed, each block's count, kept count and their running
+    total (`kept_ends`, 0 first)."""
 
+    limits: torch.Tensor
     counts: torch.Tensor
+    kept: torch.Tensor
     index: torch.Tensor
     values: torch.Tensor
     changed_words: torch.Tensor
     """Which elements of each word of the run changed (bit i: element i)."""
     block_counts: torch.Tensor
-    block_ends: torch.Tensor
+    block_kept: torch.Tensor
+    kept_ends: torch.Tensor
 
     @property
     def capacity(self) -> int:
@@ -145,25 +155,36 @@ class Scan:
 
     @classmethod
     def empty(cls, table: GroupTable, elements: int, dtype: torch.dtype,
-              index_dtype: torch.dtype, sparse: int) -> Scan:
-        """The buffers of a scan of `table` (a run of `elements` elements of `dtype`, whose
-        tensors send at most `sparse` changed elements sparse), allocated on the current
-        stream."""
+              index_dtype: torch.dtype, limits: Sequence[int]) -> Scan:
+        """The buffers of a scan of `table` (a run of `elements` elements of `dtype`), whose
+        i-th tensor sends at most `limits[i]` changed elements sparse; allocated on the
+        current stream."""
         device = table.ptrs.device
-        capacity = min(-(-elements // KEPT_SHARE), sparse)
+        capacity = max(min(-(-elements // KEPT_SHARE), sum(limits)), 1)
         blocks = table.block_tensor.numel()
-        return cls(torch.empty(table.words.numel(), dtype=torch.int64, device=device),
+        tensors = table.words.numel()
+        return cls(torch.tensor(limits, dtype=torch.int64).to(device),
+                   torch.empty(tensors, dtype=torch.int64, device=device),
+                   torch.empty(tensors, dtype=torch.int64, device=device),
                    torch.empty(capacity, dtype=index_dtype, device=device),
                    torch.empty(capacity, dtype=dtype, device=device),
                    torch.empty(elements * dtype.itemsize // 8, dtype=torch.uint8, device=device),
                    torch.empty(blocks, dtype=torch.int32, device=device),
+                   torch.empty(blocks, dtype=torch.int32, device=device),
                    torch.zeros(blocks + 1, dtype=torch.int64, device=device))
+
+    def with_capacity(self, capacity: int) -> Scan:
+        """The same scan keeping at most `capacity` elements (a probe's)."""
+        return Scan(self.limits, self.counts, self.kept, self.index[:capacity],
+                    self.values[:capacity], self.changed_words, self.block_counts,
+                    self.block_kept, self.kept_ends)
 
 
 def scan(table: GroupTable, copy_words: torch.Tensor, found: Scan, width: int) -> None:
     """Compare the table's tensors (elements `width` bytes wide) with their runs of the copy
-    into `found`, and write the changed words into the copy where the group's count is at
-    most `found.capacity` (else leave it as it was); queued on the current stream."""
+    into `found`, and write the changed elements into the copy where the group's kept
+    elements are at most `found.capacity` (else leave it as it was); queued on the current
+    stream."""
     blocks = table.block_tensor.numel()
     bits = 8 * width
     shape = {"LANES": 8 // width, "BITS": bits, "BLOCK": table.block,
@@ -173,12 +194,17 @@ def scan(table: GroupTable, copy_words: torch.Tensor, found: Scan, width: int) -
     with _on(copy_words.device):
         _count_kernel[(blocks,)](*columns, found.changed_words, found.block_counts, **shape,
                                  num_warps=4)
-        ends = found.block_ends
+        ends = found.kept_ends
         torch.cumsum(found.block_counts, 0, out=ends[1:])
         torch.diff(ends.index_select(0, table.block_end), prepend=ends[:1], out=found.counts)
-        _write_kernel[(blocks,)](*columns, found.changed_words, found.block_counts, ends[1:],
-                                 ends[-1:], found.index, found.values, found.capacity,
-                                 **shape, num_warps=4)
+        sparse = found.counts <= found.limits
+        torch.mul(found.counts, sparse, out=found.kept)
+        torch.mul(found.block_counts, sparse.index_select(0, table.block_tensor),
+                  out=found.block_kept)
+        torch.cumsum(found.block_kept, 0, out=ends[1:])
+        _write_kernel[(blocks,)](*columns, found.changed_words, found.block_counts,
+                                 found.block_kept, ends[1:], ends[-1:], found.index,
+                                 found.values, found.capacity, **shape, num_warps=4)
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -188,43 +214,53 @@ def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
 
 
 def works_on(device: torch.device) -> bool:
-    """Whether the kernels give the eager ops' results on `device`, for every element width:
-    a scan of three tensors (one of several blocks, a few elements changed) keeping them
-    all, one keeping fewer than changed (counts only, the copy as it was); then an
-    encoding."""
-    return all(_scans(device, dtype) for dtype in BITS_VIEW.values()) and _encodes(device)
+    """Whether the kernels give the eager ops' results on `device`, for every element width
+    and an odd and an even count of blocks (`_scans`); then an encoding."""
+    return (all(_scans(device, dtype, blocks) for dtype in BITS_VIEW.values()
+                for blocks in (7, 8)) and _encodes(device))
 
 
-def _scans(device: torch.device, dtype: torch.dtype) -> bool:
-    """The probe of `works_on` with elements of `dtype`."""
+def _scans(device: torch.device, dtype: torch.dtype, blocks: int) -> bool:
+    """Three tensors of random bits (the last of `blocks` blocks), elements changed in
+    several lanes of a word, across a block and at the ends, scanned: keeping all; with the
+    last tensor over its limit (its elements not kept nor written, its copy brought up to
+    date); keeping fewer than changed (counts only, the copy as it was)."""
     width = dtype.itemsize
     lanes = 8 // width
-    gen = torch.Generator().manual_seed(7)
-    sizes = [(4 * BLOCK_ELEMENTS + 20) // lanes * lanes, lanes, 8 * BLOCK_ELEMENTS]
-    now = torch.randint(0, 100, (sum(sizes),), generator=gen).to(dtype).to(device)
-    tensors = list(now.split(sizes))
-    changed = torch.tensor([0, sizes[0] - 1, sizes[0], now.numel() - 1], device=device)
-    starts = [0, sizes[0] // lanes, (sizes[0] + sizes[1]) // lanes]
-    table = GroupTable.build([t.view(torch.int64) for t in tensors], starts,
-                             now.numel() // lanes, width)
-    index = changed - torch.tensor([0, 0, sizes[0], sizes[0] + sizes[1]], device=device)
+    gen = torch.Generator().manual_seed(7 + blocks)
+    sizes = [(4 * BLOCK_ELEMENTS + 20) // lanes * lanes, lanes, blocks * BLOCK_ELEMENTS]
+    now = torch.randint(-1 << 62, 1 << 62, (sum(sizes) // lanes,), generator=gen
+                        ).view(dtype).to(device)
+    first = [0, sizes[0], sizes[0] + sizes[1]]
+    changed = torch.tensor(
+        [1, 2, lanes + 3, 1000, 2047, sizes[0] - 1, first[1], first[2], first[2] + 3,
+         first[2] + 2047, first[2] + 2048, now.numel() - 1], device=device)
+    owner = torch.tensor([0] * 6 + [1] + [2] * 5, device=device)
+    flips = torch.randint(1, 1 << 30, (changed.numel(),), generator=gen).to(device)
+    index = changed - torch.tensor(first, device=device).index_select(0, owner)
+    table = GroupTable.build([t.view(torch.int64) for t in now.split(sizes)],
+                             [f // lanes for f in first], now.numel() // lanes, width)
+    counts = torch.tensor([6, 1, 5], device=device)
     right = []
-    for capacity in (None, 3):
+    for limits, capacity in (((6, 1, 5), None), ((6, 1, 4), None), ((6, 1, 5), 11)):
         copy = now.clone()
-        copy[changed] += 1
+        copy[changed] ^= flips.to(dtype)
         before = copy.clone()
-        found = Scan.empty(table, copy.numel(), dtype, torch.int32, copy.numel())
+        found = Scan.empty(table, copy.numel(), dtype, torch.int32, limits)
         if capacity is not None:
-            found = Scan(found.counts, found.index[:capacity], found.values[:capacity],
-                         found.changed_words, found.block_counts, found.block_ends)
+            found = found.with_capacity(capacity)
+        found.index.fill_(-1)
         scan(table, copy.view(torch.int64), found, width)
-        counted = torch.equal(found.counts, torch.tensor([2, 1, 1], device=device))
+        kept = owner <= (2 if limits[2] == 5 else 1)
+        n = int(kept.sum())
         if capacity is None:
-            right.append(counted and torch.equal(found.index[:4].long(), index)
-                         and torch.equal(found.values[:4], now[changed])
+            right.append(torch.equal(found.counts, counts)
+                         and torch.equal(found.index[:n].long(), index[kept])
+                         and bool((found.index[n:] == -1).all())
+                         and torch.equal(found.values[:n], now[changed[kept]])
                          and torch.equal(copy, now))
         else:
-            right.append(counted and torch.equal(copy, before))
+            right.append(torch.equal(found.counts, counts) and torch.equal(copy, before))
     return all(right)
 
 
@@ -233,7 +269,7 @@ def _encodes(device: torch.device) -> bool:
     values ending off an 8-byte boundary), one with int32 indices, one left out."""
     index = torch.tensor([1, 5, 9, 7, 70_000, 3], dtype=torch.int32, device=device)
     values = torch.tensor([-1, 2, -300, 4, 32767, 9], dtype=torch.int16, device=device)
-    owner = torch.tensor([0, 0, 0, 1, 1, 2], dtype=torch.int32, device=device)
+    owner = torch.tensor([0, 0, 0, 1, 1, 2], device=device)
     layout = torch.tensor([[0, 3, 5], [0, 16, 0], [6, 24, 0], [2, 4, 0]], device=device)
     out = torch.zeros(40, dtype=torch.uint8, device=device)
     encode(index, values, owner, layout, out)
