@@ -2,13 +2,12 @@
 large tensors at a time: a handful of device syncs per GiB instead of several per tensor.
 
 The copy lives in one flat buffer per element width, each tensor at an 8-byte-aligned
-offset, so a group of consecutive tensors is one run of 8-byte words. On CUDA two Triton
-launches per group count and then write the changed elements in order, and the changed
-words into the copy (`wtransfer.delta.compare_kernels`, used where it gave the eager ops'
-results on a probe): about two reads of the tensors and the copy, one device sync per group.
-Elsewhere each tensor is compared against its run word by word into one mask, the changed
-words are found with one `nonzero` over the group, gathered, and compared element by element
-in one pass, and the copy is brought up to date with one scatter of the changed words.
+offset, so a group of consecutive tensors is one run of 8-byte words: each tensor is
+compared against its run word by word into one mask, the changed words are found with one
+`nonzero` over the group, gathered, and compared element by element in one pass. The copy
+is brought up to date with one scatter of the changed words. On CUDA the comparison and the
+gather are one Triton launch each per group (`wtransfer.delta.compare_kernels`, used where it
+gave the eager ops' results on a probe) instead of a few launches per tensor.
 """
 
 from __future__ import annotations
@@ -26,15 +25,14 @@ from wtransfer.device_kernels import CheckedKernels
 from wtransfer.packing import TensorMeta
 
 if TYPE_CHECKING:
-    from wtransfer.delta.compare_kernels import GroupTable, Scan
+    from wtransfer.delta.compare_kernels import GroupTable
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-GROUP_BYTES = {"cuda": 512 << 20, "cpu": 64 << 20}
-"""Tensors are compared in groups of about this many bytes: large on a GPU (fewer syncs; the
-scan's buffers hold up to a sixteenth of a group's elements), smaller on a host (its word
-mask, an eighth of the group's bytes, stays in cache)."""
+GROUP_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
+"""Tensors are compared in groups of about this many bytes (the word mask of a group is an
+eighth of it): large on a GPU (fewer syncs), smaller on a host (the mask stays in cache)."""
 DENSE_WORDS = 0.25
 """A group with more than this fraction of its words changed is compared tensor by tensor
 (gathering most of it would cost more than the tensors' own size)."""
@@ -71,18 +69,17 @@ class _Slot:
 class _Launched:
     """A group whose word comparison is queued: its tensors, those compared word by word
     (slot, int64 view, first word in the run) or element by element, and what finishing it
-    reads: the word mask of the eager ops, or the kernels' table and scan."""
+    reads."""
 
     group: list[tuple[_Slot, torch.Tensor, torch.Tensor]]
     width: int
     copy_words: torch.Tensor
+    mask: torch.Tensor
     by_words: list[tuple[_Slot, torch.Tensor, int]] = field(default_factory=list)
     by_elements: list[tuple[_Slot, torch.Tensor]] = field(default_factory=list)
-    mask: torch.Tensor | None = None
     table: GroupTable | None = None
-    found: Scan | None = None
     done: torch.cuda.Event | None = None
-    """Recorded on the side stream after the scan (None: queued on the current one)."""
+    """Recorded on the side stream after the comparison (None: queued on the current one)."""
 
 
 def _aligned_numel(numel: int, width: int) -> int:
@@ -106,7 +103,7 @@ class LastSent:
             sizes[width] = start + _aligned_numel(meta.numel, width)
         self._buffers = {width: torch.zeros(n, dtype=BITS_VIEW[width], device=device)
                          for width, n in sizes.items()}
-        self._tables: dict[tuple[int, int, int], GroupTable] = {}
+        self._tables: dict[tuple[int, int], GroupTable] = {}
         self._side: torch.cuda.Stream | None = None
 
     @property
@@ -142,7 +139,7 @@ class LastSent:
         per element width, so interleaved widths do not cut groups short; on CUDA, where
         the next group's comparison runs on a stream of its own while this one's changes
         are gathered, until the group after it is queued too). A tensor with more than
-        `limits[name]` changed elements comes without indices; a name that comes twice is
+        `limits[name]` changed elements may come without indices; a name that comes twice is
         a ValueError."""
         most = GROUP_BYTES.get(self.device.type, GROUP_BYTES["cpu"])
         forming: dict[int, list[tuple[_Slot, torch.Tensor, torch.Tensor]]] = {}
@@ -173,19 +170,18 @@ class LastSent:
         finally:  # stopped early: nothing the side stream still writes may be freed under it
             for launched in queued:
                 if launched.done is not None:
-                    torch.cuda.current_stream(self.device).wait_event(launched.done)
+                    torch.cuda.current_stream(launched.mask.device).wait_event(launched.done)
 
     def _queue(self, queued: list[_Launched],
                group: list[tuple[_Slot, torch.Tensor, torch.Tensor]], limits: Mapping[str, int]
                ) -> Iterator[tuple[str, torch.Tensor, Change]]:
         """Queue `group`'s comparison, then gather the changes of every group queued before
         it (and its own, unless its comparison runs on the side stream)."""
-        queued.append(self._launch(group, limits))
+        queued.append(self._launch(group))
         while len(queued) > 1 or (queued and queued[-1].done is None):
             yield from self._finished(queued.pop(0), limits)
 
-    def _launch(self, group: list[tuple[_Slot, torch.Tensor, torch.Tensor]],
-                limits: Mapping[str, int]) -> _Launched:
+    def _launch(self, group: list[tuple[_Slot, torch.Tensor, torch.Tensor]]) -> _Launched:
         """Queue the word comparison of consecutive tensors of one width (one run of the
         copy): through the kernels on a side stream where they run, else eager ops."""
         width = group[0][0].width
@@ -195,44 +191,34 @@ class LastSent:
         last_slot = group[-1][0]
         end = last_slot.start + _aligned_numel(last_slot.numel, width)
         copy_words = buffer[first:end].view(torch.int64)
-        launched = _Launched(group, width, copy_words)
+        mask = torch.empty(copy_words.numel(), dtype=torch.bool, device=self.device)
+        launched = _Launched(group, width, copy_words, mask)
         for slot, flat, _ in group:
+            word0 = (slot.start - first) // lanes
             if slot.numel % lanes or flat.data_ptr() % 8:  # not whole 8-byte words
                 launched.by_elements.append((slot, flat))
-            else:
-                launched.by_words.append((slot, flat.view(torch.int64),
-                                          (slot.start - first) // lanes))
+                mask[word0:word0 + _aligned_numel(slot.numel, width) // lanes].zero_()
+                continue
+            launched.by_words.append((slot, flat.view(torch.int64), word0))
         if not launched.by_words:
             return launched
         kernels = _kernels_for(buffer.device)
         if kernels is not None:
-            def queue() -> tuple[GroupTable, Scan, torch.cuda.Event | None]:
-                table = self._table(first, launched.by_words, copy_words.numel(), kernels)
-                elements = copy_words.numel() * lanes
-                found = kernels.Scan.empty(
-                    table, elements, buffer.dtype, _index_dtype(elements),
-                    [min(limits[slot.name], slot.numel) for slot, _, _ in launched.by_words])
-
-                def scan() -> None:
-                    kernels.scan(table, copy_words, found, width)
-
+            def queue() -> tuple[GroupTable, torch.cuda.Event | None]:
+                table = self._table(first, launched.by_words, mask.numel(), kernels)
                 if buffer.device.type != "cuda":  # (Triton's interpreter)
-                    scan()
-                    return table, found, None
-                return table, found, self._on_side(buffer.device, scan)
+                    kernels.compare(table, copy_words, mask)
+                    return table, None
+                return table, self._on_side(
+                    buffer.device, lambda: kernels.compare(table, copy_words, mask))
 
             queued = _through_kernels(buffer.device, queue)
             if queued is not None:
-                launched.table, launched.found, launched.done = queued
-                return launched
-        launched.mask = mask = torch.empty(copy_words.numel(), dtype=torch.bool,
-                                           device=self.device)
-        for slot, _ in launched.by_elements:
-            word0 = (slot.start - first) // lanes
-            mask[word0:word0 + _aligned_numel(slot.numel, width) // lanes].zero_()
-        for _, words, word0 in launched.by_words:
-            torch.ne(words, copy_words[word0:word0 + words.numel()],
-                     out=mask[word0:word0 + words.numel()])
+                launched.table, launched.done = queued
+        if launched.table is None:
+            for _, words, word0 in launched.by_words:
+                torch.ne(words, copy_words[word0:word0 + words.numel()],
+                         out=mask[word0:word0 + words.numel()])
         return launched
 
     def _on_side(self, device: torch.device, queue: Callable[[], None]) -> torch.cuda.Event:
@@ -262,90 +248,54 @@ class LastSent:
     def _gathered_changes(self, launched: _Launched, limits: Mapping[str, int]
                           ) -> dict[str, Change]:
         """The changes of a launched group, the copy brought up to date."""
-        width, copy_words, by_words = launched.width, launched.copy_words, launched.by_words
+        width, copy_words, mask = launched.width, launched.copy_words, launched.mask
+        by_words, table = launched.by_words, launched.table
+        lanes = 8 // width
         buffer = self._buffers[width]
         if launched.done is not None:
-            torch.cuda.current_stream(self.device).wait_event(launched.done)
+            torch.cuda.current_stream(mask.device).wait_event(launched.done)
         out = {slot.name: self._by_elements(slot, flat, limits[slot.name])
                for slot, flat in launched.by_elements}
         if not by_words:
             return out
-        if launched.found is not None:
-            out.update(self._scanned(launched.found, by_words, limits))
-            return out
-        assert launched.mask is not None
-        found = self._masked(launched.mask, by_words, copy_words, width)
-        if found is None:  # most words changed: tensor by tensor, without most indices
+        word = self._changed_words(mask)
+        if word is None:  # most words changed: tensor by tensor, without most indices
             for slot, words, _ in by_words:
                 out[slot.name] = self._by_elements(slot, words.view(buffer.dtype),
                                                    limits[slot.name])
             return out
-        index, values, counts = found
-        out.update(_split(by_words, counts, limits, index, values, [None] * len(by_words),
-                          counts))
-        return out
-
-    def _scanned(self, found: Scan, by_words: list[tuple[_Slot, torch.Tensor, int]],
-                 limits: Mapping[str, int]) -> dict[str, Change]:
-        """The changes of a group the kernels scanned, encoded where sparse (the scan
-        brought the copy up to date); where more changed than it kept (the copy as it was),
-        each tensor by its count: unchanged, sent whole or compared on its own."""
-        counts = found.counts.tolist()  # (the group's one sync)
-        kept = [c if c <= min(limits[slot.name], slot.numel) else 0
-                for (slot, _, _), c in zip(by_words, counts, strict=True)]
-        total = sum(kept)
-        if total > found.capacity:
-            return {slot.name: self._counted(slot, words.view(found.values.dtype), count,
-                                             limits[slot.name])
-                    for (slot, words, _), count in zip(by_words, counts, strict=True)}
-        index, values = found.index[:total], found.values[:total]
-        kernels = _kernels_for(self.device)
-        payloads = None
-        if kernels is not None:
-            def encoded() -> list[torch.Tensor | None]:
-                owner = torch.repeat_interleave(
-                    torch.arange(len(counts), device=self.device), found.kept,
-                    output_size=total)
-                return _encoded(kernels, by_words, kept, limits, index, values, owner)
-
-            payloads = _through_kernels(self.device, encoded)
-        return _split(by_words, counts, limits, index, values,
-                      payloads if payloads is not None else [None] * len(by_words), kept)
-
-    def _counted(self, slot: _Slot, flat: torch.Tensor, count: int, limit: int) -> Change:
-        """One tensor's change from its count of changed elements alone, its copy brought up
-        to date: none, whole past its limit, else compared on its own."""
-        if count == 0:
-            return Change(0, torch.empty(0, dtype=torch.int64, device=self.device),
-                          flat[:0])
-        if count > limit:
-            self.view(slot.name).copy_(flat)
-            return Change(count, None, None)
-        return self._by_elements(slot, flat, limit)
-
-    def _masked(self, mask: torch.Tensor, by_words: list[tuple[_Slot, torch.Tensor, int]],
-                copy_words: torch.Tensor, width: int
-                ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
-        """The changed elements of a group compared word by word into `mask` by the eager
-        ops (each one's index in its tensor and bits now, in the group's order) and each
-        tensor's count, the copy brought up to date; None where more than `DENSE_WORDS` of
-        the words changed (the copy as it was)."""
-        word = self._changed_words(mask)
-        if word is None:
-            return None
-        lanes = 8 // width
-        dtype = self._buffers[width].dtype
-        owner, local, now_words, was_words = _gathered(by_words, word, copy_words,
-                                                       mask.numel())
-        now_lanes, was_lanes = now_words.view(dtype), was_words.view(dtype)
+        kernels = _kernels_for(buffer.device)
+        gathered = None
+        if kernels is not None and table is not None:
+            gathered = _through_kernels(buffer.device,
+                                        lambda: kernels.gather(table, word, copy_words))
+        if gathered is not None and table is not None:
+            owner, now_words, was_words = gathered
+            local = word - table.starts.index_select(0, owner)
+        else:
+            owner, local, now_words, was_words = _gathered(by_words, word, copy_words,
+                                                           mask.numel())
+        now_lanes, was_lanes = now_words.view(buffer.dtype), was_words.view(buffer.dtype)
         position = torch.nonzero(now_lanes != was_lanes).squeeze(1)
         values = now_lanes.index_select(0, position)
         in_words = position // lanes
         index = local.index_select(0, in_words).mul_(lanes).add_(position % lanes)
         owner = owner.index_select(0, in_words)
-        index = index.to(_index_dtype(copy_words.numel() * lanes))
-        counts = _counts(owner, torch.arange(len(by_words) + 1, device=self.device))
-        return index, values, counts
+        if copy_words.numel() * lanes < 1 << 31:  # every index fits the widest common dtype
+            index = index.to(torch.int32)
+        elements_of = _counts(owner, torch.arange(len(by_words) + 1, device=self.device))
+        payloads: list[torch.Tensor | None] | None = None
+        if kernels is not None and gathered is not None:
+            payloads = _through_kernels(buffer.device, lambda: _encoded(
+                kernels, by_words, elements_of, limits, index, values, owner))
+        if payloads is None:
+            payloads = [None] * len(by_words)
+        at = 0
+        for (slot, _, _), count, payload in zip(by_words, elements_of, payloads, strict=True):
+            out[slot.name] = Change(count, index[at:at + count], values[at:at + count],
+                                    payload)
+            at += count
+        return out
 
     def _table(self, first: int, by_words: list[tuple[_Slot, torch.Tensor, int]], end: int,
                kernels: ModuleType) -> GroupTable:
@@ -353,10 +303,9 @@ class LastSent:
         words = [w for _, w, _ in by_words]
         starts = [w0 for _, _, w0 in by_words]
         width = by_words[0][0].width
-        table = self._tables.get((width, first, end))
+        table = self._tables.get((width, first))
         if table is None or table.key != kernels.table_key(words, starts):
-            table = self._tables[(width, first, end)] = kernels.GroupTable.build(
-                words, starts, end, width)
+            table = self._tables[(width, first)] = kernels.GroupTable.build(words, starts, end)
         return table
 
     def _changed_words(self, mask: torch.Tensor) -> torch.Tensor | None:
@@ -435,27 +384,6 @@ def _encoded(kernels: ModuleType, by_words: list[tuple[_Slot, torch.Tensor, int]
     layout = torch.tensor(rows, dtype=torch.int64).to(values.device)
     kernels.encode(index, values, owner, layout, out)
     return [None if span is None else out.narrow(0, span[0], span[1]) for span in spans]
-
-
-def _split(by_words: list[tuple[_Slot, torch.Tensor, int]], counts: list[int],
-           limits: Mapping[str, int], index: torch.Tensor, values: torch.Tensor,
-           payloads: list[torch.Tensor | None], placed: list[int]) -> dict[str, Change]:
-    """Each tensor's change (`counts[i]` elements changed) from a group's changed elements,
-    where the i-th tensor holds the next `placed[i]` of them; without indices past its
-    limit."""
-    out = {}
-    at = 0
-    for (slot, _, _), count, payload, held in zip(by_words, counts, payloads, placed,
-                                                 strict=True):
-        out[slot.name] = (Change(count, None, None) if count > limits[slot.name] else
-                          Change(count, index[at:at + count], values[at:at + count], payload))
-        at += held
-    return out
-
-
-def _index_dtype(elements: int) -> torch.dtype:
-    """The index dtype of a group's changes: int32 where every index of its run fits."""
-    return torch.int32 if elements < 1 << 31 else torch.int64
 
 
 def _through_kernels(device: torch.device, call: Callable[[], T]) -> T | None:
