@@ -276,9 +276,12 @@ def main(argv: list[str] | None = None) -> None:
         run(parser.parse_args(argv))
     except Exception:  # a rank that fails (its sender refused at connect, say) prints
         traceback.print_exc()  # its error, tears its group down and exits 1 at once: left
-        sys.stderr.flush()  # to the interpreter's exit, a C++ thread still joinable there
-        _destroy_group()  # sometimes aborted the process ("terminate called without an
-        os._exit(1)  # active exception") instead of letting it exit with the error
+        try:  # to the interpreter's exit, a C++ thread still joinable there sometimes
+            _destroy_group()  # aborted the process ("terminate called without an active
+        finally:  # exception") instead of letting it exit with the error
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
     _destroy_group()
 
 
