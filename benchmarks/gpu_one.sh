@@ -8,8 +8,10 @@
 #     bash benchmarks/gpu_one.sh ipc      # the ipc ratios alone (three runs, RUNS="1" for one;
 #                                         # BUCKETS=0 for zero-copy and the default packed
 #                                         # path only)
-#     bash benchmarks/gpu_one.sh delta    # the delta comparison's GPU tests; the 8B prepare
-#                                         # through the Triton comparison and the eager ops
+#     bash benchmarks/gpu_one.sh delta    # the delta comparison's GPU tests; today's way to
+#                                         # find changed words against a per-block compaction;
+#                                         # the 8B prepare through the Triton comparison and
+#                                         # the eager ops
 #     bash benchmarks/gpu_one.sh ucx      # ucx's default (reads where UCX chose them) and
 #                                         # tagged buckets against one raw UCX send
 #     bash benchmarks/gpu_one.sh peers    # checkpoint-engine side by side
@@ -84,6 +86,8 @@ delta)
     timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=60 \
         tests/core/test_delta_compare.py tests/inference/test_delta_engine.py > $OUT/delta-tests.txt 2>&1
     echo "rc $?"; grep -E "passed|failed|FAILED|Error" $OUT/delta-tests.txt | tail -15
+    echo "$(ts) finding a group's changed words: nonzero and gather, or a per-block compaction"
+    timeout 90 python3 benchmarks/delta_compaction.py 2>&1 | grep -E "group|changed|equal"
     echo "$(ts) the delta sender's prepare: the Triton comparison, then the eager ops"
     for triton in 1 0; do
         fractions=0.0003,0.01; [ $triton = 1 ] && fractions=0.0003,0.01,0.05,0.3
