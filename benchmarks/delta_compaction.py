@@ -18,21 +18,17 @@ import triton
 import triton.language as tl
 
 from wtransfer.delta import compare_kernels as current
+from wtransfer.delta.compare_kernels import block_words
 
 
 @triton.jit
 def _mark_kernel(ptrs, words, word0, block_tensor, block_start,  # type: ignore[no-untyped-def]
                  copy, mask, block_counts, BLOCK: tl.constexpr):
     program = tl.program_id(0)
-    tensor = tl.load(block_tensor + program)
-    offsets = tl.load(block_start + program) + tl.arange(0, BLOCK)
-    inside = offsets < tl.load(words + tensor)
-    base = tl.load(word0 + tensor)
-    source = tl.load(ptrs + tensor).to(tl.pointer_type(tl.int64))
-    now = tl.load(source + offsets, mask=inside, other=0)
-    was = tl.load(copy + base + offsets, mask=inside, other=0)
+    _, _, at, inside, now, was = block_words(ptrs, words, word0, block_tensor, block_start,
+                                             copy, program, BLOCK)
     changed = (now != was).to(tl.int8)
-    tl.store(mask + base + offsets, changed, mask=inside)
+    tl.store(mask + at, changed, mask=inside)
     tl.store(block_counts + program, tl.sum(changed.to(tl.int32), axis=0))
 
 

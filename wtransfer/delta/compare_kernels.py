@@ -22,17 +22,26 @@ GATHER_BLOCK = 1024
 
 
 @triton.jit
-def _compare_kernel(ptrs, words, word0, block_tensor, block_start,  # type: ignore[no-untyped-def]
-                    copy, mask, BLOCK: tl.constexpr):
-    program = tl.program_id(0)
+def block_words(ptrs, words, word0, block_tensor, block_start,  # type: ignore[no-untyped-def]
+                copy, program, BLOCK: tl.constexpr):
+    """One program's block: its tensor, its words' offsets in the tensor and in the copy's
+    run, which of them lie inside the tensor, and the words now and in the copy."""
     tensor = tl.load(block_tensor + program)
     offsets = tl.load(block_start + program) + tl.arange(0, BLOCK)
     inside = offsets < tl.load(words + tensor)
-    base = tl.load(word0 + tensor)
+    at = tl.load(word0 + tensor) + offsets
     source = tl.load(ptrs + tensor).to(tl.pointer_type(tl.int64))
     now = tl.load(source + offsets, mask=inside, other=0)
-    was = tl.load(copy + base + offsets, mask=inside, other=0)
-    tl.store(mask + base + offsets, (now != was).to(tl.int8), mask=inside)
+    was = tl.load(copy + at, mask=inside, other=0)
+    return tensor, offsets, at, inside, now, was
+
+
+@triton.jit
+def _compare_kernel(ptrs, words, word0, block_tensor, block_start,  # type: ignore[no-untyped-def]
+                    copy, mask, BLOCK: tl.constexpr):
+    _, _, at, inside, now, was = block_words(ptrs, words, word0, block_tensor, block_start,
+                                             copy, tl.program_id(0), BLOCK)
+    tl.store(mask + at, (now != was).to(tl.int8), mask=inside)
 
 
 @triton.jit
