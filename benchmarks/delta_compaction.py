@@ -10,12 +10,12 @@ block beside the mask and compacts each block's changed words with a one-dimensi
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
+from gpu_paths import d2d_floor, timed
 
 from wtransfer.delta import compare_kernels as current
 from wtransfer.delta.compare_kernels import block_words
@@ -98,8 +98,7 @@ def main() -> None:
     starts = [i * per for i in range(args.tensors)]
     table = current.GroupTable.build(tensors, starts, per * args.tensors)
     flat = torch.cat(tensors)
-    scratch = torch.empty_like(flat)
-    copy_ms = _median(lambda: scratch.copy_(flat), args.repeats)
+    copy_ms = d2d_floor(flat.numel() * 8, args.repeats) * 1e3
     print(f"group {args.group_mb} MiB in {args.tensors} tensors; one copy {copy_ms:.3f} ms")
     for fraction in (float(f) for f in args.fractions.split(",")):
         last = flat.clone()
@@ -108,34 +107,18 @@ def main() -> None:
         elements[hit] ^= 1
         results = {}
         for name, way in (("today", today), ("candidate", candidate)):
-            copies = [last.clone() for _ in range(args.repeats + 1)]
-            results[name] = way(table, copies[0])
-            runs = iter(copies[1:])
+            results[name] = way(table, last.clone())
+            runs = iter([last.clone() for _ in range(args.repeats + 1)])  # (each run's own)
 
             def once(way: Callable[..., object] = way, runs: object = runs) -> object:
                 return way(table, next(runs))  # type: ignore[call-overload]
 
-            ms = _median(once, args.repeats, warm=False)
+            ms = timed(once, args.repeats) * 1e3
             print(f"{fraction:.2%} changed: {name} {ms:.3f} ms ({ms / copy_ms:.2f}x the copy)",
                   flush=True)
         same = all(torch.equal(a, b) for a, b in zip(results["today"], results["candidate"],
                                                       strict=True))
         print(f"   outputs equal: {same} ({results['today'][0].numel()} changed words)")
-
-
-def _median(call: Callable[[], object], repeats: int, warm: bool = True) -> float:
-    if warm:
-        call()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end))
-    return statistics.median(times)
 
 
 if __name__ == "__main__":

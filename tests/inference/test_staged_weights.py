@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from wtransfer.errors import LifecycleError
+from wtransfer.errors import LifecycleError, TransferTimeout
 from wtransfer.inference.updates.staging import StagedWeights
 
 
@@ -138,3 +138,17 @@ def test_an_update_start_during_a_one_shot_rollback_waits_for_it(monkeypatch):
     staging.prepare()  # waits for the swap, then levels the shadow: no LifecycleError
     roll.join(10)
     assert not roll.is_alive() and staging.previous is None
+
+
+def test_a_start_waits_for_busy_live_weights_only_until_its_deadline():
+    """A commit or a push that never lets the live weights go (a hung device, say) makes an
+    update start fail with TransferTimeout instead of waiting for ever."""
+    staging = StagedWeights(torch.nn.Linear(4, 4), "swap")
+    with staging.lock:  # (held by "a commit" for the whole wait)
+        begin = time.monotonic()
+        with (pytest.raises(TransferTimeout, match=r"the live weights stayed busy for 0\.2s"),
+              staging.reading(wait_s=0.2)):
+            pass
+        assert time.monotonic() - begin < 5
+    with staging.reading(wait_s=0.2):  # free again: taken at once
+        pass

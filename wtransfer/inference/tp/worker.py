@@ -127,7 +127,7 @@ class Worker:
                 return
             # "idle": rank 0 is alive and has nothing to step
 
-    def reserve_rollback(self, hold: bool) -> None:
+    def reserve_rollback(self, *, hold: bool) -> None:
         """Rank 0's rollback, first half: say whether this worker can roll back (its reason if
         not) and hold it ready only if every rank can, so that no rank ends on another
         version than the others."""

@@ -119,7 +119,7 @@ class TPWorkers:
         self.sync(op, **fields)
         self.collective.barrier()
 
-    def reserve_rollback(self, hold: bool) -> list[str]:
+    def reserve_rollback(self, *, hold: bool) -> list[str]:
         """Every worker reserves its rollback (rank 0 has: it checked first); returns each
         refusing worker's reason, named. Where one refused, none holds a reservation when
         this returns; else each rolls back on a later `sync("rollback")`, or lets go on

@@ -580,7 +580,7 @@ class Replica:
             client.close()
         return sent
 
-    def reserve_rollback(self, hold: bool = True) -> None:
+    def reserve_rollback(self, *, hold: bool = True) -> None:
         """Hold a rollback ready on every rank of this replica (rank 0 and its tensor-parallel
         workers): each has a previous version resident and its live weights free. Where one
         cannot, nothing is held and `LifecycleError` names it and why. `rollback_weights(
@@ -601,7 +601,7 @@ class Replica:
         refusals: list[str] = []
         try:
             if self.workers is not None:
-                refusals = self.workers.reserve_rollback(hold)
+                refusals = self.workers.reserve_rollback(hold=hold)
         except BaseException:
             self.weights.release_rollback()
             raise

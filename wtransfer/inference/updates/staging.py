@@ -22,6 +22,7 @@ were; the tensors it wrote are levelled again by the next `prepare`.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Literal
@@ -29,7 +30,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from wtransfer.errors import ConfigError, LifecycleError, MetadataError
+from wtransfer.errors import ConfigError, LifecycleError, MetadataError, TransferTimeout
 
 StagingMode = Literal["off", "swap", "copy"]
 STAGING_MODES: tuple[str, ...] = ("off", "swap", "copy")
@@ -109,15 +110,20 @@ class StagedWeights:
             self.previous = None
 
     @contextmanager
-    def reading(self) -> Iterator[None]:
+    def reading(self, wait_s: float = 120.0) -> Iterator[None]:
         """Hold `lock` to read or level the live weights off the engine thread: waits while
-        a step boundary's commit or a push holds it; `LifecycleError` while a rollback holds
-        it reserved (which lasts until a later command: waiting could block that command)."""
+        a step boundary's commit or a push holds it (`TransferTimeout` after `wait_s`);
+        `LifecycleError` while a rollback holds it reserved (which lasts until a later
+        command: waiting could block that command)."""
+        deadline = time.monotonic() + wait_s
         while not self.lock.acquire(timeout=0.05):
             if self._reserved:
                 raise LifecycleError("a rollback of the weights is reserved here (its ranks "
                                      "agree before any rolls back); start the update once it "
                                      "completed")
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"the live weights stayed busy for {wait_s:g}s (a "
+                                      "commit or a push held them): the update did not start")
         try:
             yield
         finally:
