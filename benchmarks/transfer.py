@@ -396,8 +396,9 @@ def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: in
     On a GPU (`device` cuda:N, ipc) every trainer rank and every engine worker share that
     GPU: the ranks hold the whole model as replicas (one process group cannot shard over one
     GPU with NCCL), so the first path is one rank staging everything (nothing to gather),
-    and M->N has each rank stage half of it; both are timed against one flat copy of the
-    model's bytes on the GPU, measured in the same run."""
+    and M->N has each worker copy its part straight out of the rank sending each tensor
+    (read in place; "M->N staged": each rank stages half of it, `zero_copy=False`); all are
+    timed against one flat copy of the model's bytes on the GPU, measured in the same run."""
     from statistics import median
 
     from wtransfer.demos.rl.servers import HTTPPolicyServer
@@ -420,11 +421,14 @@ def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: in
                 paths.append(("M->N delta", ranks, True, True))
             if reads:
                 paths.append(("M->N reads", ranks, True, False))
+            if backend == "ipc" and device != "cpu":  # (M->N above reads the ranks in place)
+                paths.append(("M->N staged", ranks, True, False))
             for path, senders, m2n, delta in paths:
                 progress(f"{path}, {mb} MiB buckets: {ranks} trainer ranks start")
                 fields = {"bucket_bytes": mb << 20, "timeout_s": 600, "m2n": m2n, "delta": delta,
                           **({"master_address": "127.0.0.1"} if backend == "nccl" else {}),
-                          **({"rma": True} if path == "M->N reads" else {})}
+                          **({"rma": True} if path == "M->N reads" else {}),
+                          **({"zero_copy": False} if path == "M->N staged" else {})}
                 with TrainerRanks(ranks, backend=backend, addresses=[server.url],
                                   senders=senders, model=f"llm:{name}", updates=repeats + 1,
                                   init_fields=fields, timeout_s=600, device=device,

@@ -223,19 +223,26 @@ def test_replicated_ranks_share_the_load_over_ipc(ranks):
 
 
 @pytest.mark.gpu
-def test_two_trainer_processes_feed_two_engine_workers_on_one_gpu_over_cuda_ipc(serve):
+@pytest.mark.parametrize("in_place", [True, False], ids=["read-in-place", "staged"])
+def test_two_trainer_processes_feed_two_engine_workers_on_one_gpu_over_cuda_ipc(serve,
+                                                                                in_place):
     """Two trainer processes (replicas on cuda:0) -> our engine with TP=2, both workers on
-    cuda:0 (their collectives over gloo: NCCL refuses two ranks on one GPU), over CUDA IPC:
-    each rank stages half the model in its own GPU staging, each worker copies out only what
-    it keeps (its bytes are its part, not the model's), bit-exact, and greedy tokens equal
-    a fresh TP=2 engine on the GPU holding the same weights."""
+    cuda:0 (their collectives over gloo: NCCL refuses two ranks on one GPU), over CUDA IPC,
+    twice (the second update reuses what the first exported or planned): by default each
+    worker copies what it keeps straight out of the rank that sends each tensor (read in
+    place, one update call); with zero_copy=False each rank stages its half in its own GPU
+    staging. Either way each worker takes in only what it keeps (its bytes are its part,
+    not the model's), bit-exact, and greedy tokens equal a fresh TP=2 engine on the GPU
+    holding the same weights."""
     flags = ["--model", "tiny", "--tensor-parallel-size", "2", "--device", "cuda:0"]
     engine = serve(*flags, backend="ipc")
+    init = fields("ipc", m2n=True, **({} if in_place else {"zero_copy": False}))
     with TrainerRanks(2, backend="ipc", addresses=[engine.url], senders=2, model="llm:tiny",
-                      seed=5, device="cuda:0", init_fields=fields("ipc", m2n=True),
+                      seed=5, device="cuda:0", updates=2, init_fields=init,
                       fingerprint=True) as trainers:
-        outs = [trainers.wait_for(r, "sent", 180) for r in range(2)]
+        outs = [trainers.wait_for(r, "sent", 180, count=2) for r in range(2)]
         assert trainers.wait(60) == [0, 0]
+    assert [o["read"] for r in range(2) for o in trainers.reports(r, "sent")] == [in_place] * 4
     assert wtransfer.HTTPClient(engine.url).fingerprint() == outs[0]["fingerprint"]
     workers = sorted(engine.http.get("/weight_info").json()["workers"],
                      key=lambda w: w["worker"])

@@ -164,6 +164,17 @@ class ZeroCopyUpdate:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RankInPlace:
+    """One trainer rank's part of an M->N update read in place (`wtransfer_ipc.m2n_in_place`):
+    its local shards' zero-copy record (the layout lists each tensor's local shard), and the
+    pieces the workers take from it, each offset counted in its local tensor."""
+
+    zero_copy: ZeroCopyUpdate
+    pieces: list[Any]
+    """``[[tensor_index, offsets, lengths, offset, nbytes], ...]``."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class IPCUpdateInfo(UpdateInfo):
     """One bucket, ready in staging buffer `buffer` (the first also announces the tensors)."""
 
@@ -187,3 +198,6 @@ class IPCUpdateInfo(UpdateInfo):
     nbytes], ...]``, each a box of a tensor staged at `offset` (`wtransfer_ipc.m2n`)."""
     zero_copy: ZeroCopyUpdate | None = None
     """The whole update straight from the sender's storage (one call per update)."""
+    in_place_ranks: list[RankInPlace] | None = None
+    """An M->N update read straight out of every trainer rank's shards, in rank order (one
+    call per update, the lead's)."""

@@ -18,7 +18,14 @@ from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.transport.m2n import pieces_from_wire
 from wtransfer_ipc.cuda import SenderEvents, drain, open_buffer
-from wtransfer_ipc.info import CAPABILITIES, IPCInitInfo, IPCUpdateInfo, ZeroCopyUpdate
+from wtransfer_ipc.info import (
+    CAPABILITIES,
+    IPCInitInfo,
+    IPCUpdateInfo,
+    RankInPlace,
+    ZeroCopyUpdate,
+)
+from wtransfer_ipc.m2n_in_place import RanksInPlace
 from wtransfer_ipc.sender_process import ProcessWatch
 from wtransfer_ipc.shm import SharedBuffer, creator_alive, sweep
 from wtransfer_ipc.zero_copy import ZeroCopyImports
@@ -46,6 +53,7 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         self._unfinished: torch.device | None = None
         """The device whose stream holds reads not yet waited for (at finish)."""
         self._zero_copy = ZeroCopyImports()
+        self._ranks_in_place = RanksInPlace()
         self._last_copies_s = 0.0
         """How long the last zero-copy update's copies took, issued to done (the next one
         waits for its copies' end without sleeping from shortly before: `spin_start`)."""
@@ -103,6 +111,12 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
                 return
         elif info.zero_copy is not None:
             raise MetadataError("a zero-copy update must carry its tensor list (or its digest)")
+        if info.in_place_ranks is not None:
+            if not m2n or info.pieces or info.slices or info.zero_copy is not None:
+                raise MetadataError("'in_place_ranks' is a whole M->N update on its own; this "
+                                    "transfer is not M->N, or the call carries a bucket too")
+            self._receive_in_place(info.in_place_ranks, session)
+            return
         if info.slices and m2n:
             raise MetadataError("this transfer is M->N: its buckets carry 'pieces', not "
                                 "'slices'; initialize the transfer again")
@@ -148,7 +162,8 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
     def _listed(self, info: IPCUpdateInfo) -> Manifest | None:
         """The tensor list this update carries or names by digest (None: neither); only a
         zero-copy update (one call for the whole update) may name it."""
-        if info.tensors is None and info.tensors_digest is not None and info.zero_copy is None:
+        if (info.tensors is None and info.tensors_digest is not None and info.zero_copy is None
+                and info.in_place_ranks is None):
             raise MetadataError("only a zero-copy update may name its tensor list by digest")
         return self.manifests.resolve(info.tensors, info.tensors_digest)
 
@@ -162,6 +177,21 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         session.load_whole(self._zero_copy.sources(update, metas, self.device))
         drain(self.device, self._timeout_s(),  # done reading: the trainer may write its
               spin_start(started, self._last_copies_s))  # weights again once this returns
+        self._last_copies_s = time.monotonic() - started
+
+    def _receive_in_place(self, records: list[RankInPlace], session: UpdateSession) -> None:
+        """Copy what this worker keeps straight out of every trainer rank's shards (see
+        `m2n_in_place`), answering once the copies ran."""
+        if self.device.type != "cuda":
+            raise ConfigError("an M->N update read in place shares CUDA memory: create the "
+                              "receiver with device='cuda:N'")
+        manifest = self.manifests.last
+        if manifest is None:
+            raise MetadataError("an M->N update read in place came before any tensor list")
+        started = time.monotonic()
+        self._ranks_in_place.load(session, records, manifest.metas,
+                                  len(self._init_info().stagings()), self.device)
+        drain(self.device, self._timeout_s(), spin_start(started, self._last_copies_s))
         self._last_copies_s = time.monotonic() - started
 
     def _finish(self) -> None:
@@ -183,6 +213,7 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
 
     def _shutdown(self) -> None:
         self._zero_copy.close()
+        self._ranks_in_place.close()
         self._events.close()
         self._free = None
         self._staging = []

@@ -19,9 +19,15 @@ from wtransfer.records import new_sender_id, receiver_init_dict
 from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
 from wtransfer.trainer.layouts import LocalShards, held_parts
 from wtransfer.trainer.source import WeightSource
-from wtransfer.transport.m2n import PairBucket, Planner, fragment_with_layouts, planner_of
+from wtransfer.transport.m2n import (
+    PairBucket,
+    Planner,
+    fragment_with_layouts,
+    pieces_to_wire,
+    planner_of,
+)
 from wtransfer.transport.window import CallChannel
-from wtransfer_ipc import m2n
+from wtransfer_ipc import m2n, m2n_in_place
 from wtransfer_ipc.cuda import await_event, export_buffer, exported_event, withdraw_event
 from wtransfer_ipc.info import (
     CAPABILITIES,
@@ -77,6 +83,13 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         """The source's exported storages, when zero-copy updates apply (CUDA, no checksums,
         one unsharded sender)."""
         self._planner: Planner | None = None
+        self._in_place: ZeroCopyExports | None = None
+        """M->N on CUDA: this rank's exported shards, which the workers read in place
+        (`wtransfer_ipc.m2n_in_place`; zero_copy on, no checksums)."""
+        self._in_place_planner: Planner | None = None
+        self.last_update_read = False
+        """Whether the last update was read out of the source's own memory (zero-copy, or
+        M->N in place) rather than staged."""
         self._last_moved: dict[str, Any] = {}
 
     def _default_bucket_bytes(self) -> int:
@@ -180,8 +193,10 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         token = secrets.token_hex(8)
         if self.device.type == "cuda":
             if self._zero_copy_on():
-                self._zero_copy = ZeroCopyExports(token)
+                self._zero_copy = ZeroCopyExports(f"{token}-read")
                 self.source.read_in_place()
+            if self.m2n and info.zero_copy and not info.checksum:
+                self._in_place = ZeroCopyExports(f"{token}-read")
             self._staging = [torch.empty(self.bucket_bytes, dtype=torch.uint8,
                                          device=self.device) for _ in range(self.num_buffers)]
             buffers: list[Any] = [export_buffer(b, token, i) for i, b in enumerate(self._staging)]
@@ -246,6 +261,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         the plan between what each holds, kept here)."""
         if self.m2n:
             self._planner, fragments = planner_of(fragments, None, self.bucket_bytes)
+            self._in_place_planner = m2n_in_place.in_place_planner(self._planner)
         first = fragments[0]
         if len(fragments) == 1:
             return first
@@ -259,11 +275,13 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         """Zero-copy where it applies (one call: the receivers copy out of the source's own
         storage), else one call per packed bucket, its staging slot reused once answered
         (M->N: see `_outgoing_m2n`)."""
+        self.last_update_read = False
         if self._planner is not None:
             return self._outgoing_m2n(share, self._planner)
         if self._zero_copy is not None:
             tensors, share = self.in_place(share, shareable)
             if tensors is not None:
+                self.last_update_read = True
                 return Outgoing(share, kept=self._zero_copy, opening={
                     **self.listed_tensors(share.manifest),
                     "zero_copy": self._zero_copy.update(tensors)})
@@ -298,10 +316,13 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         staging slot and handed to every worker, which copies what it keeps
         (`wtransfer_ipc.m2n`)."""
         metas = share.manifest.metas
-        plan = planner.plan(share.manifest)
         me = share.index
         shards = LocalShards(metas, share.parts if share.parts is not None
                              else held_parts(self.source, metas), me)
+        read = self._outgoing_in_place(share, shards)
+        if read is not None:
+            return read
+        plan = planner.plan(share.manifest)
         mine = tuple(plan.of_sender(me))
         self._last_moved = {"buckets": len(mine), "sent_bytes": plan.bytes_from(me)}
 
@@ -326,6 +347,38 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                         channel=CallChannel(slots=len(self._staging), stage=stage,
                                             describe=describe))
 
+    def _outgoing_in_place(self, share: Share, shards: LocalShards) -> Outgoing | None:
+        """M->N read in place (`wtransfer_ipc.m2n_in_place`): every rank's record gathered,
+        the lead's one call carrying them all; None (on every rank alike) where a rank's
+        shards cannot be shared or a piece is not contiguous in them: staged instead."""
+        exports, planner = self._in_place, self._in_place_planner
+        if exports is None or planner is None:
+            return None
+        records = self.ranks.gather(m2n_in_place.rank_record(exports, shards.locals))
+        if any(record is None for record in records):
+            return None
+        plan = planner.plan(share.manifest)
+        pieces = m2n_in_place.pieces_by_rank(plan, planner.sources, share.manifest.metas)
+        if pieces is None:
+            log.warning("M->N in place: a planned box is not contiguous in its rank's shard; "
+                        "this update goes through staging")
+            return None
+        self.last_update_read = True
+        self._last_moved = plan.moved(share.index)
+        opening = None
+        if share.lead:
+            opening = {"in_place_ranks": [{"zero_copy": record, "pieces": pieces_to_wire(mine)}
+                                          for record, mine in zip(records, pieces, strict=True)]}
+            if share.count == 1:  # (several senders: the list was announced before)
+                opening.update(self.listed_tensors(share.manifest))
+        return Outgoing(share, opening=opening, kept=exports)
+
+    def _failed(self, exc: BaseException) -> None:
+        """An update failed on some rank: send every shard's handle again next time (this
+        rank confirmed them without a call of its own)."""
+        if self._in_place is not None:
+            self._in_place.forget()
+
     def _wait_read(self, slot: int) -> None:
         """Pack into staging `slot` only once every worker's reads of its last bucket ran (the
         workers answered once those reads were queued, not done). Polled on the host with
@@ -342,9 +395,10 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
             withdraw_event(handle)
         self._packed = []
         self._freed = []
-        if self._zero_copy is not None:
-            self._zero_copy.close()
-        self._zero_copy = None
+        for exports in (self._zero_copy, self._in_place):
+            if exports is not None:
+                exports.close()
+        self._zero_copy = self._in_place = None
         for buf in self._shm:
             buf.close()
         self._shm = []

@@ -171,6 +171,25 @@ class ZeroCopyImports:
                 device: torch.device) -> list[torch.Tensor]:
         """Each tensor's bytes in the sender's storage, checked against `metas`; the current
         stream waits for the sender's writes."""
+        last = self._last if self._current(update) else None
+        if last is None or last.layout != update.layout or last.metas is not metas:
+            last = self._last = _Sources(update.used, update.layout, metas, self._place(
+                _unpacked(update.layout), metas, device))
+        self._events.wait(update.event, device)
+        return last.views
+
+    def opened(self, update: ZeroCopyUpdate, device: torch.device
+               ) -> tuple[dict[int, torch.Tensor], list[int]]:
+        """The storages `update` reads (uint8, by the sender's index) and its layout (each
+        tensor's storage index and byte offset, flat); the current stream waits for the
+        sender's writes."""
+        self._current(update)
+        self._events.wait(update.event, device)
+        return self._opened, _unpacked(update.layout)
+
+    def _current(self, update: ZeroCopyUpdate) -> bool:
+        """Open what `update` sends and keep what it uses; whether the storages are the last
+        update's (its placed views still hold)."""
         if update.token != self._token:  # a new sender: nothing opened before is its
             self._opened, self._token, self._last = {}, update.token, None
             self._events.close()
@@ -178,12 +197,9 @@ class ZeroCopyImports:
         if update.storages or last is None or last.used != update.used:
             self._open(update.storages, _unpacked(update.used), update.token,
                        update.sender_pid == os.getpid())
-            last = None
-        if last is None or last.layout != update.layout or last.metas is not metas:
-            last = self._last = _Sources(update.used, update.layout, metas, self._place(
-                _unpacked(update.layout), metas, device))
-        self._events.wait(update.event, device)
-        return last.views
+            self._last = None
+            return False
+        return True
 
     def _open(self, new: list[tuple[int, list[Any]]], used: list[int], token: str,
               same_process: bool) -> None:

@@ -1,0 +1,124 @@
+"""ipc M->N read in place: the plan's pieces located in each rank's own shards, and a worker's
+copies out of them (`wtransfer_ipc.m2n_in_place`), run on host tensors: the shards lie in one
+flat storage per rank at offsets other than 0, as FSDP2 lays them out, and the worker keeps a
+tensor-parallel part. (Mapping the storages across processes and the events need CUDA: the
+GPU test in test_m2n_transfers.py.)"""
+
+import pytest
+import torch
+from wtransfer_ipc.m2n_in_place import (
+    consume_rank,
+    in_place_planner,
+    offset_in_local,
+    pieces_by_rank,
+)
+
+from wtransfer.errors import MetadataError
+from wtransfer.manifest import Manifest
+from wtransfer.packing import TensorMeta
+from wtransfer.receiver.session import UpdateSession
+from wtransfer.receiver.target import ModuleTarget
+from wtransfer.records import Box, TensorLayout
+from wtransfer.transport.m2n import Planner
+
+FULL = {"proj": torch.randn(6, 4, dtype=torch.float32).to(torch.bfloat16),
+        "norm": torch.randn(5)}
+METAS = [TensorMeta.of(name, t) for name, t in FULL.items()]
+
+
+def rows(name, start, stop):
+    full = FULL[name]
+    offsets, lengths = [0] * full.dim(), list(full.shape)
+    offsets[0], lengths[0] = start, stop - start
+    return TensorLayout(name=name, dtype=METAS[list(FULL).index(name)].dtype,
+                        shape=tuple(full.shape),
+                        boxes=(Box(offsets=tuple(offsets), lengths=tuple(lengths)),))
+
+
+def flat_shards(layouts, pad=16):
+    """One rank's local shards copied into one uint8 storage, `pad` bytes apart (and before
+    the first): the storage and each tensor's [storage index, byte offset], flat."""
+    parts = [FULL[m.name][layouts[m.name].boxes[0].slices()] for m in METAS]
+    size = sum(pad + p.numel() * p.element_size() for p in parts) + pad
+    storage = torch.zeros(size, dtype=torch.uint8)
+    layout, at = [], pad
+    for part in parts:
+        nbytes = part.numel() * part.element_size()
+        storage[at:at + nbytes].copy_(part.contiguous().view(-1).view(torch.uint8))
+        layout += [0, at]
+        at += nbytes + pad
+    return storage, layout
+
+
+def test_a_worker_copies_its_tensor_parallel_part_out_of_two_ranks_row_shards():
+    """FSDP2-like rows on two ranks (uneven), a worker keeping columns 2-3 of `proj` and all
+    of `norm`: the unbounded plan sends each rank's shard whole (no box cut, though the staged
+    plan's buckets are 16 bytes), and the worker's copies out of both storages give exactly
+    its part of every full tensor, nothing else written."""
+    sources = [{"proj": rows("proj", 0, 4), "norm": rows("norm", 0, 3)},
+               {"proj": rows("proj", 4, 6), "norm": rows("norm", 3, 5)}]
+    plan = in_place_planner(Planner(sources, None, 16)).plan(Manifest(METAS))
+    pieces = pieces_by_rank(plan, sources, METAS)
+    assert pieces is not None
+    assert [[(p.tensor, p.box) for p in mine] for mine in pieces] == [
+        [(0, sources[r]["proj"].boxes[0]), (1, sources[r]["norm"].boxes[0])] for r in (0, 1)]
+    assert all(p.offset == 0 for mine in pieces for p in mine)
+
+    module = torch.nn.Module()
+    module.proj = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16))
+    module.norm = torch.nn.Parameter(torch.zeros(5))
+    session = UpdateSession(ModuleTarget(module), "cpu")
+    session.announce(METAS)
+    kept_box = Box(offsets=(0, 2), lengths=(6, 2))
+    session.keep_only({"proj": TensorLayout(name="proj", dtype="bfloat16", shape=(6, 4),
+                                            boxes=(kept_box,)),
+                       "norm": TensorLayout.whole("norm", "float32", (5,))})
+    for rank, layouts in enumerate(sources):
+        storage, layout = flat_shards(layouts)
+        consume_rank(session, {0: storage}, layout, pieces[rank], METAS)
+    session.finish()
+    assert session.bytes_received == (6 * 2 * 2) + 5 * 4  # what it keeps, no more
+    assert torch.equal(module.proj[:, 2:], FULL["proj"][:, 2:])
+    assert torch.equal(module.proj[:, :2], torch.zeros(6, 2, dtype=torch.bfloat16))
+    assert torch.equal(module.norm, FULL["norm"])
+
+
+def test_replicas_share_the_tensors_and_each_comes_from_one_rank():
+    whole = [{m.name: TensorLayout.whole(m.name, m.dtype, m.shape, replica=r) for m in METAS}
+             for r in (0, 1)]
+    plan = in_place_planner(Planner(whole, None, 16)).plan(Manifest(METAS))
+    pieces = pieces_by_rank(plan, whole, METAS)
+    assert pieces is not None
+    assert sorted(p.tensor for mine in pieces for p in mine) == [0, 1]
+    assert all(len(mine) == 1 for mine in pieces)  # the load split over both
+
+
+def test_a_box_not_contiguous_in_its_rank_stages_instead():
+    """A rank holding two boxes of a tensor side by side (concatenated along columns): the
+    planned box is a strided part of its local tensor, so the update goes through staging."""
+    two = TensorLayout(name="proj", dtype="bfloat16", shape=(6, 4), concat_dim=1,
+                       boxes=(Box(offsets=(0, 0), lengths=(6, 1)),
+                              Box(offsets=(0, 2), lengths=(6, 1))))
+    assert offset_in_local(two, Box(offsets=(0, 0), lengths=(6, 1))) is None
+    row_one = Box(offsets=(3, 0), lengths=(2, 4))  # from row 1 of the rank's 4x4 bf16 rows
+    assert offset_in_local(rows("proj", 2, 6), row_one) == 8
+
+
+def test_pieces_naming_what_the_rank_does_not_list_are_refused():
+    sources = [{m.name: TensorLayout.whole(m.name, m.dtype, m.shape) for m in METAS}]
+    plan = in_place_planner(Planner(sources, None, 16)).plan(Manifest(METAS))
+    pieces = pieces_by_rank(plan, sources, METAS)
+    assert pieces is not None
+    storage, layout = flat_shards(sources[0])
+    module = torch.nn.Module()
+    module.proj = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16))
+    module.norm = torch.nn.Parameter(torch.zeros(5))
+    session = UpdateSession(ModuleTarget(module), "cpu")
+    session.announce(METAS)
+    with pytest.raises(MetadataError, match="a storage and an offset for each of the 2"):
+        consume_rank(session, {0: storage}, layout[:2], pieces[0], METAS)
+    with pytest.raises(MetadataError, match="lies in storage 0, which its rank does not list"):
+        consume_rank(session, {1: storage}, layout, pieces[0], METAS)
+    with pytest.raises(MetadataError, match="does not fit"):
+        consume_rank(session, {0: storage[:40]}, layout, pieces[0], METAS)
+    assert not session.touched  # nothing was written by a refused call
