@@ -98,9 +98,12 @@ def consume_rank(session: UpdateSession, storages: dict[int, torch.Tensor], layo
             raise MetadataError(f"piece names tensor #{piece.tensor} but only {len(metas)} "
                                 "were announced")
         index, start = layout[2 * piece.tensor], layout[2 * piece.tensor + 1]
-        if index not in storages or piece.offset < 0:
+        if index not in storages:
             raise MetadataError(f"a piece of {metas[piece.tensor].name!r} lies in storage "
                                 f"{index}, which its rank does not list")
+        if piece.offset < 0:
+            raise MetadataError(f"a piece of {metas[piece.tensor].name!r} starts at byte "
+                                f"{piece.offset} of its rank's tensor")
         by_storage.setdefault(index, []).append(replace(piece, offset=start + piece.offset))
     for index, placed in by_storage.items():
         data = storages[index]

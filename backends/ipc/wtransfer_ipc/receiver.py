@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -101,6 +102,11 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
 
     def _receive(self, info: IPCUpdateInfo, session: UpdateSession) -> None:
         m2n = self._init_info().m2n
+        if info.in_place_ranks is not None and (
+                not m2n or info.pieces or info.slices or info.zero_copy is not None
+                or info.event is not None):
+            raise MetadataError("'in_place_ranks' is a whole M->N update on its own: this "
+                                "transfer is not M->N, or the call carries a bucket too")
         manifest = self._listed(info)
         if manifest is not None:
             session.announce(manifest.metas)
@@ -112,9 +118,6 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         elif info.zero_copy is not None:
             raise MetadataError("a zero-copy update must carry its tensor list (or its digest)")
         if info.in_place_ranks is not None:
-            if not m2n or info.pieces or info.slices or info.zero_copy is not None:
-                raise MetadataError("'in_place_ranks' is a whole M->N update on its own; this "
-                                    "transfer is not M->N, or the call carries a bucket too")
             self._receive_in_place(info.in_place_ranks, session)
             return
         if info.slices and m2n:
@@ -189,8 +192,13 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         if manifest is None:
             raise MetadataError("an M->N update read in place came before any tensor list")
         started = time.monotonic()
-        self._ranks_in_place.load(session, records, manifest.metas,
-                                  len(self._init_info().stagings()), self.device)
+        try:
+            self._ranks_in_place.load(session, records, manifest.metas,
+                                      len(self._init_info().stagings()), self.device)
+        except BaseException:  # copies queued before the failure still read the trainers'
+            with contextlib.suppress(Exception):  # shards: they run before the answer
+                drain(self.device, self._timeout_s())
+            raise
         drain(self.device, self._timeout_s(), spin_start(started, self._last_copies_s))
         self._last_copies_s = time.monotonic() - started
 

@@ -197,6 +197,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                 self.source.read_in_place()
             if self.m2n and info.zero_copy and not info.checksum:
                 self._in_place = ZeroCopyExports(f"{token}-read")
+                self.source.read_in_place()
             self._staging = [torch.empty(self.bucket_bytes, dtype=torch.uint8,
                                          device=self.device) for _ in range(self.num_buffers)]
             buffers: list[Any] = [export_buffer(b, token, i) for i, b in enumerate(self._staging)]
@@ -261,7 +262,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         the plan between what each holds, kept here)."""
         if self.m2n:
             self._planner, fragments = planner_of(fragments, None, self.bucket_bytes)
-            self._in_place_planner = m2n_in_place.in_place_planner(self._planner)
+            if all(f["transport"] == "cuda" for f in fragments):  # (alike on every rank)
+                self._in_place_planner = m2n_in_place.in_place_planner(self._planner)
         first = fragments[0]
         if len(fragments) == 1:
             return first
@@ -317,9 +319,17 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         (`wtransfer_ipc.m2n`)."""
         metas = share.manifest.metas
         me = share.index
-        shards = LocalShards(metas, share.parts if share.parts is not None
-                             else held_parts(self.source, metas), me)
+        shards: LocalShards | None = None
+        failure: BaseException | None = None
+        try:
+            shards = LocalShards(metas, share.parts if share.parts is not None
+                                 else held_parts(self.source, metas), me)
+        except Exception as exc:  # raised once every rank took part in the gather below
+            failure = exc
         read = self._outgoing_in_place(share, shards)
+        if failure is not None:
+            raise failure
+        assert shards is not None
         if read is not None:
             return read
         plan = planner.plan(share.manifest)
@@ -347,15 +357,24 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                         channel=CallChannel(slots=len(self._staging), stage=stage,
                                             describe=describe))
 
-    def _outgoing_in_place(self, share: Share, shards: LocalShards) -> Outgoing | None:
-        """M->N read in place (`wtransfer_ipc.m2n_in_place`): every rank's record gathered,
-        the lead's one call carrying them all; None (on every rank alike) where a rank's
-        shards cannot be shared or a piece is not contiguous in them: staged instead."""
+    def _outgoing_in_place(self, share: Share, shards: LocalShards | None) -> Outgoing | None:
+        """M->N read in place (`wtransfer_ipc.m2n_in_place`): every rank's record gathered
+        (on every rank of an M->N transfer, whatever it holds: no rank is left waiting), the
+        lead's one call carrying them all; None (on every rank alike) where some rank cannot
+        share its shards (`shards` None: it failed to read them), holds other boxes than
+        it published, or a piece is not contiguous in them: staged instead."""
         exports, planner = self._in_place, self._in_place_planner
-        if exports is None or planner is None:
+        if planner is None:  # (set alike on every rank: M->N, every rank staging on CUDA)
             return None
-        records = self.ranks.gather(m2n_in_place.rank_record(exports, shards.locals))
-        if any(record is None for record in records):
+        record = None
+        if exports is not None and shards is not None:
+            if shards.layouts == planner.sources[share.index]:
+                record = m2n_in_place.rank_record(exports, shards.locals)
+            else:
+                log.warning("M->N in place: this rank holds other boxes than it published "
+                            "at connect; this update goes through staging")
+        records = self.ranks.gather(record)
+        if exports is None or any(r is None for r in records):
             return None
         plan = planner.plan(share.manifest)
         pieces = m2n_in_place.pieces_by_rank(plan, planner.sources, share.manifest.metas)
@@ -364,7 +383,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                         "this update goes through staging")
             return None
         self.last_update_read = True
-        self._last_moved = plan.moved(share.index)
+        self._last_moved = {"buckets": len(plan.of_sender(share.index)),
+                            "sent_bytes": plan.bytes_from(share.index)}
         opening = None
         if share.lead:
             opening = {"in_place_ranks": [{"zero_copy": record, "pieces": pieces_to_wire(mine)}

@@ -97,7 +97,7 @@ class ZeroCopyExports:
         if last is None or last.pointers != pointers:
             used, layout = self._place(tensors)
             last = self._last = _Placement(pointers, used, _packed(used), _packed(layout))
-        device = tensors[0].device if tensors else torch.device("cuda")
+        device = next((t.device for t in tensors if t.numel()), torch.device("cuda"))
         if self.event is None:
             self.event = exported_event(device)
         self.event[0].record(torch.cuda.current_stream(device))
