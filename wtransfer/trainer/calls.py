@@ -10,9 +10,31 @@ reported, not the refusals that follow it.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
-from wtransfer.protocol import CallQueue, PendingCall
+import torch
+
+from wtransfer.errors import TransferTimeout
+from wtransfer.packing import Bucket, bucket_checksum
+from wtransfer.protocol import CallQueue, PausingClient, PendingCall, StagingClient
+from wtransfer.records import PauseMode
+from wtransfer.transport.window import CallChannel, SendChannel
+
+
+@dataclass(frozen=True)
+class Role:
+    """This rank's part in an update's control calls (the lead issues start and finish)."""
+
+    lead: bool
+    senders: int
+    """How many trainer ranks send (more than one: finish waits for every rank's verdict)."""
+    pause: tuple[PausingClient, PauseMode] | None = None
+    """The lead's client and the pause wanted around the finish (None: no pause)."""
+    staging: StagingClient | None = None
+    """The lead's client when its engine stages updates (finish waits for the staging)."""
+    spin_from: float | None = None
+    """From when replies are polled for without sleeping (`protocol.spin_start`)."""
 
 
 class UpdateCalls:
@@ -21,9 +43,10 @@ class UpdateCalls:
     after it (wrong state), so the first failure in order is the one reported."""
 
     def __init__(self, queue: CallQueue, timeout_s: float, weight_version: str | None,
-                 sender_id: str | None = None) -> None:
+                 sender_id: str | None = None, role: Role | None = None) -> None:
         self.queue = queue
         self.timeout_s = timeout_s
+        self.role = role if role is not None else Role(lead=True, senders=1)
         self.weight_version = weight_version
         self.sender_id = sender_id
         """Stamped on every update call: receivers refuse the calls of a replaced sender."""
@@ -139,3 +162,68 @@ class UpdateCalls:
             with contextlib.suppress(Exception):
                 call.cancel()
         self._settled = len(self._calls)
+
+    def settle_first(self) -> None:
+        """The lead waits for the answer to an update's first call (before any byte moves,
+        so a receiver that cannot take the update refuses it with nothing written)."""
+        if not self.role.lead:
+            return
+        try:
+            self.settle()
+        except BaseException as exc:  # receivers that took it: fail it now
+            self.abort_for(exc)
+            raise
+
+    def abort_for(self, exc: BaseException) -> None:
+        """Tell the receivers the update failed here (`exc`), so they fail it now instead of
+        at their deadline; not after a timeout (a receiver that does not answer would not
+        answer this either)."""
+        if isinstance(exc, TransferTimeout):
+            return
+        with contextlib.suppress(Exception):  # a failed receiver's own deadline covers it
+            self.abort(f"{type(exc).__name__}: {exc}"[:1000])
+
+    def finish_behind_updates(self) -> None:
+        """Once every update call of a lone sender is issued, its finish goes right behind
+        them; with several senders, or a pause around the finish, it waits for every rank's
+        verdict instead, as it does for an engine that would hold its steps while a finish
+        waits for data still on its way (a `StagingClient`'s)."""
+        role = self.role
+        if role.lead and role.senders == 1 and role.pause is None and role.staging is None:
+            self.finish()
+
+    def close(self) -> None:
+        """The lead waits for every reply; with several senders, or a pause around the
+        finish, it issues finish now that every rank's part succeeded (a lone sender issued
+        it behind its update calls), pausing the engine around it when asked."""
+        role = self.role
+        if not role.lead:
+            return
+        if role.staging is not None:
+            self.settle()
+            role.staging.wait_staged(self.timeout_s)  # the finish: the commit only
+        if role.pause is None:
+            if not self.finish_issued:
+                self.finish()
+            self.settle(role.spin_from)
+            return
+        self.settle()  # every byte is in: only the finish runs paused
+        client, mode = role.pause
+        client.pause(mode=mode, clear_cache=True)
+        try:
+            self.finish()
+            self.settle()
+        finally:
+            client.resume()
+
+    def through(self, channel: CallChannel, checksum: bool) -> SendChannel[PendingCall]:
+        """`channel` as the send loop sees it: posting a bucket issues its update call (with
+        its bytes' checksum when asked), and the slot is free once that call is answered
+        (within the transfer's deadline)."""
+
+        def post(unit: list[Bucket], slot: int, data: list[torch.Tensor]) -> PendingCall:
+            digest = bucket_checksum(data[0]) if checksum else None
+            return self.update(channel.describe(unit[0], slot, data[0], digest))
+
+        return SendChannel(slots=channel.slots, stage=channel.stage, post=post,
+                           wait=lambda call, _check: call.result(self.timeout_s))

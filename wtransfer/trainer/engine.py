@@ -49,14 +49,12 @@ from wtransfer.errors import (
     LifecycleError,
     NotInitializedError,
     SenderReplacedError,
-    TransferTimeout,
 )
 from wtransfer.manifest import Manifest, PlanParams
-from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta, bucket_checksum
+from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta
 from wtransfer.protocol import (
     CallQueue,
     PausingClient,
-    PendingCall,
     StagingClient,
     WeightSyncClient,
     spin_start,
@@ -73,7 +71,7 @@ from wtransfer.records import (
     declared_capabilities,
     new_sender_id,
 )
-from wtransfer.trainer.calls import UpdateCalls
+from wtransfer.trainer.calls import Role, UpdateCalls
 from wtransfer.trainer.fleet import FleetUpdates
 from wtransfer.trainer.gather import GatheringPacker
 from wtransfer.trainer.group import Ranks, TrainerGroup
@@ -225,8 +223,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self.connected = False
         self.closed = False
         self._last_update_s: float | None = None
-        """How long the last update that succeeded took (`_reply_due`)."""
-        self._update_start = 0.0
+        """How long the last update that succeeded took (`Role.spin_from`)."""
         self.fleet = FleetUpdates(client, self.backend_name)
         """What a fleet client needs around each update (`wtransfer.trainer.fleet`)."""
 
@@ -383,18 +380,19 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
     def _send_update(self, weight_version: str | None, payload: Payload) -> TransferStats:
         """One update of `payload`, in the order of the module docstring (its first call, if
         any, right behind start, answered before any byte moves when it asks so)."""
-        start = self._update_start = time.monotonic()
+        start = time.monotonic()
         self._offered = None
         source = payload.source
         calls = (UpdateCalls(self.calls, self.init_info.timeout_s, weight_version,
-                             self.sender_id) if self.calls is not None else None)
+                             self.sender_id, self._role(start)) if self.calls is not None
+                 else None)
         try:
             if self.lead and calls is not None:
                 calls.start()  # the engine opens the update while this rank plans it
                 if payload.first_call is not None:
                     calls.update(payload.first_call)
             if payload.answer_first:  # every rank learns of a refusal
-                self.ranks.together(lambda: self._settle_first_call(calls))
+                self.ranks.together(lambda: calls.settle_first() if calls else None)
             try:
                 layout = self._layout(source.metadata())
                 group = self.ranks.group
@@ -417,9 +415,9 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                     raise  # the next update alike, none waiting in a gather)
             except BaseException as exc:
                 if self.lead and calls is not None:
-                    self._abort_remote(exc, calls)
+                    calls.abort_for(exc)
                 raise
-            self.ranks.together(lambda: self._close_update(calls))
+            self.ranks.together(lambda: calls.close() if calls else None)
             if self._offered is not None:  # the receivers hold the list it gave them
                 self.receivers_hold = self._offered
         finally:
@@ -433,17 +431,12 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
                                   "gathered_peak_bytes": peak}
         return TransferStats(**{**payload.stats_fields(fields), **self._moved()})
 
-    def _settle_first_call(self, calls: UpdateCalls | None) -> None:
-        """The lead waits for the receivers' answer to an update's first call (before any
-        byte moves, so a receiver that cannot take the update refuses it with nothing
-        written)."""
-        if not self.lead or calls is None:
-            return
-        try:
-            calls.settle()
-        except BaseException as exc:  # receivers that took it: fail it now
-            self._abort_remote(exc, calls)
-            raise
+    def _role(self, start: float) -> Role:
+        """This rank's part in the control calls of an update started at `start`."""
+        client = self.client
+        return Role(lead=self.lead, senders=self.senders, pause=self._pause,
+                    staging=client if isinstance(client, StagingClient) else None,
+                    spin_from=spin_start(start, self._last_update_s))
 
     def _layout(self, metas: list[TensorMeta]) -> _Layout:
         """The manifest, plan and this rank's buckets of `metas` (the last ones again while
@@ -506,78 +499,21 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             calls.update(out.opening)
         units = share.buckets if out.units is None else out.units
         if isinstance(out.channel, CallChannel):  # each bucket's call, then finish
-            send_buckets(units, share.packer, self._through_calls(out.channel, calls),
-                         check=calls.check, all_posted=lambda: self._finish_early(calls))
+            send_buckets(units, share.packer, calls.through(out.channel,
+                                                            self.init_info.checksum),
+                         check=calls.check, all_posted=calls.finish_behind_updates)
         else:
-            self._finish_early(calls)  # every update call of this rank is issued
+            calls.finish_behind_updates()  # every update call of this rank is issued
             if out.channel is not None:
                 send_buckets(units, share.packer, out.channel, check=calls.check)
         try:
-            calls.settle(self._reply_due())
+            calls.settle(calls.role.spin_from)
         except BaseException:
             if out.kept is not None:
                 out.kept.forget()
             raise
         if out.kept is not None:
             out.kept.confirm()
-
-    def _through_calls(self, channel: CallChannel, calls: UpdateCalls
-                       ) -> SendChannel[PendingCall]:
-        """`channel` as the send loop sees it: posting a bucket issues its update call, and
-        the slot is free once that call is answered (within the transfer's deadline)."""
-        checksum = self.init_info.checksum
-        timeout_s = self.init_info.timeout_s
-
-        def post(unit: list[Bucket], slot: int, data: list[torch.Tensor]) -> PendingCall:
-            digest = bucket_checksum(data[0]) if checksum else None
-            return calls.update(channel.describe(unit[0], slot, data[0], digest))
-
-        return SendChannel(slots=channel.slots, stage=channel.stage, post=post,
-                           wait=lambda call, _check: call.result(timeout_s))
-
-    def _reply_due(self) -> float | None:
-        """From when the update in progress polls for its replies without sleeping, judged
-        by the last one's time (`protocol.spin_start`; None before any update succeeded)."""
-        return spin_start(self._update_start, self._last_update_s)
-
-    def _finish_early(self, calls: UpdateCalls) -> None:
-        """Once every update call of a lone sender is issued, its finish goes right behind
-        them; with several senders, or a pause around the finish, it waits for every rank's
-        verdict instead, as it does for an engine that would hold its steps while a finish
-        waits for data still on its way (a `StagingClient`'s)."""
-        if self.lead and self.senders == 1 and self._pause is None and \
-                not isinstance(self.client, StagingClient):
-            calls.finish()
-
-    def _close_update(self, calls: UpdateCalls | None) -> None:
-        """The lead waits for every reply; with several senders, or a pause around the
-        finish, it issues finish now that every rank's part succeeded (a lone sender issued
-        it behind its update calls), pausing the engine around it when asked."""
-        if not self.lead or calls is None:
-            return
-        if isinstance(self.client, StagingClient):
-            calls.settle()
-            self.client.wait_staged(self.init_info.timeout_s)  # the finish: the commit only
-        if self._pause is None:
-            if not calls.finish_issued:
-                calls.finish()
-            calls.settle(self._reply_due())
-            return
-        calls.settle()  # every byte is in: only the finish runs paused
-        client, mode = self._pause
-        client.pause(mode=mode, clear_cache=True)
-        try:
-            calls.finish()
-            calls.settle()
-        finally:
-            client.resume()
-
-    def _abort_remote(self, exc: BaseException, calls: UpdateCalls) -> None:
-        """Tell receivers the update failed here, so they fail it now instead of at timeout."""
-        if isinstance(exc, TransferTimeout):
-            return  # a receiver that does not answer would not answer this either
-        with contextlib.suppress(Exception):  # a failed receiver's own deadline covers it
-            calls.abort(f"{type(exc).__name__}: {exc}"[:1000])
 
     def in_place(self, share: Share, usable: Callable[[list[torch.Tensor]], bool]
                  ) -> tuple[list[torch.Tensor] | None, Share]:

@@ -44,17 +44,20 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     """CUDA sources: share the source tensors' own storage (exported once, again only when a
     storage changes) and let each receiver copy every tensor straight into its parameter: one
     device-to-device copy per byte and one control message per update, ordered by a CUDA IPC
-    event. Falls back to packed buckets for what cannot be shared (CPU or non-contiguous
-    tensors, checksums, several senders, sharded sources)."""
+    event. With several trainer ranks going M->N on CUDA, each worker copies what it keeps
+    straight out of every rank's own shards the same way (`wtransfer_ipc.m2n_in_place`).
+    Falls back to packed buckets for what cannot be shared (CPU or non-contiguous tensors,
+    checksums, several senders gathering, sharded sources that gather)."""
     m2n: bool | None = None
     """True: each trainer rank packs only its own shards (no gathering), each box once, into
     its own staging, and each worker copies out of every rank's staging only the parts it
     keeps (`wtransfer_ipc.m2n`); every trainer rank needs a client then. False: gather each
-    bucket to a sender, and every worker reads all of it. None (default): M->N through shared
-    memory where sharded ranks each hold a client and each holds one box of every tensor
-    (FSDP2 x TP strided shards gather), and where one sender packs into one engine of several
-    workers (1->N: each worker reads only what it keeps); else False (adapters, fleets, CUDA
-    staging: several ranks there ask with True; deltas of sharded ranks need nccl or ucx). A
+    bucket to a sender, and every worker reads all of it. None (default): M->N where sharded
+    ranks each hold a client and each holds one box of every tensor (FSDP2 x TP strided
+    shards gather; on CUDA, read in place: zero_copy on, no checksums), and through shared
+    memory where one sender packs into one engine of several workers (1->N: each worker
+    reads only what it keeps); else False (adapters, fleets, replicas on CUDA: several ranks
+    there ask with True; deltas of sharded ranks need nccl or ucx). A
     receiver without regions (vLLM) assembles each tensor in a full-size buffer while the
     ranks' pieces arrive (its peak memory is not measured yet)."""
 
