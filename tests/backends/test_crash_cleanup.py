@@ -40,6 +40,33 @@ def land_final_update(address, seed):
     return fingerprint(build("mixed", seed, "cpu").state_dict())
 
 
+def mapped_segments(pid):
+    """The wtransfer shared-memory segments process `pid` maps."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                for line in maps if f"{SHM_DIR}/wtransfer_" in line}
+
+
+def test_a_receiver_unmaps_a_dead_trainers_staging_and_takes_the_next_sender():
+    """Once its trainer's process is gone, a receiver drops its mappings of that trainer's
+    staging within a few seconds (they would hold the memory until the next sender's init;
+    on a GPU, a restarted trainer could not allocate its model), and a new sender lands
+    bit-exact."""
+    with spawn_receiver("ipc", model="mixed", seed=2) as receiver:
+        trainer = spawn_trainer("ipc", receiver.address, model="mixed", seed=5, loop=True,
+                                init_fields=INIT)
+        assert trainer.info["event"] == "sending"  # (its init reached the receiver)
+        assert mapped_segments(receiver.proc.pid), "the receiver maps the trainer's staging"
+        trainer.kill()
+        trainer.close()
+        wait_for(lambda: not mapped_segments(receiver.proc.pid), 15,
+                 "the receiver to unmap the dead trainer's staging")
+        sent = land_final_update(receiver.address, seed=99)
+        client = wtransfer.rpc.RPCClient(receiver.address, timeout_s=30)
+        assert client.fingerprint() == sent
+        client.close()
+
+
 def test_trainers_killed_at_random_points_leave_no_segments_and_the_next_one_lands():
     rng = random.Random(19)
     with spawn_receiver("ipc", model="mixed", seed=2) as receiver:

@@ -228,12 +228,12 @@ def test_two_trainer_processes_feed_two_engine_workers_on_one_gpu_over_cuda_ipc(
                                                                                 in_place):
     """Two trainer processes (replicas on cuda:0) -> our engine with TP=2, both workers on
     cuda:0 (their collectives over gloo: NCCL refuses two ranks on one GPU), over CUDA IPC,
-    twice (the second update reuses what the first exported or planned): by default each
-    worker copies what it keeps straight out of the rank that sends each tensor (read in
-    place, one update call); with zero_copy=False each rank stages its half in its own GPU
-    staging. Either way each worker takes in only what it keeps (its bytes are its part,
-    not the model's), bit-exact, and greedy tokens equal a fresh TP=2 engine on the GPU
-    holding the same weights."""
+    twice (the second update, new weights, reuses what the first exported or planned): by
+    default each worker copies what it keeps straight out of the rank that sends each tensor
+    (read in place, one update call); with zero_copy=False each rank stages its half in its
+    own GPU staging. Either way each worker takes in only what it keeps (its bytes are its
+    part, not the model's), bit-exact; then new trainer processes send the seed's weights
+    once, and greedy tokens equal a fresh TP=2 engine on the GPU holding them."""
     flags = ["--model", "tiny", "--tensor-parallel-size", "2", "--device", "cuda:0"]
     engine = serve(*flags, backend="ipc")
     init = fields("ipc", m2n=True, **({} if in_place else {"zero_copy": False}))
@@ -251,6 +251,10 @@ def test_two_trainer_processes_feed_two_engine_workers_on_one_gpu_over_cuda_ipc(
     assert all(k < outs[0]["bytes"] for k in kept)
     assert sum(o["sent_bytes"] for o in outs) == outs[0]["bytes"]
     assert min(o["sent_bytes"] for o in outs) > 0.3 * outs[0]["bytes"]
+    with TrainerRanks(2, backend="ipc", addresses=[engine.url], senders=2, model="llm:tiny",
+                      seed=5, device="cuda:0", init_fields=init) as trainers:
+        trainers.wait_for(0, "sent", 180)
+        assert trainers.wait(60) == [0, 0]
     got = [engine.greedy(p) for p in PROMPTS]
     fresh = serve(*flags, "--seed", "5")
     assert got == [fresh.greedy(p) for p in PROMPTS]

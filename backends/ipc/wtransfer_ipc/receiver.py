@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -14,7 +15,7 @@ from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.manifest import Manifest
 from wtransfer.packing import Slice, TensorMeta
 from wtransfer.protocol import spin_start
-from wtransfer.receiver.engine import WeightTransferEngine
+from wtransfer.receiver.engine import ReceiverState, WeightTransferEngine
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.transport.m2n import pieces_from_wire
@@ -32,6 +33,9 @@ from wtransfer_ipc.shm import SharedBuffer, creator_alive, sweep
 from wtransfer_ipc.zero_copy import ZeroCopyImports
 
 log = logging.getLogger("wtransfer.ipc.receiver")
+
+RELEASE_CHECK_S = 1.0
+"""How often a worker that maps a trainer's memory looks whether that process is gone."""
 
 
 class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
@@ -63,13 +67,35 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
     def _init(self, info: IPCInitInfo) -> None:
         self._events.close()  # a new sender records new events
         self._unfinished = None
-        self._trainer = ProcessWatch(info.sender_pid, info.sender_start)
+        self._trainer = watch = ProcessWatch(info.sender_pid, info.sender_start)
         try:
             self._free = info.free_events_of(self.worker_index)
             self._staging = [self._open(info, staging) for staging in info.stagings()]
         except BaseException:
             self._shutdown()  # unmap what was mapped before the failure
             raise
+        if watch.active and info.sender_pid != os.getpid():
+            threading.Thread(target=self._release_when_gone, args=(watch,), daemon=True,
+                             name="wtransfer-ipc-release").start()
+
+    def _release_when_gone(self, watch: ProcessWatch) -> None:
+        """Unmap everything of the trainer's once its (lead) process is gone and no update is
+        open: the mappings of its staging, its tensors (zero-copy) and its ranks' shards (M->N
+        in place) keep that memory allocated (on a GPU: a trainer restarted there could not
+        allocate its model before its init reached this worker). Ends with the sender it
+        watches (a new init, or shutdown)."""
+        while True:
+            time.sleep(RELEASE_CHECK_S)
+            with self._lock:
+                if self._trainer is not watch:
+                    return
+                if self.state is ReceiverState.UPDATING or not watch.gone():
+                    continue
+                log.info("ipc: the trainer process (pid %d) is gone; unmapping its memory",
+                         watch.pid)
+                self._programs.clear()  # (their views hold the storages)
+                self._shutdown()
+                return
 
     def _sender_gone(self) -> str | None:
         trainer = self._trainer
@@ -220,6 +246,7 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         return self.init_info
 
     def _shutdown(self) -> None:
+        self._trainer = None
         self._zero_copy.close()
         self._ranks_in_place.close()
         self._events.close()
