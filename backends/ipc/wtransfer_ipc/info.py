@@ -52,12 +52,13 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     """True: each trainer rank packs only its own shards (no gathering), each box once, into
     its own staging, and each worker copies out of every rank's staging only the parts it
     keeps (`wtransfer_ipc.m2n`); every trainer rank needs a client then. False: gather each
-    bucket to a sender, and every worker reads all of it. None (default): M->N where sharded
+    bucket to a sender, and every worker reads all of it. On CUDA with zero_copy on and no
+    checksums, True reads every rank's shards in place instead of staging them
+    (`wtransfer_ipc.m2n_in_place`). None (default): M->N through shared memory where sharded
     ranks each hold a client and each holds one box of every tensor (FSDP2 x TP strided
-    shards gather; on CUDA, read in place: zero_copy on, no checksums), and through shared
-    memory where one sender packs into one engine of several workers (1->N: each worker
-    reads only what it keeps); else False (adapters, fleets, replicas on CUDA: several ranks
-    there ask with True; deltas of sharded ranks need nccl or ucx). A
+    shards gather), and where one sender packs into one engine of several workers (1->N:
+    each worker reads only what it keeps); else False (adapters, fleets, CUDA staging:
+    several ranks there ask with True; deltas of sharded ranks need nccl or ucx). A
     receiver without regions (vLLM) assembles each tensor in a full-size buffer while the
     ranks' pieces arrive (its peak memory is not measured yet)."""
 
