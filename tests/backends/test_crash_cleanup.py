@@ -2,6 +2,7 @@
 behind and the next sender lands bit-exact weights; a frozen peer fails the trainer within
 its deadline (+10%)."""
 
+import contextlib
 import os
 import random
 import signal
@@ -50,8 +51,8 @@ def mapped_segments(pid):
 def test_a_receiver_unmaps_a_dead_trainers_staging_and_takes_the_next_sender():
     """Once its trainer's process is gone, a receiver drops its mappings of that trainer's
     staging within a few seconds (they would hold the memory until the next sender's init;
-    on a GPU, a restarted trainer could not allocate its model), and a new sender lands
-    bit-exact."""
+    on a GPU, a restarted trainer could not allocate its model); an update call of the dead
+    sender that arrives later is refused saying why, and a new sender lands bit-exact."""
     with spawn_receiver("ipc", model="mixed", seed=2) as receiver:
         trainer = spawn_trainer("ipc", receiver.address, model="mixed", seed=5, loop=True,
                                 init_fields=INIT)
@@ -61,6 +62,12 @@ def test_a_receiver_unmaps_a_dead_trainers_staging_and_takes_the_next_sender():
         trainer.close()
         wait_for(lambda: not mapped_segments(receiver.proc.pid), 15,
                  "the receiver to unmap the dead trainer's staging")
+        late = wtransfer.rpc.RPCClient(receiver.address, timeout_s=30)
+        with contextlib.suppress(wtransfer.errors.WTransferError):  # (its update failed: fine)
+            late.start_weight_update()
+        with pytest.raises(wtransfer.errors.PeerError, match="unmapped its memory"):
+            late.update_weights({"buffer": 0, "nbytes": 0})
+        late.close()
         sent = land_final_update(receiver.address, seed=99)
         client = wtransfer.rpc.RPCClient(receiver.address, timeout_s=30)
         assert client.fingerprint() == sent

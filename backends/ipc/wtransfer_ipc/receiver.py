@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from wtransfer.errors import ConfigError, MetadataError
+from wtransfer.errors import ConfigError, MetadataError, PeerError
 from wtransfer.manifest import Manifest
 from wtransfer.packing import Slice, TensorMeta
 from wtransfer.protocol import spin_start
@@ -63,9 +63,13 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         """How long the last zero-copy update's copies took, issued to done (the next one
         waits for its copies' end without sleeping from shortly before: `spin_start`)."""
         self._trainer: ProcessWatch | None = None
+        self._released: str | None = None
+        """Why this worker unmapped its sender's memory (the trainer's process is gone); its
+        later update calls are refused saying so, until a new sender's init."""
 
     def _init(self, info: IPCInitInfo) -> None:
         self._events.close()  # a new sender records new events
+        self._released = None
         self._unfinished = None
         self._trainer = watch = ProcessWatch(info.sender_pid, info.sender_start)
         try:
@@ -93,8 +97,15 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
                     continue
                 log.info("ipc: the trainer process (pid %d) is gone; unmapping its memory",
                          watch.pid)
+                if self.device.type == "cuda":  # reads a failed update queued end first
+                    with contextlib.suppress(Exception):
+                        drain(self.device, self._timeout_s())
                 self._programs.clear()  # (their views hold the storages)
                 self._shutdown()
+                self._trainer = watch  # (an update opened later still fails at once)
+                self._released = (f"the trainer process (pid {watch.pid}) is gone and this "
+                                  "worker unmapped its memory; initialize the transfer again "
+                                  "(trainer_init)")
                 return
 
     def _sender_gone(self) -> str | None:
@@ -127,6 +138,8 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
                 for i, rec in enumerate(staging["buffers"])]
 
     def _receive(self, info: IPCUpdateInfo, session: UpdateSession) -> None:
+        if self._released is not None:
+            raise PeerError(self._released)
         m2n = self._init_info().m2n
         if info.in_place_ranks is not None and (
                 not m2n or info.pieces or info.slices or info.zero_copy is not None
@@ -203,7 +216,12 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
             raise ConfigError("a zero-copy update shares CUDA memory: create the receiver "
                               "with device='cuda:N'")
         started = time.monotonic()
-        session.load_whole(self._zero_copy.sources(update, metas, self.device))
+        try:
+            session.load_whole(self._zero_copy.sources(update, metas, self.device))
+        except BaseException:  # copies queued before the failure still read the trainer's
+            with contextlib.suppress(Exception):  # tensors: they run before the answer
+                drain(self.device, self._timeout_s())
+            raise
         drain(self.device, self._timeout_s(),  # done reading: the trainer may write its
               spin_start(started, self._last_copies_s))  # weights again once this returns
         self._last_copies_s = time.monotonic() - started
