@@ -54,6 +54,35 @@ def test_a_zero_copy_update_may_name_the_last_tensor_list_by_digest_and_nothing_
     engine.shutdown()
 
 
+@pytest.mark.parametrize("m2n", [False, True])
+def test_an_m2n_update_read_in_place_is_refused_where_it_cannot_apply(m2n):
+    """`in_place_ranks` (M->N read out of the ranks' shards) is refused in a transfer that is
+    not M->N, beside a bucket of staging, and on a receiver without CUDA, each naming why
+    and before any weight changes."""
+    source, held = build("mixed", seed=1, device="cpu"), build("mixed", seed=2, device="cpu")
+    listed = metas_to_wire(wtransfer.ModuleSource(source).metadata())
+    engine = wtransfer.create_receiver("ipc", wtransfer.ModuleTarget(held))
+    before = wtransfer.fingerprint(held.state_dict())
+    rank = {"zero_copy": {"storages": [], "used": b"", "layout": b"", "event": b"",
+                          "token": "t", "sender_pid": 1}, "pieces": []}
+    with wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=1 << 20, m2n=m2n),
+                                client=wtransfer.LocalClient(engine),
+                                source=wtransfer.ModuleSource(source)):
+        cases = [({"tensors": listed, "in_place_ranks": [rank], "pieces": [[0, [0], [1], 0, 4]]},
+                  MetadataError, "a whole M->N update on its own")]
+        cases.append(({"tensors": listed, "in_place_ranks": [rank]}, ConfigError,
+                      "shares CUDA memory") if m2n else
+                     ({"tensors": listed, "in_place_ranks": [rank]}, MetadataError,
+                      "this transfer is not M->N"))
+        for update, error, message in cases:
+            engine.start_weight_update()
+            with pytest.raises(error, match=message):
+                engine.update_weights(update)
+            assert engine.state == "failed"
+    assert wtransfer.fingerprint(held.state_dict()) == before
+    engine.shutdown()
+
+
 def test_an_event_on_shared_memory_staging_is_refused_before_any_write():
     """`event` orders reads of CUDA staging; on a shared-memory sender it is a malformed
     update, named as such, and no weight changes."""
