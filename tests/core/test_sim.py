@@ -176,6 +176,9 @@ def test_one_gpu_paths_add_up_by_hand():
     host = predict_one_gpu("host", metas, gpu, bucket_bytes=n, num_buffers=1)
     # b's host-to-device copy waits for a's slot, freed once a is applied
     assert host["predicted_s"] == pytest.approx(2 * (1e-3 + n / 1e8 + copy + check) + 2e-3)
+    # M->N read in place: one copy in all, one update call, every piece checked after it
+    in_place = predict_one_gpu("m2n-in-place", metas, gpu, senders=2)
+    assert in_place["predicted_s"] == pytest.approx(2 * copy + 2 * check + 1e-3 + 2e-3)
     with pytest.raises(ConfigError, match="one-GPU path 'nvlink'"):
         predict_one_gpu("nvlink", metas, gpu)
     # tensors of 1 MiB and more that land whole are checked inside their copy: no second read

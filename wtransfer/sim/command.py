@@ -146,9 +146,10 @@ def _emit(args: argparse.Namespace, out: dict[str, object], lines: list[str]) ->
 
 def _one_gpu(args: argparse.Namespace, replicas: int) -> int:
     """`--one-gpu PATH`: predict a one-GPU path (`wtransfer.sim.one_gpu`) and print it."""
-    if replicas != 1 or (args.one_gpu != "m2n" and args.trainer_gpus != 1):
+    m2n = args.one_gpu.startswith("m2n")
+    if replicas != 1 or (not m2n and args.trainer_gpus != 1):
         raise ConfigError(f"--one-gpu {args.one_gpu}: one engine replica "
-                          f"({'' if args.one_gpu == 'm2n' else 'and one trainer rank, '}"
+                          f"({'' if m2n else 'and one trainer rank, '}"
                           f"--engine 1xT), all on one GPU")
     gpu = OneGpu(memory_bandwidth=args.hbm_gbps * 1e9, h2d_bandwidth=args.h2d_gbps * 1e9,
                  check_bandwidth=(args.check_gbps or args.hbm_gbps) * 1e9,

@@ -15,7 +15,10 @@ checked inside its copy, `wtransfer.receiver.finite_copy`: the check reads only 
 * ``host``: a host-resident (pinned) trainer copies each bucket host-to-device into CUDA
   staging (the "send" is the H2D copy, at `h2d_bandwidth`), the engine applies it;
 * ``m2n``: `senders` trainer ranks each pack their shards into their own staging, the engine's
-  workers copy out what they keep (in all, one copy of the model, as ``packed``).
+  workers copy out what they keep (in all, one copy of the model, as ``packed``);
+* ``m2n-in-place``: the engine's workers copy what they keep straight out of every rank's
+  shards (`wtransfer_ipc.m2n_in_place`): one copy of the model in all, one update call, each
+  piece checked for NaN/inf after its copy.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from wtransfer.sim.layouts import engine_layouts, fsdp_layouts
 from wtransfer.sim.simulate import simulate
 from wtransfer.transport.m2n import plan_transfers
 
-ONE_GPU_PATHS = ("zero-copy", "packed", "host", "m2n")
+ONE_GPU_PATHS = ("zero-copy", "packed", "host", "m2n", "m2n-in-place")
 
 
 @dataclass(frozen=True)
@@ -66,11 +69,12 @@ def predict_one_gpu(path: str, metas: Sequence[TensorMeta], gpu: OneGpu, *,
     whole_up_to = model if path == "zero-copy" else 0 if path == "m2n" else bucket_bytes
     in_copy = [gpu.checked_from is not None and gpu.checked_from <= m.nbytes <= whole_up_to
                for m in metas]  # (M->N's pieces: none)
-    if path == "zero-copy":
+    if path in ("zero-copy", "m2n-in-place"):
         read_again = sum(m.nbytes for m, checked in zip(metas, in_copy, strict=True)
-                         if not checked)
+                         if not checked or path == "m2n-in-place")
         check = read_again / gpu.check_bandwidth if gpu.check_bandwidth else 0.0
-        return {"predicted_s": floors["one_copy_s"] + check + gpu.control_s, **floors}
+        call = gpu.handover_s if path == "m2n-in-place" else 0.0  # (zero-copy: in control_s)
+        return {"predicted_s": floors["one_copy_s"] + check + call + gpu.control_s, **floors}
     host = path == "host"
     link = (Link("pcie", gpu.h2d_bandwidth, gpu.handover_s) if host
             else Link("handover", 1e18, gpu.handover_s))
