@@ -34,12 +34,11 @@ import torch
 from wtransfer.errors import (
     ConfigError,
     LifecycleError,
-    MetadataError,
     NotInitializedError,
     PeerError,
     SenderReplacedError,
 )
-from wtransfer.manifest import Manifest, Manifests
+from wtransfer.manifest import Manifests
 from wtransfer.receiver.deadline import DeadlineTimer
 from wtransfer.receiver.deltas import DeltaBase
 from wtransfer.receiver.programs import PiecePrograms
@@ -48,7 +47,6 @@ from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import (
     Capabilities,
     ReceiverInitInfo,
-    TensorLayout,
     UpdateInfo,
     check_version,
     declared_capabilities,
@@ -265,31 +263,6 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                               f"trainer sent a {sent!r} init info: use the {self.backend_name} "
                               f"trainer init info, or start the engine with the {sent!r} "
                               "backend (weight_transfer_backend)")
-
-    def announce_listed(self, tensors: object, tensors_digest: str | None,
-                        session: UpdateSession) -> Manifest:
-        """For a backend's `_receive`: the tensor list an update carries (or names by its
-        digest), announced to `session` (checked against the target before any byte lands)."""
-        manifest = self.manifests.resolve(tensors, tensors_digest)
-        if manifest is None:
-            raise MetadataError("the update info must carry 'tensors' or 'tensors_digest'")
-        session.announce(manifest.metas)
-        return manifest
-
-    def keep_planned(self, session: UpdateSession, manifest: Manifest,
-                     published: dict[str, TensorLayout]) -> None:
-        """For an M->N backend's `_receive`: of each tensor only what this worker keeps
-        arrives (`WeightTarget.keeps`). Refuses (`MetadataError`, before any byte moves) a
-        tensor it keeps now but did not `published` when the transfer was initialized: no
-        trainer rank's plan sends it (LoRA adapters, named by each update)."""
-        kept = self.target.keeps()
-        sent = {m.name for m in manifest.metas}
-        undeclared = sorted(n for n in (kept or {}) if n in sent and n not in published)
-        if undeclared:
-            raise MetadataError(f"this worker keeps {undeclared[:3]}, which it did not declare "
-                                "when the M->N transfer was initialized, so no trainer rank "
-                                "would send them; send such tensors over ipc, or without M->N")
-        session.keep_only(kept)
 
     def start_weight_update(self) -> None:
         """Open an update; weights change only between this and `finish_weight_update`."""

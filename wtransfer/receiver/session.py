@@ -32,6 +32,7 @@ from wtransfer.delta.codec import BITS_VIEW, DeltaEntry
 from wtransfer.delta.pieces import decode_bucket
 from wtransfer.delta.target import DeltaTarget
 from wtransfer.errors import IntegrityError, MetadataError, NonFiniteError
+from wtransfer.manifest import Manifest, Manifests
 from wtransfer.packing import (
     DTYPES,
     Bucket,
@@ -277,6 +278,31 @@ class UpdateSession:
         named = {m.name: m for m in metas}
         self._pending.update(named)
         self._announced.update(named)
+
+    def announce_listed(self, manifests: Manifests, tensors: object,
+                        tensors_digest: str | None) -> Manifest:
+        """For a backend's `_receive`: the tensor list an update carries (or names by its
+        digest, as `manifests` resolves it), announced (checked against the target before
+        any byte lands)."""
+        manifest = manifests.resolve(tensors, tensors_digest)
+        if manifest is None:
+            raise MetadataError("the update info must carry 'tensors' or 'tensors_digest'")
+        self.announce(manifest.metas)
+        return manifest
+
+    def keep_planned(self, manifest: Manifest, published: dict[str, TensorLayout]) -> None:
+        """For an M->N backend's `_receive`: of each tensor only what this worker keeps
+        arrives (`WeightTarget.keeps`). Refuses (`MetadataError`, before any byte moves) a
+        tensor it keeps now but did not `published` when the transfer was initialized: no
+        trainer rank's plan sends it (LoRA adapters, named by each update)."""
+        kept = self._target.keeps()
+        sent = {m.name for m in manifest.metas}
+        undeclared = sorted(n for n in (kept or {}) if n in sent and n not in published)
+        if undeclared:
+            raise MetadataError(f"this worker keeps {undeclared[:3]}, which it did not declare "
+                                "when the M->N transfer was initialized, so no trainer rank "
+                                "would send them; send such tensors over ipc, or without M->N")
+        self.keep_only(kept)
 
     def keep_only(self, kept: dict[str, TensorLayout] | None) -> None:
         """An M->N update: of each announced tensor only what `kept` holds arrives (None:

@@ -165,14 +165,14 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         its trainer rank into a staging slot, and write their boxes into place."""
         init, planner = self.init_info, self._planner
         assert init is not None and planner is not None
-        manifest = self.announce_listed(info.tensors, info.tensors_digest, session)
+        manifest = session.announce_listed(self.manifests, info.tensors, info.tensors_digest)
         plan = planner.plan(manifest)
         plan.check(info.plan_digest)
         if not self._groups:
             raise LifecycleError("nccl: the group was torn down after a failure; the trainer "
                                  "must call init_weight_transfer_engine again")
         me = self._groups[0].rank - init.senders
-        self.keep_planned(session, manifest, planner.dests[me] if planner.dests else {})
+        session.keep_planned(manifest, planner.dests[me] if planner.dests else {})
         receipt = PairReceipt(plan, me, info.delta_buckets, session)
         group, staging_buffers = self._groups[0], self._staging[0]
         stopped = self._stop_check(None)
@@ -211,7 +211,7 @@ class NCCLReceiver(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
         (planned once per list: a trainer sends the same one every step)."""
         init = self.init_info
         assert init is not None
-        manifest = self.announce_listed(info.tensors, info.tensors_digest, session)
+        manifest = session.announce_listed(self.manifests, info.tensors, info.tensors_digest)
         return manifest.shares(init.plan_params, init.senders)
 
     def _receive_share(self, group: Group, buckets: tuple[Bucket, ...],

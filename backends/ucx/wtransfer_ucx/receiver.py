@@ -98,14 +98,15 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
             if self._ep is None:
                 raise LifecycleError("ucx: the endpoint to the trainer was closed after a "
                                      "failed update; create a new sender (trainer_init)")
-            manifest = self.announce_listed(info.tensors, info.tensors_digest, session)
+            manifest = session.announce_listed(self.manifests, info.tensors,
+                                               info.tensors_digest)
             self._keys.read_into(
                 session, manifest.plan(init.plan_params.with_direct(1)), info.rma,
                 self._ep, self.device, budget=init.num_buffers * init.bucket_bytes,
                 timeout_s=init.timeout_s, check=ucx.check_peers)
             return
-        plan = self.announce_listed(info.tensors, info.tensors_digest,
-                                    session).plan(init.plan_params)
+        listed = session.announce_listed(self.manifests, info.tensors, info.tensors_digest)
+        plan = listed.plan(init.plan_params)
         staging = self._staging
 
         def landed(bucket: Bucket, slot: int, data: torch.Tensor) -> None:
@@ -138,7 +139,7 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
         if not self._trainers:
             raise LifecycleError("ucx: the endpoints to the trainer ranks were closed after a "
                                  "failed update; create a new sender (trainer_init)")
-        manifest = self.announce_listed(info.tensors, info.tensors_digest, session)
+        manifest = session.announce_listed(self.manifests, info.tensors, info.tensors_digest)
         me = init.first_worker + self.worker_index
         if self._planner is None:
             ucx.wait([r for outbox in self._hellos for r in outbox.requests], init.timeout_s)
@@ -147,7 +148,7 @@ class UCXReceiver(WeightTransferEngine[UCXInitInfo, UCXUpdateInfo]):
                                              init.bucket_bytes)
         plan = self._planner.plan(manifest)
         plan.check(info.plan_digest)
-        self.keep_planned(session, manifest, self._published)
+        session.keep_planned(manifest, self._published)
         if info.rma_ranks is not None:
             if info.delta_buckets is not None or init.checksum:
                 raise MetadataError("an M->N update by reads carries no deltas or checksums")
