@@ -2,7 +2,6 @@
 behind and the next sender lands bit-exact weights; a frozen peer fails the trainer within
 its deadline (+10%)."""
 
-import contextlib
 import os
 import random
 import signal
@@ -63,10 +62,8 @@ def test_a_receiver_unmaps_a_dead_trainers_staging_and_takes_the_next_sender():
         wait_for(lambda: not mapped_segments(receiver.proc.pid), 15,
                  "the receiver to unmap the dead trainer's staging")
         late = wtransfer.rpc.RPCClient(receiver.address, timeout_s=30)
-        with contextlib.suppress(wtransfer.errors.WTransferError):  # (its update failed: fine)
-            late.start_weight_update()
         with pytest.raises(wtransfer.errors.PeerError, match="unmapped its memory"):
-            late.update_weights({"buffer": 0, "nbytes": 0})
+            late.start_weight_update()
         late.close()
         sent = land_final_update(receiver.address, seed=99)
         client = wtransfer.rpc.RPCClient(receiver.address, timeout_s=30)

@@ -191,6 +191,9 @@ def test_one_gpu_paths_add_up_by_hand():
         "predicted_s"] == pytest.approx(2 * big_copy + 2 * big_check + 2e-3)
     assert predict_one_gpu("packed", big, gpu, bucket_bytes=nb, num_buffers=1)[
         "predicted_s"] == pytest.approx(2 * (big_copy + 1e-3 + big_copy) + 2e-3)
+    # ... but M->N pieces read in place are all checked after their copies
+    assert predict_one_gpu("m2n-in-place", big, gpu, senders=2)["predicted_s"] == \
+        pytest.approx(2 * big_copy + 2 * big_check + 1e-3 + 2e-3)
     # a tensor split over buckets is checked after its copy
     assert predict_one_gpu("packed", big, gpu, bucket_bytes=nb // 2, num_buffers=1)[
         "predicted_s"] > predict_one_gpu("packed", big, replace(gpu, check_bandwidth=None),

@@ -295,7 +295,7 @@ class UpdateSession:
         arrives (`WeightTarget.keeps`). Refuses (`MetadataError`, before any byte moves) a
         tensor it keeps now but did not `published` when the transfer was initialized: no
         trainer rank's plan sends it (LoRA adapters, named by each update)."""
-        kept = self._target.keeps()
+        kept = self._origin.keeps()  # (the engine's target, also under a delta)
         sent = {m.name for m in manifest.metas}
         undeclared = sorted(n for n in (kept or {}) if n in sent and n not in published)
         if undeclared:

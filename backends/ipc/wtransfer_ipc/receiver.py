@@ -19,7 +19,7 @@ from wtransfer.receiver.engine import ReceiverState, WeightTransferEngine
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.transport.m2n import pieces_from_wire
-from wtransfer_ipc.cuda import SenderEvents, drain, open_buffer
+from wtransfer_ipc.cuda import SenderEvents, await_event, drain, open_buffer
 from wtransfer_ipc.info import (
     CAPABILITIES,
     IPCInitInfo,
@@ -66,6 +66,9 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         self._released: str | None = None
         """Why this worker unmapped its sender's memory (the trainer's process is gone); its
         later update calls are refused saying so, until a new sender's init."""
+        self._read_stream: torch.cuda.Stream | None = None
+        """The CUDA stream the last update queued its reads of the trainer's memory on (they
+        end before that memory is unmapped)."""
 
     def _init(self, info: IPCInitInfo) -> None:
         self._events.close()  # a new sender records new events
@@ -97,9 +100,13 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
                     continue
                 log.info("ipc: the trainer process (pid %d) is gone; unmapping its memory",
                          watch.pid)
-                if self.device.type == "cuda":  # reads a failed update queued end first
+                stream = self._read_stream
+                if stream is not None:  # reads a failed update queued end first
                     with contextlib.suppress(Exception):
-                        drain(self.device, self._timeout_s())
+                        done = torch.cuda.Event()
+                        done.record(stream)
+                        await_event(done, self._timeout_s(), "reads of the trainer's memory",
+                                    "its process is gone")
                 self._programs.clear()  # (their views hold the storages)
                 self._shutdown()
                 self._trainer = watch  # (an update opened later still fails at once)
@@ -137,9 +144,16 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
                             size=info.bucket_bytes)
                 for i, rec in enumerate(staging["buffers"])]
 
+    def _start(self) -> None:
+        """Refuse an update of a sender whose memory this worker unmapped (`_released`)."""
+        if self._released is not None:
+            raise PeerError(self._released)
+
     def _receive(self, info: IPCUpdateInfo, session: UpdateSession) -> None:
         if self._released is not None:
             raise PeerError(self._released)
+        if self.device.type == "cuda":
+            self._read_stream = torch.cuda.current_stream(self.device)
         m2n = self._init_info().m2n
         if info.in_place_ranks is not None and (
                 not m2n or info.pieces or info.slices or info.zero_copy is not None
@@ -265,6 +279,7 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
 
     def _shutdown(self) -> None:
         self._trainer = None
+        self._read_stream = None
         self._zero_copy.close()
         self._ranks_in_place.close()
         self._events.close()
