@@ -18,6 +18,17 @@ class TestIPCConformance(BackendConformance):
     backend = "ipc"
 
 
+def each_refused(engine, cases, unchanged):
+    """Each (update info, error type, message) of `cases` refused in an update of its own,
+    which then fails, with `unchanged()` true after each."""
+    for update, error, message in cases:
+        engine.start_weight_update()
+        with pytest.raises(error, match=message):
+            engine.update_weights(update)
+        assert engine.state == "failed"
+        assert unchanged()
+
+
 def test_a_zero_copy_update_may_name_the_last_tensor_list_by_digest_and_nothing_else():
     """A zero-copy update names an unchanged tensor list by its digest. On CPU the receiver
     accepts a digest of the list it got last (and then refuses zero-copy itself: that needs
@@ -43,12 +54,7 @@ def test_a_zero_copy_update_may_name_the_last_tensor_list_by_digest_and_nothing_
             ({"tensors": listed, "tensors_digest": digest(listed)}, MetadataError,
              "'tensors' or 'tensors_digest', not both"),
         ]
-        for update, error, message in cases:
-            engine.start_weight_update()
-            with pytest.raises(error, match=message):
-                engine.update_weights(update)
-            assert engine.state == "failed"
-            assert wtransfer.fingerprint(held.state_dict()) == landed
+        each_refused(engine, cases, lambda: wtransfer.fingerprint(held.state_dict()) == landed)
         manifest = Manifest(wtransfer.ModuleSource(source).metadata())
         assert (manifest.wire, manifest.digest) == (listed, digest(listed))  # what it names
     engine.shutdown()
@@ -74,12 +80,7 @@ def test_an_m2n_update_read_in_place_is_refused_where_it_cannot_apply(m2n):
                       "shares CUDA memory") if m2n else
                      ({"tensors": listed, "in_place_ranks": [rank]}, MetadataError,
                       "this transfer is not M->N"))
-        for update, error, message in cases:
-            engine.start_weight_update()
-            with pytest.raises(error, match=message):
-                engine.update_weights(update)
-            assert engine.state == "failed"
-    assert wtransfer.fingerprint(held.state_dict()) == before
+        each_refused(engine, cases, lambda: wtransfer.fingerprint(held.state_dict()) == before)
     engine.shutdown()
 
 
