@@ -116,8 +116,8 @@ inplace)
     echo "$(ts) M->N over CUDA IPC into TP=2: one sender, read in place, staged"
     WTRANSFER_BENCH_DIR=$OUT/m2n-tp2 timeout 370 python3 benchmarks/transfer.py --backend ipc \
         --device cuda:0 --models qwen3-8b --trainer-ranks 2 --engine-tp 2 --bucket-mb 1024 \
-        --repeats 3 --update-staging off > $OUT/m2n-tp2.txt 2>&1; echo "rc $?"
-    tail -8 $OUT/m2n-tp2.txt ;;
+        --repeats 3 --update-staging off --update-rollback off > $OUT/m2n-tp2.txt 2>&1
+    echo "rc $?"; tail -8 $OUT/m2n-tp2.txt ;;
 m2n)
     # staging off: two trainer replicas and a shadow-staged 8B engine overflow an 80 GB card
     echo "$(ts) M->N over CUDA IPC: two trainer processes (replicas) -> engine TP=2, one GPU"
