@@ -96,6 +96,10 @@ LEGACY_CAPABILITY_NAMES = ("takes_pair_deltas", "calls_read_sender_memory", "sen
 """The class attributes backends set before `Capabilities` (still read, deprecated)."""
 
 
+SENDER_LEGACY_CAPABILITIES = {"takes_pair_deltas": "pair_deltas"}
+"""The class attributes senders declared capabilities with before `Capabilities`, by field."""
+
+
 def declared_capabilities(cls: type, legacy: Mapping[str, str]) -> Capabilities:
     """`cls`'s capabilities, with any `legacy` class attribute it sets itself (an old name
     -> its `Capabilities` field: how backends declared them before the record) folded in,

@@ -40,7 +40,7 @@ from wtransfer.errors import (
 )
 from wtransfer.manifest import Manifests
 from wtransfer.receiver.deadline import DeadlineTimer
-from wtransfer.receiver.deltas import DeltaBase
+from wtransfer.receiver.lineage import HoldsLineage, Lineage
 from wtransfer.receiver.programs import PiecePrograms
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
@@ -77,7 +77,7 @@ _HINTS = {
 }
 
 
-class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
+class WeightTransferEngine(HoldsLineage, ABC, Generic[InitT, UpdateT]):
     """Receiver ABC (see the module docstring for the state machine)."""
 
     backend_name: ClassVar[str]
@@ -119,8 +119,8 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         """The label the last update that gave one finished with (None: none yet)."""
         self.last_update_bytes = 0
         self.last_update_seconds = 0.0
-        self.deltas = DeltaBase()
-        """Which update the weights are, for deltas (`wtransfer.receiver.deltas`)."""
+        self.lineage = Lineage()
+        """Which update the weights are (`wtransfer.receiver.lineage`)."""
         self._state = ReceiverState.NEW
         self._session: UpdateSession | None = None
         self.manifests = Manifests()
@@ -169,7 +169,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         refused while its channel is idle (`channel_busy` False: before any byte moved, or after
         every byte arrived) leaves the backend as it is."""
         self._deadline.disarm()
-        self.forget_delta_base()
+        self.lineage.forget()
         if channel_busy:
             with contextlib.suppress(Exception):  # teardown must not mask the original failure
                 self._abort()
@@ -247,7 +247,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             if self.init_info is not None:
                 self._shutdown()
                 self.init_info = None
-            self.forget_delta_base()  # a new sender: its first update is full
+            self.lineage.forget()  # a new sender: its first update is full
             self._init(info)
             self.init_info = info
             if self._state is ReceiverState.NEW:
@@ -282,7 +282,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             self._before_start = (self._state, self.failure)
             self._superseded = False
             self._staged = False
-            self.deltas.start()
+            self.lineage.start()
             self._joined = False
             self.failure = None
             self._state = ReceiverState.UPDATING
@@ -294,33 +294,21 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
             self._refuse_replaced(update_info)
             self._require(ReceiverState.UPDATING, action="update weights")
             assert self._session is not None
-            header = False  # a failure of the delta header: no data moved yet
+            header = False  # a failure of the strategy's header call: no data moved yet
             try:
                 info: UpdateT = parse_record(self.update_info_cls, update_info,
                                              where=f"{self.backend_name} update info")
                 self._joined = True
                 if info.abort is not None:
                     raise PeerError(f"sender aborted the update: {info.abort}")
-                if info.delta is not None:
-                    header = True
-                    self.deltas.open(info.delta, self._session, self.target,
-                                     self.manifests.last)
+                header = self.lineage.carries_header(info)
+                if header:
+                    self.lineage.open(info, self._session, self.target, self.manifests.last)
                     return
                 self._receive(info, self._session)
             except BaseException as exc:
                 self._fail(f"{type(exc).__name__}: {exc}", channel_busy=not header)
                 raise
-
-    @property
-    def delta_base(self) -> str | None:
-        """The token of the last update that landed, from a delta-enabled sender: the base a
-        delta must name (None after anything else changed the weights)."""
-        return self.deltas.held
-
-    def forget_delta_base(self) -> None:
-        """The weights changed outside a delta-enabled update (a failure, a rollback, a new
-        sender): no delta applies until a full update lands."""
-        self.deltas.forget()
 
     def _refuse_replaced(self, update_info: Any) -> None:
         """`LifecycleError` for an update call of a sender that a newer init replaced, before
@@ -365,7 +353,7 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
                 raise
             if weight_version is not None:
                 self.weight_version = weight_version
-            self.deltas.landed()
+            self.lineage.landed()
             self.last_update_bytes = session.bytes_received
             self.last_update_seconds = time.monotonic() - self._started
             self._session = None

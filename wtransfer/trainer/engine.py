@@ -42,8 +42,6 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
-from wtransfer.delta.header import DeltaHeader
-from wtransfer.delta.sender import DeltaSender, PairDeltaSender
 from wtransfer.errors import (
     ConfigError,
     LifecycleError,
@@ -62,6 +60,7 @@ from wtransfer.protocol import (
 from wtransfer.records import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_NUM_BUFFERS,
+    SENDER_LEGACY_CAPABILITIES,
     Capabilities,
     PauseMode,
     TrainerInitInfo,
@@ -77,7 +76,15 @@ from wtransfer.trainer.gather import GatheringPacker
 from wtransfer.trainer.group import Ranks, TrainerGroup
 from wtransfer.trainer.layouts import NoGather
 from wtransfer.trainer.source import WeightSource
-from wtransfer.trainer.updates import Payload, Updates, first_updates, updates_for
+from wtransfer.trainer.updates import (
+    Header,
+    HoldsUpdates,
+    Payload,
+    Updates,
+    first_updates,
+    sends_whole,
+    updates_for,
+)
 from wtransfer.transport.window import CallChannel, Movable, SendChannel, send_buckets
 from wtransfer.wire import parse_record, record_to_wire
 
@@ -100,13 +107,14 @@ class Share:
     count: int
     """How many senders share the plan."""
     source: WeightSource
-    """What the update sends: the trainer's source, or a delta's changed tensors."""
+    """What the update sends: the trainer's source, or what the update strategy chose."""
     parts: list[torch.Tensor] | None = None
     """A sharded source's parts as this rank holds them, taken on every rank at the same
     point of every update, before any rank can fail on its own (taking them may be
     collective: `Fp8Source` agrees on its scales)."""
-    delta: DeltaHeader | None = None
-    """A delta-enabled sender's update: its header (a delta when it names a base)."""
+    header: Header | None = None
+    """The update's header from the update strategy (`Payload.header`), for backends
+    that encode against it."""
 
     @property
     def lead(self) -> bool:
@@ -154,7 +162,7 @@ class _Layout:
     mine: tuple[Bucket, ...]
 
 
-class TrainerTransferEngine(ABC, Generic[TInitT]):
+class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
     """Sender ABC: construct, `connect()`, then `send_weights` any number of times.
 
     Subclasses declare their fields in `__init__` (calling this one first) and implement
@@ -170,7 +178,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.capabilities = declared_capabilities(cls, {"takes_pair_deltas": "pair_deltas"})
+        cls.capabilities = declared_capabilities(cls, SENDER_LEGACY_CAPABILITIES)
 
     def __init__(self, init_info: TInitT, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
@@ -217,9 +225,8 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         """Why the receivers refused this sender as replaced by a newer one (every later
         `send_weights` raises `SenderReplacedError` at once)."""
         self.updates: Updates = first_updates(self.init_info)
-        """What each update carries: the source in full, or a delta
-        (`wtransfer.trainer.updates`; chosen again at connect, once it is known how this
-        sender sends)."""
+        """What each update carries, a strategy (`wtransfer.trainer.updates`; chosen again
+        at connect, once it is known how this sender sends)."""
         self.connected = False
         self.closed = False
         self._last_update_s: float | None = None
@@ -282,7 +289,7 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
         self.updates = updates_for(self.updates, self.init_info, backend=self.backend_name,
                                    collective=self.collective,
                                    own_shards=self.sends_own_shards,
-                                   pair_deltas=self.capabilities.pair_deltas)
+                                   capabilities=self.capabilities)
         merged = {**merged, "sender_id": self.sender_id, "backend": self.backend_name,
                   "plan": record_to_wire(self.plan_params)}
         self._on_senders(lambda: self._init_receivers(merged))
@@ -304,13 +311,6 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
             raise ConfigError(f"the trainer ranks' {type(self.init_info).__name__}s differ in "
                               f"{differ} (by rank: {values}); every rank that sends together "
                               "must pass the same values")
-
-    @property
-    def delta(self) -> DeltaSender | PairDeltaSender | None:
-        """Delta updates (`TrainerInitInfo.delta`): the last-sent copy and the receivers' base
-        (of each pair bucket this rank sends, when every rank sends its own shards); None
-        without deltas."""
-        return self.updates.diff
 
     def send_weights(self, weight_version: str | None = None, *,
                      pause: PauseMode | None = None) -> TransferStats:
@@ -577,10 +577,11 @@ class TrainerTransferEngine(ABC, Generic[TInitT]):
 
     def _may_slice_per_worker(self) -> bool:
         """Whether one sender may send each worker only what it keeps (1->N): a lone sender
-        of a whole source's full updates (no delta, no adapter) into more than one worker."""
+        whose every update sends a whole source (`sends_whole`) into more than one worker."""
         client = self.client
-        return (not self.collective and not self.source.sharded and self.updates.diff is None
-                and self.source.delta_ok and client is not None and client.num_workers() > 1)
+        return (not self.collective and not self.source.sharded
+                and sends_whole(self.updates, self.source)
+                and client is not None and client.num_workers() > 1)
 
     @property
     def sends_own_shards(self) -> bool:

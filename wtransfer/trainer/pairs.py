@@ -50,7 +50,7 @@ def pair_send(share: Share, plan: TransferPlan, source: WeightSource, *, checksu
     mine = tuple(plan.of_sender(me))
     moved = plan.moved(me)
     opening: dict[str, Any] = {"plan_digest": plan.digest}
-    header = share.delta
+    header = share.header
     if delta is None or header is None:
         return PairSend(mine, lambda bucket, staging: shards.pack_framed(
             bucket, metas, staging, checksum), opening, moved)

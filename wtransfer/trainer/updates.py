@@ -13,9 +13,12 @@ from typing import Any, Protocol
 from wtransfer.delta.header import DeltaHeader
 from wtransfer.delta.sender import DeltaSender, DeltaUpdate, PairDeltaSender
 from wtransfer.errors import ConfigError, DeltaBaseError, DeltaUnsupportedError, SparseDeltaError
-from wtransfer.records import TrainerInitInfo, TransferStats
+from wtransfer.records import Capabilities, TrainerInitInfo, TransferStats
 from wtransfer.trainer.source import WeightSource
 from wtransfer.wire import record_to_wire
+
+Header = DeltaHeader
+"""What an update strategy's header call carries (`Payload.header`, `Share.header`)."""
 
 
 def _same(fields: dict[str, Any]) -> dict[str, Any]:
@@ -33,8 +36,8 @@ class Payload:
     answer_first: bool = False
     """Whether every rank waits for the receivers' answer to `first_call` before any byte
     moves (a receiver that cannot take the update refuses it with nothing written)."""
-    header: DeltaHeader | None = None
-    """A delta-enabled sender's header (`Share.delta`, for the backends that encode)."""
+    header: Header | None = None
+    """A delta-enabled sender's header (`Share.header`, for the backends that encode)."""
     stats_fields: Callable[[dict[str, Any]], dict[str, Any]] = field(default=_same)
     """The update's `TransferStats` fields as the user reads them, from those of what moved."""
 
@@ -55,6 +58,25 @@ class Updates(Protocol):
 
     def forget(self) -> None:
         """The receivers hold nothing known (they were initialized again): send in full."""
+
+
+def sends_whole(updates: Updates, source: WeightSource) -> bool:
+    """Whether every update of `source` sends it whole: full updates of a source that holds
+    whole tensors (not adapters, whose updates name what they carry)."""
+    return updates.diff is None and source.delta_ok
+
+
+class HoldsUpdates:
+    """The public face of a sender's update strategy, which the sender base holds."""
+
+    updates: Updates
+
+    @property
+    def delta(self) -> DeltaSender | PairDeltaSender | None:
+        """Delta updates (`TrainerInitInfo.delta`): the last-sent copy and the receivers'
+        base (of each pair bucket this rank sends, when every rank sends its own shards);
+        None without deltas."""
+        return self.updates.diff
 
 
 class FullUpdates:
@@ -127,18 +149,18 @@ def first_updates(info: TrainerInitInfo) -> Updates:
 
 
 def updates_for(now: Updates, info: TrainerInitInfo, *, backend: str, collective: bool,
-                own_shards: bool, pair_deltas: bool) -> Updates:
+                own_shards: bool, capabilities: Capabilities) -> Updates:
     """The strategy for how a sender sends, known once it connected: `now`, or deltas of each
     rank's own pair buckets where every rank sends its own shards (`own_shards`, on a backend
-    that encodes them: `pair_deltas`; `wtransfer.delta.pieces`); `ConfigError` where a delta
-    cannot be taken."""
+    that encodes them: `capabilities.pair_deltas`; `wtransfer.delta.pieces`); `ConfigError`
+    where a delta cannot be taken."""
     if not info.delta or not (collective or own_shards):
         return now  # (each connect of a sender of own shards starts from a fresh one)
     if not own_shards:
         raise ConfigError("delta=True with a sharded source (or several trainer ranks) "
                           "needs an M->N transfer, where each rank diffs its own shards: "
                           "give every trainer rank a client, over nccl or ucx")
-    if not pair_deltas:
+    if not capabilities.pair_deltas:
         raise ConfigError(f"delta=True: {backend} M->N shares each staged box "
                           "with every worker, where a delta saves nothing; set "
                           "delta=False, or send over nccl or ucx")

@@ -16,11 +16,15 @@ Planned once per tensor list and layouts; both sides check it by `TransferPlan.d
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
+
+import torch
 
 from wtransfer.errors import MetadataError
 from wtransfer.manifest import Manifest
@@ -155,6 +159,26 @@ def pieces_from_wire(data: Any) -> tuple[Piece, ...]:
         return _pieces(data)
     except (TypeError, ValueError) as exc:
         raise MetadataError(f"malformed M->N pieces: {exc}") from None
+
+
+@functools.lru_cache(maxsize=16384)  # (the plan, and so each box, is the same every update)
+def runs(layout: TensorLayout, box: Box) -> tuple[tuple[int, int], ...]:
+    """The contiguous byte runs ``(offset in the rank's local tensor, length)`` that hold
+    global region `box` of a rank holding `layout`, in the box's row-major order (its packed
+    order in a bucket)."""
+    dtype = DTYPES[layout.dtype]
+    itemsize = dtype.itemsize
+    local = torch.empty(layout.local_shape, dtype=dtype, device="meta")
+    view = layout.view(local, box)
+    shape, strides = list(view.shape), list(view.stride())
+    inner, expected = len(shape), 1
+    while inner > 0 and (shape[inner - 1] == 1 or strides[inner - 1] == expected):
+        expected *= shape[inner - 1]
+        inner -= 1
+    length = expected * itemsize
+    start = int(view.storage_offset())
+    return tuple(((start + sum(i * s for i, s in zip(index, strides, strict=False))) * itemsize,
+                  length) for index in itertools.product(*(range(n) for n in shape[:inner])))
 
 
 def _split(box: Box, itemsize: int, limit: int) -> list[Box]:

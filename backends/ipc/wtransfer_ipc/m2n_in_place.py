@@ -16,7 +16,6 @@ CUDA) makes every rank send this update through staging, as before.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
@@ -25,10 +24,10 @@ from typing import Any
 import torch
 
 from wtransfer.errors import MetadataError
-from wtransfer.packing import DTYPES, TensorMeta
+from wtransfer.packing import TensorMeta
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.records import Box, TensorLayout
-from wtransfer.transport.m2n import Piece, Planner, TransferPlan, pieces_from_wire
+from wtransfer.transport.m2n import Piece, Planner, TransferPlan, pieces_from_wire, runs
 from wtransfer_ipc.info import RankInPlace
 from wtransfer_ipc.zero_copy import ZeroCopyExports, ZeroCopyImports, shareable
 
@@ -59,15 +58,11 @@ def rank_record(exports: ZeroCopyExports, locals_: list[torch.Tensor]) -> dict[s
         return None
 
 
-@functools.lru_cache(maxsize=16384)  # (the plan, and so each box, is the same every update)
 def offset_in_local(layout: TensorLayout, box: Box) -> int | None:
     """The byte offset of global region `box` in the rank's contiguous local tensor of
     `layout`; None when the region is not one contiguous run of it."""
-    dtype = DTYPES[layout.dtype]
-    view = layout.view(torch.empty(layout.local_shape, dtype=dtype, device="meta"), box)
-    if not view.is_contiguous():
-        return None
-    return int(view.storage_offset()) * dtype.itemsize
+    found = runs(layout, box)
+    return found[0][0] if len(found) == 1 else None
 
 
 def pieces_by_rank(plan: TransferPlan, sources: Sequence[dict[str, TensorLayout]],

@@ -22,6 +22,7 @@ from wtransfer.trainer.source import WeightSource
 from wtransfer.transport.m2n import (
     PairBucket,
     Planner,
+    TransferPlan,
     fragment_with_layouts,
     pieces_to_wire,
     planner_of,
@@ -87,6 +88,9 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         """M->N on CUDA: this rank's exported shards, which the workers read in place
         (`wtransfer_ipc.m2n_in_place`; zero_copy on, no checksums)."""
         self._in_place_planner: Planner | None = None
+        self._in_place_pieces: tuple[TransferPlan, list[list[Any]] | None] | None = None
+        """Each rank's pieces of the last in-place plan, in wire form (None: a box is not
+        contiguous in its rank's shard), worked out once per plan."""
         self.last_update_read = False
         """Whether the last update was read out of the source's own memory (zero-copy, or
         M->N in place) rather than staged."""
@@ -378,7 +382,11 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         if exports is None or any(r is None for r in records):
             return None
         plan = planner.plan(share.manifest)
-        pieces = m2n_in_place.pieces_by_rank(plan, planner.sources, share.manifest.metas)
+        if self._in_place_pieces is None or self._in_place_pieces[0] is not plan:
+            found = m2n_in_place.pieces_by_rank(plan, planner.sources, share.manifest.metas)
+            self._in_place_pieces = (plan, None if found is None else
+                                     [pieces_to_wire(mine) for mine in found])
+        pieces = self._in_place_pieces[1]
         if pieces is None:
             log.warning("M->N in place: a planned box is not contiguous in its rank's shard; "
                         "this update goes through staging")
@@ -388,7 +396,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                             "sent_bytes": plan.bytes_from(share.index)}
         opening = None
         if share.lead:
-            opening = {"in_place_ranks": [{"zero_copy": record, "pieces": pieces_to_wire(mine)}
+            opening = {"in_place_ranks": [{"zero_copy": record, "pieces": mine}
                                           for record, mine in zip(records, pieces, strict=True)]}
             if share.count == 1:  # (several senders: the list was announced before)
                 opening.update(self.listed_tensors(share.manifest))

@@ -17,8 +17,6 @@ none writes its shards while they are read.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,34 +24,15 @@ from typing import Any
 import torch
 
 from wtransfer.errors import MetadataError
-from wtransfer.packing import DTYPES, TensorMeta
+from wtransfer.packing import TensorMeta
 from wtransfer.receiver.session import UpdateSession
-from wtransfer.records import Box, TensorLayout
-from wtransfer.transport.m2n import PairBucket
+from wtransfer.records import TensorLayout
+from wtransfer.transport.m2n import PairBucket, runs
 from wtransfer_ucx.info import ReadsUpdate
 from wtransfer_ucx.remote_reads import ImportedKeys
 from wtransfer_ucx.rma import Reads, RemoteKey
 
 log = logging.getLogger(__name__)
-
-
-@functools.lru_cache(maxsize=16384)  # (the plan, and so each box, is the same every update)
-def runs(layout: TensorLayout, box: Box) -> tuple[tuple[int, int], ...]:
-    """The contiguous byte runs ``(offset in the rank's local tensor, length)`` that hold
-    global region `box`, in the box's row-major order (its packed order in a bucket)."""
-    dtype = DTYPES[layout.dtype]
-    itemsize = dtype.itemsize
-    local = torch.empty(layout.local_shape, dtype=dtype, device="meta")
-    view = layout.view(local, box)
-    shape, strides = list(view.shape), list(view.stride())
-    inner, expected = len(shape), 1
-    while inner > 0 and (shape[inner - 1] == 1 or strides[inner - 1] == expected):
-        expected *= shape[inner - 1]
-        inner -= 1
-    length = expected * itemsize
-    start = int(view.storage_offset())
-    return tuple(((start + sum(i * s for i, s in zip(index, strides, strict=False))) * itemsize,
-                  length) for index in itertools.product(*(range(n) for n in shape[:inner])))
 
 
 class RankReads:

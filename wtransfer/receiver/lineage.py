@@ -1,18 +1,19 @@
-"""A receiver's side of delta updates, held by the receiver base: which update its weights
-are (the base a delta must name), and the header call that opens a delta-enabled update
-(`wtransfer.delta`)."""
+"""Which update a receiver's weights are (their lineage), a strategy the receiver base holds:
+the token of the update that landed last from a delta-enabled sender, and that sender's
+header call, which opens a delta-enabled update (`wtransfer.delta`). `HoldsLineage` is its
+public face on the receiver (`delta_base`, `forget_delta_base`)."""
 
 from __future__ import annotations
 
-from wtransfer.delta.header import DeltaHeader
 from wtransfer.delta.target import piece_delta_refusal
 from wtransfer.errors import DeltaBaseError, DeltaUnsupportedError, MetadataError
 from wtransfer.manifest import Manifest
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
+from wtransfer.records import UpdateInfo
 
 
-class DeltaBase:
+class Lineage:
     """The token of the update the weights are (`held`) and the open update's (`opening`)."""
 
     def __init__(self) -> None:
@@ -26,12 +27,19 @@ class DeltaBase:
         """An update opened: it has no header yet."""
         self.opening = None
 
-    def open(self, header: DeltaHeader, session: UpdateSession, target: WeightTarget,
+    @staticmethod
+    def carries_header(info: UpdateInfo) -> bool:
+        """Whether update call `info` is a delta-enabled sender's header call (no data)."""
+        return info.delta is not None
+
+    def open(self, info: UpdateInfo, session: UpdateSession, target: WeightTarget,
              last: Manifest | None) -> None:
         """A delta-enabled sender's header call: a delta is refused (`DeltaBaseError`, before
         anything is written) unless the weights are exactly its base; then the update's tensor
         list is the delta's (`wtransfer.delta.target.DeltaTarget`). `last`: the tensor list
         the base came with (a delta by piece names the same one)."""
+        header = info.delta
+        assert header is not None  # (`carries_header`)
         if self.opening is not None:
             raise MetadataError("an update carries one delta header, before its tensors")
         if header.base is not None:
@@ -59,3 +67,20 @@ class DeltaBase:
         """The weights changed outside a delta-enabled update: no delta applies until a full
         update lands."""
         self.held = None
+
+
+class HoldsLineage:
+    """The public face of a receiver's `Lineage`."""
+
+    lineage: Lineage
+
+    @property
+    def delta_base(self) -> str | None:
+        """The token of the last update that landed, from a delta-enabled sender: the base a
+        delta must name (None after anything else changed the weights)."""
+        return self.lineage.held
+
+    def forget_delta_base(self) -> None:
+        """The weights changed outside a delta-enabled update (a failure, a rollback, a new
+        sender): no delta applies until a full update lands."""
+        self.lineage.forget()
