@@ -337,6 +337,11 @@ class Box:
         """Elements in the box."""
         return math.prod(self.lengths)
 
+    def slices_in(self, outer: Box) -> tuple[slice, ...]:
+        """Index of this box (inside `outer`) in a tensor holding just `outer`."""
+        return tuple(slice(p - b, p - b + n) for p, b, n in zip(
+            self.offsets, outer.offsets, self.lengths, strict=True))
+
     def intersect(self, other: Box) -> Box | None:
         """The part of this box inside `other`, or None when they do not overlap."""
         starts = [max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True)]

@@ -7,17 +7,18 @@ GPU test in test_m2n_transfers.py.)"""
 import pytest
 import torch
 from wtransfer_ipc.m2n_in_place import (
-    consume_rank,
     in_place_planner,
     offset_in_local,
     pieces_by_rank,
+    rank_arrivals,
 )
 
 from wtransfer.errors import MetadataError
 from wtransfer.manifest import Manifest
 from wtransfer.packing import TensorMeta
+from wtransfer.receiver.programs import PiecePrograms
 from wtransfer.receiver.session import UpdateSession
-from wtransfer.receiver.target import ModuleTarget
+from wtransfer.receiver.target import ModuleTarget, WeightTarget
 from wtransfer.records import Box, TensorLayout
 from wtransfer.transport.m2n import Planner
 
@@ -73,9 +74,11 @@ def test_a_worker_copies_its_tensor_parallel_part_out_of_two_ranks_row_shards():
     session.keep_only({"proj": TensorLayout(name="proj", dtype="bfloat16", shape=(6, 4),
                                             boxes=(kept_box,)),
                        "norm": TensorLayout.whole("norm", "float32", (5,))})
+    arrivals = []
     for rank, layouts in enumerate(sources):
         storage, layout = flat_shards(layouts)
-        consume_rank(session, {0: storage}, layout, pieces[rank], METAS)
+        arrivals += rank_arrivals({0: storage}, layout, pieces[rank], METAS)
+    session.load_boxes(arrivals)
     session.finish()
     assert session.bytes_received == (6 * 2 * 2) + 5 * 4  # what it keeps, no more
     assert torch.equal(module.proj[:, 2:], FULL["proj"][:, 2:])
@@ -116,9 +119,98 @@ def test_pieces_naming_what_the_rank_does_not_list_are_refused():
     session = UpdateSession(ModuleTarget(module), "cpu")
     session.announce(METAS)
     with pytest.raises(MetadataError, match="a storage and an offset for each of the 2"):
-        consume_rank(session, {0: storage}, layout[:2], pieces[0], METAS)
+        rank_arrivals({0: storage}, layout[:2], pieces[0], METAS)
     with pytest.raises(MetadataError, match="lies in storage 0, which its rank does not list"):
-        consume_rank(session, {1: storage}, layout, pieces[0], METAS)
-    with pytest.raises(MetadataError, match="does not fit"):
-        consume_rank(session, {0: storage[:40]}, layout, pieces[0], METAS)
+        rank_arrivals({1: storage}, layout, pieces[0], METAS)
+    with pytest.raises(MetadataError, match="does not fit its rank's 40-byte storage 0"):
+        rank_arrivals({0: storage[:40]}, layout, pieces[0], METAS)
+    arrivals = rank_arrivals({0: storage}, layout, pieces[0], METAS)
+    with pytest.raises(MetadataError, match="boxes of tensor 'norm' do not cover it"):
+        session.load_boxes(arrivals[:1])
+    with pytest.raises(MetadataError, match=r"'proj': elements of box .* arrived twice"):
+        session.load_boxes(arrivals + arrivals[:1])
     assert not session.touched  # nothing was written by a refused call
+
+
+def two_ranks():
+    """Each tensor's rows split over two ranks, each rank's shards in one flat storage:
+    (the rank layouts, the plan's pieces, every rank's boxes and bytes)."""
+    sources = [{"proj": rows("proj", 0, 4), "norm": rows("norm", 0, 3)},
+               {"proj": rows("proj", 4, 6), "norm": rows("norm", 3, 5)}]
+    pieces = pieces_by_rank(in_place_planner(Planner(sources, None, 16)).plan(Manifest(METAS)),
+                            sources, METAS)
+    assert pieces is not None
+    storages, arrivals = [], []
+    for rank, layouts in enumerate(sources):
+        storage, layout = flat_shards(layouts)
+        storages.append(storage)
+        arrivals += rank_arrivals({0: storage}, layout, pieces[rank], METAS)
+    return sources, storages, arrivals
+
+
+def test_an_update_read_in_place_replays_its_copies_while_its_boxes_stay():
+    """The same boxes again (the same list: the trainer ranks rewrote their shards in place)
+    replay the first update's copies without looking up a region, and land the new values;
+    a parameter that moved is looked up again."""
+    sources, storages, arrivals = two_ranks()
+    module = torch.nn.Module()
+    module.proj = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16))
+    module.norm = torch.nn.Parameter(torch.zeros(5))
+    target = ModuleTarget(module)
+    found = []
+    region = target.region
+    target.region = lambda name, box: found.append(box) or region(name, box)
+    programs = PiecePrograms()
+    kept = {"proj": TensorLayout(name="proj", dtype="bfloat16", shape=(6, 4),
+                                 boxes=(Box(offsets=(0, 1), lengths=(6, 2)),)),
+            "norm": TensorLayout.whole("norm", "float32", (5,))}
+
+    def update(step):
+        for full in FULL.values():
+            full.copy_(torch.randn(full.shape, generator=torch.Generator().manual_seed(step)))
+        for storage, layouts in zip(storages, sources, strict=True):
+            storage.copy_(flat_shards(layouts)[0])
+        session = UpdateSession(target, "cpu", programs=programs)
+        session.announce(METAS)
+        session.keep_only(kept)
+        found.clear()
+        session.load_boxes(arrivals)
+        session.finish()
+        assert torch.equal(module.proj[:, 1:3], FULL["proj"][:, 1:3])
+        assert torch.equal(module.norm, FULL["norm"])
+        assert session.bytes_received == 6 * 2 * 2 + 5 * 4
+        return len(found)
+
+    assert update(1) > 0
+    assert update(2) == 0  # replayed
+    module.norm.data = torch.zeros(5)  # the parameter moved
+    assert update(3) > 0
+    assert update(4) == 0
+
+
+class LoadsOnly(WeightTarget):
+    """A target that offers no views of its tensors (as vLLM's): tensors go to its loader."""
+
+    def __init__(self):
+        self.loaded = {}
+
+    def metadata(self):
+        return METAS
+
+    def load_weights(self, weights):
+        self.loaded.update((name, t.clone()) for name, t in weights)
+
+    def fingerprint(self):
+        return {}
+
+
+def test_a_target_without_views_gets_each_tensor_assembled_from_its_boxes():
+    _, _, arrivals = two_ranks()
+    target = LoadsOnly()
+    session = UpdateSession(target, "cpu", programs=PiecePrograms())
+    session.announce(METAS)
+    session.load_boxes(arrivals)
+    session.finish()
+    assert set(target.loaded) == set(FULL)
+    assert all(torch.equal(target.loaded[n], t) for n, t in FULL.items())
+    assert session.bytes_received == sum(m.nbytes for m in METAS)

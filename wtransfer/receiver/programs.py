@@ -60,8 +60,9 @@ class WholeProgram:
     sender's memory), worked out once and replayed while it reads the same `sources` into
     the same storages."""
 
-    sources: Sequence[torch.Tensor]
-    """The very list of sources it was worked out for."""
+    sources: Sequence[object]
+    """The very list of sources it was worked out for (flat tensors, or the boxes of
+    `wtransfer.receiver.boxes`)."""
     copies: list[tuple[str, torch.dtype, torch.Tensor, torch.Tensor]] = field(
         default_factory=list)
     """(tensor name, dtype, destination bytes, source bytes): whole tensors and contiguous
@@ -76,6 +77,8 @@ class WholeProgram:
     """Tensors handed to `WeightTarget.load_weights` (the target offers no view)."""
     nbytes: int = 0
     """Tensor bytes this worker receives."""
+    assembles: bool = False
+    """Whether it assembles tensors in buffers of its own (not kept: they hold memory)."""
 
 
 ProgramKey = tuple[int, int, tuple[Piece, ...], bool]
@@ -142,7 +145,7 @@ class PiecePrograms:
         those of the last finished one)."""
         self._used, self._used_context = {}, None
 
-    def find_whole(self, context: ProgramContext, sources: Sequence[torch.Tensor]
+    def find_whole(self, context: ProgramContext, sources: Sequence[object]
                    ) -> WholeProgram | None:
         """The whole update's program made under `context` from these very `sources`, or
         None."""

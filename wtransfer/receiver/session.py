@@ -24,7 +24,8 @@ leaves the target exactly as it was (and `touched` becomes False again).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -42,6 +43,7 @@ from wtransfer.packing import (
     byte_view,
     tensor_from_bytes,
 )
+from wtransfer.receiver.boxes import BoxSource, plan_boxes
 from wtransfer.receiver.finite import FiniteCheck
 from wtransfer.receiver.programs import (
     PieceProgram,
@@ -361,7 +363,7 @@ class UpdateSession:
                                                    device=self._device)
                     dest = regions.full[box.slices()]
                 dests.append(dest)
-                sources.append(src[_within(box, piece.box)] if crop else src)
+                sources.append(src[box.slices_in(piece.box)] if crop else src)
                 arrived.append((meta.name, sources[-1]))  # what this worker keeps is checked
                 regions.boxes.append(box)
                 regions.received += box.numel
@@ -583,14 +585,26 @@ class UpdateSession:
         device can)."""
         if len(sources) != len(self._metas):
             raise MetadataError(f"{len(sources)} sources for {len(self._metas)} tensors")
-        pending = self._pending
         for meta, src in zip(self._metas, sources, strict=True):
             if src.numel() != meta.nbytes:
                 raise MetadataError(f"source of {meta.name!r} holds {src.numel()} bytes, "
                                     f"not {meta.nbytes}")
+        self._run_whole(self._whole_program(sources, self._plan_whole))
+
+    def load_boxes(self, arrivals: Sequence[BoxSource]) -> None:
+        """Load every announced tensor from boxes of it, each read from its own flat uint8
+        source (M->N read in place: the trainer ranks' shards), together covering every
+        tensor exactly once; only what this worker keeps is copied. The copies are worked
+        out once (`wtransfer.receiver.boxes`) and replayed while the very same `arrivals`
+        list comes back, as `load_whole`'s."""
+        self._run_whole(self._whole_program(arrivals, self._plan_boxes))
+
+    def _run_whole(self, program: WholeProgram) -> None:
+        """Queue a whole update's copies (every announced tensor arrives in it)."""
+        pending = self._pending
+        for meta in self._metas:
             if meta.name not in pending:
                 raise MetadataError(f"tensor {meta.name!r} arrived twice in one update")
-        program = self._whole_program(sources)
         copies = CopyQueue(fenced=self._store is not None,  # (rollback copies go between)
                            streams=WHOLE_UPDATE_STREAMS)
         checked = (self.finite.copies(self._device, len(program.copies))
@@ -617,19 +631,21 @@ class UpdateSession:
             self._target.load_weights(program.loads)
         self.bytes_received += program.nbytes
 
-    def _whole_program(self, sources: Sequence[torch.Tensor]) -> WholeProgram:
+    def _whole_program(self, sources: Sequence[Any],
+                       plan: Callable[[Any, dict[str, TensorLayout] | None], WholeProgram]
+                       ) -> WholeProgram:
         """The copies of a whole update from `sources`: the last update's when it read the
-        same sources into the same storages, else worked out (and kept for the next)."""
+        same sources into the same storages, else worked out by `plan` (and kept for the
+        next unless it assembles tensors in buffers of its own)."""
         context = self._program_context()  # (its storages key covers what the target keeps)
         programs = self._programs
         if context is not None and programs is not None:
             found = programs.find_whole(context, sources)
             if found is not None:
                 return found
-        program = self._plan_whole(
-            sources, self._kept if self._kept is not None else self._crop_layouts())
+        program = plan(sources, self._kept if self._kept is not None else self._crop_layouts())
         if programs is not None:
-            if context is not None:
+            if context is not None and not program.assembles:
                 programs.keep_whole(context, program)
             else:
                 programs.drop_whole()
@@ -676,6 +692,23 @@ class UpdateSession:
                 program.loads.append((name, values))
                 program.nbytes += meta.nbytes
         return program
+
+    def _plan_boxes(self, arrivals: Sequence[BoxSource],
+                    kept: dict[str, TensorLayout] | None) -> WholeProgram:
+        """Where each box of an update read in place goes (`wtransfer.receiver.boxes`)."""
+
+        def destinations(meta: TensorMeta, box: Box) -> list[tuple[Box, torch.Tensor]] | None:
+            parts = self._kept_regions(meta.name, kept) if kept is not None else None
+            if parts is not None:
+                return [(part, dest[part.slices_in(kept_box)]) for kept_box, dest in parts
+                        if (part := box.intersect(kept_box)) is not None]
+            direct = self._direct(meta.name) if meta.nbytes else None
+            if direct is not None:
+                return [(box, tensor_from_bytes(direct, meta)[box.slices()])]
+            region = self._target.region(meta.name, box)
+            return None if region is None else [(box, region)]
+
+        return plan_boxes(arrivals, self._metas, destinations, self._device)
 
     def _kept_regions(self, name: str, kept: dict[str, TensorLayout]
                       ) -> list[tuple[Box, torch.Tensor]] | None:
@@ -754,8 +787,3 @@ def _end(pieces: Sequence[Piece]) -> int:
     """Where the last of `pieces` ends in their (full) bucket."""
     return max((p.offset + p.nbytes for p in pieces), default=0)
 
-
-def _within(part: Box, box: Box) -> tuple[slice, ...]:
-    """Index of `part` (inside `box`) in a tensor holding just `box`."""
-    return tuple(slice(p - b, p - b + n)
-                 for p, b, n in zip(part.offsets, box.offsets, part.lengths, strict=True))

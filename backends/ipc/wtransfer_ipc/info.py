@@ -54,11 +54,11 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     keeps (`wtransfer_ipc.m2n`); every trainer rank needs a client then. False: gather each
     bucket to a sender, and every worker reads all of it. On CUDA with zero_copy on and no
     checksums, True reads every rank's shards in place instead of staging them
-    (`wtransfer_ipc.m2n_in_place`). None (default): M->N through shared memory where sharded
-    ranks each hold a client and each holds one box of every tensor (FSDP2 x TP strided
-    shards gather), and where one sender packs into one engine of several workers (1->N:
-    each worker reads only what it keeps); else False (adapters, fleets, CUDA staging:
-    several ranks there ask with True; deltas of sharded ranks need nccl or ucx). A
+    (`wtransfer_ipc.m2n_in_place`). None (default): M->N where sharded ranks each hold a client
+    and each holds one box of every tensor (FSDP2 x TP strided shards gather; on CUDA read
+    in place, else staged), and through shared memory where one sender packs into one
+    engine of several workers (1->N: each worker reads only what it keeps); else False
+    (adapters, fleets, CUDA checksums; deltas of sharded ranks need nccl or ucx). A
     receiver without regions (vLLM) assembles each tensor in a full-size buffer while the
     ranks' pieces arrive (its peak memory is not measured yet)."""
 

@@ -8,10 +8,10 @@ limit (`in_place_planner`): each box of the model comes from one rank holding it
 share the load), whole. The lead's one update call carries every rank's record and pieces
 (`IPCUpdateInfo.in_place_ranks`), each piece's offset counted in the rank's local tensor. A
 worker opens each rank's storages once, waits on each rank's event after its last write, and
-copies the parts of each piece that it keeps (`UpdateSession.consume_pieces` with `crop`, its
-copies worked out once and replayed). It answers once its copies ran, so no rank writes its
-shards again while they are read. A rank whose shards cannot be shared (not contiguous, not
-CUDA) makes every rank send this update through staging, as before.
+copies the parts of each piece that it keeps (`UpdateSession.load_boxes`: its copies worked
+out once and replayed while the records and pieces stay). It answers once its copies ran, so
+no rank writes its shards again while they are read. A rank whose shards cannot be shared
+(not contiguous, not CUDA) makes every rank send this update through staging, as before.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 
 from wtransfer.errors import MetadataError
 from wtransfer.packing import TensorMeta
+from wtransfer.receiver.boxes import BoxSource
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.records import Box, TensorLayout
 from wtransfer.transport.m2n import Piece, Planner, TransferPlan, pieces_from_wire, runs
@@ -80,29 +81,30 @@ def pieces_by_rank(plan: TransferPlan, sources: Sequence[dict[str, TensorLayout]
     return out
 
 
-def consume_rank(session: UpdateSession, storages: dict[int, torch.Tensor], layout: list[int],
-                 pieces: Sequence[Piece], metas: Sequence[TensorMeta]) -> None:
-    """Queue the copies of what this worker keeps of one rank's `pieces`, each offset counted
-    in the rank's local tensor, which `layout` places in `storages` (uint8, by index)."""
+def rank_arrivals(storages: dict[int, torch.Tensor], layout: list[int],
+                  pieces: Sequence[Piece], metas: Sequence[TensorMeta]) -> list[BoxSource]:
+    """Each of one rank's `pieces` as a box and its bytes, the piece's offset counted in the
+    rank's local tensor, which `layout` places in `storages` (uint8, by index)."""
     if len(layout) != 2 * len(metas):
         raise MetadataError(f"a rank's zero_copy layout must hold a storage and an offset for "
                             f"each of the {len(metas)} announced tensors")
-    by_storage: dict[int, list[Piece]] = {}
+    out: list[BoxSource] = []
     for piece in pieces:
         if not 0 <= piece.tensor < len(metas):
             raise MetadataError(f"piece names tensor #{piece.tensor} but only {len(metas)} "
                                 "were announced")
         index, start = layout[2 * piece.tensor], layout[2 * piece.tensor + 1]
-        if index not in storages:
+        data = storages.get(index)
+        if data is None:
             raise MetadataError(f"a piece of {metas[piece.tensor].name!r} lies in storage "
                                 f"{index}, which its rank does not list")
-        if piece.offset < 0:
-            raise MetadataError(f"a piece of {metas[piece.tensor].name!r} starts at byte "
-                                f"{piece.offset} of its rank's tensor")
-        by_storage.setdefault(index, []).append(replace(piece, offset=start + piece.offset))
-    for index, placed in by_storage.items():
-        data = storages[index]
-        session.consume_pieces(data, data.numel(), placed, crop=True)
+        begin = start + piece.offset
+        if piece.offset < 0 or start < 0 or begin + piece.nbytes > data.numel():
+            raise MetadataError(f"a piece of {metas[piece.tensor].name!r} (bytes "
+                                f"[{begin}, {begin + piece.nbytes})) does not fit its "
+                                f"rank's {data.numel()}-byte storage {index}")
+        out.append((piece.tensor, piece.box, data[begin: begin + piece.nbytes]))
+    return out
 
 
 class RanksInPlace:
@@ -110,6 +112,9 @@ class RanksInPlace:
 
     def __init__(self) -> None:
         self._ranks: list[ZeroCopyImports] = []
+        self._last: tuple[list[Any], list[BoxSource]] | None = None
+        """What the last update read (its storages, layouts, pieces and tensor list) and its
+        boxes: the same list again while they stay, so the session replays its copies."""
 
     def load(self, session: UpdateSession, records: Sequence[RankInPlace],
              metas: Sequence[TensorMeta], senders: int, device: torch.device) -> None:
@@ -120,12 +125,27 @@ class RanksInPlace:
                                 f"transfer has {senders}")
         while len(self._ranks) < senders:
             self._ranks.append(ZeroCopyImports())
-        for imports, record in zip(self._ranks, records, strict=False):
-            storages, layout = imports.opened(record.zero_copy, device)
-            consume_rank(session, storages, layout, pieces_from_wire(record.pieces), metas)
+        opened = [imports.opened(record.zero_copy, device)
+                  for imports, record in zip(self._ranks, records, strict=False)]
+        key = [metas, *((storages, record.zero_copy.layout, record.pieces)
+                        for (storages, _), record in zip(opened, records, strict=True))]
+        if self._last is None or not _same(self._last[0], key):
+            arrivals = [box for (storages, layout), record in zip(opened, records, strict=True)
+                        for box in rank_arrivals(storages, layout,
+                                                 pieces_from_wire(record.pieces), metas)]
+            self._last = (key, arrivals)
+        session.load_boxes(self._last[1])
 
     def close(self) -> None:
         """Drop every rank's mappings."""
         for imports in self._ranks:
             imports.close()
         self._ranks = []
+        self._last = None
+
+
+def _same(last: list[Any], key: list[Any]) -> bool:
+    """Whether an update reads what the last one read: the same tensor list and storages
+    (the very objects) and equal layouts and pieces."""
+    return len(last) == len(key) and last[0] is key[0] and all(
+        a[0] is b[0] and a[1:] == b[1:] for a, b in zip(last[1:], key[1:], strict=True))

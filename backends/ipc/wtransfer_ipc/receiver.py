@@ -63,6 +63,8 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         """How long the last zero-copy update's copies took, issued to done (the next one
         waits for its copies' end without sleeping from shortly before: `spin_start`)."""
         self._trainer: ProcessWatch | None = None
+        self._stop_watch = threading.Event()
+        """Set to end the thread watching the current sender's process (`_release_when_gone`)."""
         self._released: str | None = None
         """Why this worker unmapped its sender's memory (the trainer's process is gone); its
         later update calls are refused saying so, until a new sender's init."""
@@ -82,17 +84,18 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
             self._shutdown()  # unmap what was mapped before the failure
             raise
         if watch.active and info.sender_pid != os.getpid():
-            threading.Thread(target=self._release_when_gone, args=(watch,), daemon=True,
+            self._stop_watch.set()  # (the last sender's watcher, if any)
+            self._stop_watch = stop = threading.Event()
+            threading.Thread(target=self._release_when_gone, args=(watch, stop), daemon=True,
                              name="wtransfer-ipc-release").start()
 
-    def _release_when_gone(self, watch: ProcessWatch) -> None:
+    def _release_when_gone(self, watch: ProcessWatch, stop: threading.Event) -> None:
         """Unmap everything of the trainer's once its (lead) process is gone and no update is
         open: the mappings of its staging, its tensors (zero-copy) and its ranks' shards (M->N
         in place) keep that memory allocated (on a GPU: a trainer restarted there could not
         allocate its model before its init reached this worker). Ends with the sender it
-        watches (a new init, or shutdown)."""
-        while True:
-            time.sleep(RELEASE_CHECK_S)
+        watches (a new init, or shutdown: `stop`)."""
+        while not stop.wait(RELEASE_CHECK_S):
             with self._lock:
                 if self._trainer is not watch:
                     return
@@ -279,6 +282,7 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
 
     def _shutdown(self) -> None:
         self._trainer = None
+        self._stop_watch.set()
         self._read_stream = None
         self._zero_copy.close()
         self._ranks_in_place.close()

@@ -203,14 +203,18 @@ class ZeroCopyImports:
 
     def _open(self, new: list[tuple[int, list[Any]]], used: list[int], token: str,
               same_process: bool) -> None:
-        """Open the storages sent with handles; keep exactly those the update uses."""
+        """Open the storages sent with handles; keep exactly those the update uses (in a new
+        mapping whenever that changes: an unchanged one is the very same object, which tells
+        a reader its views of it still hold)."""
+        opened = dict(self._opened) if new else self._opened
         for index, record in new:
-            self._opened[index] = open_buffer(record, token=token, index=index,
-                                              same_process=same_process, size=0)
-        missing = [i for i in used if i not in self._opened]
+            opened[index] = open_buffer(record, token=token, index=index,
+                                        same_process=same_process, size=0)
+        missing = [i for i in used if i not in opened]
         if missing:
             raise MetadataError(f"zero_copy storage {missing[0]} was never sent")
-        self._opened = {i: self._opened[i] for i in used}
+        if new or opened.keys() != set(used):
+            self._opened = {i: opened[i] for i in used}
 
     def _place(self, layout: list[int], metas: list[TensorMeta],
                device: torch.device) -> list[torch.Tensor]:

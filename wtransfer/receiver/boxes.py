@@ -1,0 +1,88 @@
+"""The copies of an update whose tensors arrive as boxes read straight out of their senders'
+memory (M->N read in place: each box a trainer rank's shard), worked out once per plan.
+
+`plan_boxes` checks the boxes (each inside its tensor, its source the box's bytes, together
+covering every announced tensor exactly once) and turns them into a `WholeProgram`: each part
+a worker keeps goes into the target's view of it (contiguous parts copied as flat bytes,
+checked as they copy where the device can; strided ones in one multi-tensor copy), and a
+tensor the target offers no view of is assembled in a full-size buffer and loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from wtransfer.errors import MetadataError
+from wtransfer.packing import DTYPES, TensorMeta, byte_view
+from wtransfer.receiver.programs import WholeProgram
+from wtransfer.records import Box
+
+BoxSource = tuple[int, Box, torch.Tensor]
+"""(announced tensor index, box of it, flat uint8 bytes of the box in row-major order)."""
+
+Destinations = Callable[[TensorMeta, Box], "list[tuple[Box, torch.Tensor]] | None"]
+"""The parts of a box of a tensor that the worker keeps, each with the target's view it goes
+to; None where the target offers no view (the tensor is assembled and loaded whole)."""
+
+
+def plan_boxes(arrivals: Sequence[BoxSource], metas: Sequence[TensorMeta],
+               destinations: Destinations, device: torch.device) -> WholeProgram:
+    """The copies of `arrivals` (see the module docstring); `MetadataError` where a box does
+    not fit its tensor or its source, or the boxes miss or repeat an element."""
+    program = WholeProgram(arrivals)
+    covered: dict[int, list[Box]] = {}
+    for index, box, src in arrivals:
+        meta = _checked(index, box, src, metas)
+        boxes = covered.setdefault(index, [])
+        if any(box.overlaps(b) for b in boxes):
+            raise MetadataError(f"tensor {meta.name!r}: elements of box {box} arrived twice")
+        boxes.append(box)
+    for index, meta in enumerate(metas):
+        if sum(b.numel for b in covered.get(index, ())) != Box.whole(meta.shape).numel:
+            raise MetadataError(f"the boxes of tensor {meta.name!r} do not cover it")
+    assembled: dict[int, torch.Tensor] = {}
+    for index, box, src in arrivals:
+        meta = metas[index]
+        dtype = DTYPES[meta.dtype]
+        values = src.view(dtype).view(box.lengths)
+        parts = destinations(meta, box)
+        if parts is None:
+            full = assembled.get(index)
+            if full is None:
+                full = assembled[index] = torch.empty(meta.shape, dtype=dtype, device=device)
+                program.loads.append((meta.name, full))
+            parts = [(box, full[box.slices()])]
+        for part, dest in parts:
+            _add_copy(program, meta.name, dtype, dest, values[part.slices_in(box)])
+            program.nbytes += part.numel * meta.itemsize
+    program.assembles = bool(assembled)
+    return program
+
+
+def _checked(index: int, box: Box, src: torch.Tensor, metas: Sequence[TensorMeta]
+             ) -> TensorMeta:
+    """The announced tensor `index`, after checking that `box` lies in it and `src` holds the
+    box's bytes, aligned to its elements."""
+    if not 0 <= index < len(metas):
+        raise MetadataError(f"a box names tensor #{index} but only {len(metas)} were "
+                            "announced")
+    meta = metas[index]
+    if (not box.within(meta.shape) or src.dtype != torch.uint8 or src.dim() != 1
+            or src.numel() != box.numel * meta.itemsize or src.data_ptr() % meta.itemsize):
+        raise MetadataError(f"box {box} of tensor {meta.name!r} {list(meta.shape)} does not "
+                            f"fit it, or its {src.numel()} source bytes do not hold it")
+    return meta
+
+
+def _add_copy(program: WholeProgram, name: str, dtype: torch.dtype, dest: torch.Tensor,
+              src: torch.Tensor) -> None:
+    """One copy of `program`: as flat bytes (checkable as it copies) where both sides are
+    contiguous, else a strided copy whose source the batched finite check reads."""
+    if src.is_contiguous() and dest.is_contiguous() and dest.dtype == dtype:
+        program.copies.append((name, dtype, byte_view(dest), byte_view(src)))
+    else:
+        program.strided_dests.append(dest)
+        program.strided_sources.append(src)
+        program.watched.append((name, src))
