@@ -24,7 +24,9 @@ from typing import Any
 TRACED: dict[str, list[tuple[str, str]]] = {
     # trainer ranks
     "wtransfer.trainer.engine": [("TrainerTransferEngine.send_weights", "send")],
-    "wtransfer_ipc.sender": [("IPCSender._wait_read", "wait read")],
+    "wtransfer_ipc.sender": [("IPCSender._wait_read", "wait read"),
+                             ("IPCSender._outgoing_in_place", "in place outgoing")],
+    "wtransfer.trainer.group": [("Ranks.gather", "gather records")],
     "wtransfer.trainer.layouts": [("LocalShards.pack", "pack")],
     "wtransfer.clients": [("HTTPClient.update_weights", "post update"),
                           ("HTTPClient.start_weight_update", "post start"),
@@ -43,10 +45,13 @@ TRACED: dict[str, list[tuple[str, str]]] = {
     "wtransfer.receiver.session": [("UpdateSession.consume_pieces", "consume pieces"),
                                    ("UpdateSession.consume", "consume"),
                                    ("UpdateSession.load_whole", "load whole"),
+                                   ("UpdateSession.load_boxes", "load boxes"),
                                    ("UpdateSession.finish", "session finish")],
     "wtransfer_ipc.zero_copy": [("ZeroCopyImports.sources", "zero-copy sources")],
+    "wtransfer_ipc.m2n_in_place": [("RanksInPlace.load", "ranks in place")],
     "wtransfer_ipc.receiver": [("drain", "drain"), ("pieces_from_wire", "pieces from wire"),
-                               ("IPCReceiver._receive", "ipc receive")],
+                               ("IPCReceiver._receive", "ipc receive"),
+                               ("IPCReceiver._receive_in_place", "receive in place")],
     "wtransfer_ipc.cuda": [("SenderEvents.wait", "event wait"),
                            ("SenderEvents.record", "event record")],
 }

@@ -214,3 +214,29 @@ def test_a_target_without_views_gets_each_tensor_assembled_from_its_boxes():
     assert set(target.loaded) == set(FULL)
     assert all(torch.equal(target.loaded[n], t) for n, t in FULL.items())
     assert session.bytes_received == sum(m.nbytes for m in METAS)
+
+
+def test_tensors_a_worker_keeps_nothing_of_or_that_are_empty_complete_at_once():
+    """An empty tensor (no piece carries it) and a tensor this worker keeps none of: the
+    update read in place completes without them, and only what it keeps is copied; a second
+    load of the same update is refused."""
+    full = {"a": torch.randn(4, 2), "empty": torch.zeros(0, 3), "b": torch.randn(3)}
+    metas = [TensorMeta.of(n, t) for n, t in full.items()]
+    layouts = {m.name: TensorLayout.whole(m.name, m.dtype, m.shape) for m in metas}
+    pieces = pieces_by_rank(in_place_planner(Planner([layouts], None, 16)).plan(
+        Manifest(metas)), [layouts], metas)
+    assert pieces is not None and sorted(p.tensor for p in pieces[0]) == [0, 2]
+    storage = torch.cat([full["a"].view(-1), full["b"]]).view(torch.uint8)
+    arrivals = rank_arrivals({0: storage}, [0, 0, -1, 0, 0, 32], pieces[0], metas)
+    module = torch.nn.Module()
+    for name, t in full.items():
+        module.register_parameter(name, torch.nn.Parameter(torch.zeros_like(t)))
+    session = UpdateSession(ModuleTarget(module), "cpu")
+    session.announce(metas)
+    session.keep_only({"a": layouts["a"], "empty": layouts["empty"]})  # none of "b"
+    session.load_boxes(arrivals)
+    with pytest.raises(MetadataError, match="part of this update arrived already"):
+        session.load_boxes(arrivals)
+    session.finish()
+    assert torch.equal(module.a, full["a"]) and not module.b.any()
+    assert session.bytes_received == 4 * 2 * 4

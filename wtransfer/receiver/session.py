@@ -589,7 +589,10 @@ class UpdateSession:
             if src.numel() != meta.nbytes:
                 raise MetadataError(f"source of {meta.name!r} holds {src.numel()} bytes, "
                                     f"not {meta.nbytes}")
-        self._run_whole(self._whole_program(sources, self._plan_whole))
+            if meta.name not in self._pending:
+                raise MetadataError(f"tensor {meta.name!r} arrived twice in one update")
+        self._run_whole(self._whole_program(sources, self._plan_whole),
+                        [meta.name for meta in self._metas])
 
     def load_boxes(self, arrivals: Sequence[BoxSource]) -> None:
         """Load every announced tensor from boxes of it, each read from its own flat uint8
@@ -597,23 +600,25 @@ class UpdateSession:
         tensor exactly once; only what this worker keeps is copied. The copies are worked
         out once (`wtransfer.receiver.boxes`) and replayed while the very same `arrivals`
         list comes back, as `load_whole`'s."""
-        self._run_whole(self._whole_program(arrivals, self._plan_boxes))
+        if self.bytes_received or self.touched:
+            raise MetadataError("an update read in place carries every tensor, but part of "
+                                "this update arrived already")
+        program = self._whole_program(arrivals, self._plan_boxes)
+        self._run_whole(program, list(self._pending))
+        self._regions.clear()
 
-    def _run_whole(self, program: WholeProgram) -> None:
-        """Queue a whole update's copies (every announced tensor arrives in it)."""
+    def _run_whole(self, program: WholeProgram, names: list[str]) -> None:
+        """Queue a whole update's copies, which complete the tensors `names`."""
         pending = self._pending
-        for meta in self._metas:
-            if meta.name not in pending:
-                raise MetadataError(f"tensor {meta.name!r} arrived twice in one update")
         copies = CopyQueue(fenced=self._store is not None,  # (rollback copies go between)
                            streams=WHOLE_UPDATE_STREAMS)
         checked = (self.finite.copies(self._device, len(program.copies))
                    if self.finite is not None and program.copies else None)
         watch = list(program.watched)  # what the check reads after the copies
         try:
-            for meta in self._metas:
-                self._save(meta.name)  # (rollback: every snapshot queued before any copy)
-                del pending[meta.name]
+            for name in names:
+                self._save(name)  # (rollback: every snapshot queued before any copy)
+                del pending[name]
             self.touched = True  # (a queued copy may go out later: as good as made)
             for name, dtype, dst, src in program.copies:
                 if checked is None or not checked.add(name, dst, src, dtype):
