@@ -1,12 +1,9 @@
 """`FiniteCheck`: every float dtype's NaN and infinities are caught, finite values pass (huge
 ones included), and the first bad tensor is the one named."""
 
-import os
-
 import pytest
 import torch
 
-from wtransfer.receiver import finite
 from wtransfer.receiver.finite import FiniteCheck
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -117,52 +114,3 @@ def test_on_cuda_a_checked_copy_is_bit_exact_and_flags_a_non_finite_value(dtype,
     assert copies is not None and copies.add("clean", outs["clean"].view(torch.uint8),
                                              clean.view(torch.uint8), dtype)
     assert fine.first_bad() is None
-
-
-def batch_device():
-    """CUDA where there is one, else the host under Triton's interpreter (TRITON_INTERPRET=1
-    with Triton installed), else skip."""
-    pytest.importorskip("triton", reason="the checked copies are Triton kernels")
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs CUDA (or TRITON_INTERPRET=1 to run the kernel on the host)")
-    return torch.device("cpu")
-
-
-@pytest.mark.gpu
-def test_a_batch_of_checked_copies_is_bit_exact_and_names_the_tensor_holding_nan():
-    """One table of copies per dtype (`CheckedBatch`): copies longer than a table row, tiny
-    ones, ones aligned only to their elements, in bf16 and float32, each bit-exact; the flag
-    names the one tensor holding a NaN, and a copy of an integer dtype is left to the caller.
-    Run twice, as a program's replay runs it."""
-    device = batch_device()
-    chunk = finite.TABLE_CHUNK
-    sizes = {"long": (2 * chunk + 3, torch.bfloat16), "tiny": (5, torch.bfloat16),
-             "float": (chunk + 1, torch.float32), "odd": (77, torch.bfloat16),
-             "bad": (chunk // 2, torch.bfloat16)}
-    sources = {n: torch.randn(k + 1, device=device).to(dt)[1:] if n == "odd"
-               else torch.randn(k, device=device).to(dt) for n, (k, dt) in sizes.items()}
-    sources["bad"][chunk // 3] = float("nan")
-    sources["long"][0] = torch.finfo(torch.bfloat16).max
-    dests = {n: torch.empty_like(t) for n, t in sources.items()}
-    ints = torch.arange(9, device=device, dtype=torch.int32)
-    copies = [(n, t.dtype, dests[n].view(torch.uint8), t.view(torch.uint8))
-              for n, t in sources.items()]
-    copies.append(("ints", torch.int32, torch.empty_like(ints).view(torch.uint8),
-                   ints.view(torch.uint8)))
-    batch = finite.CheckedBatch(copies, device)
-    assert [c[0] for c in batch.rest] == ["ints"]
-    assert sorted((str(dt), align) for dt, _, align in batch.tables) == [
-        ("torch.bfloat16", 1), ("torch.bfloat16", 8), ("torch.float32", 4)]
-    for _ in range(2):
-        for t in dests.values():
-            t.zero_()
-        check = FiniteCheck()
-        assert check.run_batch(batch)
-        for name, src in sources.items():
-            assert torch.equal(dests[name].view(torch.uint8), src.view(torch.uint8)), name
-        assert check.first_bad() == "bad"
-    clean = finite.CheckedBatch([c for c in copies if c[0] not in ("bad", "ints")], device)
-    check = FiniteCheck()
-    assert check.run_batch(clean) and check.first_bad() is None

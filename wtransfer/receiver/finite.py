@@ -20,18 +20,6 @@ import torch
 
 log = logging.getLogger("wtransfer.receiver.finite")
 
-EXPONENT: dict[torch.dtype, tuple[torch.dtype, int]] = {
-    torch.bfloat16: (torch.int16, 0x7F80),
-    torch.float16: (torch.int16, 0x7C00),
-    torch.float32: (torch.int32, 0x7F800000),
-    torch.float64: (torch.int64, 0x7FF0000000000000),
-}
-"""Per dtype the checked copies take, the integer of its width and its exponent mask: a value
-is NaN or infinite when every exponent bit is set."""
-
-TABLE_CHUNK = 1 << 16
-"""Elements one row of a `CheckedBatch` table copies (a longer copy takes several rows)."""
-
 CHECKED_COPY_MIN_BYTES = 1 << 20
 """Copies from this size check as they copy (`FiniteCheck.copies`); smaller ones batch their
 copies and their sums better."""
@@ -76,27 +64,6 @@ class FiniteCheck:
         copies = CheckedCopies(device, capacity)
         self._copies.append(copies)
         return copies
-
-    def run_batch(self, batch: CheckedBatch) -> bool:
-        """Queue every copy of `batch` (one launch per dtype) and read its flags at
-        `first_bad`; False where it cannot (no Triton, a value already failed, or the
-        kernel failed here): then the caller copies and checks them as before."""
-        kernel = _checked_copy()
-        if kernel is None or self._bad is not None:
-            return False
-        if not batch.names:
-            return True
-        copies = CheckedCopies(batch.device, len(batch.names))
-        try:
-            for dtype, table, align in batch.tables:
-                kernel.copy_and_flag_table(table, batch.base, dtype, align, TABLE_CHUNK,
-                                           copies.flags)
-        except Exception as exc:  # (a device or a Triton it cannot compile for)
-            _disable_checked_copy(exc)
-            return False
-        copies.names = batch.names
-        self._copies.append(copies)
-        return True
 
     def watch(self, name: str, values: torch.Tensor) -> None:
         """Check `values` (what arrived for tensor `name`, in its own dtype); integer and
@@ -181,7 +148,7 @@ class CheckedCopies:
         rule for, or the kernel failed): then the caller copies and checks as before."""
         kernel = _checked_copy()
         nbytes = dst.numel()
-        if kernel is None or nbytes < CHECKED_COPY_MIN_BYTES or dtype not in EXPONENT \
+        if kernel is None or nbytes < CHECKED_COPY_MIN_BYTES or dtype not in kernel.EXPONENT \
                 or len(self.names) >= self._capacity:
             return False
         size = dtype.itemsize
@@ -196,55 +163,6 @@ class CheckedCopies:
             return False
         self.names.append(name)
         return True
-
-
-class CheckedBatch:
-    """Copies of a whole update that check what they copy, all of one dtype in one launch
-    (`FiniteCheck.run_batch`): a table of (source, destination, elements, flag) rows counted
-    from one base address, worked out once for a program that replays the same copies every
-    update. `rest` holds the copies it cannot take (another device or dtype, misaligned)."""
-
-    def __init__(self, copies: Sequence[tuple[str, torch.dtype, torch.Tensor, torch.Tensor]],
-                 device: torch.device) -> None:
-        self.device = device
-        self.base = torch.empty(512, dtype=torch.uint8, device=device)
-        """What every offset is counted from (held: its address must stay)."""
-        self.names: list[str] = []
-        """The tensor of each flag."""
-        self.rest: list[tuple[str, torch.dtype, torch.Tensor, torch.Tensor]] = []
-        rows: dict[tuple[torch.dtype, int], list[tuple[int, int, int, int]]] = {}
-        base = self.base.data_ptr()
-        for copy in copies:
-            name, dtype, dst, src = copy
-            size = dtype.itemsize
-            if (dtype not in EXPONENT or dst.device != device or src.device != device
-                    or src.numel() != dst.numel() or dst.numel() % size
-                    or dst.data_ptr() % size or src.data_ptr() % size):
-                self.rest.append(copy)
-                continue
-            aligned = 16 // size if not (src.data_ptr() % 16 or dst.data_ptr() % 16) else 1
-            rows.setdefault((dtype, aligned), []).append(
-                ((src.data_ptr() - base) // size, (dst.data_ptr() - base) // size,
-                 dst.numel() // size, len(self.names)))
-            self.names.append(name)
-        self.tables = [(dtype, _table(found, device), aligned)
-                       for (dtype, aligned), found in rows.items()]
-        """(dtype, int64 table on the device, the alignment of its offsets in elements):
-        copies 16-byte aligned at both ends in tables of their own, which read and write
-        16 bytes at a time."""
-
-
-def _table(copies: list[tuple[int, int, int, int]], device: torch.device) -> torch.Tensor:
-    """The rows of `copies` ((source, destination, elements, flag) each), a copy longer than
-    `TABLE_CHUNK` cut into several, flat on `device`."""
-    spec = torch.tensor(copies, dtype=torch.int64).reshape(-1, 4)
-    count = (spec[:, 2] + TABLE_CHUNK - 1) // TABLE_CHUNK
-    owner = torch.repeat_interleave(torch.arange(len(spec)), count)
-    step = (torch.arange(len(owner)) - (torch.cumsum(count, 0) - count)[owner]) * TABLE_CHUNK
-    mine = spec[owner]
-    table = torch.stack([mine[:, 0] + step, mine[:, 1] + step,
-                         torch.clamp(mine[:, 2] - step, max=TABLE_CHUNK), mine[:, 3]], dim=1)
-    return table.reshape(-1).to(device)
 
 
 _KERNEL: list[ModuleType | None] = []

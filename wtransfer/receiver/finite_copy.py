@@ -1,21 +1,25 @@
-"""Copies that check for NaN and infinity as they go, Triton kernels (CUDA only; imported where
-Triton is): each value is read once, written, and its exponent bits tested, so refusing
-non-finite weights costs no second read of what arrived. One copy per launch
-(`FiniteCheck.copies`), or a whole table of copies in one launch (`copy_and_flag_table`, built
-once by `wtransfer.receiver.finite.CheckedBatch`)."""
+"""A copy that checks for NaN and infinity as it goes, one Triton kernel (CUDA only; imported
+where Triton is): each value is read once, written, and its exponent bits tested, so refusing
+non-finite weights costs no second read of what arrived (`FiniteCheck.copies`)."""
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import triton
 import triton.language as tl
 
-from wtransfer.receiver.finite import EXPONENT
-
 BLOCK = 8192
 """Values per program."""
+
+EXPONENT: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.float32: (torch.int32, 0x7F800000),
+    torch.float64: (torch.int64, 0x7FF0000000000000),
+}
+"""Per dtype, the integer of its width and its exponent mask: a value is NaN or infinite when
+every exponent bit is set."""
+
 
 @triton.jit(do_not_specialize=["flag"])  # (one compile whatever the flag's index)
 def _copy_flag_kernel(src_ptr, dst_ptr, n, flags_ptr, flag,  # type: ignore[no-untyped-def]
@@ -43,39 +47,3 @@ def copy_and_flag(dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype,
         with torch.cuda.device(flags.device):  # (the calling thread's device may be another)
             _copy_flag_kernel[(triton.cdiv(n, BLOCK),)](source, dest, n, flags, flag,
                                                          MASK=mask, BLOCK=BLOCK, num_warps=8)
-
-
-@triton.jit
-def _copy_flag_table_kernel(table_ptr, base_ptr, flags_ptr,  # type: ignore[no-untyped-def]
-                            MASK: tl.constexpr, ALIGN: tl.constexpr, CHUNK: tl.constexpr,
-                            BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64) * 4
-    src = tl.multiple_of(tl.load(table_ptr + row), ALIGN)
-    dst = tl.multiple_of(tl.load(table_ptr + row + 1), ALIGN)
-    n = tl.load(table_ptr + row + 2)
-    flag = tl.load(table_ptr + row + 3)
-    bad = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(0, CHUNK, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        inside = offsets < n
-        bits = tl.load(base_ptr + src + offsets, mask=inside, other=0)
-        tl.store(base_ptr + dst + offsets, bits, mask=inside)
-        bad = bad | (((bits & MASK) == MASK) & inside).to(tl.int32)
-    if tl.max(bad, axis=0) > 0:
-        tl.store(flags_ptr + flag, 1)
-
-
-def copy_and_flag_table(table: torch.Tensor, base: torch.Tensor, dtype: torch.dtype,
-                        align: int, chunk: int, flags: torch.Tensor) -> None:
-    """Run every copy of `table` (int64 rows of four: source and destination offsets in
-    `dtype` elements from `base`'s address, both multiples of `align`; up to `chunk` elements;
-    the index in int32 `flags` set to 1 where a value is NaN or infinite), one program per
-    row, queued on the current stream of `base`'s device."""
-    as_int, mask = EXPONENT[dtype]
-    rows = table.numel() // 4
-    if not rows:
-        return
-    with torch.cuda.device(base.device) if base.is_cuda else contextlib.nullcontext():
-        # (a host tensor: Triton's interpreter, TRITON_INTERPRET=1, in tests)
-        _copy_flag_table_kernel[(rows,)](table, base.view(as_int), flags, MASK=mask,
-                                         ALIGN=align, CHUNK=chunk, BLOCK=BLOCK, num_warps=8)

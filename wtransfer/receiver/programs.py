@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from wtransfer.receiver.finite import CheckedBatch
 from wtransfer.records import Box
 from wtransfer.transport.m2n import Piece
 
@@ -78,9 +77,6 @@ class WholeProgram:
     """Tensors handed to `WeightTarget.load_weights` (the target offers no view)."""
     nbytes: int = 0
     """Tensor bytes this worker receives."""
-    checked: CheckedBatch | None = None
-    """`copies` as checked copies in one launch per dtype (made at the first run on CUDA
-    with the finite check on)."""
     assembles: bool = False
     """Whether it assembles tensors in buffers of its own (not kept: they hold memory)."""
 

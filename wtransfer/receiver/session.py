@@ -44,7 +44,7 @@ from wtransfer.packing import (
     tensor_from_bytes,
 )
 from wtransfer.receiver.boxes import BoxSource, plan_boxes
-from wtransfer.receiver.finite import CheckedBatch, FiniteCheck
+from wtransfer.receiver.finite import FiniteCheck
 from wtransfer.receiver.programs import (
     PieceProgram,
     PiecePrograms,
@@ -612,24 +612,18 @@ class UpdateSession:
         pending = self._pending
         copies = CopyQueue(fenced=self._store is not None,  # (rollback copies go between)
                            streams=WHOLE_UPDATE_STREAMS)
-        finite = self.finite
-        batch = None
-        if finite is not None and program.copies and self._device.type == "cuda":
-            if program.checked is None:
-                program.checked = CheckedBatch(program.copies, self._device)
-            batch = program.checked
+        checked = (self.finite.copies(self._device, len(program.copies))
+                   if self.finite is not None and program.copies else None)
         watch = list(program.watched)  # what the check reads after the copies
         try:
             for name in names:
                 self._save(name)  # (rollback: every snapshot queued before any copy)
                 del pending[name]
             self.touched = True  # (a queued copy may go out later: as good as made)
-            rest = (batch.rest if batch is not None and finite is not None
-                    and finite.run_batch(batch) else program.copies)
-            for name, dtype, dst, src in rest:
-                if finite is not None:
+            for name, dtype, dst, src in program.copies:
+                if checked is None or not checked.add(name, dst, src, dtype):
                     watch.append((name, src.view(dtype)))
-                copies.add(dst, src)
+                    copies.add(dst, src)
         except BaseException:
             copies.abort()  # what follows (a rollback, a drain) comes after what went out
             raise
