@@ -82,7 +82,6 @@ from wtransfer.trainer.updates import (
     Payload,
     Updates,
     first_updates,
-    sends_whole,
     updates_for,
 )
 from wtransfer.transport.window import CallChannel, Movable, SendChannel, send_buckets
@@ -548,41 +547,6 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def _m2n_wanted(self, requested: bool | None) -> bool:
-        """Whether updates go M->N (every rank sends its own shards to the workers that keep
-        them): when asked, or by default (`requested` None) when the source is sharded, every
-        trainer rank has a client and every rank holds one box of each tensor (placements
-        such as FSDP2 over a tensor-parallel dimension gather instead); asked without every
-        rank having a client is refused."""
-        group = self.ranks.group
-        everyone = group is None or len(group.senders) == group.size
-        if requested and not everyone:
-            assert group is not None
-            raise ConfigError(f"m2n=True sends every trainer rank's own shards, but only "
-                              f"{len(group.senders)} of {group.size} ranks have a client; "
-                              "give every rank a client (only the first makes control calls)")
-        if requested is None:
-            return everyone and self.source.sharded and self._one_box_per_rank()
-        return requested
-
-    def _one_box_per_rank(self) -> bool:
-        """Whether this rank holds one box of each tensor (what an M->N plan pairs); the
-        placements are the same on every rank, so every rank answers alike."""
-        try:
-            self.source.layouts(0)
-        except ConfigError as exc:
-            log.warning("updates gather each bucket instead of going M->N: %s", exc)
-            return False
-        return True
-
-    def _may_slice_per_worker(self) -> bool:
-        """Whether one sender may send each worker only what it keeps (1->N): a lone sender
-        whose every update sends a whole source (`sends_whole`) into more than one worker."""
-        client = self.client
-        return (not self.collective and not self.source.sharded
-                and sends_whole(self.updates, self.source)
-                and client is not None and client.num_workers() > 1)
-
     @property
     def sends_own_shards(self) -> bool:
         """Whether every rank sends the workers its own shards (M->N): nothing is gathered."""
@@ -599,14 +563,6 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
         that can move tensors in place overrides it (never with a sharded source, whose
         tensors are gathered into staging)."""
         return 0
-
-    def _resolve_direct_threshold(self, default: int) -> int:
-        """For a backend that can move tensors in place: off (0) with checksums or a sharded
-        source (both need staging), else the init info's `direct_threshold`, else `default`."""
-        info = self.init_info
-        if info.checksum or self.source.sharded:
-            return 0
-        return default if info.direct_threshold is None else info.direct_threshold
 
     @property
     def bucket_bytes(self) -> int:
@@ -677,3 +633,12 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
     @abstractmethod
     def _close(self) -> None:
         """Release what `_connect` acquired; must work after a partial or failed connect."""
+
+
+def resolve_direct_threshold(info: TrainerInitInfo, source: WeightSource, default: int) -> int:
+    """A `direct_threshold` for a backend that can move tensors in place: off (0) with
+    checksums or a sharded source (both need staging), else the init info's
+    `direct_threshold`, else `default`."""
+    if info.checksum or source.sharded:
+        return 0
+    return default if info.direct_threshold is None else info.direct_threshold

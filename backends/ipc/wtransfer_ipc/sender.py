@@ -18,6 +18,7 @@ from wtransfer.protocol import FleetClient, WeightSyncClient
 from wtransfer.records import new_sender_id, receiver_init_dict
 from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
 from wtransfer.trainer.layouts import LocalShards, held_parts
+from wtransfer.trainer.m2n_choice import m2n_wanted, may_slice_per_worker
 from wtransfer.trainer.source import WeightSource
 from wtransfer.transport.m2n import (
     PairBucket,
@@ -192,7 +193,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
     def _connect(self) -> dict[str, Any]:
         info = self.init_info
-        self.m2n = (self._m2n_wanted(True) if info.m2n
+        self.m2n = (m2n_wanted(self.ranks, self.source, True) if info.m2n
                     else self._m2n_by_default() if info.m2n is None else False)
         token = secrets.token_hex(8)
         if self.device.type == "cuda":
@@ -234,9 +235,11 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         if (isinstance(self.client, FleetClient) or info.delta
                 or not self.source.delta_ok):
             return False
+        sharded = m2n_wanted(self.ranks, self.source, None)
         if self.device.type != "cpu":
-            return info.zero_copy and not info.checksum and self._m2n_wanted(None)
-        return self._m2n_wanted(None) or self._may_slice_per_worker()
+            return info.zero_copy and not info.checksum and sharded
+        return sharded or may_slice_per_worker(self.collective, self.source, self.updates,
+                                               self.client)
 
     @property
     def fixed_receivers(self) -> bool:

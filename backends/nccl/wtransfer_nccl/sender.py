@@ -14,7 +14,13 @@ from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.packing import CHECKSUM_BYTES
 from wtransfer.protocol import WeightSyncClient
 from wtransfer.records import receiver_init_dict
-from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
+from wtransfer.trainer.engine import (
+    Outgoing,
+    Share,
+    TrainerTransferEngine,
+    resolve_direct_threshold,
+)
+from wtransfer.trainer.m2n_choice import m2n_wanted, may_slice_per_worker
 from wtransfer.trainer.pairs import pair_send
 from wtransfer.trainer.source import WeightSource
 from wtransfer.transport.m2n import keeps_part
@@ -86,9 +92,10 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                               f"{self.senders + workers}; set world_size="
                               f"{self.senders + workers}, or leave it out")
         self.world_size = self.senders + workers
-        self.m2n = self._m2n_wanted(self.init_info.m2n)
+        self.m2n = m2n_wanted(self.ranks, self.source, self.init_info.m2n)
         self._m2n_by_layouts = (info.m2n is None and not self.m2n
-                                and self._may_slice_per_worker())
+                                and may_slice_per_worker(self.collective, self.source, self.updates,
+                                                     self.client))
         self._staging = [torch.empty(self.bucket_bytes + CHECKSUM_BYTES, dtype=torch.uint8,
                                      device=self.device) for _ in range(self.num_buffers)]
         port = info.master_port
@@ -129,7 +136,8 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         copies overlapped, 49.5 ms one launch per tensor). On CPU (gloo), 1 MiB: copies cost
         more there than calls. Checksums and sharded sources need staging, so they turn it off.
         """
-        return self._resolve_direct_threshold(1 if self.device.type == "cuda" else 1 << 20)
+        return resolve_direct_threshold(self.init_info, self.source,
+                                        1 if self.device.type == "cuda" else 1 << 20)
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         """Form this sender's group on a helper thread while every engine joins it from its

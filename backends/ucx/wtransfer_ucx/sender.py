@@ -16,8 +16,14 @@ from wtransfer.errors import LifecycleError
 from wtransfer.packing import CHECKSUM_BYTES, Bucket
 from wtransfer.protocol import FleetClient, WeightSyncClient
 from wtransfer.records import receiver_init_dict
-from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
+from wtransfer.trainer.engine import (
+    Outgoing,
+    Share,
+    TrainerTransferEngine,
+    resolve_direct_threshold,
+)
 from wtransfer.trainer.layouts import LocalShards, held_parts
+from wtransfer.trainer.m2n_choice import m2n_wanted, may_slice_per_worker
 from wtransfer.trainer.pairs import pair_send
 from wtransfer.trainer.source import WeightSource
 from wtransfer.transport.m2n import Planner, fragment_with_layouts, planner_of
@@ -136,10 +142,11 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         info = self.init_info
         self._ucx = acquire_worker()
         port = self._ucx.listen(info.listen_port)
-        self.m2n = self._m2n_wanted(info.m2n)
+        self.m2n = m2n_wanted(self.ranks, self.source, info.m2n)
         self.reads = self._choose_reads()
         if info.m2n is None and not self.reads.on and not self.m2n \
-                and not isinstance(self.client, FleetClient) and self._may_slice_per_worker():
+                and not isinstance(self.client, FleetClient) \
+                and may_slice_per_worker(self.collective, self.source, self.updates, self.client):
             self.m2n = True  # 1->N: UCX sends each worker its own copy of a bucket anyway
             # (not into a fleet: one that drops an instance connects again as tagged buckets;
             # a drop under a 1->N plan failed its retry: not yet understood)
@@ -184,8 +191,8 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         1 MiB for host memory; off for CUDA memory, where each UCX message costs about
         0.15 ms of rendezvous (measured on one H200: Qwen3-1.7B shapes 45 ms as ~300 direct
         messages, 17 ms as a few packed 1 GiB buckets)."""
-        return self._resolve_direct_threshold(
-            0 if self.device.type == "cuda" else 1 << 20)
+        return resolve_direct_threshold(self.init_info, self.source,
+                                        0 if self.device.type == "cuda" else 1 << 20)
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         assert self._ucx is not None and self.client is not None
