@@ -37,7 +37,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
@@ -75,6 +75,7 @@ from wtransfer.trainer.fleet import FleetUpdates
 from wtransfer.trainer.gather import GatheringPacker
 from wtransfer.trainer.group import Ranks, TrainerGroup
 from wtransfer.trainer.layouts import NoGather
+from wtransfer.trainer.listing import TensorListing
 from wtransfer.trainer.source import WeightSource
 from wtransfer.trainer.updates import (
     Header,
@@ -114,11 +115,36 @@ class Share:
     header: Header | None = None
     """The update's header from the update strategy (`Payload.header`), for backends
     that encode against it."""
+    listing: TensorListing = field(default_factory=TensorListing)
+    """The sender's record of which tensor list its receivers hold."""
 
     @property
     def lead(self) -> bool:
         """Whether this sender drives the control plane."""
         return self.index == 0
+
+    def listed_tensors(self) -> dict[str, Any]:
+        """The update fields that give the receivers this update's tensor list: the list,
+        or its digest once they hold it (`TensorListing`)."""
+        return self.listing.fields(self.manifest)
+
+    def in_place(self, usable: Callable[[list[torch.Tensor]], bool]
+                 ) -> tuple[list[torch.Tensor] | None, Share]:
+        """For a backend whose receivers read the source's tensors where they lie: those
+        tensors (in the plan's order) when this is the only sender and `usable(tensors)`,
+        else None; and the share to send otherwise (with a new packer when looking used up
+        the source's iterator)."""
+        if self.count != 1 or not isinstance(self.packer, BucketPacker):
+            return None, self
+        held = self.source.held()
+        tensors = held if held is not None else self.packer.walk()
+        if usable(tensors):
+            if held is not None:
+                self.packer.release()
+            return tensors, self
+        if held is None:
+            return None, replace(self, packer=BucketPacker(self.plan, self.source.tensors()))
+        return None, self
 
 
 class SentOnce(Protocol):
@@ -208,11 +234,8 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
         self._layout_cache: _Layout | None = None
         self.calls = CallQueue(client) if client is not None else None
         """This rank's control calls, issued without waiting for each reply."""
-        self.receivers_hold: str | None = None
-        """Digest of the tensor list the receivers got in this sender's last successful
-        update that offered one (`listed_tensors`)."""
-        self._offered: str | None = None
-        """Digest of the list the update in progress offered (held once it succeeds)."""
+        self.listing = TensorListing()
+        """Which tensor list the receivers hold (`Share.listed_tensors`)."""
         self.sender_id = new_sender_id()
         """This sender's identity: every receiver init info and update call carries it, so
         receivers refuse this sender's calls once a newer `trainer_init` replaced it (with
@@ -371,7 +394,7 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
         sent in full."""
         self._close()
         self.connected = False
-        self.receivers_hold = None
+        self.listing.forget()
         self.sender_id = new_sender_id()  # late calls of the last connection: refused
         self.updates.forget()
         self.connect()
@@ -380,7 +403,7 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
         """One update of `payload`, in the order of the module docstring (its first call, if
         any, right behind start, answered before any byte moves when it asks so)."""
         start = time.monotonic()
-        self._offered = None
+        self.listing.update_started()
         source = payload.source
         calls = (UpdateCalls(self.calls, self.init_info.timeout_s, weight_version,
                              self.sender_id, self._role(start)) if self.calls is not None
@@ -404,7 +427,7 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                 index = self.ranks.sender_index
                 share = Share(layout.manifest, layout.plan, layout.mine, packer,
                               index if index is not None else -1, self.senders, source,
-                              parts, payload.header)
+                              parts, payload.header, self.listing)
                 self.ranks.together(lambda: self._open(share.manifest, calls))
                 try:
                     self.ranks.together(lambda: self._move(share, calls))
@@ -417,8 +440,7 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                     calls.abort_for(exc)
                 raise
             self.ranks.together(lambda: calls.close() if calls else None)
-            if self._offered is not None:  # the receivers hold the list it gave them
-                self.receivers_hold = self._offered
+            self.listing.update_landed()  # the receivers hold the list it gave them
         finally:
             if calls is not None:
                 calls.drop()
@@ -447,15 +469,6 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
             mine = manifest.shares(params, self.senders)[index] if index is not None else ()
             last = self._layout_cache = _Layout(manifest, manifest.plan(params), owners, mine)
         return last
-
-    def listed_tensors(self, manifest: Manifest) -> dict[str, Any]:
-        """The update fields that give the receivers `manifest`'s tensor list: the list, or
-        its digest once they hold it (`receivers_hold`, set when an update that offered it
-        succeeds; a failed one sends the list in full next time)."""
-        held, self.receivers_hold = self.receivers_hold, None
-        self._offered = manifest.digest
-        return ({"tensors_digest": manifest.digest} if held == manifest.digest
-                else {"tensors": manifest.wire})
 
     def _open(self, manifest: Manifest, calls: UpdateCalls | None) -> None:
         """With several senders, before any sender moves a bucket: the lead confirms its
@@ -513,24 +526,6 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
             raise
         if out.kept is not None:
             out.kept.confirm()
-
-    def in_place(self, share: Share, usable: Callable[[list[torch.Tensor]], bool]
-                 ) -> tuple[list[torch.Tensor] | None, Share]:
-        """For a backend whose receivers read the source's tensors where they lie: those
-        tensors (in the plan's order) when this is the only sender and `usable(tensors)`,
-        else None; and the share to send otherwise (with a new packer when looking used up
-        the source's iterator)."""
-        if share.count != 1 or not isinstance(share.packer, BucketPacker):
-            return None, share
-        held = share.source.held()
-        tensors = held if held is not None else share.packer.walk()
-        if usable(tensors):
-            if held is not None:
-                share.packer.release()
-            return tensors, share
-        if held is None:
-            share = replace(share, packer=BucketPacker(share.plan, share.source.tensors()))
-        return None, share
 
     def shutdown(self) -> None:
         """Free staging buffers and connections; idempotent."""

@@ -292,11 +292,11 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         if self._planner is not None:
             return self._outgoing_m2n(share, self._planner)
         if self._zero_copy is not None:
-            tensors, share = self.in_place(share, shareable)
+            tensors, share = share.in_place(shareable)
             if tensors is not None:
                 self.last_update_read = True
                 return Outgoing(share, kept=self._zero_copy, opening={
-                    **self.listed_tensors(share.manifest),
+                    **share.listed_tensors(),
                     "zero_copy": self._zero_copy.update(tensors)})
         listed = share.manifest.wire
 
@@ -405,7 +405,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
             opening = {"in_place_ranks": [{"zero_copy": record, "pieces": mine}
                                           for record, mine in zip(records, pieces, strict=True)]}
             if share.count == 1:  # (several senders: the list was announced before)
-                opening.update(self.listed_tensors(share.manifest))
+                opening.update(share.listed_tensors())
         return Outgoing(share, opening=opening, kept=exports)
 
     def _failed(self, exc: BaseException) -> None:

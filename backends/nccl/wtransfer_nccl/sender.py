@@ -221,7 +221,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                                                                 info.checksum),
             post=lambda _unit, _slot, data: group.broadcast(data),
             wait=lambda pending, check: pending.wait(info.timeout_s, check))
-        return Outgoing(share, opening=self.listed_tensors(share.manifest), channel=channel)
+        return Outgoing(share, opening=share.listed_tensors(), channel=channel)
 
     def _outgoing_m2n(self, share: Share, group: Group) -> Outgoing:
         """This rank's pair buckets of the plan (`wtransfer.trainer.pairs`), each staged in a
@@ -238,7 +238,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
             stage=lambda bucket, slot: part.stage(bucket, staging[slot]),
             post=lambda unit, _slot, data: group.send(data[0], self.senders + unit[0].worker),
             wait=lambda pending, check: pending.wait(info.timeout_s, check))
-        opening = ({**self.listed_tensors(share.manifest), **part.opening}
+        opening = ({**share.listed_tensors(), **part.opening}
                    if share.lead else None)
         return Outgoing(share, opening=opening, channel=channel, units=part.units)
 

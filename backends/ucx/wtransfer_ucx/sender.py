@@ -236,9 +236,9 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         self.last_update_read = False
         if self._planner is not None:
             return self._outgoing_m2n(share, ucx, self._planner)
-        update = {**self.listed_tensors(share.manifest), "update": self._updates}
+        update = {**share.listed_tensors(), "update": self._updates}
         if self._exports is not None:
-            tensors, share = self.in_place(share, readable)
+            tensors, share = share.in_place(readable)
             if tensors is not None:
                 for device in {t.device for t in tensors if t.is_cuda}:  # the trainer's last
                     torch.cuda.current_stream(device).synchronize()  # writes land before reads
@@ -283,7 +283,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             self.last_update_read = all(t is not None for t in tables)
             if self.last_update_read:
                 self._last_moved = plan.moved(share.index)
-                opening = ({**self.listed_tensors(share.manifest), "update": update,
+                opening = ({**share.listed_tensors(), "update": update,
                             "plan_digest": plan.digest, "rma_ranks": tables}
                            if share.lead else None)
                 return Outgoing(share, opening=opening, kept=self._exports)
@@ -303,7 +303,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             post=lambda unit, _slot, data: [ucx.send(
                 endpoints[unit[0].worker], data[0], tag(session, update, plan.position(unit[0])))],
             wait=lambda requests, check: ucx.wait(requests, info.timeout_s, check))
-        opening = ({**self.listed_tensors(share.manifest), "update": update, **part.opening}
+        opening = ({**share.listed_tensors(), "update": update, **part.opening}
                    if share.lead else None)
         return Outgoing(share, opening=opening, channel=channel, units=part.units)
 
