@@ -225,10 +225,7 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
         self.process_group = process_group
         self.collective = process_group is not None or client is None or source.sharded
         """Whether every trainer rank sends together (see the module docstring)."""
-        if self.init_info.bucket_bytes is None:
-            self.init_info = replace(self.init_info, bucket_bytes=self._default_bucket_bytes())
-        if self.init_info.num_buffers is None:
-            self.init_info = replace(self.init_info, num_buffers=self._default_num_buffers())
+        self.init_info = self._sized(self.init_info.bucket_bytes, self.init_info.num_buffers)
         self.ranks = Ranks(None)
         """This rank among the trainer ranks sending together (alone until `connect`)."""
         self._layout_cache: _Layout | None = None
@@ -565,20 +562,24 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
         assert self.init_info.bucket_bytes is not None  # resolved in __init__
         return self.init_info.bucket_bytes
 
-    def _default_bucket_bytes(self) -> int:
-        """The bucket capacity where the init info names none (override per staging)."""
-        return DEFAULT_BUCKET_BYTES
-
     @property
     def num_buffers(self) -> int:
         """This sender's staging buffers (the init info's, or the backend's choice)."""
         assert self.init_info.num_buffers is not None  # resolved in __init__
         return self.init_info.num_buffers
 
-    def _default_num_buffers(self) -> int:
-        """How many staging buffers where the init info names none (override per staging;
-        `bucket_bytes` is resolved by then)."""
-        return DEFAULT_NUM_BUFFERS
+    def _sized(self, bucket_bytes: int | None, num_buffers: int | None) -> TInitT:
+        """The init info with the staging size asked (`bucket_bytes`, `num_buffers`), each
+        left None taking the backend's default (`_default_staging`)."""
+        bucket, buffers = self._default_staging(bucket_bytes)
+        return replace(self.init_info,
+                       bucket_bytes=bucket if bucket_bytes is None else bucket_bytes,
+                       num_buffers=buffers if num_buffers is None else num_buffers)
+
+    def _default_staging(self, bucket_bytes: int | None) -> tuple[int, int]:
+        """The bucket capacity and the number of staging buffers where the init info names
+        none (`bucket_bytes`: the capacity it names, if any); override per staging."""
+        return DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS
 
     def _staging_device(self, override: str | None) -> torch.device:
         """Where staging lives: the init info's `device` when given, else the source's."""

@@ -6,7 +6,6 @@ import logging
 import os
 import secrets
 import threading
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -97,28 +96,25 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         M->N in place) rather than staged."""
         self._last_moved: dict[str, Any] = {}
 
-    def _default_bucket_bytes(self) -> int:
-        """Packed updates of one trainer process through CUDA staging: `CUDA_BUCKET_BYTES`,
-        or the source's size rounded up to a MiB where that is less (each bucket's hand-over
-        costs a fixed time however small it is). The general default for shared memory, for
-        a sender whose updates go zero-copy (its tensors are contiguous CUDA tensors: it
-        packs nothing), and for trainer ranks sending together (each would hold up to a
-        bucket of gathered rows besides its staging, on a GPU the training fills)."""
+    def _default_staging(self, bucket_bytes: int | None) -> tuple[int, int]:
+        """Packed updates of one trainer process through CUDA staging: buckets of
+        `CUDA_BUCKET_BYTES`, or the source's size rounded up to a MiB where that is less (each
+        bucket's hand-over costs a fixed time however small it is), and `CUDA_NUM_BUFFERS`
+        buffers, or as many as the update has buckets where that is fewer. The general
+        defaults for shared memory, for a sender whose updates go zero-copy (its tensors are
+        contiguous CUDA tensors: it packs nothing), and for trainer ranks sending together
+        (each would hold up to a bucket of gathered rows besides its staging, on a GPU the
+        training fills)."""
         if not self._packs_through_cuda():
-            return super()._default_bucket_bytes()
-        return min(CUDA_BUCKET_BYTES, max(1, -(-self._source_bytes() // _MIB)) * _MIB)
-
-    def _default_num_buffers(self) -> int:
-        """Packed updates of one trainer process through CUDA staging: `CUDA_NUM_BUFFERS`, or
-        as many as the update has buckets where that is fewer (one bucket needs one slot);
-        the general default elsewhere."""
-        if not self._packs_through_cuda():
-            return super()._default_num_buffers()
-        return max(1, min(CUDA_NUM_BUFFERS, -(-self._source_bytes() // self.bucket_bytes)))
+            return super()._default_staging(bucket_bytes)
+        size = self._source_bytes()
+        default = min(CUDA_BUCKET_BYTES, max(1, -(-size // _MIB)) * _MIB)
+        buckets = -(-size // (bucket_bytes or default))
+        return default, max(1, min(CUDA_NUM_BUFFERS, buckets))
 
     def _packs_through_cuda(self) -> bool:
         """Whether this sender's updates are packed through CUDA staging by one process (not
-        zero-copy, not several trainer ranks: see `_default_bucket_bytes`)."""
+        zero-copy, not several trainer ranks: see `_default_staging`)."""
         held = self.source.held()
         zero_copy = self._zero_copy_on() and held is not None and shareable(held)
         return (self._staging_device(self.init_info.device).type == "cuda" and not zero_copy
@@ -149,11 +145,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
             self._close()
             self._pinned_host = False
             self.device = torch.device("cpu")
-            bucket_bytes, num_buffers = self._asked
-            self.init_info = replace(self.init_info,
-                                     bucket_bytes=bucket_bytes or self._default_bucket_bytes())
-            self.init_info = replace(self.init_info,
-                                     num_buffers=num_buffers or self._default_num_buffers())
+            self.init_info = self._sized(*self._asked)
             self._layout_cache = None
             self.sender_id = new_sender_id()
             try:
