@@ -13,7 +13,7 @@ from wtransfer_ipc.m2n_in_place import (
     rank_arrivals,
 )
 
-from wtransfer.errors import MetadataError
+from wtransfer.errors import MetadataError, NonFiniteError
 from wtransfer.manifest import Manifest
 from wtransfer.packing import TensorMeta
 from wtransfer.receiver.programs import PiecePrograms
@@ -205,6 +205,9 @@ class LoadsOnly(WeightTarget):
 
 
 def test_a_target_without_views_gets_each_tensor_assembled_from_its_boxes():
+    """A target with no views (as vLLM's) gets each tensor assembled from both ranks' boxes;
+    a worker keeping a column part of `proj` copies only that part (its bytes are what it
+    keeps) and still gets a full-shaped tensor for its loader."""
     _, _, arrivals = two_ranks()
     target = LoadsOnly()
     session = UpdateSession(target, "cpu", programs=PiecePrograms())
@@ -214,6 +217,42 @@ def test_a_target_without_views_gets_each_tensor_assembled_from_its_boxes():
     assert set(target.loaded) == set(FULL)
     assert all(torch.equal(target.loaded[n], t) for n, t in FULL.items())
     assert session.bytes_received == sum(m.nbytes for m in METAS)
+
+    target = LoadsOnly()
+    session = UpdateSession(target, "cpu", programs=PiecePrograms())
+    session.announce(METAS)
+    session.keep_only({"proj": TensorLayout(name="proj", dtype="bfloat16", shape=(6, 4),
+                                            boxes=(Box(offsets=(0, 1), lengths=(6, 2)),)),
+                       "norm": TensorLayout.whole("norm", "float32", (5,))})
+    session.load_boxes(arrivals)
+    session.finish()
+    assert target.loaded["proj"].shape == (6, 4)
+    assert torch.equal(target.loaded["proj"][:, 1:3], FULL["proj"][:, 1:3])
+    assert torch.equal(target.loaded["norm"], FULL["norm"])
+    assert session.bytes_received == 6 * 2 * 2 + 5 * 4
+
+
+def test_an_update_read_in_place_holding_nan_is_refused_and_rolled_back():
+    """A NaN in a box this worker keeps: finish refuses the update naming the tensor, and
+    the rollback puts the old values back."""
+    sources, storages, arrivals = two_ranks()
+    module = torch.nn.Module()
+    module.proj = torch.nn.Parameter(torch.ones(6, 4, dtype=torch.bfloat16))
+    module.norm = torch.nn.Parameter(torch.ones(5))
+    target = ModuleTarget(module)
+    FULL["norm"][4] = float("nan")  # (rank 1's rows of norm)
+    storages[1].copy_(flat_shards(sources[1])[0])
+    try:
+        session = UpdateSession(target, "cpu", rollback={})
+        session.announce(METAS)
+        session.load_boxes(arrivals)
+        with pytest.raises(NonFiniteError, match="'norm' holds NaN"):
+            session.finish()
+        session.rollback()
+    finally:
+        FULL["norm"][4] = 0.0
+    assert torch.equal(module.norm, torch.ones(5))
+    assert torch.equal(module.proj, torch.ones(6, 4, dtype=torch.bfloat16))
 
 
 def test_tensors_a_worker_keeps_nothing_of_or_that_are_empty_complete_at_once():

@@ -4,8 +4,9 @@ memory (M->N read in place: each box a trainer rank's shard), worked out once pe
 `plan_boxes` checks the boxes (each inside its tensor, its source the box's bytes, together
 covering every announced tensor exactly once) and turns them into a `WholeProgram`: each part
 a worker keeps goes into the target's view of it (contiguous parts copied as flat bytes,
-checked as they copy where the device can; strided ones in one multi-tensor copy), and a
-tensor the target offers no view of is assembled in a full-size buffer and loaded.
+checked as they copy where the device can; strided ones in one multi-tensor copy), and the
+parts of a tensor the target offers no view of are assembled in a full-size buffer, one
+tensor at a time, and loaded.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from wtransfer.records import Box
 BoxSource = tuple[int, Box, torch.Tensor]
 """(announced tensor index, box of it, flat uint8 bytes of the box in row-major order)."""
 
-Destinations = Callable[[TensorMeta, Box], "list[tuple[Box, torch.Tensor]] | None"]
+Destinations = Callable[[TensorMeta, Box], "list[tuple[Box, torch.Tensor | None]]"]
 """The parts of a box of a tensor that the worker keeps, each with the target's view it goes
-to; None where the target offers no view (the tensor is assembled and loaded whole)."""
+to, or None where the target offers none (the tensor is assembled and loaded)."""
 
 
 def plan_boxes(arrivals: Sequence[BoxSource], metas: Sequence[TensorMeta],
-               destinations: Destinations, device: torch.device) -> WholeProgram:
+               destinations: Destinations) -> WholeProgram:
     """The copies of `arrivals` (see the module docstring); `MetadataError` where a box does
     not fit its tensor or its source, or the boxes miss or repeat an element."""
     program = WholeProgram(arrivals)
@@ -42,22 +43,19 @@ def plan_boxes(arrivals: Sequence[BoxSource], metas: Sequence[TensorMeta],
     for index, meta in enumerate(metas):
         if sum(b.numel for b in covered.get(index, ())) != Box.whole(meta.shape).numel:
             raise MetadataError(f"the boxes of tensor {meta.name!r} do not cover it")
-    assembled: dict[int, torch.Tensor] = {}
+    assembled: dict[int, list[tuple[Box, torch.Tensor]]] = {}
     for index, box, src in arrivals:
         meta = metas[index]
         dtype = DTYPES[meta.dtype]
         values = src.view(dtype).view(box.lengths)
-        parts = destinations(meta, box)
-        if parts is None:
-            full = assembled.get(index)
-            if full is None:
-                full = assembled[index] = torch.empty(meta.shape, dtype=dtype, device=device)
-                program.loads.append((meta.name, full))
-            parts = [(box, full[box.slices()])]
-        for part, dest in parts:
-            _add_copy(program, meta.name, dtype, dest, values[part.slices_in(box)])
+        for part, dest in destinations(meta, box):
+            part_values = values[part.slices_in(box)]
+            if dest is None:
+                assembled.setdefault(index, []).append((part, part_values))
+            else:
+                _add_copy(program, meta.name, dtype, dest, part_values)
             program.nbytes += part.numel * meta.itemsize
-    program.assembles = bool(assembled)
+    program.assembled = [(metas[index], parts) for index, parts in assembled.items()]
     return program
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from wtransfer.packing import TensorMeta
 from wtransfer.records import Box
 from wtransfer.transport.m2n import Piece
 
@@ -77,8 +78,10 @@ class WholeProgram:
     """Tensors handed to `WeightTarget.load_weights` (the target offers no view)."""
     nbytes: int = 0
     """Tensor bytes this worker receives."""
-    assembles: bool = False
-    """Whether it assembles tensors in buffers of its own (not kept: they hold memory)."""
+    assembled: list[tuple[TensorMeta, list[tuple[Box, torch.Tensor]]]] = field(
+        default_factory=list)
+    """Tensors the target offers no view of, each with the parts of it this worker keeps
+    and their sources: assembled one at a time in a full-size buffer and loaded."""
 
 
 ProgramKey = tuple[int, int, tuple[Piece, ...], bool]

@@ -604,7 +604,7 @@ class UpdateSession:
             raise MetadataError("an update read in place carries every tensor, but part of "
                                 "this update arrived already")
         program = self._whole_program(arrivals, self._plan_boxes)
-        self._run_whole(program, list(self._pending))
+        self._run_whole(program, [m.name for m in self._metas if m.name in self._pending])
         self._regions.clear()
 
     def _run_whole(self, program: WholeProgram, names: list[str]) -> None:
@@ -634,6 +634,12 @@ class UpdateSession:
         self._watch_all(watch)
         if program.loads:
             self._target.load_weights(program.loads)
+        for meta, parts in program.assembled:  # (one full-size buffer at a time)
+            full = torch.empty(meta.shape, dtype=DTYPES[meta.dtype], device=self._device)
+            for box, values in parts:
+                full[box.slices()].copy_(values, non_blocking=True)
+            self._watch_all([(meta.name, values) for _, values in parts])
+            self._target.load_weights([(meta.name, full)])
         self.bytes_received += program.nbytes
 
     def _whole_program(self, sources: Sequence[Any],
@@ -641,7 +647,7 @@ class UpdateSession:
                        ) -> WholeProgram:
         """The copies of a whole update from `sources`: the last update's when it read the
         same sources into the same storages, else worked out by `plan` (and kept for the
-        next unless it assembles tensors in buffers of its own)."""
+        next)."""
         context = self._program_context()  # (its storages key covers what the target keeps)
         programs = self._programs
         if context is not None and programs is not None:
@@ -650,7 +656,7 @@ class UpdateSession:
                 return found
         program = plan(sources, self._kept if self._kept is not None else self._crop_layouts())
         if programs is not None:
-            if context is not None and not program.assembles:
+            if context is not None:
                 programs.keep_whole(context, program)
             else:
                 programs.drop_whole()
@@ -702,7 +708,8 @@ class UpdateSession:
                     kept: dict[str, TensorLayout] | None) -> WholeProgram:
         """Where each box of an update read in place goes (`wtransfer.receiver.boxes`)."""
 
-        def destinations(meta: TensorMeta, box: Box) -> list[tuple[Box, torch.Tensor]] | None:
+        def destinations(meta: TensorMeta, box: Box
+                         ) -> list[tuple[Box, torch.Tensor | None]]:
             parts = self._kept_regions(meta.name, kept) if kept is not None else None
             if parts is not None:
                 return [(part, dest[part.slices_in(kept_box)]) for kept_box, dest in parts
@@ -711,9 +718,15 @@ class UpdateSession:
             if direct is not None:
                 return [(box, tensor_from_bytes(direct, meta)[box.slices()])]
             region = self._target.region(meta.name, box)
-            return None if region is None else [(box, region)]
+            if region is not None:
+                return [(box, region)]
+            layout = kept.get(meta.name) if kept is not None else None  # (no view: assembled)
+            if layout is None or layout.is_whole:
+                return [(box, None)]
+            return [(part, None) for kept_box in layout.boxes
+                    if (part := box.intersect(kept_box)) is not None]
 
-        return plan_boxes(arrivals, self._metas, destinations, self._device)
+        return plan_boxes(arrivals, self._metas, destinations)
 
     def _kept_regions(self, name: str, kept: dict[str, TensorLayout]
                       ) -> list[tuple[Box, torch.Tensor]] | None:
