@@ -53,7 +53,7 @@ def plan_boxes(arrivals: Sequence[BoxSource], metas: Sequence[TensorMeta],
             if dest is None:
                 assembled.setdefault(index, []).append((part, part_values))
             else:
-                _add_copy(program, meta.name, dtype, dest, part_values)
+                add_copy(program, meta.name, dtype, dest, part_values)
             program.nbytes += part.numel * meta.itemsize
     program.assembled = [(metas[index], parts) for index, parts in assembled.items()]
     return program
@@ -74,10 +74,11 @@ def _checked(index: int, box: Box, src: torch.Tensor, metas: Sequence[TensorMeta
     return meta
 
 
-def _add_copy(program: WholeProgram, name: str, dtype: torch.dtype, dest: torch.Tensor,
+def add_copy(program: WholeProgram, name: str, dtype: torch.dtype, dest: torch.Tensor,
               src: torch.Tensor) -> None:
-    """One copy of `program`: as flat bytes (checkable as it copies) where both sides are
-    contiguous, else a strided copy whose source the batched finite check reads."""
+    """Add one copy to a whole update's `program`: as flat bytes (checkable as it copies)
+    where both sides are contiguous, else a strided copy whose source the batched finite
+    check reads."""
     if src.is_contiguous() and dest.is_contiguous() and dest.dtype == dtype:
         program.copies.append((name, dtype, byte_view(dest), byte_view(src)))
     else:

@@ -40,10 +40,9 @@ from wtransfer.packing import (
     Slice,
     TensorMeta,
     bucket_checksum,
-    byte_view,
     tensor_from_bytes,
 )
-from wtransfer.receiver.boxes import BoxSource, plan_boxes
+from wtransfer.receiver.boxes import BoxSource, add_copy, plan_boxes
 from wtransfer.receiver.finite import FiniteCheck
 from wtransfer.receiver.programs import (
     PieceProgram,
@@ -687,14 +686,8 @@ class UpdateSession:
             elif parts is not None:
                 full = tensor_from_bytes(src, meta)
                 for box, dest in parts:
-                    part = full[box.slices()]
+                    add_copy(program, name, dtype, dest, full[box.slices()])
                     program.nbytes += box.numel * meta.itemsize
-                    if part.is_contiguous() and dest.is_contiguous() and dest.dtype == dtype:
-                        program.copies.append((name, dtype, byte_view(dest), byte_view(part)))
-                    else:
-                        program.strided_dests.append(dest)
-                        program.strided_sources.append(part)
-                        program.watched.append((name, part))
             else:
                 values = (tensor_from_bytes(src, meta) if meta.nbytes else
                           torch.empty(meta.shape, dtype=dtype, device=self._device))
