@@ -213,18 +213,7 @@ class WeightTransferEngine(HoldsLineage, ABC, Generic[InitT, UpdateT]):
                 self._fail(f"update abandoned: no call from the sender for {idle:.1f}s "
                            f"(timeout_s={self.init_info.timeout_s})")
             else:
-                self._deadline.arm(self._next_check())
-
-    def _next_check(self) -> float:
-        """When the deadline timer should look at the open update next."""
-        assert self.init_info is not None
-        deadline = self._last_call + self.init_info.timeout_s
-        if self.capabilities.sender_check_s is None:
-            return deadline
-        return min(deadline, time.monotonic() + self.capabilities.sender_check_s)
-
-    def _call(self) -> _CallGuard:
-        return _CallGuard(self)
+                self._deadline.arm(_next_check(self))
 
     # -- public template methods ---------------------------------------------------------
 
@@ -234,10 +223,10 @@ class WeightTransferEngine(HoldsLineage, ABC, Generic[InitT, UpdateT]):
         Only a new sender calls this, so an update still open (its sender died or gave up)
         is failed first, rolled back where enabled: a restarted trainer need not wait for
         the deadline timer."""
-        with self._call():
+        with _CallGuard(self):
             self._require(ReceiverState.NEW, ReceiverState.READY, ReceiverState.FAILED,
                           ReceiverState.UPDATING, action="init the transfer engine")
-            self._refuse_other_backend(init_info)
+            _refuse_other_backend(self.backend_name, init_info)
             info: InitT = parse_record(self.init_info_cls, init_info,
                                        where=f"{self.backend_name} init info")
             if self._state is ReceiverState.UPDATING:
@@ -253,20 +242,9 @@ class WeightTransferEngine(HoldsLineage, ABC, Generic[InitT, UpdateT]):
             if self._state is ReceiverState.NEW:
                 self._state = ReceiverState.READY
 
-    def _refuse_other_backend(self, init_info: Any) -> None:
-        """`ConfigError` for an init info a sender of another backend made (named by its
-        `backend` field), saying which side to change."""
-        sent = (init_info.get("backend") if isinstance(init_info, Mapping)
-                else getattr(init_info, "backend", None))
-        if isinstance(sent, str) and sent != self.backend_name:
-            raise ConfigError(f"this engine receives through {self.backend_name!r}, but the "
-                              f"trainer sent a {sent!r} init info: use the {self.backend_name} "
-                              f"trainer init info, or start the engine with the {sent!r} "
-                              "backend (weight_transfer_backend)")
-
     def start_weight_update(self) -> None:
         """Open an update; weights change only between this and `finish_weight_update`."""
-        with self._call():
+        with _CallGuard(self):
             self._require(ReceiverState.READY, ReceiverState.FAILED,
                           action="start a weight update")
             self._session = UpdateSession(
@@ -290,7 +268,7 @@ class WeightTransferEngine(HoldsLineage, ABC, Generic[InitT, UpdateT]):
 
     def update_weights(self, update_info: UpdateT | Mapping[str, Any]) -> None:
         """Receive one part of the update (a backend may be called any number of times)."""
-        with self._call():
+        with _CallGuard(self):
             self._refuse_replaced(update_info)
             self._require(ReceiverState.UPDATING, action="update weights")
             assert self._session is not None
@@ -334,7 +312,7 @@ class WeightTransferEngine(HoldsLineage, ABC, Generic[InitT, UpdateT]):
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Check the update is complete, run backend and target post-processing, close it;
         label the weights `weight_version` (a bad label is refused before anything closes)."""
-        with self._call():
+        with _CallGuard(self):
             if self._state is ReceiverState.FAILED and self._superseded:
                 raise SenderReplacedError(f"{self.backend_name}: this sender was replaced by a "
                                           "newer trainer_init while its update was open (the "
@@ -382,7 +360,7 @@ class WeightTransferEngine(HoldsLineage, ABC, Generic[InitT, UpdateT]):
         complete and sound and post-processed, and stays open. A fleet stages every instance
         before any commits (`finish_weight_update`) or, if one failed, discards it on every
         other (`discard_weight_update`)."""
-        with self._call():
+        with _CallGuard(self):
             self._require(ReceiverState.UPDATING, action="stage a weight update")
             assert self._session is not None
             self._stage(self._session)
@@ -391,7 +369,7 @@ class WeightTransferEngine(HoldsLineage, ABC, Generic[InitT, UpdateT]):
         """Fail the open update on purpose (another instance of the fleet failed it): a
         staging target drops what it staged, an in-place one rolls back where enabled, as
         for any failed update; nothing when no update is open."""
-        with self._call():
+        with _CallGuard(self):
             if self._state is ReceiverState.UPDATING:
                 self._fail(f"discarded: {reason}", channel_busy=False)
 
@@ -458,5 +436,27 @@ class _CallGuard:
         engine = self.engine
         engine._last_call = time.monotonic()
         if engine._state is ReceiverState.UPDATING and engine.init_info is not None:
-            engine._deadline.arm(engine._next_check())
+            engine._deadline.arm(_next_check(engine))
         engine._lock.release()
+
+
+def _next_check(engine: WeightTransferEngine[Any, Any]) -> float:
+    """When the deadline timer should look at `engine`'s open update next: its sender's
+    deadline, or sooner where the backend checks on the sender (`sender_check_s`)."""
+    assert engine.init_info is not None
+    deadline = engine._last_call + engine.init_info.timeout_s
+    if engine.capabilities.sender_check_s is None:
+        return deadline
+    return min(deadline, time.monotonic() + engine.capabilities.sender_check_s)
+
+
+def _refuse_other_backend(backend_name: str, init_info: Any) -> None:
+    """`ConfigError` for an init info a sender of another backend made (named by its
+    `backend` field), saying which side to change."""
+    sent = (init_info.get("backend") if isinstance(init_info, Mapping)
+            else getattr(init_info, "backend", None))
+    if isinstance(sent, str) and sent != backend_name:
+        raise ConfigError(f"this engine receives through {backend_name!r}, but the "
+                          f"trainer sent a {sent!r} init info: use the {backend_name} "
+                          f"trainer init info, or start the engine with the {sent!r} "
+                          "backend (weight_transfer_backend)")
