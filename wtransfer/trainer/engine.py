@@ -295,7 +295,7 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                                             has_client=self.client is not None,
                                             timeout_s=self.init_info.timeout_s,
                                             senders=self.init_info.senders))
-            self._agree_on_init_info()
+            agree_on_init_info(self.ranks, self.init_info)
         fragment = self._on_senders(lambda: {**self._connect(), "sender_id": self.sender_id})
         fragments: list[dict[str, Any]] = [f for f in self.ranks.gather(fragment)
                                            if f is not None]
@@ -315,21 +315,6 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
         self._on_senders(self._after_init)
         self.fleet.connected()
         self.connected = True
-
-    def _agree_on_init_info(self) -> None:
-        """Every rank's init info must equal every other's but for its per-rank fields
-        (`TrainerInitInfo.per_rank_fields`): ranks that disagree are all told the same,
-        naming the fields and each rank's value, before any of them connects."""
-        shared = {k: v for k, v in record_to_wire(self.init_info).items()
-                  if k not in self.init_info.per_rank_fields}
-        infos = self.ranks.gather(shared)
-        differ = sorted({k for info in infos for k in {*info, *infos[0]}
-                         if info.get(k) != infos[0].get(k)})
-        if differ:
-            values = "; ".join(f"{k}: {[info.get(k) for info in infos]}" for k in differ[:4])
-            raise ConfigError(f"the trainer ranks' {type(self.init_info).__name__}s differ in "
-                              f"{differ} (by rank: {values}); every rank that sends together "
-                              "must pass the same values")
 
     def send_weights(self, weight_version: str | None = None, *,
                      pause: PauseMode | None = None) -> TransferStats:
@@ -638,3 +623,18 @@ def resolve_direct_threshold(info: TrainerInitInfo, source: WeightSource, defaul
     if info.checksum or source.sharded:
         return 0
     return default if info.direct_threshold is None else info.direct_threshold
+
+
+def agree_on_init_info(ranks: Ranks, info: TrainerInitInfo) -> None:
+    """Every rank's init info must equal every other's but for its per-rank fields
+    (`TrainerInitInfo.per_rank_fields`): ranks that disagree are all told the same
+    (`ConfigError`), naming the fields and each rank's value, before any of them connects."""
+    shared = {k: v for k, v in record_to_wire(info).items() if k not in info.per_rank_fields}
+    infos = ranks.gather(shared)
+    differ = sorted({k for each in infos for k in {*each, *infos[0]}
+                     if each.get(k) != infos[0].get(k)})
+    if differ:
+        values = "; ".join(f"{k}: {[each.get(k) for each in infos]}" for k in differ[:4])
+        raise ConfigError(f"the trainer ranks' {type(info).__name__}s differ in {differ} "
+                          f"(by rank: {values}); every rank that sends together must pass the "
+                          "same values")
