@@ -27,7 +27,7 @@ across them (`BucketPlan.owners`); the first sender drives start, the tensor lis
 Every rank walks every bucket so that sharded tensors are gathered bucket by bucket
 (`GatheringPacker`), and after each step all ranks agree on the outcome, so they fail
 together. A backend that moves each rank's own shards to the workers that keep them (M->N,
-`sends_own_shards`) gathers nothing: every rank sends its pair buckets (`Outgoing.units`).
+`m2n`) gathers nothing: every rank sends its pair buckets (`Outgoing.units`).
 """
 
 from __future__ import annotations
@@ -225,6 +225,9 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
         self.process_group = process_group
         self.collective = process_group is not None or client is None or source.sharded
         """Whether every trainer rank sends together (see the module docstring)."""
+        self.m2n = False
+        """Whether every rank sends the workers its own shards (M->N; nothing is gathered):
+        the backend decides at connect (`wtransfer.trainer.m2n_choice`)."""
         self.init_info = self._sized(self.init_info.bucket_bytes, self.init_info.num_buffers)
         self.ranks = Ranks(None)
         """This rank among the trainer ranks sending together (alone until `connect`)."""
@@ -307,7 +310,7 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
         self.sender_id = str(fragments[0]["sender_id"])  # the lead's: the receivers' sender
         self.updates = updates_for(self.updates, self.init_info, backend=self.backend_name,
                                    collective=self.collective,
-                                   own_shards=self.sends_own_shards,
+                                   own_shards=self.m2n,
                                    capabilities=self.capabilities)
         merged = {**merged, "sender_id": self.sender_id, "backend": self.backend_name,
                   "plan": record_to_wire(self.plan_params)}
@@ -402,7 +405,7 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                 group = self.ranks.group
                 parts = list(source.parts()) if source.sharded and group is not None else None
                 packer: BucketPacker | GatheringPacker | NoGather = (
-                    NoGather() if self.sends_own_shards
+                    NoGather() if self.m2n
                     else GatheringPacker(layout.plan, parts, layout.owners, group.senders)
                     if parts is not None and group is not None
                     else BucketPacker(layout.plan, source.tensors()))
@@ -523,11 +526,6 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-    @property
-    def sends_own_shards(self) -> bool:
-        """Whether every rank sends the workers its own shards (M->N): nothing is gathered."""
-        return False
 
     def _moved(self) -> dict[str, Any]:
         """Fields of the last update's `TransferStats` only the backend knows (M->N: its pair

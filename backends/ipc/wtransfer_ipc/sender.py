@@ -57,9 +57,6 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
 
     def __init__(self, init_info: IPCTrainerInitInfo, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
-        self.m2n = False
-        """Whether each rank stages only its own shards (`wtransfer_ipc.m2n`; decided at
-        connect, declared first: the base constructor asks for the bucket size)."""
         self._pinned_host: bool | None = None
         """Whether the source is a lone sender's pinned host tensors (see `_staging_device`;
         found once, when the base constructor first asks)."""
@@ -174,11 +171,6 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         info = self.init_info
         return (info.zero_copy and not info.checksum and not self.source.sharded
                 and not self.m2n)
-
-    @property
-    def sends_own_shards(self) -> bool:
-        """M->N: every rank stages its own shards; nothing is gathered."""
-        return self.m2n
 
     def _moved(self) -> dict[str, Any]:
         return self._last_moved

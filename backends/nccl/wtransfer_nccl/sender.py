@@ -73,9 +73,6 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         self._staging: list[torch.Tensor] = []
         self.world_size = 0
         """Trainer ranks that send plus every worker (counted at connect)."""
-        self.m2n = False
-        """Whether updates go M->N (`NCCLTrainerInitInfo.m2n`, decided at connect, or for a
-        lone sender once the workers published what they keep)."""
         self._m2n_by_layouts = False
         self._planner: Planner | None = None
         self._last_moved: dict[str, Any] = {}
@@ -111,11 +108,6 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                                   senders=self.senders, batch=DIRECT_BATCH,
                                   first_batch=DIRECT_FIRST, m2n=self.m2n,
                                   **({"m2n_by_layouts": True} if self._m2n_by_layouts else {}))
-
-    @property
-    def sends_own_shards(self) -> bool:
-        """M->N: every rank sends its own shards; nothing is gathered."""
-        return self.m2n
 
     def _moved(self) -> dict[str, Any]:
         return self._last_moved

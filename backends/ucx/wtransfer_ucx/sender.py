@@ -90,8 +90,6 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         self.last_update_read = False
         """Whether the last update went as one-sided reads (with `reads` chosen, an update
         whose tensors cannot be read in place goes as tagged messages; a warning says why)."""
-        self.m2n = False
-        """Whether updates go M->N (`UCXTrainerInitInfo.m2n`, decided at connect)."""
         self._planner: Planner | None = None
         self._rosters: list[Outbox] = []
         """M->N: the roster messages the workers have not all read yet (the lead's)."""
@@ -164,11 +162,6 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
             return fragment_with_layouts(fragment,
                                          self.source.layouts(self.ranks.sender_index or 0))
         return fragment
-
-    @property
-    def sends_own_shards(self) -> bool:
-        """M->N: every rank sends its own shards; nothing is gathered."""
-        return self.m2n
 
     def _moved(self) -> dict[str, Any]:
         return self._last_moved
