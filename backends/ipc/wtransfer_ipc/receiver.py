@@ -231,7 +231,8 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         """Copy every tensor straight from the sender's storage (see `zero_copy`)."""
         if self.device.type != "cuda":
             raise ConfigError("a zero-copy update shares CUDA memory: create the receiver "
-                              "with device='cuda:N'")
+                              "with device='cuda:N', or send with zero_copy=False in the "
+                              "trainer's IPCTrainerInitInfo (staged)")
         started = time.monotonic()
         try:
             session.load_whole(self._zero_copy.sources(update, metas, self.device))
@@ -248,7 +249,8 @@ class IPCReceiver(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         `m2n_in_place`), answering once the copies ran."""
         if self.device.type != "cuda":
             raise ConfigError("an M->N update read in place shares CUDA memory: create the "
-                              "receiver with device='cuda:N'")
+                              "receiver with device='cuda:N', or send with zero_copy=False in "
+                              "the trainer's IPCTrainerInitInfo (staged)")
         manifest = self.manifests.last
         if manifest is None:
             raise MetadataError("an M->N update read in place came before any tensor list")
