@@ -7,11 +7,13 @@ GPU test in test_m2n_transfers.py.)"""
 import pytest
 import torch
 from wtransfer_ipc.m2n_in_place import (
+    _same,
     in_place_planner,
     offset_in_local,
     pieces_by_rank,
     rank_arrivals,
 )
+from wtransfer_ipc.zero_copy import ZeroCopyImports
 
 from wtransfer.errors import MetadataError, NonFiniteError
 from wtransfer.manifest import Manifest
@@ -279,3 +281,27 @@ def test_tensors_a_worker_keeps_nothing_of_or_that_are_empty_complete_at_once():
     session.finish()
     assert torch.equal(module.a, full["a"]) and not module.b.any()
     assert session.bytes_received == 4 * 2 * 4
+
+
+def test_a_worker_reuses_its_boxes_only_while_every_rank_sends_the_same_storages_and_pieces():
+    """What lets a worker replay its copies (`RanksInPlace`): the opened storages of a rank
+    stay the very same mapping while nothing new is sent and the same storages are used
+    (`ZeroCopyImports._open`), and the last update's boxes are reused only for the same
+    tensor list, the same mappings and equal layouts and pieces (`_same`)."""
+    imports = ZeroCopyImports()
+    imports._opened = {0: torch.zeros(8, dtype=torch.uint8), 1: torch.zeros(8, dtype=torch.uint8)}
+    opened = imports._opened
+    imports._open([], [0, 1], "token", same_process=True)
+    assert imports._opened is opened  # nothing changed: the same mapping
+    imports._open([], [0], "token", same_process=True)
+    assert imports._opened is not opened and list(imports._opened) == [0]
+    assert list(opened) == [0, 1]  # the old mapping was not changed under its readers
+
+    metas, storages = object(), {0: torch.zeros(1)}
+    last = [metas, (storages, b"layout", [[0, [0], [1], 0, 2]])]
+    assert _same(last, [metas, (storages, b"layout", [[0, [0], [1], 0, 2]])])
+    assert not _same(last, [object(), (storages, b"layout", [[0, [0], [1], 0, 2]])])
+    assert not _same(last, [metas, (dict(storages), b"layout", [[0, [0], [1], 0, 2]])])
+    assert not _same(last, [metas, (storages, b"other", [[0, [0], [1], 0, 2]])])
+    assert not _same(last, [metas, (storages, b"layout", [[0, [0], [1], 2, 2]])])
+    assert not _same(last, [metas, *last[1:], (storages, b"layout", [])])
