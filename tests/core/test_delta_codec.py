@@ -11,11 +11,12 @@ from wtransfer.delta.codec import (
     decode_sparse,
     encode_sparse,
     index_dtype_for,
+    parsed_entries,
     sparse_limit,
 )
-from wtransfer.delta.header import DeltaHeader
 from wtransfer.errors import MetadataError
 from wtransfer.packing import TensorMeta, dtype_name
+from wtransfer.records import DeltaHeader
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float16, torch.float64, torch.int8,
           torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn]
@@ -92,8 +93,8 @@ def test_headers_are_checked():
     with pytest.raises(MetadataError, match="carries no delta entries"):
         DeltaHeader(token="a" * 32, entries=[["t", 1, "int32", "bfloat16"]])
     with pytest.raises(MetadataError, match="names a tensor twice"):
-        DeltaHeader(token="a" * 32, base="b" * 32, entries=[
-            ["t", 1, "int32", "bfloat16"], ["t", 2, "int32", "bfloat16"]]).parsed_entries()
+        parsed_entries(DeltaHeader(token="a" * 32, base="b" * 32, entries=[
+            ["t", 1, "int32", "bfloat16"], ["t", 2, "int32", "bfloat16"]]))
 
 
 def test_sparse_goes_while_the_payload_is_at_most_half_the_tensor():

@@ -15,6 +15,7 @@ import torch
 
 from wtransfer.errors import MetadataError
 from wtransfer.packing import DTYPES, TensorMeta
+from wtransfer.records import DeltaHeader
 
 BITS_VIEW: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32,
                                      8: torch.int64}
@@ -167,3 +168,11 @@ def decode_sparse(payload: torch.Tensor, entry: DeltaEntry, held: TensorMeta
         raise MetadataError(f"delta of {entry.name!r}: indices must ascend within the "
                             f"tensor's {held.numel} elements")
     return index, values
+
+
+def parsed_entries(header: DeltaHeader) -> list[DeltaEntry]:
+    """A delta header's entries, parsed (each name once)."""
+    entries = [DeltaEntry.from_wire(item) for item in header.entries]
+    if len({e.name for e in entries}) != len(entries):
+        raise MetadataError("a delta names a tensor twice")
+    return entries

@@ -17,10 +17,10 @@ from wtransfer.delta.codec import (
     sparse_limit,
 )
 from wtransfer.delta.compare import LastSent
-from wtransfer.delta.header import DeltaHeader
 from wtransfer.delta.pieces import WHOLE, EncodedBucket, encode_bucket
 from wtransfer.errors import MetadataError
 from wtransfer.packing import TensorMeta
+from wtransfer.records import DeltaHeader
 from wtransfer.trainer.source import WeightSource
 from wtransfer.transport.m2n import PairBucket, Piece, TransferPlan
 

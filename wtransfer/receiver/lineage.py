@@ -5,6 +5,7 @@ public face on the receiver (`delta_base`, `forget_delta_base`)."""
 
 from __future__ import annotations
 
+from wtransfer.delta.codec import parsed_entries
 from wtransfer.delta.target import piece_delta_refusal
 from wtransfer.errors import DeltaBaseError, DeltaUnsupportedError, MetadataError
 from wtransfer.manifest import Manifest
@@ -56,7 +57,7 @@ class Lineage:
                                                 f"{refusal}; the sender sends in full")
                 session.apply_piece_delta()
             else:
-                session.apply_delta(header.parsed_entries())
+                session.apply_delta(parsed_entries(header))
         self.opening = header.token
 
     def landed(self) -> None:

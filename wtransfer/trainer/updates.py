@@ -10,10 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from wtransfer.delta.header import DeltaHeader
 from wtransfer.delta.sender import DeltaSender, DeltaUpdate, PairDeltaSender
 from wtransfer.errors import ConfigError, DeltaBaseError, DeltaUnsupportedError, SparseDeltaError
-from wtransfer.records import Capabilities, TrainerInitInfo, TransferStats
+from wtransfer.records import Capabilities, DeltaHeader, TrainerInitInfo, TransferStats
 from wtransfer.trainer.source import WeightSource
 from wtransfer.wire import record_to_wire
 
