@@ -93,6 +93,20 @@ def test_production_code_never_imports_the_test_harness():
         == []
 
 
+BASE = ("wtransfer.errors", "wtransfer.wire", "wtransfer.records", "wtransfer.protocol",
+        "wtransfer.manifest", "wtransfer.packing", "wtransfer.fingerprint", "wtransfer.shapes",
+        "wtransfer.channel", "wtransfer.device_kernels", "wtransfer.stacks", "wtransfer.moved")
+"""The base layer at the package root, which everything else builds on."""
+
+
+def test_the_base_layer_imports_nothing_above_it():
+    """The root's base modules import one another and the byte copies
+    (`wtransfer.transport.copies`), never the trainer, the receiver, deltas, the clients or
+    anything else built on them."""
+    assert broken(lambda m, t: m in BASE and under(t, "wtransfer") and t != "wtransfer"
+                  and not under(t, *BASE, "wtransfer.transport.copies")) == []
+
+
 def test_one_module_speaks_zeromq():
     """`wtransfer.channel` holds every socket of every control channel (rpc, the TP workers,
     the DP ranks); nothing else in `wtransfer` imports ZeroMQ."""
