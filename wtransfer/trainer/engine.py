@@ -554,6 +554,8 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
     def _sized(self, bucket_bytes: int | None, num_buffers: int | None) -> TInitT:
         """The init info with the staging size asked (`bucket_bytes`, `num_buffers`), each
         left None taking the backend's default (`_default_staging`)."""
+        if bucket_bytes is not None and num_buffers is not None:
+            return replace(self.init_info, bucket_bytes=bucket_bytes, num_buffers=num_buffers)
         bucket, buffers = self._default_staging(bucket_bytes)
         return replace(self.init_info,
                        bucket_bytes=bucket if bucket_bytes is None else bucket_bytes,

@@ -85,9 +85,11 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         """M->N on CUDA: this rank's exported shards, which the workers read in place
         (`wtransfer_ipc.m2n_in_place`; zero_copy on, no checksums)."""
         self._in_place_planner: Planner | None = None
-        self._in_place_pieces: tuple[TransferPlan, list[list[Any]] | None] | None = None
-        """Each rank's pieces of the last in-place plan, in wire form (None: a box is not
-        contiguous in its rank's shard), worked out once per plan."""
+        self._in_place_pieces: tuple[TransferPlan, list[list[Any]] | None,
+                                     dict[str, Any]] | None = None
+        """The last in-place plan, each rank's pieces of it in wire form (None: a box is not
+        contiguous in its rank's shard) and this rank's stats fields, worked out once per
+        plan."""
         self.last_update_read = False
         """Whether the last update was read out of the source's own memory (zero-copy, or
         M->N in place) rather than staged."""
@@ -374,16 +376,17 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         plan = planner.plan(share.manifest)
         if self._in_place_pieces is None or self._in_place_pieces[0] is not plan:
             found = m2n_in_place.pieces_by_rank(plan, planner.sources, share.manifest.metas)
-            self._in_place_pieces = (plan, None if found is None else
-                                     [pieces_to_wire(mine) for mine in found])
-        pieces = self._in_place_pieces[1]
+            self._in_place_pieces = (
+                plan, None if found is None else [pieces_to_wire(mine) for mine in found],
+                {"buckets": len(plan.of_sender(share.index)),
+                 "sent_bytes": plan.bytes_from(share.index)})
+        _, pieces, moved = self._in_place_pieces
         if pieces is None:
             log.warning("M->N in place: a planned box is not contiguous in its rank's shard; "
                         "this update goes through staging")
             return None
         self.last_update_read = True
-        self._last_moved = {"buckets": len(plan.of_sender(share.index)),
-                            "sent_bytes": plan.bytes_from(share.index)}
+        self._last_moved = moved
         opening = None
         if share.lead:
             opening = {"in_place_ranks": [{"zero_copy": record, "pieces": mine}
