@@ -67,6 +67,33 @@ def test_prefix_cache_reuses_blocks_of_a_shared_prefix():
     assert c.num_computed == 0
 
 
+def test_blocks_generated_one_token_a_step_are_shared_with_a_later_prompt():
+    """Decode steps publish each block as it fills (hashing only the new one): a prompt that
+    repeats a running sequence's prompt and output hits every full block, also after the
+    cache was forgotten and the running sequence filled another block."""
+    sched, blocks = make(block_size=4)
+    a = Sequence("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=20))
+    sched.add(a)
+    for token in range(100, 109):  # 14 tokens: three full blocks
+        sched.schedule()
+        a.append(token, 0.0, "v")
+        a.num_computed = len(a) - 1
+        blocks.commit(a)
+    b = Sequence("b", [*a.tokens[:12], 77], SamplingParams(max_tokens=1))
+    sched.add(b)
+    sched.schedule()
+    assert blocks.hits == 3 and b.block_table[:3] == a.block_table[:3]
+    blocks.reset_prefix_cache()
+    for token in range(200, 203):  # a's fourth block fills; the first three publish again
+        a.append(token, 0.0, "v")
+        a.num_computed = len(a) - 1
+        blocks.commit(a)
+    c = Sequence("c", [*a.tokens[:16], 78], SamplingParams(max_tokens=1))
+    sched.add(c)
+    sched.schedule()
+    assert c.num_computed == 16 and c.block_table[:4] == a.block_table[:4]
+
+
 def test_running_out_of_blocks_preempts_the_newest_and_recomputes_it():
     sched, blocks = make(num_blocks=4, block_size=4)
     a = Sequence("a", [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=8))
@@ -112,3 +139,11 @@ def test_requests_that_could_never_run_are_refused_naming_the_real_ceiling():
         sched2.add(Sequence("z", [1] * 6, SamplingParams(max_tokens=100_000_000)))
     with pytest.raises(ConfigError, match="the prompt alone fills it"):
         sched2.add(Sequence("w", [1] * 9, SamplingParams(max_tokens=1)))
+
+
+def test_a_token_slice_equals_slicing_every_token():
+    seq = Sequence("s", [1, 2, 3], SamplingParams(max_tokens=10))
+    for token in (4, 5, 6):
+        seq.append(token, 0.0, "v")
+    every = seq.tokens
+    assert all(seq.token_slice(a, b) == every[a:b] for a in range(8) for b in range(a, 9))

@@ -4,6 +4,7 @@ blocking `WeightSyncClient` a trainer in the same process drives it with."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import AsyncGenerator
 from concurrent.futures import Future
@@ -65,6 +66,10 @@ class AsyncEngine:
         check_runtime(self.config)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop,
                                        asyncio.Queue[RequestOutput]]] = {}
+        self._held: dict[asyncio.AbstractEventLoop,
+                         list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]] = {}
+        """Outputs emitted by the engine's thread, not yet delivered (`_emit`)."""
+        self._held_lock = threading.Lock()
         self.core: CoreClient
         if self.config.data_parallel_size > 1:
             from wtransfer.inference.dp.frontend import DataParallelCore
@@ -75,10 +80,30 @@ class AsyncEngine:
         self._servers: list[ReceiverServer] = []
 
     def _emit(self, output: RequestOutput) -> None:
+        """Hand `output` to its stream's event loop. A step's outputs travel together: the
+        first one held for a loop schedules one delivery of all of them (a wake-up per
+        output cost the engine's thread a syscall each and the loop a callback each)."""
         stream = self._streams.get(output.request_id)
-        if stream is not None:
-            loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, output)
+        if stream is None:
+            return
+        loop, queue = stream
+        with self._held_lock:
+            held = self._held.setdefault(loop, [])
+            held.append((queue, output))
+            if len(held) > 1:
+                return
+        try:
+            loop.call_soon_threadsafe(self._deliver, loop)
+        except RuntimeError:  # (the loop is closed: nobody reads these any more)
+            with self._held_lock:
+                self._held.pop(loop, None)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Put every output held for `loop` into its stream's queue, in order."""
+        with self._held_lock:
+            held = self._held.pop(loop, [])
+        for queue, output in held:
+            queue.put_nowait(output)
 
     def num_workers(self) -> int:
         """Receiving workers behind this engine (its data-parallel ranks times their

@@ -59,11 +59,17 @@ class FiniteCheck:
     def copies(self, device: torch.device, capacity: int) -> CheckedCopies | None:
         """Up to `capacity` copies onto CUDA `device` that check what they copy, or None where
         none can (no CUDA, no Triton, or a value already failed)."""
-        if self._bad is not None or device.type != "cuda" or _checked_copy() is None:
+        if self._bad is not None or device.type != "cuda" or checked_copy_kernel() is None:
             return None
         copies = CheckedCopies(device, capacity)
         self._copies.append(copies)
         return copies
+
+    def flagged(self, names: list[str], flags: torch.Tensor) -> None:
+        """Take the flags of copies that checked as they copied outside `copies` (a replayed
+        copy graph): `flags[i]` (int32, 1: non-finite) belongs to `names[i]`."""
+        if self._bad is None and names:
+            self._copies.append(CheckedCopies(flags.device, len(names), names, flags))
 
     def watch(self, name: str, values: torch.Tensor) -> None:
         """Check `values` (what arrived for tensor `name`, in its own dtype); integer and
@@ -125,12 +131,13 @@ class CheckedCopies:
     """Copies of one update's tensors onto one CUDA device that check what they copy
     (`FiniteCheck.copies`); `FiniteCheck.first_bad` reads their flags."""
 
-    def __init__(self, device: torch.device, capacity: int) -> None:
+    def __init__(self, device: torch.device, capacity: int, names: list[str] | None = None,
+                 flags: torch.Tensor | None = None) -> None:
         self._device = device
         self._capacity = capacity
-        self.names: list[str] = []
+        self.names: list[str] = names if names is not None else []
         """The tensors copied so far, in the order of their flags."""
-        self._flags: torch.Tensor | None = None
+        self._flags: torch.Tensor | None = flags
         """One int32 per copy (made at the first copy: none for a bucket without one)."""
 
     @property
@@ -146,15 +153,9 @@ class CheckedCopies:
         them as they are copied (queued on this device's current stream); False where this
         copy cannot check (another device, a small copy, a dtype or an alignment it has no
         rule for, or the kernel failed): then the caller copies and checks as before."""
-        kernel = _checked_copy()
-        nbytes = dst.numel()
-        if kernel is None or nbytes < CHECKED_COPY_MIN_BYTES or dtype not in kernel.EXPONENT \
-                or len(self.names) >= self._capacity:
-            return False
-        size = dtype.itemsize
-        device = self._device
-        if dst.device != device or src.device != device or src.numel() != nbytes \
-                or nbytes % size or dst.data_ptr() % size or src.data_ptr() % size:
+        kernel = checked_copy_kernel()
+        if kernel is None or len(self.names) >= self._capacity \
+                or not checks_in_copy(dst, src, dtype, self._device):
             return False
         try:
             kernel.copy_and_flag(dst, src, dtype, self.flags, len(self.names))
@@ -165,12 +166,27 @@ class CheckedCopies:
         return True
 
 
+def checks_in_copy(dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype,
+                   device: torch.device) -> bool:
+    """Whether the checked copy takes this copy of flat uint8 `src` into `dst` (values of
+    `dtype`) on CUDA `device`: Triton is there, the copy is large, the dtype has an exponent
+    rule, both sides lie on `device`, aligned to the values."""
+    kernel = checked_copy_kernel()
+    nbytes = dst.numel()
+    size = dtype.itemsize
+    return (kernel is not None and nbytes >= CHECKED_COPY_MIN_BYTES
+            and dtype in kernel.EXPONENT and dst.device == device and src.device == device
+            and src.numel() == nbytes and not nbytes % size and not dst.data_ptr() % size
+            and not src.data_ptr() % size)
+
+
 _KERNEL: list[ModuleType | None] = []
 """The checked copy's module once looked for (None in it: not here)."""
 
 
-def _checked_copy() -> ModuleType | None:
-    """`wtransfer.receiver.finite_copy` where Triton imports, else None."""
+def checked_copy_kernel() -> ModuleType | None:
+    """`wtransfer.receiver.finite_copy` where Triton imports (and has not failed), else
+    None."""
     if not _KERNEL:
         try:
             from wtransfer.receiver import finite_copy

@@ -82,6 +82,13 @@ class WholeProgram:
         default_factory=list)
     """Tensors the target offers no view of, each with the parts of it this worker keeps
     and their sources: assembled one at a time in a full-size buffer and loaded."""
+    runs: int = 0
+    """Updates that ran it so far."""
+    graph: object | None = None
+    """Its copies captured as one CUDA graph (`wtransfer.receiver.copy_graph`), once
+    replayed."""
+    graph_failed: bool = False
+    """Whether capturing them failed or could not be done (they stay eager)."""
 
 
 ProgramKey = tuple[int, int, tuple[Piece, ...], bool]

@@ -43,6 +43,7 @@ from wtransfer.packing import (
     tensor_from_bytes,
 )
 from wtransfer.receiver.boxes import BoxSource, add_copy, plan_boxes
+from wtransfer.receiver.copy_graph import graph_for
 from wtransfer.receiver.finite import FiniteCheck
 from wtransfer.receiver.programs import (
     PieceProgram,
@@ -609,16 +610,38 @@ class UpdateSession:
     def _run_whole(self, program: WholeProgram, names: list[str]) -> None:
         """Queue a whole update's copies, which complete the tensors `names`."""
         pending = self._pending
+        graph = graph_for(program, self._device, self.finite is not None)
+        program.runs += 1
+        watch = list(program.watched)  # what the check reads after the copies
+        for name in names:
+            self._save(name)  # (rollback: every snapshot queued before any copy)
+            del pending[name]
+        self.touched = True  # (a queued copy may go out later: as good as made)
+        if graph is not None:
+            watch += graph.replay(self.finite)
+        else:
+            watch += self._copy_eagerly(program)
+        self._watch_all(watch)
+        if program.loads:
+            self._target.load_weights(program.loads)
+        for meta, parts in program.assembled:  # (one full-size buffer at a time)
+            full = torch.empty(meta.shape, dtype=DTYPES[meta.dtype], device=self._device)
+            for box, values in parts:
+                full[box.slices()].copy_(values, non_blocking=True)
+            self._watch_all([(meta.name, values) for _, values in parts])
+            self._target.load_weights([(meta.name, full)])
+        self.bytes_received += program.nbytes
+
+    def _copy_eagerly(self, program: WholeProgram) -> list[tuple[str, torch.Tensor]]:
+        """Issue `program`'s copies one by one (large ones spread over streams by
+        `CopyQueue`, checked as they copy where the device can); return what the finite
+        check still has to read."""
         copies = CopyQueue(fenced=self._store is not None,  # (rollback copies go between)
                            streams=WHOLE_UPDATE_STREAMS)
         checked = (self.finite.copies(self._device, len(program.copies))
                    if self.finite is not None and program.copies else None)
-        watch = list(program.watched)  # what the check reads after the copies
+        watch: list[tuple[str, torch.Tensor]] = []
         try:
-            for name in names:
-                self._save(name)  # (rollback: every snapshot queued before any copy)
-                del pending[name]
-            self.touched = True  # (a queued copy may go out later: as good as made)
             for name, dtype, dst, src in program.copies:
                 if checked is None or not checked.add(name, dst, src, dtype):
                     watch.append((name, src.view(dtype)))
@@ -630,16 +653,7 @@ class UpdateSession:
         if program.strided_dests:
             torch._foreach_copy_(program.strided_dests, program.strided_sources,
                                  non_blocking=True)
-        self._watch_all(watch)
-        if program.loads:
-            self._target.load_weights(program.loads)
-        for meta, parts in program.assembled:  # (one full-size buffer at a time)
-            full = torch.empty(meta.shape, dtype=DTYPES[meta.dtype], device=self._device)
-            for box, values in parts:
-                full[box.slices()].copy_(values, non_blocking=True)
-            self._watch_all([(meta.name, values) for _, values in parts])
-            self._target.load_weights([(meta.name, full)])
-        self.bytes_received += program.nbytes
+        return watch
 
     def _whole_program(self, sources: Sequence[Any],
                        plan: Callable[[Any, dict[str, TensorLayout] | None], WholeProgram]

@@ -24,6 +24,8 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._hash_of: dict[int, int] = {}
         self._block_of: dict[int, int] = {}
+        self._epoch = 0
+        """Bumped when the prefix cache is forgotten (what sequences published is gone)."""
         self.hits = 0
         """Blocks reused from the prefix cache since start (a counter for metrics and tests)."""
 
@@ -82,14 +84,23 @@ class BlockManager:
         return True
 
     def commit(self, seq: Sequence) -> None:
-        """Publish the sequence's computed full blocks in the prefix cache."""
+        """Publish the sequence's computed full blocks in the prefix cache (those it did not
+        publish yet: a decode step hashes at most one new block, not the whole chain)."""
         if not self.prefix_caching:
             return
-        full = seq.num_computed // self.block_size
-        for block, h in zip(seq.block_table[:full], self._chain(seq.tokens, full), strict=True):
-            if h not in self._block_of and block not in self._hash_of:
-                self._block_of[h] = block
-                self._hash_of[block] = h
+        size = self.block_size
+        full = seq.num_computed // size
+        done, prev = 0, 0
+        if seq.published is not None and seq.published[0] == self._epoch \
+                and seq.published[1] <= full:
+            _, done, prev = seq.published
+        for i in range(done, full):
+            prev = hash((prev, tuple(seq.token_slice(i * size, (i + 1) * size))))
+            block = seq.block_table[i]
+            if prev not in self._block_of and block not in self._hash_of:
+                self._block_of[prev] = block
+                self._hash_of[block] = prev
+        seq.published = (self._epoch, full, prev)
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks (cached ones stay reusable until handed out)."""
@@ -99,8 +110,10 @@ class BlockManager:
                 self._free[block] = None
         seq.block_table = []
         seq.num_computed = 0
+        seq.published = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash; blocks in use stay with their sequences."""
         self._hash_of.clear()
         self._block_of.clear()
+        self._epoch += 1

@@ -109,7 +109,7 @@ class ModelRunner:
         for seq in seqs:
             start, end = seq.num_computed, len(seq)
             row = len(ids)
-            ids += seq.tokens[start:end]
+            ids += seq.token_slice(start, end)
             segments.append((row, len(ids), start, end, list(seq.block_table)))
         return StepPlan(ids, segments)
 

@@ -42,11 +42,21 @@ class Sequence:
         over to a decode instance: `wtransfer.inference.serving.handover`)."""
         self.prefilled_by = "local"
         """Where the prompt's K/V was computed: "local", or "remote" (a prefill instance)."""
+        self.published: tuple[int, int, int] | None = None
+        """(prefix-cache epoch, full blocks published, hash of the last of them): where the
+        block manager's `commit` goes on from (None: from the first block)."""
 
     @property
     def tokens(self) -> list[int]:
         """Prompt followed by the output so far."""
         return self.prompt + self.output
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """`tokens[start:end]` without building the whole list (a decode step needs one)."""
+        p = len(self.prompt)
+        if start >= p:
+            return self.output[start - p : end - p]
+        return self.prompt[start:end] + self.output[: max(0, end - p)]
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.output)
