@@ -59,7 +59,8 @@ def test_whole_updates_replay_their_copies_as_one_graph_bit_exact_and_checked():
         assert all(torch.equal(getattr(module, n), t) for n, t in values(step).items()), step
         assert (graph() is None) == (step == 1), step  # eager first, then captured
     captured = graph()
-    assert isinstance(captured, CopyGraph) and captured.checked == ["big", "wide"]
+    assert isinstance(captured, CopyGraph) and captured.verified
+    assert captured.checked == ["big", "wide"]
     for name in ("big", "norm"):  # one checked by its copy, one watched after it
         session = update(4, nan=name)
         with pytest.raises(NonFiniteError, match=f"'{name}' holds NaN"):

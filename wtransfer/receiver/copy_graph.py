@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ log = logging.getLogger("wtransfer.receiver.copy_graph")
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 """Per device, the side stream copy graphs are captured on."""
+_CAPTURING = threading.Lock()
+"""One capture at a time in a process (receivers of one process share the streams)."""
 
 
 def copy_graphs_enabled() -> bool:
@@ -45,15 +48,25 @@ class CopyGraph:
     """(name, values) of contiguous copies the graph made without checking them."""
     checks: bool
     """Whether it was captured to check (with the checked copy where it takes a copy)."""
+    verified: bool = False
+    """Whether a replay was seen to land every byte (`landed`)."""
 
-    def replay(self, finite: FiniteCheck | None) -> list[tuple[str, torch.Tensor]]:
-        """Queue every copy on the current stream; hand the copies' flags to `finite` and
-        return what it still has to watch."""
-        self.graph.replay()
-        if finite is None:
-            return []
-        finite.flagged(self.checked, self.flags)
-        return list(self.unchecked)
+    def landed(self, program: WholeProgram) -> bool:
+        """Whether every destination of `program` now holds its source's bits (waits for
+        the device)."""
+        return all(torch.equal(_bits(d), _bits(s)) for d, s in _pairs(program))
+
+
+def _pairs(program: WholeProgram) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) of every copy of `program`, contiguous then strided."""
+    return [(d, s) for _, _, d, s in program.copies] + list(zip(
+        program.strided_dests, program.strided_sources, strict=True))
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    """`values` as integers of its element size (NaN compares equal to itself)."""
+    return values.view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                        8: torch.int64}[values.element_size()])
 
 
 def capture_copies(program: WholeProgram, device: torch.device, check: bool
@@ -62,15 +75,16 @@ def capture_copies(program: WholeProgram, device: torch.device, check: bool
     they copy where `check` and the checked copy takes them), or None where it has none or
     one of them leaves the device. Captured, not run: the caller replays it."""
     copies = program.copies
-    pairs = [(d, s) for _, _, d, s in copies] + list(zip(
-        program.strided_dests, program.strided_sources, strict=True))
+    pairs = _pairs(program)
     if not pairs or any(d.device != device or s.device != device for d, s in pairs):
         return None
     kernel = checked_copy_kernel() if check else None
     takes = [kernel is not None and checks_in_copy(d, s, dtype, device)
              for _, dtype, d, s in copies]
     flags = torch.zeros(max(1, sum(takes)), dtype=torch.int32, device=device)
-    stream = _STREAMS.setdefault(device, torch.cuda.Stream(device))
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    stream = _STREAMS[device]
     stream.wait_stream(torch.cuda.current_stream(device))  # (flags made before the capture)
     graph = torch.cuda.CUDAGraph()
     checked: list[str] = []
@@ -103,19 +117,40 @@ def capture_copies(program: WholeProgram, device: torch.device, check: bool
     return CopyGraph(graph, checked, flags, unchecked, check)
 
 
-def graph_for(program: WholeProgram, device: torch.device, check: bool) -> CopyGraph | None:
-    """The graph `program`'s copies replay as: captured at its first replay (its first run
-    compiled every kernel it launches), None while it has not been replayed, on a host
-    device, where graphs are off, or where a capture failed (then it stays eager)."""
-    if device.type != "cuda" or not copy_graphs_enabled() or program.runs < 1:
+def replay_copies(program: WholeProgram, device: torch.device, finite: FiniteCheck | None
+                  ) -> list[tuple[str, torch.Tensor]] | None:
+    """Queue `program`'s copies on the current stream as its graph (captured at its first
+    replay: its first run compiled every kernel it launches) and return what `finite` still
+    has to watch; None where they are to go eagerly: never replayed yet, a host device,
+    graphs off, a capture that failed, or a first replay whose copies did not land (then the
+    program stays eager)."""
+    if device.type != "cuda" or not copy_graphs_enabled() or program.runs < 1 \
+            or program.graph_failed:
         return None
-    if program.graph is None and not program.graph_failed:
+    check = finite is not None
+    graph = program.graph
+    if not isinstance(graph, CopyGraph) or graph.checks != check:
         try:
-            program.graph = capture_copies(program, device, check)
+            with _CAPTURING:
+                graph = capture_copies(program, device, check)
         except Exception as exc:  # (a driver or a kernel that cannot be captured)
             log.warning("capturing an update's copies failed (%s: %s); its copies stay eager",
                         type(exc).__name__, exc)
-            program.graph = None
-        program.graph_failed = program.graph is None
-    graph = program.graph
-    return graph if isinstance(graph, CopyGraph) and graph.checks == check else None
+            graph = None
+        program.graph, program.graph_failed = graph, graph is None
+        if graph is None:
+            return None
+    with torch.cuda.device(device):  # (the current stream of the update's device)
+        graph.graph.replay()
+        landed = graph.verified or graph.landed(program)  # (checked once per program)
+    if not graph.verified:
+        if not landed:
+            log.warning("an update's copies replayed as a CUDA graph did not land; they stay "
+                        "eager (WTRANSFER_COPY_GRAPH=0 turns graphs off)")
+            program.graph, program.graph_failed = None, True
+            return None
+        graph.verified = True
+    if finite is None:
+        return []
+    finite.flagged(graph.checked, graph.flags)
+    return list(graph.unchecked)

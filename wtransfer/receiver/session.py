@@ -43,7 +43,7 @@ from wtransfer.packing import (
     tensor_from_bytes,
 )
 from wtransfer.receiver.boxes import BoxSource, add_copy, plan_boxes
-from wtransfer.receiver.copy_graph import graph_for
+from wtransfer.receiver.copy_graph import replay_copies
 from wtransfer.receiver.finite import FiniteCheck
 from wtransfer.receiver.programs import (
     PieceProgram,
@@ -610,17 +610,14 @@ class UpdateSession:
     def _run_whole(self, program: WholeProgram, names: list[str]) -> None:
         """Queue a whole update's copies, which complete the tensors `names`."""
         pending = self._pending
-        graph = graph_for(program, self._device, self.finite is not None)
-        program.runs += 1
         watch = list(program.watched)  # what the check reads after the copies
         for name in names:
             self._save(name)  # (rollback: every snapshot queued before any copy)
             del pending[name]
         self.touched = True  # (a queued copy may go out later: as good as made)
-        if graph is not None:
-            watch += graph.replay(self.finite)
-        else:
-            watch += self._copy_eagerly(program)
+        replayed = replay_copies(program, self._device, self.finite)
+        watch += replayed if replayed is not None else self._copy_eagerly(program)
+        program.runs += 1
         self._watch_all(watch)
         if program.loads:
             self._target.load_weights(program.loads)
