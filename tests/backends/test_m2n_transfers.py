@@ -46,7 +46,8 @@ def kill_a_rank_mid_updates(client, address, backend, init, after):
     tearing its weights. Returns rank 0's reports of updates that landed, and the receiver's
     status."""
     with TrainerRanks(2, backend=backend, addresses=[address], senders=2, updates=1000, seed=7,
-                      init_fields=init, timeout_s=10.0, fingerprint=True) as trainers:
+                      init_fields=init, timeout_s=2 * KILL_DEADLINE_S,
+                      fingerprint=True) as trainers:
         trainers.wait_for(1, after, 120)
         os.kill(trainers.procs[1].pid, signal.SIGKILL)
         codes = trainers.wait(60)

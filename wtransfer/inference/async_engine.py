@@ -87,6 +87,10 @@ class AsyncEngine:
         if stream is None:
             return
         loop, queue = stream
+        if loop.is_closed():  # (nobody reads this stream any more)
+            with self._held_lock:
+                self._held.pop(loop, None)
+            return
         with self._held_lock:
             held = self._held.setdefault(loop, [])
             held.append((queue, output))

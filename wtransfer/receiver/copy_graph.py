@@ -12,21 +12,19 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from wtransfer.receiver.finite import FiniteCheck, checked_copy_kernel, checks_in_copy
 from wtransfer.receiver.programs import WholeProgram
+from wtransfer.transport.capture_lock import CAPTURING
 from wtransfer.transport.copies import MEMCPY_BYTES
 
 log = logging.getLogger("wtransfer.receiver.copy_graph")
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 """Per device, the side stream copy graphs are captured on."""
-_CAPTURING = threading.Lock()
-"""One capture at a time in a process (receivers of one process share the streams)."""
 
 
 def copy_graphs_enabled() -> bool:
@@ -54,7 +52,18 @@ class CopyGraph:
     def landed(self, program: WholeProgram) -> bool:
         """Whether every destination of `program` now holds its source's bits (waits for
         the device)."""
-        return all(torch.equal(_bits(d), _bits(s)) for d, s in _pairs(program))
+        return all(_equal_bits(d, s) for d, s in _pairs(program))
+
+
+def _equal_bits(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """Whether `a` and `b` (same shape and element size) hold the same bits, compared
+    `chunk` rows of their flat views at a time where both are contiguous (no comparison
+    temporary the size of a whole tensor)."""
+    a, b = _bits(a), _bits(b)
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return torch.equal(a, b)
+    a, b = a.reshape(-1), b.reshape(-1)
+    return all(torch.equal(a[i : i + chunk], b[i : i + chunk]) for i in range(0, a.numel(), chunk))
 
 
 def _pairs(program: WholeProgram) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -131,7 +140,7 @@ def replay_copies(program: WholeProgram, device: torch.device, finite: FiniteChe
     graph = program.graph
     if not isinstance(graph, CopyGraph) or graph.checks != check:
         try:
-            with _CAPTURING:
+            with CAPTURING:  # (receivers share the streams; decode graphs capture too)
                 graph = capture_copies(program, device, check)
         except Exception as exc:  # (a driver or a kernel that cannot be captured)
             log.warning("capturing an update's copies failed (%s: %s); its copies stay eager",
@@ -140,16 +149,24 @@ def replay_copies(program: WholeProgram, device: torch.device, finite: FiniteChe
         program.graph, program.graph_failed = graph, graph is None
         if graph is None:
             return None
-    with torch.cuda.device(device):  # (the current stream of the update's device)
-        graph.graph.replay()
-        landed = graph.verified or graph.landed(program)  # (checked once per program)
-    if not graph.verified:
-        if not landed:
+    try:
+        with torch.cuda.device(device):  # (the current stream of the update's device)
+            if not graph.verified:  # the first replay must be seen to write every byte
+                for dst, _ in _pairs(program):
+                    _bits(dst).bitwise_not_()  # (after the rollback snapshots: same stream)
+            graph.graph.replay()
+            landed = graph.verified or graph.landed(program)
+    except Exception as exc:  # (a replay, or the comparison, failed: out of memory, say)
+        log.warning("replaying an update's copies as a CUDA graph failed (%s: %s); they stay "
+                    "eager", type(exc).__name__, exc)
+        landed = False
+    if not landed:
+        if not graph.verified:
             log.warning("an update's copies replayed as a CUDA graph did not land; they stay "
                         "eager (WTRANSFER_COPY_GRAPH=0 turns graphs off)")
-            program.graph, program.graph_failed = None, True
-            return None
-        graph.verified = True
+        program.graph, program.graph_failed = None, True
+        return None
+    graph.verified = True
     if finite is None:
         return []
     finite.flagged(graph.checked, graph.flags)

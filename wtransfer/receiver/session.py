@@ -111,6 +111,8 @@ class UpdateSession:
         self._origin = target
         """The engine's target (a delta's `_target` wraps it; rollback restores into it)."""
         self._device = torch.device(device)
+        if self._device.type == "cuda" and self._device.index is None:  # ("cuda" != "cuda:0")
+            self._device = torch.device("cuda", torch.cuda.current_device())
         self._store = rollback
         """Host buffers by tensor name, owned by the receiver (None: no rollback)."""
         self._saved: set[str] = set()

@@ -49,7 +49,7 @@ from wtransfer.errors import (
     SenderReplacedError,
 )
 from wtransfer.manifest import Manifest, PlanParams
-from wtransfer.packing import Bucket, BucketPacker, BucketPlan, TensorMeta
+from wtransfer.packing import Bucket, BucketPacker, BucketPlan
 from wtransfer.protocol import (
     CallQueue,
     PausingClient,
@@ -76,6 +76,7 @@ from wtransfer.trainer.gather import GatheringPacker
 from wtransfer.trainer.group import Ranks, TrainerGroup
 from wtransfer.trainer.layouts import NoGather
 from wtransfer.trainer.listing import TensorListing
+from wtransfer.trainer.plans import SenderPlans, sized
 from wtransfer.trainer.source import WeightSource
 from wtransfer.trainer.updates import (
     Header,
@@ -177,16 +178,6 @@ class Outgoing:
     buckets)."""
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """A tensor list as this sender sends it: its manifest, plan, and this rank's buckets."""
-
-    manifest: Manifest
-    plan: BucketPlan
-    owners: list[int]
-    mine: tuple[Bucket, ...]
-
-
 class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
     """Sender ABC: construct, `connect()`, then `send_weights` any number of times.
 
@@ -200,6 +191,15 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
     init_info_cls: ClassVar[type]
     capabilities: ClassVar[Capabilities] = Capabilities()
     """What the backend can do (the same record as its receiver's)."""
+    direct_threshold: int = 0
+    """Bytes from which a tensor becomes a direct bucket; 0 (never) unless a backend that
+    can move tensors in place sets it in its constructor (`resolve_direct_threshold`: never
+    with a sharded source, whose tensors are gathered into staging)."""
+    fixed_receivers: bool = True
+    """Whether the transport reaches exactly the receivers it was connected to (a group,
+    endpoints, per-worker events): a fleet that lost an instance must be connected again. A
+    backend whose update calls alone reach the receivers sets False once it knows (at
+    `_connect`)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -228,10 +228,12 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
         self.m2n = False
         """Whether every rank sends the workers its own shards (M->N; nothing is gathered):
         the backend decides at connect (`wtransfer.trainer.m2n_choice`)."""
-        self.init_info = self._sized(self.init_info.bucket_bytes, self.init_info.num_buffers)
+        self.init_info = sized(self.init_info, self.init_info.bucket_bytes,
+                               self.init_info.num_buffers, self._default_staging)
         self.ranks = Ranks(None)
         """This rank among the trainer ranks sending together (alone until `connect`)."""
-        self._layout_cache: _Layout | None = None
+        self.plans = SenderPlans()
+        """Each tensor list as this sender sends it (the last one kept)."""
         self.calls = CallQueue(client) if client is not None else None
         """This rank's control calls, issued without waiting for each reply."""
         self.listing = TensorListing()
@@ -284,10 +286,6 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
         return PlanParams(bucket_bytes=self.bucket_bytes,
                           direct_threshold=self.direct_threshold)
 
-    def _on_senders(self, step: Callable[[], Any]) -> Any:
-        """Run `step` on every rank with a client, then agree with every rank."""
-        return self.ranks.together(step if self.client is not None else lambda: None)
-
     def connect(self) -> None:
         """Allocate staging, form groups, and initialize every receiver behind the client."""
         if self.closed or self.connected:
@@ -299,7 +297,11 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                                             timeout_s=self.init_info.timeout_s,
                                             senders=self.init_info.senders))
             agree_on_init_info(self.ranks, self.init_info)
-        fragment = self._on_senders(lambda: {**self._connect(), "sender_id": self.sender_id})
+
+        def on_senders(step: Callable[[], Any]) -> Any:  # then agree with every rank
+            return self.ranks.together(step if self.client is not None else lambda: None)
+
+        fragment = on_senders(lambda: {**self._connect(), "sender_id": self.sender_id})
         fragments: list[dict[str, Any]] = [f for f in self.ranks.gather(fragment)
                                            if f is not None]
         ways = [f.get("m2n") for f in fragments]
@@ -314,8 +316,8 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                                    capabilities=self.capabilities)
         merged = {**merged, "sender_id": self.sender_id, "backend": self.backend_name,
                   "plan": record_to_wire(self.plan_params)}
-        self._on_senders(lambda: self._init_receivers(merged))
-        self._on_senders(self._after_init)
+        on_senders(lambda: self._init_receivers(merged))
+        on_senders(self._after_init)
         self.fleet.connected()
         self.connected = True
 
@@ -341,12 +343,16 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                 raise ConfigError(f"send_weights(pause={pause!r}) needs a client that can "
                                   f"pause its engine; {client!r} cannot")
             self._pause = (client, check_pause_mode(pause))
+        def send() -> TransferStats:
+            return self.updates.send(self.source,
+                                     lambda payload: self._send_update(weight_version, payload))
+
         try:
             try:
                 self.fleet.follow(fixed_receivers=self.fixed_receivers,
                                   collective=self.collective, reconnect=self._reconnect)
-                stats = self.fleet.send(lambda: self._send(weight_version),
-                                        collective=self.collective, reconnect=self._reconnect)
+                stats = self.fleet.send(send, collective=self.collective,
+                                        reconnect=self._reconnect)
                 return self.fleet.report(stats, weight_version)
             except NotInitializedError as exc:
                 if self.collective:
@@ -357,21 +363,10 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                 log.warning("%s: the engine holds no sender (it restarted?): initializing "
                             "it again and sending in full", self.backend_name)
                 self._reconnect()
-                return self._send(weight_version)
+                return send()
         except SenderReplacedError as exc:
             self.replaced = str(exc)  # for good: the receivers serve a newer sender now
             raise
-
-    @property
-    def fixed_receivers(self) -> bool:
-        """Whether the transport reaches exactly the receivers it was connected to (a group,
-        endpoints, per-worker events): a fleet that lost an instance must be connected again.
-        A backend whose update calls alone reach the receivers says False."""
-        return True
-
-    def _send(self, weight_version: str | None) -> TransferStats:
-        return self.updates.send(self.source,
-                                 lambda payload: self._send_update(weight_version, payload))
 
     def _reconnect(self) -> None:
         """Rebuild the backend's side of the transport and initialize the receivers again,
@@ -390,9 +385,12 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
         start = time.monotonic()
         self.listing.update_started()
         source = payload.source
+        client = self.client
+        role = Role(lead=self.lead, senders=self.senders, pause=self._pause,
+                    staging=client if isinstance(client, StagingClient) else None,
+                    spin_from=spin_start(start, self._last_update_s))
         calls = (UpdateCalls(self.calls, self.init_info.timeout_s, weight_version,
-                             self.sender_id, self._role(start)) if self.calls is not None
-                 else None)
+                             self.sender_id, role) if self.calls is not None else None)
         try:
             if self.lead and calls is not None:
                 calls.start()  # the engine opens the update while this rank plans it
@@ -401,7 +399,8 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
             if payload.answer_first:  # every rank learns of a refusal
                 self.ranks.together(lambda: calls.settle_first() if calls else None)
             try:
-                layout = self._layout(source.metadata())
+                layout = self.plans.of(source.metadata(), self.plan_params, self.senders,
+                                       self.ranks.sender_index)
                 group = self.ranks.group
                 parts = list(source.parts()) if source.sharded and group is not None else None
                 packer: BucketPacker | GatheringPacker | NoGather = (
@@ -436,24 +435,6 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                                   "buckets": len(layout.plan.buckets), "seconds": seconds,
                                   "gathered_peak_bytes": peak}
         return TransferStats(**{**payload.stats_fields(fields), **self._moved()})
-
-    def _role(self, start: float) -> Role:
-        """This rank's part in the control calls of an update started at `start`."""
-        client = self.client
-        return Role(lead=self.lead, senders=self.senders, pause=self._pause,
-                    staging=client if isinstance(client, StagingClient) else None,
-                    spin_from=spin_start(start, self._last_update_s))
-
-    def _layout(self, metas: list[TensorMeta]) -> _Layout:
-        """The manifest, plan and this rank's buckets of `metas` (the last ones again while
-        the list is unchanged: a trainer sends the same list every step)."""
-        last = self._layout_cache
-        if last is None or last.manifest.metas != metas:
-            manifest, params, index = Manifest(metas), self.plan_params, self.ranks.sender_index
-            owners = manifest.owners(params, self.senders)
-            mine = manifest.shares(params, self.senders)[index] if index is not None else ()
-            last = self._layout_cache = _Layout(manifest, manifest.plan(params), owners, mine)
-        return last
 
     def _open(self, manifest: Manifest, calls: UpdateCalls | None) -> None:
         """With several senders, before any sender moves a bucket: the lead confirms its
@@ -533,13 +514,6 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
         return {}
 
     @property
-    def direct_threshold(self) -> int:
-        """Bytes from which a tensor becomes a direct bucket; 0 (never) unless a backend
-        that can move tensors in place overrides it (never with a sharded source, whose
-        tensors are gathered into staging)."""
-        return 0
-
-    @property
     def bucket_bytes(self) -> int:
         """This sender's staging bucket capacity (the init info's, or the backend's choice)."""
         assert self.init_info.bucket_bytes is not None  # resolved in __init__
@@ -551,26 +525,10 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
         assert self.init_info.num_buffers is not None  # resolved in __init__
         return self.init_info.num_buffers
 
-    def _sized(self, bucket_bytes: int | None, num_buffers: int | None) -> TInitT:
-        """The init info with the staging size asked (`bucket_bytes`, `num_buffers`), each
-        left None taking the backend's default (`_default_staging`)."""
-        if bucket_bytes is not None and num_buffers is not None:
-            return replace(self.init_info, bucket_bytes=bucket_bytes, num_buffers=num_buffers)
-        bucket, buffers = self._default_staging(bucket_bytes)
-        return replace(self.init_info,
-                       bucket_bytes=bucket if bucket_bytes is None else bucket_bytes,
-                       num_buffers=buffers if num_buffers is None else num_buffers)
-
     def _default_staging(self, bucket_bytes: int | None) -> tuple[int, int]:
         """The bucket capacity and the number of staging buffers where the init info names
         none (`bucket_bytes`: the capacity it names, if any); override per staging."""
         return DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS
-
-    def _staging_device(self, override: str | None) -> torch.device:
-        """Where staging lives: the init info's `device` when given, else the source's."""
-        if override:
-            return torch.device(override)
-        return self.source.device or torch.device("cpu")
 
     # -- backend hooks -------------------------------------------------------------------
 

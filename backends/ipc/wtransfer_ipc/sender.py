@@ -18,6 +18,7 @@ from wtransfer.records import new_sender_id, receiver_init_dict
 from wtransfer.trainer.engine import Outgoing, Share, TrainerTransferEngine
 from wtransfer.trainer.layouts import LocalShards, held_parts
 from wtransfer.trainer.m2n_choice import m2n_wanted, may_slice_per_worker
+from wtransfer.trainer.plans import sized, staging_device
 from wtransfer.trainer.source import WeightSource
 from wtransfer.transport.m2n import (
     PairBucket,
@@ -127,7 +128,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         (Several workers keep shared memory, each reading only what it keeps: 1->N.)"""
         if not override and self._pinned_host_source():
             return torch.device("cuda", torch.cuda.current_device())
-        return super()._staging_device(override)
+        return staging_device(override, self.source)
 
     def connect(self) -> None:
         """Connect (see the base); where CUDA staging was chosen for pinned host tensors by
@@ -144,8 +145,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
             self._close()
             self._pinned_host = False
             self.device = torch.device("cpu")
-            self.init_info = self._sized(*self._asked)
-            self._layout_cache = None
+            self.init_info = sized(self.init_info, *self._asked, self._default_staging)
             self.sender_id = new_sender_id()
             try:
                 super().connect()
@@ -199,6 +199,9 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
             self._staging = [b.tensor for b in self._shm if b.tensor is not None]
             buffers = [b.name for b in self._shm]
             transport = "shm"
+        # packed host staging is reached by update calls alone (a fleet that lost an instance
+        # goes on without connecting again); CUDA staging keeps events per worker, M->N a plan
+        self.fixed_receivers = bool(self._packed) or self.m2n
         fragment = receiver_init_dict(info, transport=transport, buffers=buffers,
                                       sender_pid=os.getpid(), sender_start=own_start_time(),
                                       token=token, m2n=self.m2n)
@@ -226,13 +229,6 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
             return info.zero_copy and not info.checksum and sharded
         return sharded or may_slice_per_worker(self.collective, self.source, self.updates,
                                                self.client)
-
-    @property
-    def fixed_receivers(self) -> bool:
-        """Packed host staging is reached by update calls alone (a fleet that lost an
-        instance goes on without connecting again); CUDA staging keeps events per worker,
-        and M->N a plan per worker."""
-        return bool(self._packed) or self.m2n
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         """CUDA staging of one sender: each engine gets one event per slot for each of its

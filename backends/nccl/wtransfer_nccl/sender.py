@@ -22,6 +22,7 @@ from wtransfer.trainer.engine import (
 )
 from wtransfer.trainer.m2n_choice import m2n_wanted, may_slice_per_worker
 from wtransfer.trainer.pairs import pair_send
+from wtransfer.trainer.plans import staging_device
 from wtransfer.trainer.source import WeightSource
 from wtransfer.transport.m2n import keeps_part
 from wtransfer.transport.tcp_lifeline import LifelineListener
@@ -62,8 +63,19 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
     def __init__(self, init_info: NCCLTrainerInitInfo, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
         super().__init__(init_info, client=client, source=source, process_group=process_group)
-        self.device = self._staging_device(self.init_info.device)
+        self.device = staging_device(self.init_info.device, self.source)
         self.transport = "nccl" if self.device.type == "cuda" else "gloo"
+        self.direct_threshold = resolve_direct_threshold(
+            self.init_info, self.source, 1 if self.device.type == "cuda" else 1 << 20)
+        """Tensors this large are broadcast straight from the source into the destination.
+
+        Default: on CUDA, every tensor (1 byte or more), `DIRECT_BATCH` of them per NCCL
+        group call: no staging copy on either side, and one launch per group rather than per
+        tensor (two H200s over NVLink, raw NCCL, Qwen3-8B shapes: 44.6 ms grouped against
+        44.1 ms for one broadcast of every byte, 48.5 ms packed into 1 GiB buckets with the
+        copies overlapped, 49.5 ms one launch per tensor). On CPU (gloo), 1 MiB: copies cost
+        more there than calls. Checksums and sharded sources need staging, so they turn it off.
+        """
         self._group: Group | None = None
         self._server: Any = None
         """The rendezvous server (`dist.TCPStore`) the first sender hosts."""
@@ -116,20 +128,6 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
         """Several senders: they share the lead's rendezvous, namespaced by the lead's
         sender_id (each forms its own group under it), so the lead's init info is everyone's."""
         return fragments[0]
-
-    @property
-    def direct_threshold(self) -> int:
-        """Tensors this large are broadcast straight from the source into the destination.
-
-        Default: on CUDA, every tensor (1 byte or more), `DIRECT_BATCH` of them per NCCL
-        group call: no staging copy on either side, and one launch per group rather than per
-        tensor (two H200s over NVLink, raw NCCL, Qwen3-8B shapes: 44.6 ms grouped against
-        44.1 ms for one broadcast of every byte, 48.5 ms packed into 1 GiB buckets with the
-        copies overlapped, 49.5 ms one launch per tensor). On CPU (gloo), 1 MiB: copies cost
-        more there than calls. Checksums and sharded sources need staging, so they turn it off.
-        """
-        return resolve_direct_threshold(self.init_info, self.source,
-                                        1 if self.device.type == "cuda" else 1 << 20)
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         """Form this sender's group on a helper thread while every engine joins it from its

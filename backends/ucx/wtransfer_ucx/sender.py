@@ -25,6 +25,7 @@ from wtransfer.trainer.engine import (
 from wtransfer.trainer.layouts import LocalShards, held_parts
 from wtransfer.trainer.m2n_choice import m2n_wanted, may_slice_per_worker
 from wtransfer.trainer.pairs import pair_send
+from wtransfer.trainer.plans import staging_device
 from wtransfer.trainer.source import WeightSource
 from wtransfer.transport.m2n import Planner, fragment_with_layouts, planner_of
 from wtransfer.transport.window import SendChannel
@@ -75,7 +76,14 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
     def __init__(self, init_info: UCXTrainerInitInfo, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
         super().__init__(init_info, client=client, source=source, process_group=process_group)
-        self.device = self._staging_device(self.init_info.device)
+        self.device = staging_device(self.init_info.device, self.source)
+        self.direct_threshold = resolve_direct_threshold(
+            self.init_info, self.source, 0 if self.device.type == "cuda" else 1 << 20)
+        """Tensors this large go from the source tensor straight into the worker's parameter
+        (no staging copy on either side); off with checksums and sharded sources. Default:
+        1 MiB for host memory; off for CUDA memory, where each UCX message costs about
+        0.15 ms of rendezvous (measured on one H200: Qwen3-1.7B shapes 45 ms as ~300 direct
+        messages, 17 ms as a few packed 1 GiB buckets)."""
         self._session = secrets.randbelow(1 << 16)
         self._updates = 0
         self._broken: str | None = None
@@ -176,16 +184,6 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
         self._session = int(first["session"])
         return {**first, "trainers": [[f["trainer_address"], f["trainer_port"]]
                                       for f in fragments]}
-
-    @property
-    def direct_threshold(self) -> int:
-        """Tensors this large go from the source tensor straight into the worker's parameter
-        (no staging copy on either side); off with checksums and sharded sources. Default:
-        1 MiB for host memory; off for CUDA memory, where each UCX message costs about
-        0.15 ms of rendezvous (measured on one H200: Qwen3-1.7B shapes 45 ms as ~300 direct
-        messages, 17 ms as a few packed 1 GiB buckets)."""
-        return resolve_direct_threshold(self.init_info, self.source,
-                                        0 if self.device.type == "cuda" else 1 << 20)
 
     def _init_receivers(self, receiver_init: dict[str, Any]) -> None:
         assert self._ucx is not None and self.client is not None

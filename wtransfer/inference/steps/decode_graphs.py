@@ -33,6 +33,7 @@ from wtransfer.inference.model.attention import (
     rotary_tables,
 )
 from wtransfer.inference.model.decoder import Qwen3ForCausalLM
+from wtransfer.transport.capture_lock import CAPTURING
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,6 @@ KEPT_SETS = 2
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _STREAMS_LOCK = threading.Lock()
-_CAPTURING = threading.Lock()
-"""One capture at a time in the process (engines on one device share the capture stream)."""
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
@@ -250,7 +249,7 @@ class DecodeGraphs:
         graph.copied = torch.cuda.Event()
         stream, current = self._stream, torch.cuda.current_stream(self.device)
         assert stream is not None
-        with _CAPTURING:  # (engines of one process share the stream: one capture at a time)
+        with CAPTURING:  # (engines of one process share the stream; copy graphs capture too)
             self._capture(graph, stream, current)
         log.debug("captured a decode graph: batch %d, context %d", batch, context)
         return graph
