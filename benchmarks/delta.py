@@ -94,7 +94,8 @@ def bench_lr(backend: str, name: str, lr: float, steps: int, device: str) -> dic
     med = {k: statistics.median(v) if v else 0.0 for k, v in rows.items()}
     mean = {k: statistics.fmean(rows[k]) for k in ("delta_s", "full_s")}
     return {"backend": backend, "model": name, "lr": lr, "steps": steps,
-            "changed": med["changed"], "model_mb": first.bytes / 1e6,
+            "changed": med["changed"] if rows["changed"] else float("nan"),  # (no delta)
+            "model_mb": first.bytes / 1e6,
             "delta_mean_ms": mean["delta_s"] * 1e3, "full_mean_ms": mean["full_s"] * 1e3,
             "mean_speedup": mean["full_s"] / mean["delta_s"],
             "wire_mb": med["wire"] / 1e6, "bytes_ratio": first.bytes / max(med["wire"], 1),

@@ -65,13 +65,11 @@ def test_delta_updates_land_bit_exact_in_every_engine_layout(staging, tp, backen
     run(main(), deadline_s=300)
 
 
-def test_a_sender_whose_deltas_stay_dense_sends_in_full_then_probes_again():
-    """Every element changes every step (a float32 model under a large learning rate): after
-    DENSE_STREAK dense deltas the sender stops comparing and keeps no copy for FULL_RUN
-    updates, then probes with a delta (one dense probe starts another run); once changes are
-    sparse it stays on deltas.
-    The engine holds the trainer's weights after every update."""
-    from wtransfer.delta.sender import DENSE_STREAK, FULL_RUN
+def dense_then_sparse(source_of, dense_steps: int, steps: int) -> list[tuple[str, bool]]:
+    """Updates of a tiny model into an engine: every element changed for `dense_steps` steps
+    (a float32 model under a large learning rate), then 1% of them; per update whether it went
+    as a delta and whether the sender then held a last-sent copy. The engine holds the
+    trainer's weights after every update."""
     from wtransfer.shapes import randomize
 
     async def main():
@@ -79,12 +77,11 @@ def test_a_sender_whose_deltas_stay_dense_sends_in_full_then_probes_again():
         trainer = load_model("tiny", seed=3)
         sender = await asyncio.to_thread(wtransfer.trainer_init, info("ipc", 1),
                                          client=LocalEngineClient(engine),
-                                         source=wtransfer.ModuleSource(trainer))
+                                         source=source_of(trainer))
         seen = []
         try:
-            for step in range(1 + DENSE_STREAK + 2 * (FULL_RUN + 1) + 2):
-                sparse = step > DENSE_STREAK + 2 * FULL_RUN + 1  # from the second probe on
-                if sparse:
+            for step in range(steps):
+                if step >= dense_steps:
                     perturb(trainer, 0.01, seed=step)
                 else:
                     randomize(trainer, seed=100 + step)
@@ -96,12 +93,44 @@ def test_a_sender_whose_deltas_stay_dense_sends_in_full_then_probes_again():
         finally:
             await asyncio.to_thread(sender.shutdown)
             engine.shutdown()
-        run = [("full", False)] * (FULL_RUN - 1) + [("full", True)]
-        assert seen == ([("full", True)] + [("delta", True)] * DENSE_STREAK + run
-                        + [("delta", True)] + run  # one dense probe: another run
-                        + [("delta", True)] * 3), seen
+        return seen
 
-    run(main(), deadline_s=240)
+    return run(main(), deadline_s=300)
+
+
+def test_a_sender_predicts_dense_deltas_from_a_sample_and_sends_in_full_runs():
+    """Every element changes: the sample says so before any delta is computed, and the
+    sender sends FULL_RUN updates in full without a copy; the probe after the run (against a
+    sample its last update kept) says dense again, and the next run is twice as long; once
+    changes are sparse the probe goes in full with a copy, and deltas go on."""
+    from wtransfer.delta.sender import FULL_RUN
+
+    dense = 1 + FULL_RUN + 2 * FULL_RUN  # the first update, then two runs
+    seen = dense_then_sparse(wtransfer.ModuleSource, dense, dense + 3)
+    assert seen == ([("full", True)] + [("full", False)] * (3 * FULL_RUN)
+                    + [("full", True), ("delta", True), ("delta", True)]), seen
+
+
+class UnheldSource(wtransfer.ModuleSource):
+    """A source that cannot offer its tensors again (as a generator's): no sample to probe."""
+
+    def held(self):
+        return None
+
+
+def test_a_sender_whose_deltas_stay_dense_sends_in_full_then_probes_again():
+    """Where the source cannot offer its tensors for a sample: after DENSE_STREAK dense
+    deltas the sender stops comparing and keeps no copy for FULL_RUN updates, then probes
+    with a delta (one dense probe starts another run); once changes are sparse it stays on
+    deltas."""
+    from wtransfer.delta.sender import DENSE_STREAK, FULL_RUN
+
+    dense = 1 + DENSE_STREAK + 2 * FULL_RUN + 1  # the second probe sees sparse changes
+    seen = dense_then_sparse(UnheldSource, dense, 1 + DENSE_STREAK + 2 * (FULL_RUN + 1) + 2)
+    run = [("full", False)] * (FULL_RUN - 1) + [("full", True)]
+    assert seen == ([("full", True)] + [("delta", True)] * DENSE_STREAK + run
+                    + [("delta", True)] + run  # one dense probe: another run
+                    + [("delta", True)] * 3), seen
 
 
 def test_the_last_sent_copy_lives_where_delta_copy_device_says():

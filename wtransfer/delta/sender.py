@@ -17,6 +17,7 @@ from wtransfer.delta.codec import (
     sparse_limit,
 )
 from wtransfer.delta.compare import LastSent
+from wtransfer.delta.estimate import Sample, predicted_moved, sampled
 from wtransfer.delta.pieces import WHOLE, EncodedBucket, encode_bucket
 from wtransfer.errors import MetadataError
 from wtransfer.packing import TensorMeta
@@ -28,11 +29,19 @@ DENSE_FRACTION = 0.5
 """A delta that moved more than this fraction of the model's bytes is a dense one: it saved
 little on the wire and paid a comparison and a copy on top."""
 DENSE_STREAK = 3
-"""After this many dense deltas in a row the sender stops diffing (`FULL_RUN`)."""
+"""After this many dense deltas in a row the sender stops diffing (`FULL_RUN`); the sampled
+estimate (`wtransfer.delta.estimate`) usually stops it before the first."""
 FULL_RUN = 8
 """Updates then sent in full without comparing (what a sender without deltas pays); all but
-the last keep no last-sent copy, the last takes one again, so the update after it probes with
-a delta (one dense probe starts another run)."""
+the last keep no last-sent copy. The last keeps a sample of what it sent (or, where the
+source cannot offer its tensors again, a copy), and the update after it probes: predicted
+dense, another run starts, twice as long (up to `FULL_RUN_MOST`); else it goes in full with
+a copy, and deltas go on."""
+ESTIMATE_FROM = DENSE_FRACTION / 4
+"""A delta right after a delta that moved at most this fraction of the model's bytes is not
+estimated first (changes rarely turn dense in one step; `DENSE_STREAK` still catches it)."""
+FULL_RUN_MOST = 64
+"""The longest run of full updates (a run doubles each time the probe after it says dense)."""
 
 
 class EncodedSource(WeightSource):
@@ -74,6 +83,9 @@ class DeltaUpdate:
     """A delta's fraction of changed elements; None for a full update."""
     keeps_copy: bool = True
     """Whether the sender takes a last-sent copy of this (full) update once it landed."""
+    keeps_sample: bool = False
+    """Whether it keeps only a sample of it instead (`wtransfer.delta.estimate.Sample`: the
+    last update of a full run, which the next one probes against)."""
 
 
 class DeltaSender:
@@ -96,6 +108,14 @@ class DeltaSender:
         """Dense deltas in a row (see `DENSE_STREAK`)."""
         self.full_left = 0
         """Updates still to send in full without diffing (see `FULL_RUN`)."""
+        self.run = FULL_RUN
+        """The length of the next run of full updates (see `FULL_RUN`)."""
+        self._sample: Sample | None = None
+        """What the last update of a run sent, sampled (the next update probes with it)."""
+        self._last_moved: float | None = None
+        """The fraction of the model's bytes the last delta moved (None: the last update was
+        not a delta); a delta is estimated first only after a full update or a delta past
+        `ESTIMATE_FROM`."""
 
     @property
     def copy_bytes(self) -> int:
@@ -108,26 +128,41 @@ class DeltaSender:
         token = secrets.token_hex(16)
         self._pending = token
         metas = source.metadata()
+        last_moved, self._last_moved = self._last_moved, None  # (set again by a delta)
         if self.disabled is not None or not source.delta_ok:
             self._last, self.base = None, None
             return DeltaUpdate(DeltaHeader(token=token), source, None)
         if self.full_left:  # most bytes changed every step lately: send as if without deltas
             self.full_left -= 1
-            if not self.full_left:  # the probe after this update: one dense delta is enough
-                self.dense_streak = DENSE_STREAK - 1
             self._last, self.base = None, None
+            last = not self.full_left
+            sampling = last and source.held() is not None
+            if last and not sampling:  # the probe after this update: one dense delta is enough
+                self.dense_streak = DENSE_STREAK - 1
             return DeltaUpdate(DeltaHeader(token=token), source, None,
-                               keeps_copy=not self.full_left)
-        if self.base is None or metas != self._metas or self._last is None:
-            self._metas = metas
-            return DeltaUpdate(DeltaHeader(token=token), source, None)
-        items: list[tuple[TensorMeta, torch.Tensor]] = []
-        entries: list[DeltaEntry] = []
-        total_changed = moved = 0
+                               keeps_copy=last and not sampling, keeps_sample=sampling)
         limits = {meta.name: (sparse_limit(meta.numel, index_dtype_for(meta.numel),
                                            meta.itemsize) if self.sparse else 0)
                   for meta in metas}
-        assert self._last is not None
+        held = source.held()
+        sample, self._sample = self._sample, None
+        if sample is not None and held is not None and sample.metas == metas:
+            self._metas = metas  # the probe after a run: dense again, a longer run
+            if self._dense(metas, held, sample.of, limits):
+                return self._full_run(token, source, min(2 * self.run, FULL_RUN_MOST))
+            self.run = FULL_RUN  # else in full with a copy: deltas go on
+            return DeltaUpdate(DeltaHeader(token=token), source, None)
+        if self.base is None or metas != self._metas or self._last is None:
+            self._metas = metas
+            return DeltaUpdate(DeltaHeader(token=token), source, None)
+        last_sent = self._last
+        if held is not None and (last_moved is None or last_moved > ESTIMATE_FROM) \
+                and self._dense(metas, held, lambda meta: sampled(last_sent.view(meta.name)),
+                                limits):
+            return self._full_run(token, source, FULL_RUN)
+        items: list[tuple[TensorMeta, torch.Tensor]] = []
+        entries: list[DeltaEntry] = []
+        total_changed = moved = 0
         by_name = {meta.name: meta for meta in metas}
         found: dict[str, tuple[DeltaEntry, TensorMeta, torch.Tensor]] = {}
         seen: set[str] = set()
@@ -163,19 +198,42 @@ class DeltaSender:
         total = sum(m.numel for m in metas)
         fraction = total_changed / total if total else 0.0
         model_bytes = sum(m.nbytes for m in metas)
+        self._last_moved = moved / model_bytes if model_bytes else 0.0
         self.dense_streak = (self.dense_streak + 1 if moved > DENSE_FRACTION * model_bytes
                              else 0)
         if self.dense_streak >= DENSE_STREAK:
-            self.dense_streak, self.full_left = 0, FULL_RUN
+            self.dense_streak, self.full_left = 0, self.run
+        elif not self.dense_streak:
+            self.run = FULL_RUN
         header = DeltaHeader(token=token, base=self.base,
                              entries=[e.to_wire() for e in entries])
         return DeltaUpdate(header, EncodedSource(items, source.device), fraction)
+
+    @staticmethod
+    def _dense(metas: list[TensorMeta], held: list[torch.Tensor],
+               before: Callable[[TensorMeta], torch.Tensor], limits: dict[str, int]) -> bool:
+        """Whether a delta of `held` would move more than `DENSE_FRACTION` of the model's
+        bytes, by the sample (`wtransfer.delta.estimate`)."""
+        model_bytes = sum(meta.nbytes for meta in metas)
+        return predicted_moved(metas, held, before, limits) > DENSE_FRACTION * model_bytes
+
+    def _full_run(self, token: str, source: WeightSource, length: int) -> DeltaUpdate:
+        """This update in full, the first of a run of `length` (see `FULL_RUN`): no copy."""
+        self.run = length
+        self.dense_streak, self.full_left = 0, length - 1
+        self._last, self.base = None, None
+        return DeltaUpdate(DeltaHeader(token=token), source, None, keeps_copy=False)
 
     def landed(self, update: DeltaUpdate) -> None:
         """`update` landed on every receiver: its token is the base from now on (after a full
         update, the copy is taken of what it sent)."""
         if self.disabled is not None or not update.source.delta_ok:
             return
+        if update.keeps_sample:
+            source = update.source
+            held = source.held()
+            self._sample = Sample(source.metadata(), held if held is not None else
+                                  [t for _, t in source.tensors()], self.copy_device)
         if not update.keeps_copy:
             self._last = None
             return

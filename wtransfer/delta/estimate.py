@@ -1,0 +1,73 @@
+"""Whether a delta would be dense, told from a sample before paying for it.
+
+A dense delta (most bytes changed: AdamW at a high learning rate) costs a full comparison and
+a copy on top of the bytes a full update moves. The sample is one run of `RUN` elements in
+every `SAMPLE_EVERY` runs of each tensor (whole tensors under one period), compared bit for
+bit with the same runs as last sent: from each tensor's changed fraction, the bytes a delta
+would move (a tensor past its sparse limit goes whole). `DeltaSender` asks before each delta
+(against its last-sent copy) and at the end of a run of full updates (against a `Sample` the
+run's last update kept, a 64th of the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from wtransfer.delta.codec import index_dtype_for, sparse_nbytes
+from wtransfer.delta.compare import bits
+from wtransfer.packing import TensorMeta
+
+RUN = 1024
+"""Elements of one sampled run (contiguous: a few cache lines)."""
+SAMPLE_EVERY = 64
+"""One run is sampled in every this many."""
+
+
+def sampled(flat: torch.Tensor) -> torch.Tensor:
+    """The sampled elements of a flat tensor: the first `RUN` of every `RUN * SAMPLE_EVERY`
+    (a strided view, no copy), or all of it where it is shorter than one period."""
+    period = RUN * SAMPLE_EVERY
+    periods = flat.numel() // period
+    if not periods:
+        return flat
+    return flat[: periods * period].view(periods, period)[:, :RUN]
+
+
+class Sample:
+    """The sampled bits of every tensor of an update as sent, on `device`."""
+
+    def __init__(self, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor],
+                 device: torch.device) -> None:
+        self.metas = list(metas)
+        self._bits = {meta.name: sampled(bits(t.detach())).to(device, copy=True)
+                      for meta, t in zip(metas, tensors, strict=True)}
+
+    def of(self, meta: TensorMeta) -> torch.Tensor:
+        """`meta`'s sampled bits as sent."""
+        return self._bits[meta.name]
+
+
+def predicted_moved(metas: Sequence[TensorMeta], now: Sequence[torch.Tensor],
+                    before: Callable[[TensorMeta], torch.Tensor],
+                    limits: dict[str, int]) -> int:
+    """The bytes a delta of `now` against what was sent would move, predicted from the
+    sample: `before(meta)` gives the sampled bits as sent (as `sampled` lays them out);
+    `limits` the changed elements past which each tensor goes whole (0: it goes whole)."""
+    counts: list[torch.Tensor] = []
+    sizes: list[int] = []
+    for meta, tensor in zip(metas, now, strict=True):
+        mine = sampled(bits(tensor.detach()))
+        counts.append((mine != before(meta).to(mine.device, non_blocking=True)).sum())
+        sizes.append(mine.numel())
+    if len({c.device for c in counts}) == 1:
+        changed = torch.stack(counts).tolist()  # (one read for all)
+    else:
+        changed = [int(c) for c in counts]
+    moved = 0
+    for meta, count, size in zip(metas, changed, sizes, strict=True):
+        estimate = count * meta.numel / size if size else 0.0
+        moved += (meta.nbytes if estimate > limits[meta.name] else
+                  sparse_nbytes(round(estimate), index_dtype_for(meta.numel), meta.itemsize))
+    return moved
