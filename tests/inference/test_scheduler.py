@@ -147,3 +147,31 @@ def test_a_token_slice_equals_slicing_every_token():
         seq.append(token, 0.0, "v")
     every = seq.tokens
     assert all(seq.token_slice(a, b) == every[a:b] for a in range(8) for b in range(a, 9))
+
+
+def test_an_output_snapshot_built_later_is_the_output_as_of_its_step():
+    """The engine hands each step's output on as a snapshot that its reader builds later,
+    while the engine goes on: the build holds exactly the tokens, logprobs and version spans
+    of the snapshot's step, and a final snapshot says why the request ended."""
+    seq = Sequence("s", [1, 2], SamplingParams(max_tokens=5))
+    for token in (10, 11):
+        seq.append(token, -0.5, "v1")
+    early = seq.snapshot()
+    seq.append(12, -0.25, "v1")
+    seq.append(13, -0.125, "v2")
+    seq.append(14, -1.0, "v2")  # the fifth token: finish_reason "length"
+    seq.status = SeqStatus.FINISHED
+    final = seq.snapshot()
+    seq.append(15, -2.0, "v2")  # (nothing the final snapshot can see)
+    out = early.build()
+    assert out.outputs[0].token_ids == [10, 11] and out.outputs[0].logprobs == [-0.5, -0.5]
+    assert [(s.version, s.start, s.end) for s in out.outputs[0].weight_versions] == [
+        ("v1", 0, 2)]
+    assert not out.finished and out.outputs[0].finish_reason is None
+    assert out.prompt_token_ids == [1, 2] and out.request_id == "s"
+    last = final.build()
+    assert last.outputs[0].token_ids == [10, 11, 12, 13, 14]
+    assert [(s.version, s.start, s.end) for s in last.outputs[0].weight_versions] == [
+        ("v1", 0, 3), ("v2", 3, 5)]
+    assert last.finished and last.outputs[0].finish_reason == "length"
+    assert seq.to_output().outputs[0].token_ids[-1] == 15

@@ -21,6 +21,7 @@ from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.engine_core import EngineCore
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.params import SamplingParams
+from wtransfer.inference.steps.sequence import OutputSnapshot
 from wtransfer.records import PauseMode, check_pause_mode
 from wtransfer.registry import get_backend
 from wtransfer.rpc import ReceiverServer
@@ -66,8 +67,8 @@ class AsyncEngine:
         check_runtime(self.config)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop,
                                        asyncio.Queue[RequestOutput]]] = {}
-        self._held: dict[asyncio.AbstractEventLoop,
-                         list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]] = {}
+        self._held: dict[asyncio.AbstractEventLoop, list[tuple[
+            asyncio.Queue[RequestOutput], RequestOutput | OutputSnapshot]]] = {}
         """Outputs emitted by the engine's thread, not yet delivered (`_emit`)."""
         self._held_lock = threading.Lock()
         self.core: CoreClient
@@ -79,7 +80,7 @@ class AsyncEngine:
             self.core = EngineCore(self.config, self._emit)
         self._servers: list[ReceiverServer] = []
 
-    def _emit(self, output: RequestOutput) -> None:
+    def _emit(self, output: RequestOutput | OutputSnapshot) -> None:
         """Hand `output` to its stream's event loop. A step's outputs travel together: the
         first one held for a loop schedules one delivery of all of them (a wake-up per
         output cost the engine's thread a syscall each and the loop a callback each)."""
@@ -107,7 +108,7 @@ class AsyncEngine:
         with self._held_lock:
             held = self._held.pop(loop, [])
         for queue, output in held:
-            queue.put_nowait(output)
+            queue.put_nowait(output.build() if isinstance(output, OutputSnapshot) else output)
 
     def num_workers(self) -> int:
         """Receiving workers behind this engine (its data-parallel ranks times their

@@ -17,6 +17,7 @@ from wtransfer.errors import ConfigError
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.params import SamplingParams
+from wtransfer.inference.steps.sequence import OutputSnapshot
 from wtransfer.records import PauseMode
 
 
@@ -154,5 +155,6 @@ class CoreClient(Protocol):
         """Abort live requests and stop."""
 
 
-Emit = Callable[[RequestOutput], None]
-"""Receives every request's cumulative output after each step that changed it."""
+Emit = Callable[[RequestOutput | OutputSnapshot], None]
+"""Receives every request's cumulative output after each step that changed it (a step's
+tokens as an `OutputSnapshot`, built when read)."""

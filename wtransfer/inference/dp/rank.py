@@ -52,6 +52,7 @@ from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.dp.collective import RankGroup
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.steps.scheduler import PauseState
+from wtransfer.inference.steps.sequence import OutputSnapshot
 from wtransfer.inference.updates.replica import Replica
 from wtransfer.inference.updates.transfer_lane import TransferLane
 from wtransfer.records import PauseMode
@@ -105,7 +106,9 @@ class DPRank:
 
     # -- messages --------------------------------------------------------------------------
 
-    def _collect(self, output: RequestOutput) -> None:
+    def _collect(self, output: RequestOutput | OutputSnapshot) -> None:
+        if isinstance(output, OutputSnapshot):
+            output = output.build()
         self._outbox.append(output.to_wire())
 
     def _send(self, message: dict[str, Any]) -> None:

@@ -214,7 +214,7 @@ class Replica:
             self.tokens_generated += 1
             if seq.finish_reason is not None:
                 self._finish(seq)
-            self.emit(seq.to_output())
+            self.emit(seq.snapshot())  # (built by whoever reads it, off this loop)
         return len(batch)
 
     def _finish(self, seq: Sequence, reason: str | None = None) -> None:
