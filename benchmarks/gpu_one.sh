@@ -18,6 +18,10 @@
 #     bash benchmarks/gpu_one.sh inplace  # ipc's M->N and TP zero-copy GPU tests, then 2 trainer
 #                                         # processes -> engine TP=2: one sender, M->N read
 #                                         # in place, M->N staged
+#     bash benchmarks/gpu_one.sh graphs   # copy graphs: their GPU test and ipc's in-place and
+#                                         # zero-copy tests, then 8B 2 trainer processes ->
+#                                         # engine TP=2 with graphs on, then off
+#                                         # (WTRANSFER_COPY_GRAPH=0), the same run
 #     bash benchmarks/gpu_one.sh m2n      # 2 trainer processes -> our engine's 2 TP workers,
 #                                         # then -> 1 receiver, over CUDA IPC
 #     bash benchmarks/gpu_one.sh trace    # a timeline of the trainer and the engine through
@@ -119,6 +123,23 @@ inplace)
         --device cuda:0 --models qwen3-8b --trainer-ranks 2 --engine-tp 2 --bucket-mb 1024 \
         --repeats 3 --update-staging off --update-rollback off > $OUT/m2n-tp2.txt 2>&1
     echo "rc $?"; tail -8 $OUT/m2n-tp2.txt ;;
+graphs)
+    echo "$(ts) copy graphs: their GPU test, ipc's in-place and zero-copy GPU tests"
+    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=90 \
+        --tb=short tests/core/test_copy_graph.py tests/backends/test_m2n_transfers.py \
+        tests/backends/test_ipc_cuda.py \
+        -k "replay_their_copies or two_trainer_processes or zero_copy_update_into_a_tp" \
+        > $OUT/graphs-tests.txt 2>&1
+    echo "rc $?"; grep -E "passed|failed|FAILED|Error" $OUT/graphs-tests.txt | tail -15
+    for graphs in 1 0; do
+        echo "$(ts) 8B 2 -> TP=2, copy graphs $graphs"
+        WTRANSFER_COPY_GRAPH=$graphs WTRANSFER_BENCH_DIR=$OUT/graphs-$graphs timeout 180 \
+            python3 benchmarks/transfer.py --backend ipc --device cuda:0 --models qwen3-8b \
+            --trainer-ranks 2 --engine-tp 2 --bucket-mb 1024 --repeats 5 \
+            --paths "one sender,M->N" --update-staging off --update-rollback off \
+            > $OUT/graphs-$graphs.txt 2>&1
+        echo "rc $?"; tail -6 $OUT/graphs-$graphs.txt
+    done ;;
 m2n)
     # staging off: two trainer replicas and a shadow-staged 8B engine overflow an 80 GB card
     echo "$(ts) M->N over CUDA IPC: two trainer processes (replicas) -> engine TP=2, one GPU"

@@ -378,8 +378,8 @@ def one_copy_seconds(nbytes: int, device: str, repeats: int) -> float:
 
 def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: int,
               repeats: int, delta_fraction: float = 0.0, device: str = "cpu",
-              reads: bool = False, staging: str = "off", rollback: str = "auto"
-              ) -> list[dict[str, Any]]:
+              reads: bool = False, staging: str = "off", rollback: str = "auto",
+              only: set[str] | None = None) -> list[dict[str, Any]]:
     """FSDP2 trainer ranks (gloo, CPU) into our engine with `tp` workers (`wtransfer serve`),
     over nccl (gloo), ucx or ipc (shared memory): today's path (each bucket gathered to one
     sender, sent whole to every worker, which keeps its part) against M->N (nccl: every rank
@@ -423,6 +423,8 @@ def bench_m2n(backend: str, name: str, buckets_mb: list[int], ranks: int, tp: in
                 paths.append(("M->N reads", ranks, True, False))
             if backend == "ipc" and device != "cpu":  # (M->N above reads the ranks in place)
                 paths.append(("M->N staged", ranks, True, False))
+            if only:
+                paths = [p for p in paths if p[0] in only]
             for path, senders, m2n, delta in paths:
                 progress(f"{path}, {mb} MiB buckets: {ranks} trainer ranks start")
                 fields = {"bucket_bytes": mb << 20, "timeout_s": 600, "m2n": m2n, "delta": delta,
@@ -514,6 +516,9 @@ def main() -> None:
                         help="with --engine-tp (nccl, ucx): between updates each rank flips a "
                              "bit of this fraction of its elements, and M->N deltas are a "
                              "third path")
+    parser.add_argument("--paths", default=None,
+                        help="with --engine-tp: only these paths, comma-separated (e.g. "
+                             "'one sender,M->N')")
     parser.add_argument("--update-staging", default="off",
                         choices=["auto", "off", "swap", "copy"],
                         help="with --engine-tp: the engine's --update-staging")
@@ -527,7 +532,8 @@ def main() -> None:
             m2n_rows += bench_m2n(args.backend, name, [int(x) for x in args.bucket_mb.split(",")],
                                   args.trainer_ranks, args.engine_tp, args.repeats,
                                   args.delta_fraction, args.device, args.ucx_reads,
-                                  args.update_staging, args.update_rollback)
+                                  args.update_staging, args.update_rollback,
+                                  set(args.paths.split(",")) if args.paths else None)
         print(f"\n{args.backend} trainer ranks={args.trainer_ranks} (FSDP2) -> engine "
               f"TP={args.engine_tp} on {args.device} (update staging {args.update_staging}, "
               f"rollback {args.update_rollback}), repeats={args.repeats} (median seconds; "
