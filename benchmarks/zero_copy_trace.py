@@ -124,13 +124,14 @@ def trace_trainer() -> None:
     from wtransfer_ipc.zero_copy import ZeroCopyExports
 
     from wtransfer.rpc import RPCClient
-    from wtransfer.trainer.engine import TrainerTransferEngine
+    from wtransfer.trainer.engine import Share, TrainerTransferEngine
+    from wtransfer.trainer.plans import SenderPlans
     from wtransfer.trainer.source import ModuleSource
 
     for owner, attr, label in (
             (TrainerTransferEngine, "send_weights", "send_weights"),
-            (TrainerTransferEngine, "_layout", "layout"),
-            (TrainerTransferEngine, "in_place", "in_place"), (ZeroCopyExports, "update", "exports"),
+            (SenderPlans, "of", "layout"),
+            (Share, "in_place", "in_place"), (ZeroCopyExports, "update", "exports"),
             (zero_copy, "record_to_wire", "to_wire"), (ModuleSource, "metadata", "metadata")):
         wrap(owner, attr, label)
     names: dict[int, str] = {}

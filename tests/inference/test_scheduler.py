@@ -74,20 +74,22 @@ def test_blocks_generated_one_token_a_step_are_shared_with_a_later_prompt():
     sched, blocks = make(block_size=4)
     a = Sequence("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=20))
     sched.add(a)
-    for token in range(100, 109):  # 14 tokens: three full blocks
-        sched.schedule()
-        a.append(token, 0.0, "v")
-        a.num_computed = len(a) - 1
-        blocks.commit(a)
+
+    def decode(tokens, schedule=True):
+        for token in tokens:  # one a step; the scheduler gives the sequence its blocks
+            if schedule:
+                sched.schedule()
+            a.append(token, 0.0, "v")
+            a.num_computed = len(a) - 1
+            blocks.commit(a)
+
+    decode(range(100, 109))  # 14 tokens: three full blocks
     b = Sequence("b", [*a.tokens[:12], 77], SamplingParams(max_tokens=1))
     sched.add(b)
     sched.schedule()
     assert blocks.hits == 3 and b.block_table[:3] == a.block_table[:3]
     blocks.reset_prefix_cache()
-    for token in range(200, 203):  # a's fourth block fills; the first three publish again
-        a.append(token, 0.0, "v")
-        a.num_computed = len(a) - 1
-        blocks.commit(a)
+    decode(range(200, 203), schedule=False)  # a's fourth block fills; all four publish
     c = Sequence("c", [*a.tokens[:16], 78], SamplingParams(max_tokens=1))
     sched.add(c)
     sched.schedule()

@@ -59,7 +59,8 @@ def predicted_moved(metas: Sequence[TensorMeta], now: Sequence[torch.Tensor],
     sizes: list[int] = []
     for meta, tensor in zip(metas, now, strict=True):
         mine = sampled(bits(tensor.detach()))
-        counts.append((mine != before(meta).to(mine.device, non_blocking=True)).sum())
+        then = before(meta).to(mine.device, non_blocking=mine.is_cuda)  # (a copy to the host
+        counts.append((mine != then).sum())  # must have landed before the host reads it)
         sizes.append(mine.numel())
     if len({c.device for c in counts}) == 1:
         changed = torch.stack(counts).tolist()  # (one read for all)
