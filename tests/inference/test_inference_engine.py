@@ -323,3 +323,26 @@ def test_batched_steps_give_the_tokens_of_each_sequence_computed_alone():
         batched.shutdown()
         alone.shutdown()
     run(main())
+
+
+def test_a_reader_that_falls_behind_gets_the_latest_output_holding_every_token():
+    """A reader that stops reading while the engine goes on is handed the newest cumulative
+    output in place of those it missed: its tokens, logprobs and spans equal those of a
+    reader that kept up (greedy, same prompt), and the last output is the finished one."""
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny"))
+        params = SamplingParams(max_tokens=24, temperature=0)
+        kept_up = await collect(engine, "a", [5, 6, 7], params)
+        seen = []
+        async for out in engine.generate([5, 6, 7], params, request_id="b"):
+            seen.append(out)
+            if len(seen) == 1:
+                await until(lambda: engine.core.replica.tokens_generated >= 48,
+                            "the engine to finish the request meanwhile")
+        engine.shutdown()
+        assert len(seen) < 24 and seen[-1].finished
+        assert len(seen[1].outputs[0].token_ids) > len(seen[0].outputs[0].token_ids) + 1
+        last, want = seen[-1].outputs[0], kept_up.outputs[0]
+        assert (last.token_ids, last.logprobs, last.weight_versions, last.finish_reason) == (
+            want.token_ids, want.logprobs, want.weight_versions, want.finish_reason)
+    run(main())

@@ -66,9 +66,9 @@ class AsyncEngine:
         self.config = config or EngineConfig()
         check_runtime(self.config)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop,
-                                       asyncio.Queue[RequestOutput]]] = {}
+                                       asyncio.Queue[RequestOutput | OutputSnapshot]]] = {}
         self._held: dict[asyncio.AbstractEventLoop, list[tuple[
-            asyncio.Queue[RequestOutput], RequestOutput | OutputSnapshot]]] = {}
+            asyncio.Queue[RequestOutput | OutputSnapshot], RequestOutput | OutputSnapshot]]] = {}
         """Outputs emitted by the engine's thread, not yet delivered (`_emit`)."""
         self._held_lock = threading.Lock()
         self.core: CoreClient
@@ -104,11 +104,12 @@ class AsyncEngine:
                 self._held.pop(loop, None)
 
     def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Put every output held for `loop` into its stream's queue, in order."""
+        """Put every output held for `loop` into its stream's queue, in order (snapshots
+        unbuilt: `generate` builds those it yields)."""
         with self._held_lock:
             held = self._held.pop(loop, [])
         for queue, output in held:
-            queue.put_nowait(output.build() if isinstance(output, OutputSnapshot) else output)
+            queue.put_nowait(output)
 
     def num_workers(self) -> int:
         """Receiving workers behind this engine (its data-parallel ranks times their
@@ -136,7 +137,9 @@ class AsyncEngine:
                        = None, request_id: str | None = None, *, capture_kv: bool = False,
                        prefilled: Prefilled | None = None
                        ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream cumulative outputs of one request; leaving the loop early aborts it.
+        """Stream cumulative outputs of one request; leaving the loop early aborts it. A
+        reader that falls behind the engine gets the latest output in place of the ones it
+        missed (each holds every token so far).
 
         A `request_id` that is already running is refused (`ConfigError`) without touching
         the running request. With `capture_kv` the prompt's K/V is kept for a decode
@@ -144,7 +147,7 @@ class AsyncEngine:
         request decodes from its K/V when the weight versions match (`Replica.add_prefilled`).
         """
         rid = request_id or uuid.uuid4().hex
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput | OutputSnapshot] = asyncio.Queue()
         stream = (asyncio.get_running_loop(), queue)
         if self._streams.setdefault(rid, stream) is not stream:  # atomic check-and-claim
             raise ConfigError(f"request id {rid!r} is already running; use a unique id")
@@ -161,9 +164,12 @@ class AsyncEngine:
                 await self._call("add_request", rid, list(prompt_token_ids), params)
             added = True
             while not finished:
-                output = await queue.get()
-                finished = output.finished
-                yield output
+                waiting = [await queue.get()]
+                while not queue.empty():  # (the engine went on while this request's reader
+                    waiting.append(queue.get_nowait())  # was away)
+                for output in _merged(waiting):
+                    finished = output.finished
+                    yield output
         finally:
             self._streams.pop(rid, None)
             if added and not finished:
@@ -340,3 +346,12 @@ class LocalEngineClient(SingleEngineClient):
 
     def __repr__(self) -> str:
         return f"LocalEngineClient(data_parallel_size={self.engine.num_workers()})"
+
+
+def _merged(waiting: list[RequestOutput | OutputSnapshot]) -> list[RequestOutput]:
+    """The outputs of one request that waited for its reader, in order, built; a snapshot
+    followed by another is left out (each is cumulative: the later holds every token of
+    the earlier), as when a reader falls behind the engine."""
+    return [item.build() if isinstance(item, OutputSnapshot) else item
+            for item, after in zip(waiting, [*waiting[1:], None], strict=True)
+            if not (isinstance(item, OutputSnapshot) and isinstance(after, OutputSnapshot))]
