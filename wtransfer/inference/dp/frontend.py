@@ -46,6 +46,7 @@ from wtransfer.errors import (
 from wtransfer.inference.commands import Emit, check_command, check_engine_call
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.dp.collective import host_store
+from wtransfer.inference.dp.output_stream import FrontEndOutputs
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.params import SamplingParams
 from wtransfer.records import check_pause_mode
@@ -185,6 +186,8 @@ class DataParallelCore:
         self._calls: dict[int, tuple[int, Future[Any]]] = {}
         self._live: dict[str, tuple[int, list[int]]] = {}
         """Each unfinished request's rank and prompt."""
+        self._outputs = FrontEndOutputs()
+        """The front end's copy of each live request's output (ranks send new tokens)."""
         self._ready: set[int] = set()
         self._started = threading.Event()
         self._broken: str | None = None
@@ -264,6 +267,7 @@ class DataParallelCore:
             if not future.done():
                 future.set_exception(RemoteEngineDeadError(reason))
         for rid, (_, prompt) in live.items():
+            self._outputs.forget(rid)
             self.emit(RequestOutput.ended(rid, prompt, "error", reason))
         for proc in self._procs:
             if proc.poll() is None:
@@ -306,7 +310,9 @@ class DataParallelCore:
                     entry[1].set_exception(exc)
         elif kind == "outputs":
             for data in message["outputs"]:
-                output = RequestOutput.from_wire(data)
+                with self._lock:
+                    live = self._live.get(str(data.get("rid", data.get("request_id"))))
+                output = self._outputs.take(data, live[1] if live is not None else None)
                 if output.finished:
                     with self._lock:
                         self._live.pop(output.request_id, None)

@@ -50,6 +50,7 @@ from wtransfer.errors import LifecycleError, PeerError, error_reply, ok_reply
 from wtransfer.inference.commands import run_command
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.dp.collective import RankGroup
+from wtransfer.inference.dp.output_stream import RankOutputs
 from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.steps.scheduler import PauseState
 from wtransfer.inference.steps.sequence import OutputSnapshot
@@ -78,6 +79,8 @@ class DPRank:
     def __init__(self, config: EngineConfig, rank: int, socket: Channel,
                  group: Callable[[], RankGroup]) -> None:
         self._outbox: list[dict[str, Any]] = []
+        self._outputs = RankOutputs()
+        """What the front end holds of each live request's output (new tokens travel)."""
         self.socket = socket
         self.config = config
         self.replica = Replica(config, self._collect,
@@ -107,9 +110,7 @@ class DPRank:
     # -- messages --------------------------------------------------------------------------
 
     def _collect(self, output: RequestOutput | OutputSnapshot) -> None:
-        if isinstance(output, OutputSnapshot):
-            output = output.build()
-        self._outbox.append(output.to_wire())
+        self._outbox.append(self._outputs.entry(output))
 
     def _send(self, message: dict[str, Any]) -> None:
         send_record(self.socket, message)
