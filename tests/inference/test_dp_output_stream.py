@@ -5,7 +5,7 @@ equal the rank's cumulative ones, step by step, through the wire's encoding."""
 from wtransfer import wire
 from wtransfer.inference.dp.output_stream import FrontEndOutputs, RankOutputs
 from wtransfer.inference.params import SamplingParams
-from wtransfer.inference.steps.sequence import Sequence, SeqStatus
+from wtransfer.inference.steps.sequence import SeqStatus, Sequence
 
 
 def test_each_step_sends_its_new_tokens_and_the_front_end_rebuilds_every_output():
