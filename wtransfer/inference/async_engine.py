@@ -19,9 +19,8 @@ from wtransfer.errors import ConfigError, TransferTimeout
 from wtransfer.inference.commands import CoreClient
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.engine_core import EngineCore
-from wtransfer.inference.outputs import RequestOutput
+from wtransfer.inference.outputs import OutputSnapshot, RequestOutput
 from wtransfer.inference.params import SamplingParams
-from wtransfer.inference.steps.sequence import OutputSnapshot
 from wtransfer.records import PauseMode, check_pause_mode
 from wtransfer.registry import get_backend
 from wtransfer.rpc import ReceiverServer

@@ -15,9 +15,8 @@ from typing import Any, Protocol
 
 from wtransfer.errors import ConfigError
 from wtransfer.inference.config import EngineConfig
-from wtransfer.inference.outputs import RequestOutput
+from wtransfer.inference.outputs import OutputSnapshot, RequestOutput
 from wtransfer.inference.params import SamplingParams
-from wtransfer.inference.steps.sequence import OutputSnapshot
 from wtransfer.records import PauseMode
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,3 +92,46 @@ class RequestOutput:
         when its data-parallel rank died."""
         return cls(request_id, list(prompt), [CompletionOutput(0, [], [], reason, [], error)],
                    True)
+
+
+class Generated(Protocol):
+    """What an `OutputSnapshot` reads of a request (a `Sequence`): its lists only grow, and
+    only the end of its last span moves."""
+
+    request_id: str
+    prompt: list[int]
+    output: list[int]
+    logprobs: list[float]
+    spans: list[list[object]]
+
+
+@dataclass(frozen=True)
+class OutputSnapshot:
+    """A request's cumulative output as of one step, built into a `RequestOutput` only when
+    read (`build`, on the reader's thread): the engine's step records a few fields per
+    request instead of copying every token so far (a copy per token: quadratic in the
+    output's length). Safe while the engine goes on: the sequence's token lists only grow,
+    and its spans are cut at `tokens`."""
+
+    seq: Generated
+    """The request's state, which only grows (a `Sequence`)."""
+    tokens: int
+    """Generated tokens at the snapshot."""
+    finish_reason: str | None
+    error: str | None
+    prefilled_by: str
+    finished: bool
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self.seq.request_id
+
+    def build(self) -> RequestOutput:
+        """The `RequestOutput` of the snapshot."""
+        seq, n = self.seq, self.tokens
+        spans = [WeightVersionSpan(str(v), int(s), min(int(e), n))  # type: ignore[call-overload]
+                 for v, s, e in list(seq.spans) if int(s) < n]  # type: ignore[call-overload]
+        completion = CompletionOutput(0, seq.output[:n], seq.logprobs[:n], self.finish_reason,
+                                      spans, self.error, self.prefilled_by)
+        return RequestOutput(seq.request_id, list(seq.prompt), [completion], self.finished)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from wtransfer.inference.outputs import RequestOutput
+from wtransfer.inference.outputs import OutputSnapshot, RequestOutput
 from wtransfer.inference.params import SamplingParams
-from wtransfer.inference.steps.sequence import OutputSnapshot, SeqStatus, Sequence
+from wtransfer.inference.steps.sequence import SeqStatus, Sequence
 
 
 class RankOutputs:

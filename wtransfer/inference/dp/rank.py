@@ -51,9 +51,8 @@ from wtransfer.inference.commands import run_command
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.dp.collective import RankGroup
 from wtransfer.inference.dp.output_stream import RankOutputs
-from wtransfer.inference.outputs import RequestOutput
+from wtransfer.inference.outputs import OutputSnapshot, RequestOutput
 from wtransfer.inference.steps.scheduler import PauseState
-from wtransfer.inference.steps.sequence import OutputSnapshot
 from wtransfer.inference.updates.replica import Replica
 from wtransfer.inference.updates.transfer_lane import TransferLane
 from wtransfer.records import PauseMode

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass
 
-from wtransfer.inference.outputs import CompletionOutput, RequestOutput, WeightVersionSpan
+from wtransfer.inference.outputs import OutputSnapshot, RequestOutput
 from wtransfer.inference.params import SamplingParams
 
 _arrivals = itertools.count()
@@ -89,34 +88,3 @@ class Sequence:
         """The output as of now, to build later (`OutputSnapshot`)."""
         return OutputSnapshot(self, len(self.output), self.finish_reason, self.error,
                               self.prefilled_by, self.status is SeqStatus.FINISHED)
-
-
-@dataclass(frozen=True)
-class OutputSnapshot:
-    """A request's cumulative output as of one step, built into a `RequestOutput` only when
-    read (`build`, on the reader's thread): the engine's step records a few fields per
-    request instead of copying every token so far (a copy per token: quadratic in the
-    output's length). Safe while the engine goes on: the sequence's token lists only grow,
-    and its spans are cut at `tokens`."""
-
-    seq: Sequence
-    tokens: int
-    """Generated tokens at the snapshot."""
-    finish_reason: str | None
-    error: str | None
-    prefilled_by: str
-    finished: bool
-
-    @property
-    def request_id(self) -> str:
-        """The request's id."""
-        return self.seq.request_id
-
-    def build(self) -> RequestOutput:
-        """The `RequestOutput` of the snapshot."""
-        seq, n = self.seq, self.tokens
-        spans = [WeightVersionSpan(str(v), int(s), min(int(e), n))  # type: ignore[call-overload]
-                 for v, s, e in list(seq.spans) if int(s) < n]  # type: ignore[call-overload]
-        completion = CompletionOutput(0, seq.output[:n], seq.logprobs[:n], self.finish_reason,
-                                      spans, self.error, self.prefilled_by)
-        return RequestOutput(seq.request_id, list(seq.prompt), [completion], self.finished)
