@@ -47,7 +47,6 @@ from wtransfer.inference.commands import Emit, check_command, check_engine_call
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.dp.collective import host_store
 from wtransfer.inference.dp.output_stream import FrontEndOutputs
-from wtransfer.inference.outputs import RequestOutput
 from wtransfer.inference.params import SamplingParams
 from wtransfer.records import check_pause_mode
 from wtransfer.wire import parse_record, record_to_wire
@@ -267,8 +266,7 @@ class DataParallelCore:
             if not future.done():
                 future.set_exception(RemoteEngineDeadError(reason))
         for rid, (_, prompt) in live.items():
-            self._outputs.forget(rid)
-            self.emit(RequestOutput.ended(rid, prompt, "error", reason))
+            self.emit(self._outputs.end(rid, prompt, reason))
         for proc in self._procs:
             if proc.poll() is None:
                 proc.kill()
@@ -276,6 +274,13 @@ class DataParallelCore:
     # -- the socket ------------------------------------------------------------------------
 
     def _io_loop(self) -> None:
+        try:
+            self._io_steps()
+        except Exception as exc:  # (a message it cannot take: the engine breaks, no call hangs)
+            log.exception("the data-parallel front end's socket loop failed")
+            self._fail(f"the front end's socket loop failed: {type(exc).__name__}: {exc}")
+
+    def _io_steps(self) -> None:
         next_check = 0.0
         while not self._closing:
             ready = wait_any([self._router, self._inbox], _POLL_MS)

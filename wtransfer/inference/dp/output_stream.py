@@ -33,7 +33,8 @@ class RankOutputs:
         start = self._sent.pop(rid, 0)
         if not output.finished:
             self._sent[rid] = n
-        return {"rid": rid, "from": start, "token_ids": seq.output[start:n],
+        return {"rid": rid, "from": start, **({"prompt": list(seq.prompt)} if not start else {}),
+                "token_ids": seq.output[start:n],
                 "logprobs": seq.logprobs[start:n],
                 "spans": [[str(v), int(s), min(int(e), n)]  # type: ignore[call-overload]
                           for v, s, e in list(seq.spans) if int(s) < n],  # type: ignore[call-overload]
@@ -57,19 +58,27 @@ class FrontEndOutputs:
         rid = str(data["rid"])
         seq = self._requests.get(rid)
         if seq is None:
-            seq = self._requests[rid] = Sequence(rid, prompt or [], SamplingParams())
-        del seq.output[int(data["from"]):]  # (nothing after it was sent: a no-op)
-        del seq.logprobs[int(data["from"]):]
+            seq = self._requests[rid] = Sequence(
+                rid, [int(t) for t in data.get("prompt", prompt or [])], SamplingParams())
+        if int(data["from"]) != len(seq.output):
+            raise ValueError(f"request {rid!r}: a rank sent tokens from {data['from']}, the "
+                             f"front end holds {len(seq.output)}")
         seq.output.extend(int(t) for t in data["token_ids"])
         seq.logprobs.extend(float(lp) for lp in data["logprobs"])
         seq.spans = [[str(v), int(s), int(e)] for v, s, e in data["spans"]]
+        seq.prefilled_by = str(data["prefilled_by"])
         finished = bool(data["finished"])
         if finished:
             seq.status = SeqStatus.FINISHED
-            del self._requests[rid]
+            self._requests.pop(rid, None)
         return OutputSnapshot(seq, len(seq.output), data["finish_reason"], data["error"],
                               str(data["prefilled_by"]), finished)
 
-    def forget(self, request_id: str) -> None:
-        """Drop the copy of a request that ended without a final entry (its rank died)."""
-        self._requests.pop(request_id, None)
+    def end(self, request_id: str, prompt: list[int], error: str) -> RequestOutput:
+        """The final output of a request that ends without its rank's word (the rank died):
+        every token the front end holds, finish_reason "error" with `error`."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return RequestOutput.ended(request_id, prompt, "error", error)
+        return OutputSnapshot(seq, len(seq.output), "error", error, seq.prefilled_by,
+                              True).build()
