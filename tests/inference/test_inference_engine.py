@@ -346,3 +346,27 @@ def test_a_reader_that_falls_behind_gets_the_latest_output_holding_every_token()
         assert (last.token_ids, last.logprobs, last.weight_versions, last.finish_reason) == (
             want.token_ids, want.logprobs, want.weight_versions, want.finish_reason)
     run(main())
+
+
+def test_a_request_id_used_again_right_after_its_reader_left_gets_only_its_own_outputs():
+    """A reader that leaves aborts its request; the same id asked again at once is refused
+    while that abort is pending and then runs as a request of its own: its outputs are its
+    own tokens to the end, none of the aborted request's."""
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny"))
+        short = SamplingParams(max_tokens=8, temperature=0)
+        want = await collect(engine, "ref", [9, 8, 7], short)
+        async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=40), "x"):
+            break  # the reader leaves: the request is aborted
+        refused = 0
+        while True:
+            try:
+                got = await collect(engine, "x", [9, 8, 7], short)
+                break
+            except ConfigError:  # (the id is taken until the abort ran)
+                refused += 1
+                await asyncio.sleep(0.002)
+        engine.shutdown()
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, refused
+        assert got.outputs[0].finish_reason == "length" and got.prompt_token_ids == [9, 8, 7]
+    run(main())

@@ -170,9 +170,24 @@ class AsyncEngine:
                     finished = output.finished
                     yield output
         finally:
-            self._streams.pop(rid, None)
-            if added and not finished:
-                self.core.submit("abort", [rid])
+            if added and not finished:  # the id stays taken until the abort ran: outputs it
+                self._release_after_abort(rid, stream)  # makes are not a new request's
+            else:
+                self._streams.pop(rid, None)
+
+    def _release_after_abort(self, rid: str,
+                             stream: tuple[asyncio.AbstractEventLoop, Any]) -> None:
+        """Abort request `rid`, whose reader left, and free its id once the engine ran the
+        abort (every output of it is emitted by then, to the reader that left)."""
+        def release(_: Future[Any]) -> None:
+            if self._streams.get(rid) is stream:
+                self._streams.pop(rid, None)
+
+        try:
+            self.core.submit("abort", [rid]).add_done_callback(release)
+        except Exception:  # (the engine is gone: nothing will emit for it)
+            release(Future())
+            raise
 
     async def take_captured(self, request_id: str) -> dict[str, Any] | None:
         """The prompt K/V, first token and version kept for a `capture_kv` request, once."""
