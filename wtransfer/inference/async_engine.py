@@ -141,7 +141,7 @@ class AsyncEngine:
         missed (each holds every token so far).
 
         A `request_id` that is already running is refused (`ConfigError`) without touching
-        the running request. With `capture_kv` the prompt's K/V is kept for a decode
+        the running request (one whose reader left stays taken until its abort ran). With `capture_kv` the prompt's K/V is kept for a decode
         instance (`take_captured`); with `prefilled`, a prefill instance's result, the
         request decodes from its K/V when the weight versions match (`Replica.add_prefilled`).
         """
