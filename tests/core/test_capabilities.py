@@ -34,3 +34,13 @@ def test_a_sender_setting_takes_pair_deltas_gets_pair_deltas():
         pass
 
     assert Subclass.capabilities.pair_deltas is True
+
+
+def test_a_sender_overriding_the_old_stats_hook_still_reports_its_fields():
+    with pytest.warns(DeprecationWarning, match="the hook is `_backend_stats` now"):
+        class OldStats(TrainerTransferEngine):  # type: ignore[type-arg]
+            def _moved(self):
+                return {"sent_bytes": 7}
+
+    assert OldStats._backend_stats(None) == {"sent_bytes": 7}  # type: ignore[arg-type]
+    assert TrainerTransferEngine._backend_stats(None) == {}  # type: ignore[arg-type]

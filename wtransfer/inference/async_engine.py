@@ -141,9 +141,10 @@ class AsyncEngine:
         missed (each holds every token so far).
 
         A `request_id` that is already running is refused (`ConfigError`) without touching
-        the running request (one whose reader left stays taken until its abort ran). With `capture_kv` the prompt's K/V is kept for a decode
-        instance (`take_captured`); with `prefilled`, a prefill instance's result, the
-        request decodes from its K/V when the weight versions match (`Replica.add_prefilled`).
+        the running request (one whose reader left stays taken until its abort ran). With
+        `capture_kv` the prompt's K/V is kept for a decode instance (`take_captured`); with
+        `prefilled`, a prefill instance's result, the request decodes from its K/V when the
+        weight versions match (`Replica.add_prefilled`).
         """
         rid = request_id or uuid.uuid4().hex
         queue: asyncio.Queue[RequestOutput | OutputSnapshot] = asyncio.Queue()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -74,7 +75,7 @@ from wtransfer.trainer.calls import Role, UpdateCalls
 from wtransfer.trainer.fleet import FleetUpdates
 from wtransfer.trainer.gather import GatheringPacker
 from wtransfer.trainer.group import Ranks, TrainerGroup
-from wtransfer.trainer.layouts import NoGather
+from wtransfer.trainer.layouts import OwnShardsPacker
 from wtransfer.trainer.listing import TensorListing
 from wtransfer.trainer.plans import SenderPlans, sized
 from wtransfer.trainer.source import WeightSource
@@ -86,7 +87,7 @@ from wtransfer.trainer.updates import (
     first_updates,
     updates_for,
 )
-from wtransfer.transport.window import CallChannel, Movable, SendChannel, send_buckets
+from wtransfer.transport.window import CallChannel, SendChannel, SendUnit, send_buckets
 from wtransfer.wire import parse_record, record_to_wire
 
 log = logging.getLogger("wtransfer.trainer")
@@ -102,7 +103,7 @@ class Share:
     manifest: Manifest
     plan: BucketPlan
     buckets: tuple[Bucket, ...]
-    packer: BucketPacker | GatheringPacker | NoGather
+    packer: BucketPacker | GatheringPacker | OwnShardsPacker
     index: int
     """This sender's index among the senders (0 drives the control plane)."""
     count: int
@@ -148,7 +149,7 @@ class Share:
         return None, self
 
 
-class SentOnce(Protocol):
+class KeptByReceivers(Protocol):
     """What a backend gave its receivers to keep across updates (IPC handles, remote keys):
     kept once an update lands, sent again in full after one fails."""
 
@@ -171,9 +172,9 @@ class Outgoing:
     read the source in place; None when each bucket's call carries its own part."""
     channel: SendChannel[Any] | CallChannel | None = None
     """How the buckets move (None: the opening call carries the whole update)."""
-    kept: SentOnce | None = None
+    kept: KeptByReceivers | None = None
     """What the receivers keep once this update lands."""
-    units: tuple[Movable, ...] | None = None
+    units: tuple[SendUnit, ...] | None = None
     """What the channel moves instead of the share's buckets (an M->N sender's pair
     buckets)."""
 
@@ -204,6 +205,11 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.capabilities = declared_capabilities(cls, SENDER_LEGACY_CAPABILITIES)
+        own = vars(cls)
+        if "_moved" in own and "_backend_stats" not in own:  # (the hook's old name)
+            warnings.warn(f"{cls.__name__} overrides `_moved`; the hook is `_backend_stats` "
+                          "now", DeprecationWarning, stacklevel=2)
+            cls._backend_stats = own["_moved"]  # type: ignore[method-assign]
 
     def __init__(self, init_info: TInitT, *, client: WeightSyncClient | None,
                  source: WeightSource, process_group: Any = None) -> None:
@@ -403,8 +409,8 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                                        self.ranks.sender_index)
                 group = self.ranks.group
                 parts = list(source.parts()) if source.sharded and group is not None else None
-                packer: BucketPacker | GatheringPacker | NoGather = (
-                    NoGather() if self.m2n
+                packer: BucketPacker | GatheringPacker | OwnShardsPacker = (
+                    OwnShardsPacker() if self.m2n
                     else GatheringPacker(layout.plan, parts, layout.owners, group.senders)
                     if parts is not None and group is not None
                     else BucketPacker(layout.plan, source.tensors()))
@@ -434,7 +440,7 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                                   "tensors": len(layout.manifest),
                                   "buckets": len(layout.plan.buckets), "seconds": seconds,
                                   "gathered_peak_bytes": peak}
-        return TransferStats(**{**payload.stats_fields(fields), **self._moved()})
+        return TransferStats(**{**payload.stats_fields(fields), **self._backend_stats()})
 
     def _open(self, manifest: Manifest, calls: UpdateCalls | None) -> None:
         """With several senders, before any sender moves a bucket: the lead confirms its
@@ -508,7 +514,7 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def _moved(self) -> dict[str, Any]:
+    def _backend_stats(self) -> dict[str, Any]:
         """Fields of the last update's `TransferStats` only the backend knows (M->N: its pair
         buckets, bytes this rank sent, bytes each worker received); optional."""
         return {}

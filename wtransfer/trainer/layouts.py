@@ -113,7 +113,7 @@ def held_parts(source: Any, metas: list[TensorMeta]) -> list[torch.Tensor]:
     return [tensor for _, tensor in source.tensors()]
 
 
-class NoGather:
+class OwnShardsPacker:
     """The packer of a rank that sends its own shards (M->N): there is nothing to gather, and
     its buckets are packed by the backend from `LocalShards`."""
 

@@ -27,7 +27,7 @@ import torch
 from wtransfer.packing import Bucket
 
 
-class Movable(Protocol):
+class SendUnit(Protocol):
     """What the loops need of a bucket: `Bucket`, or an M->N `PairBucket` (never direct)."""
 
     @property
@@ -35,7 +35,7 @@ class Movable(Protocol):
         """Whether it moves a source tensor's own bytes (no staging slot)."""
 
 
-B = TypeVar("B", bound=Movable)
+B = TypeVar("B", bound=SendUnit)
 
 Op = TypeVar("Op")
 """A backend's handle on one posted operation (a CUDA event, UCX requests, a pending call)."""
@@ -116,7 +116,7 @@ def units(buckets: Sequence[B], batch: int, first: int | None = None) -> list[li
     return out
 
 
-def send_buckets(buckets: Sequence[Movable], packer: Packer, channel: SendChannel[Op], *,
+def send_buckets(buckets: Sequence[SendUnit], packer: Packer, channel: SendChannel[Op], *,
                  check: Check, all_posted: Callable[[], None] | None = None) -> None:
     """Post every unit of `buckets` in order through `channel`: a packed one into a free
     staging slot (packing the next bucket overlaps the operations already posted), a direct

@@ -174,7 +174,7 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         return (info.zero_copy and not info.checksum and not self.source.sharded
                 and not self.m2n)
 
-    def _moved(self) -> dict[str, Any]:
+    def _backend_stats(self) -> dict[str, Any]:
         return self._last_moved
 
     def _connect(self) -> dict[str, Any]:

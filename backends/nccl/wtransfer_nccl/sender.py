@@ -121,7 +121,7 @@ class NCCLSender(TrainerTransferEngine[NCCLTrainerInitInfo]):
                                   first_batch=DIRECT_FIRST, m2n=self.m2n,
                                   **({"m2n_by_layouts": True} if self._m2n_by_layouts else {}))
 
-    def _moved(self) -> dict[str, Any]:
+    def _backend_stats(self) -> dict[str, Any]:
         return self._last_moved
 
     def _merge(self, fragments: list[dict[str, Any]]) -> dict[str, Any]:

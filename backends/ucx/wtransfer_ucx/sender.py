@@ -171,7 +171,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
                                          self.source.layouts(self.ranks.sender_index or 0))
         return fragment
 
-    def _moved(self) -> dict[str, Any]:
+    def _backend_stats(self) -> dict[str, Any]:
         return self._last_moved
 
     def _merge(self, fragments: list[dict[str, Any]]) -> dict[str, Any]:

@@ -394,7 +394,7 @@ class Replica:
 
     # -- weight transfer (engine thread) ---------------------------------------------------
 
-    def _everywhere(self, command: str, *args: Any) -> None:
+    def _on_every_rank(self, command: str, *args: Any) -> None:
         """Run a weight-transfer command on every rank of the group: the workers first (so
         receivers that must meet, such as an NCCL group, are all in it), then rank 0, then
         wait for the workers' answers (a failure here is the one raised)."""
@@ -410,12 +410,12 @@ class Replica:
             self.workers.wait(pending, command)
 
     def _in_step(self, command: str, *args: Any) -> None:
-        """`_everywhere` for a command of an open update: when it fails the update on one rank
+        """`_on_every_rank` for a command of an open update: when it fails the update on one rank
         while another still has it open, it fails there too (rolled back where enabled); the
         first failure is the one raised. (A rank whose post-processing fails after another
         went live is not undone: in place, `finish_weight_update` stages every rank first.)"""
         try:
-            self._everywhere(command, *args)
+            self._on_every_rank(command, *args)
         except BaseException:
             if self.workers is not None:
                 with contextlib.suppress(Exception):  # the original failure is the one to say
@@ -455,7 +455,7 @@ class Replica:
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Create (once) every rank's receiver of the configured backend and initialize it."""
-        self._everywhere("init_weight_transfer_engine", init_info)
+        self._on_every_rank("init_weight_transfer_engine", init_info)
 
     def _model_bytes(self, model: torch.nn.Module) -> int:
         """Bytes of the whole `model` (every worker together)."""
@@ -497,7 +497,7 @@ class Replica:
             raise LifecycleError("the engine is generating; pause_generation(...) before "
                                  "start_weight_update, or serve with update_staging='swap' "
                                  "to update while generating")
-        self._everywhere("start_weight_update")
+        self._on_every_rank("start_weight_update")
         self.stall.open()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -512,7 +512,7 @@ class Replica:
     def discard_weight_update(self, reason: str) -> None:
         """Fail the open update on every rank (a fleet's other instance failed it): staged,
         the shadow is dropped; in place, rolled back where enabled."""
-        self._everywhere("discard_weight_update", reason)
+        self._on_every_rank("discard_weight_update", reason)
         self.stall.close()
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
