@@ -127,11 +127,16 @@ class OutputSnapshot:
         """The request's id."""
         return self.seq.request_id
 
+    def spans(self) -> list[WeightVersionSpan]:
+        """The request's weight-version spans cut at the snapshot's tokens (the engine may
+        have moved the last one's end since)."""
+        n = self.tokens
+        return [WeightVersionSpan(str(v), int(s), min(int(e), n))  # type: ignore[call-overload]
+                for v, s, e in list(self.seq.spans) if int(s) < n]  # type: ignore[call-overload]
+
     def build(self) -> RequestOutput:
         """The `RequestOutput` of the snapshot."""
         seq, n = self.seq, self.tokens
-        spans = [WeightVersionSpan(str(v), int(s), min(int(e), n))  # type: ignore[call-overload]
-                 for v, s, e in list(seq.spans) if int(s) < n]  # type: ignore[call-overload]
         completion = CompletionOutput(0, seq.output[:n], seq.logprobs[:n], self.finish_reason,
-                                      spans, self.error, self.prefilled_by)
+                                      self.spans(), self.error, self.prefilled_by)
         return RequestOutput(seq.request_id, list(seq.prompt), [completion], self.finished)

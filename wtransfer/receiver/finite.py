@@ -153,10 +153,11 @@ class CheckedCopies:
         them as they are copied (queued on this device's current stream); False where this
         copy cannot check (another device, a small copy, a dtype or an alignment it has no
         rule for, or the kernel failed): then the caller copies and checks as before."""
-        kernel = checked_copy_kernel()
-        if kernel is None or len(self.names) >= self._capacity \
+        if len(self.names) >= self._capacity \
                 or not checks_in_copy(dst, src, dtype, self._device):
             return False
+        kernel = checked_copy_kernel()
+        assert kernel is not None  # (checks_in_copy found it)
         try:
             kernel.copy_and_flag(dst, src, dtype, self.flags, len(self.names))
         except Exception as exc:  # (a device or a Triton it cannot compile for)

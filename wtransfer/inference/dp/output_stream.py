@@ -36,8 +36,7 @@ class RankOutputs:
         return {"rid": rid, "from": start, **({"prompt": list(seq.prompt)} if not start else {}),
                 "token_ids": seq.output[start:n],
                 "logprobs": seq.logprobs[start:n],
-                "spans": [[str(v), int(s), min(int(e), n)]  # type: ignore[call-overload]
-                          for v, s, e in list(seq.spans) if int(s) < n],  # type: ignore[call-overload]
+                "spans": [[s.version, s.start, s.end] for s in output.spans()],
                 "finish_reason": output.finish_reason, "error": output.error,
                 "prefilled_by": output.prefilled_by, "finished": output.finished}
 
