@@ -7,7 +7,7 @@ The public surface: the backend registry (`Backend`, `register_backend`, `get_ba
 `HTTPClient`, `rpc.RPCClient`) and the modules `errors`, `rpc` and `wire`.
 """
 
-from wtransfer import errors, rpc, wire
+from wtransfer import errors, moved, rpc, wire
 from wtransfer.clients import FanoutClient, HTTPClient, LocalClient
 from wtransfer.fingerprint import fingerprint
 from wtransfer.protocol import WeightSyncClient
@@ -32,6 +32,9 @@ from wtransfer.registry import (
 )
 from wtransfer.trainer.engine import TrainerTransferEngine
 from wtransfer.trainer.source import ModuleSource, WeightSource
+
+moved.install("wtransfer", {"channel": "transport.channel", "stacks": "transport.stacks",
+                            "device_kernels": "transport.device_kernels"})
 
 __version__ = "0.1.0"
 

@@ -8,7 +8,7 @@ import sys
 
 from wtransfer.errors import ConfigError, WTransferError
 from wtransfer.registry import list_backends
-from wtransfer.stacks import print_stacks_on_sigusr1
+from wtransfer.transport.stacks import print_stacks_on_sigusr1
 
 SERVER_KEEPALIVE_S = 120
 """How long `wtransfer serve` keeps an idle connection open: far longer than clients reuse

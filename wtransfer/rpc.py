@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import Any
 
 from wtransfer import wire
-from wtransfer.channel import Channel
 from wtransfer.clients import LocalClient, SingleEngineClient, check_workers
 from wtransfer.errors import (
     ConfigError,
@@ -46,6 +45,7 @@ from wtransfer.protocol import (
     spinning,
 )
 from wtransfer.receiver.engine import WeightTransferEngine
+from wtransfer.transport.channel import Channel
 
 SERVED = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
           "finish_weight_update", "fingerprint", "num_workers")

@@ -95,8 +95,14 @@ def test_production_code_never_imports_the_test_harness():
 
 BASE = ("wtransfer.errors", "wtransfer.wire", "wtransfer.records", "wtransfer.protocol",
         "wtransfer.manifest", "wtransfer.packing", "wtransfer.fingerprint", "wtransfer.shapes",
-        "wtransfer.channel", "wtransfer.device_kernels", "wtransfer.stacks", "wtransfer.moved")
-"""The base layer at the package root, which everything else builds on."""
+        "wtransfer.moved", "wtransfer.transport.channel", "wtransfer.transport.device_kernels",
+        "wtransfer.transport.stacks")
+"""The base layer, which everything else builds on: the root's modules below the registry, and
+the control channel, the checked device kernels and the stack printer of `transport/`."""
+
+ROOT_MODULES = {"__init__", "__main__", "errors", "wire", "records", "protocol", "manifest",
+                "packing", "fingerprint", "shapes", "moved", "registry", "clients", "rpc", "cli"}
+"""The package root: the core shared/ARCHITECTURE.md lists there, and the old-names mechanism."""
 
 
 def test_the_base_layer_imports_nothing_above_it():
@@ -107,11 +113,15 @@ def test_the_base_layer_imports_nothing_above_it():
                   and not under(t, *BASE, "wtransfer.transport.copies")) == []
 
 
+def test_the_package_root_holds_only_the_core_it_lists():
+    assert {path.stem for path in PACKAGE.glob("*.py")} == ROOT_MODULES
+
+
 def test_one_module_speaks_zeromq():
-    """`wtransfer.channel` holds every socket of every control channel (rpc, the TP workers,
-    the DP ranks); nothing else in `wtransfer` imports ZeroMQ."""
-    assert broken(lambda m, t: under(t, "zmq") and m != "wtransfer.channel") == []
-    assert any(under(t, "zmq") for t in MODULES["wtransfer.channel"])
+    """`wtransfer.transport.channel` holds every socket of every control channel (rpc, the TP
+    workers, the DP ranks); nothing else in `wtransfer` imports ZeroMQ."""
+    assert broken(lambda m, t: under(t, "zmq") and m != "wtransfer.transport.channel") == []
+    assert any(under(t, "zmq") for t in MODULES["wtransfer.transport.channel"])
 
 
 def test_the_engines_layers_import_only_their_own_layer_or_below():
@@ -132,6 +142,9 @@ def test_the_engines_layers_import_only_their_own_layer_or_below():
     ("wtransfer.transport.mton", "wtransfer.transport.m2n"),
     ("wtransfer_nccl.mton", "wtransfer_nccl.m2n"),
     ("wtransfer_ucx.mton_reads", "wtransfer_ucx.m2n_reads"),
+    ("wtransfer.channel", "wtransfer.transport.channel"),
+    ("wtransfer.stacks", "wtransfer.transport.stacks"),
+    ("wtransfer.device_kernels", "wtransfer.transport.device_kernels"),
 ])
 def test_a_module_imported_by_its_old_name_is_the_moved_one_with_a_warning(old, new):
     import importlib

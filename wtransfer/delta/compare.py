@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from wtransfer.delta.codec import BITS_VIEW, INDEX_DTYPES, bits, index_dtype_for
-from wtransfer.device_kernels import CheckedKernels
 from wtransfer.packing import TensorMeta
+from wtransfer.transport.device_kernels import CheckedKernels
 
 if TYPE_CHECKING:
     from wtransfer.delta.compare_kernels import GroupTable

@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from wtransfer import wire
 from wtransfer.errors import TransferTimeout
-from wtransfer.stacks import print_stacks_on_sigusr1
+from wtransfer.transport.stacks import print_stacks_on_sigusr1
 
 
 def shard(module: Any, ranks: int) -> Any:

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import torch
 
-from wtransfer.device_kernels import CheckedKernels
+from wtransfer.transport.device_kernels import CheckedKernels
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)

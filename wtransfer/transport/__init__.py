@@ -1,4 +1,5 @@
-"""The data plane every backend shares: the send and receive loops, liveness over TCP."""
+"""The data plane every backend shares: the send and receive loops, byte copies, the control
+channel, liveness over TCP, the device-checked kernels and the stack printer of its processes."""
 
 from wtransfer import moved
 

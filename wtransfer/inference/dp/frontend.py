@@ -31,7 +31,6 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from wtransfer import wire
-from wtransfer.channel import Channel, ChannelClosedError, wait_any
 from wtransfer.errors import (
     ConfigError,
     IntegrityError,
@@ -49,6 +48,7 @@ from wtransfer.inference.dp.collective import host_store
 from wtransfer.inference.dp.output_stream import FrontEndOutputs
 from wtransfer.inference.params import SamplingParams
 from wtransfer.records import check_pause_mode
+from wtransfer.transport.channel import Channel, ChannelClosedError, wait_any
 from wtransfer.wire import parse_record, record_to_wire
 
 log = logging.getLogger("wtransfer.dp")

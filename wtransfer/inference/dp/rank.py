@@ -45,7 +45,6 @@ from typing import Any
 
 import torch
 
-from wtransfer.channel import Channel, receive_record, send_record
 from wtransfer.errors import LifecycleError, PeerError, error_reply, ok_reply
 from wtransfer.inference.commands import run_command
 from wtransfer.inference.config import EngineConfig
@@ -56,7 +55,8 @@ from wtransfer.inference.steps.scheduler import PauseState
 from wtransfer.inference.updates.replica import Replica
 from wtransfer.inference.updates.transfer_lane import TransferLane
 from wtransfer.records import PauseMode
-from wtransfer.stacks import print_stacks_on_sigusr1
+from wtransfer.transport.channel import Channel, receive_record, send_record
+from wtransfer.transport.stacks import print_stacks_on_sigusr1
 from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.dp")

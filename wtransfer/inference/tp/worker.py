@@ -9,9 +9,9 @@ it is alive, within the deadline each worker waits for the next message. Weight-
 commands arrive on the command socket and run on a thread of their own (one at a time, in
 order), beside the step loop.
 
-Messages on the command channel (`wtransfer.channel`, msgpack): worker to rank 0 ``{"kind":
-"loaded"}`` once the model is in memory, or ``{"kind": "fatal", type, message}``; rank 0 to
-worker ``{"id", "op", "args"}`` (the DP ranks' calls have the same envelope), answered
+Messages on the command channel (`wtransfer.transport.channel`, msgpack): worker to rank 0
+``{"kind": "loaded"}`` once the model is in memory, or ``{"kind": "fatal", type, message}``;
+rank 0 to worker ``{"id", "op", "args"}`` (the DP ranks' calls have the same envelope), answered
 ``{"id", "ok": true, "result"}`` or ``{"id"}`` with the fields of
 `wtransfer.errors.error_reply`.
 """
@@ -28,7 +28,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from wtransfer.channel import Channel, receive_record, send_record
 from wtransfer.errors import WTransferError, error_reply, ok_reply
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.model.decoder import load_model, shard_model
@@ -43,7 +42,8 @@ from wtransfer.inference.model.parallel import (
 from wtransfer.inference.steps.runner import ModelRunner, StepPlan
 from wtransfer.inference.tp.shard import ShardWeights
 from wtransfer.packing import dtype_name
-from wtransfer.stacks import print_stacks_on_sigusr1
+from wtransfer.transport.channel import Channel, receive_record, send_record
+from wtransfer.transport.stacks import print_stacks_on_sigusr1
 from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.tp")

@@ -30,13 +30,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wtransfer.channel import Channel, receive_record, send_record
 from wtransfer.errors import ConfigError, EngineDeadError, TransferTimeout, reply_result
 from wtransfer.fingerprint import tensor_digest
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.model.parallel import Collective, collective_backend
 from wtransfer.inference.steps.runner import StepPlan
 from wtransfer.records import TensorLayout
+from wtransfer.transport.channel import Channel, receive_record, send_record
 
 _SLICE_S = 0.005
 
