@@ -3,8 +3,16 @@ reads, and that it tells a dense delta from a sparse one, close to the bytes a d
 
 import torch
 
+from wtransfer.delta import estimate
 from wtransfer.delta.codec import index_dtype_for, sparse_limit, sparse_nbytes
-from wtransfer.delta.estimate import RUN, SAMPLE_EVERY, Sample, predicted_moved, sampled
+from wtransfer.delta.estimate import (
+    RUN,
+    SAMPLE_EVERY,
+    Sample,
+    copied_in_groups,
+    predicted_moved,
+    sampled,
+)
 from wtransfer.packing import TensorMeta
 
 
@@ -41,3 +49,18 @@ def test_the_estimate_tells_dense_from_sparse_close_to_the_bytes_a_delta_moves()
     sparse, count = moved(0.005)
     true = sparse_nbytes(count, "int32", 2) + sparse_nbytes(10, "uint16", 4)
     assert 0.8 * true < sparse < 1.2 * true
+
+
+def test_tensors_copied_in_groups_come_back_bit_exact_whatever_their_dtypes_and_lengths(
+        monkeypatch):
+    monkeypatch.setattr(estimate, "GROUP_BYTES", 100)  # (several groups, several per group)
+    generator = torch.Generator().manual_seed(1)
+    named = [(f"t{i}", torch.randint(-1000, 1000, (length,), generator=generator).to(dtype))
+             for i, (length, dtype) in enumerate([(3, torch.int16), (5, torch.int32),
+                                                  (1, torch.int64), (77, torch.int16),
+                                                  (2, torch.uint8), (9, torch.int32)])]
+    named.append(("runs", torch.arange(40, dtype=torch.int16).view(4, 10)[:, :3]))  # strided
+    copies = copied_in_groups(named, torch.device("cpu"))
+    assert list(copies) == [name for name, _ in named]
+    for name, tensor in named:
+        assert copies[name].dtype == tensor.dtype and torch.equal(copies[name], tensor)

@@ -23,6 +23,8 @@ RUN = 1024
 """Elements of one sampled run (contiguous: a few cache lines)."""
 SAMPLE_EVERY = 64
 """One run is sampled in every this many."""
+GROUP_BYTES = 64 << 20
+"""A sample moved to another device goes in groups of about this many bytes, one copy each."""
 
 
 def sampled(flat: torch.Tensor) -> torch.Tensor:
@@ -41,12 +43,50 @@ class Sample:
     def __init__(self, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor],
                  device: torch.device) -> None:
         self.metas = list(metas)
-        self._bits = {meta.name: sampled(bits(t.detach())).to(device, copy=True)
-                      for meta, t in zip(metas, tensors, strict=True)}
+        self._bits: dict[str, torch.Tensor] = {}
+        elsewhere: list[tuple[str, torch.Tensor]] = []
+        for meta, tensor in zip(metas, tensors, strict=True):
+            runs = sampled(bits(tensor.detach()))
+            if runs.device == device:
+                self._bits[meta.name] = runs.clone()
+            else:
+                elsewhere.append((meta.name, runs))
+        self._bits.update(copied_in_groups(elsewhere, device))
 
     def of(self, meta: TensorMeta) -> torch.Tensor:
         """`meta`'s sampled bits as sent."""
         return self._bits[meta.name]
+
+
+def copied_in_groups(named: Sequence[tuple[str, torch.Tensor]], device: torch.device
+                     ) -> dict[str, torch.Tensor]:
+    """A copy of each tensor on `device`, made as one copy per group of about `GROUP_BYTES`
+    (a tensor per copy would wait for each device-to-host copy in turn)."""
+    out: dict[str, torch.Tensor] = {}
+    group: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for index, (name, tensor) in enumerate(named):
+        group.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size < GROUP_BYTES and index + 1 < len(named):
+            continue
+        parts: list[torch.Tensor] = []
+        offsets: list[int] = []
+        offset = 0
+        for _, part in group:
+            nbytes = part.numel() * part.element_size()
+            padded = -(-nbytes // 16) * 16  # (each part starts aligned for its dtype's view)
+            flat = part.reshape(-1).view(torch.uint8)
+            parts.append(flat if padded == nbytes else
+                         torch.cat([flat, flat.new_zeros(padded - nbytes)]))
+            offsets.append(offset)
+            offset += padded
+        moved = torch.cat(parts).to(device)
+        for (part_name, part), start in zip(group, offsets, strict=True):
+            nbytes = part.numel() * part.element_size()
+            out[part_name] = moved[start:start + nbytes].view(part.dtype).view(part.shape)
+        group, size = [], 0
+    return out
 
 
 def predicted_moved(metas: Sequence[TensorMeta], now: Sequence[torch.Tensor],
