@@ -125,25 +125,10 @@ or "drop" the instance and land the update on the others."""
 
 
 class FanoutClient:
-    """A fleet of engine instances behind an external load balancer, updated as one.
-
-    Every call goes to each instance concurrently; an instance's failure names it (its
-    client's repr: URL or address). The finish has two phases where every instance can check
-    an update without making it live (`TwoPhaseClient`: our engine and receivers): every
-    instance stages, then every instance commits, each at its next step boundary.
-
-    - ``on_failure="abort"`` (the default): all or nothing. An instance that fails before the
-      commit fails the update on every instance: each keeps its previous weights and version
-      (staged engines drop their shadows; in-place ones roll back where enabled) and keeps
-      serving; the error names each failed instance.
-    - ``on_failure="drop"``: a failed (or dead) instance leaves the fleet and the update lands on
-      the others; the sender's `TransferStats.dropped` names it. Later updates go to the
-      survivors (a backend whose one group spans every instance, nccl, re-forms it for them).
-
-    `add(client)` joins an instance: the sender's next `send_weights` initializes the
-    transport to it first. `fingerprint()` returns the common digest and raises
-    `IntegrityError` when the instances disagree.
-    """
+    """A fleet of engine instances updated as one: every call goes to each instance concurrently.
+    `on_failure="abort"` (default): an update lands on every instance or on none; "drop": a failed
+    instance leaves the fleet (`TransferStats.dropped`). Errors name the failed instances. `add`
+    joins one; `fingerprint()` raises `IntegrityError` when instances disagree (docs/fleets.md)."""
 
     def __init__(self, clients: Sequence[WeightSyncClient], *,
                  on_failure: OnFailure = "abort") -> None:

@@ -162,9 +162,7 @@ def reply_result(reply: object, where: str) -> Any:
 def error_reply(exc: BaseException) -> dict[str, object]:
     """A failed call's reply, as plain data: ``{"ok": false, "type": <class>, "message"}``.
 
-    Every control plane (RPC, HTTP, the data-parallel sockets) answers failures this way;
-    `from_reply` turns one back into an exception.
-    """
+    Every control plane answers failures this way; `from_reply` turns one back into an exception."""
     return {"ok": False, "type": error_kind(exc), "message": str(exc)}
 
 

@@ -115,11 +115,9 @@ class Manifest:
 
 
 class Manifests:
-    """The last tensor list a receiver got, so that the next update may name it by digest.
-
-    An update carries either the list (`tensors`, parsed again only when it differs from the
-    last one; comparing raw lists is cheap) or `tensors_digest`, the digest of the last one;
-    anything else is refused before any weight changes."""
+    """The last tensor list a receiver got, so the next update may name it by digest: an update
+    carries the list (`tensors`, parsed again only when it differs) or `tensors_digest` of the last
+    one; anything else is refused before any weight changes."""
 
     def __init__(self) -> None:
         self.last: Manifest | None = None

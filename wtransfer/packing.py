@@ -171,11 +171,9 @@ class Slice:
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """One bucket: its index, the bytes in use, and the slices it carries in order.
-
-    A `direct` bucket is one whole tensor moved straight from the sender's tensor into the
-    receiver's, with no staging copy on either side (see `BucketPlan.build`).
-    """
+    """One bucket: its index, the bytes in use, and the slices it carries in order. A `direct`
+    bucket is one whole tensor moved from the sender's tensor into the receiver's, with no staging
+    copy on either side (see `BucketPlan.build`)."""
 
     index: int
     nbytes: int
@@ -217,12 +215,9 @@ class BucketPlan:
         cls, metas: Sequence[TensorMeta], bucket_bytes: int, align: int = DEFAULT_ALIGN,
         direct_threshold: int = 0,
     ) -> BucketPlan:
-        """Lay out `metas` in order; both sides get the same plan from the same inputs.
-
-        With `direct_threshold` > 0, a tensor of at least that many bytes becomes a bucket of
-        its own marked `direct`: backends that can move a tensor in place (a broadcast into the
-        destination) skip both staging copies for it. Small tensors are still packed.
-        """
+        """Lay out `metas` in order; both sides get the same plan from the same inputs. With
+        `direct_threshold` > 0 a tensor of at least that many bytes is a `direct` bucket of its own
+        (moved without staging copies where the backend can); smaller tensors are still packed."""
         if not isinstance(align, int) or align < 1 or align & (align - 1):
             raise ConfigError(f"align must be a positive power of two, got {align!r}")
         if not isinstance(bucket_bytes, int) or bucket_bytes < align:
@@ -315,11 +310,8 @@ def signature(tensors: Iterable[torch.Tensor]) -> tuple[list[torch.Size], list[t
 
 class BucketPacker:
     """Packs a plan's buckets in order from a tensor iterator, one source tensor live at a time.
-
-    It checks that the source yields exactly the announced tensors, in order, with the announced
-    dtype and shape, so a mismatch becomes a `MetadataError` on the sender instead of a hang or
-    garbage on the receiver.
-    """
+    A source that does not yield exactly the announced tensors, in order, with the announced dtype
+    and shape, is a `MetadataError` on the sender (not a hang or garbage on the receiver)."""
 
     def __init__(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._plan = plan
@@ -470,11 +462,9 @@ _weights_cache: dict[torch.device, torch.Tensor] = {}
 
 
 def bucket_checksum(data: torch.Tensor) -> int:
-    """A 64-bit position-weighted checksum of uint8 `data`, identical on CPU and CUDA.
-
-    Sum and index-weighted sum of the 64-bit words (wrapping), folded together: detects flipped,
-    dropped and reordered words. Integer arithmetic, so the reduction order does not matter.
-    """
+    """A 64-bit position-weighted checksum of uint8 `data`, identical on CPU and CUDA: the wrapping
+    sum and index-weighted sum of its 64-bit words, folded; it detects flipped, dropped and
+    reordered words."""
     n = data.numel()
     whole = n // 8 * 8
     tail = bytes(data[whole:].cpu().tolist()) + b"\0" * ((8 - (n - whole)) % 8)

@@ -23,12 +23,9 @@ index of its first receiving worker among all workers and how many it has."""
 
 @runtime_checkable
 class WeightSyncClient(Protocol):
-    """What a sender calls on whatever holds the receiving engine(s).
-
-    One client reaches one engine instance (`LocalClient`, `rpc.RPCClient`, `HTTPClient`) or
-    several (`FanoutClient`); an engine instance has one or more receiving workers (its
-    data-parallel ranks).
-    """
+    """What a sender calls on whatever holds the receiving engine(s): one engine instance
+    (`LocalClient`, `rpc.RPCClient`, `HTTPClient`) or several (`FanoutClient`); an instance has one
+    or more receiving workers (its data-parallel ranks)."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Initialize every receiver behind this client with the same init info."""

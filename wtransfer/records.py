@@ -160,11 +160,9 @@ class WireParams:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerInitInfo(WireParams):
-    """Base of every backend's trainer-side init info; `backend` picks the backend.
-
-    A subclass must set `backend` (checked when the class is defined); an intermediate base
-    that is not meant to be used itself says so with ``class X(TrainerInitInfo, abstract=True)``.
-    """
+    """Base of every backend's trainer-side init info; `backend` picks the backend. A subclass must
+    set it (checked when the class is defined), unless it is an intermediate base declared with
+    ``class X(TrainerInitInfo, abstract=True)``."""
 
     backend: ClassVar[str] = ""
     per_rank_fields: ClassVar[frozenset[str]] = frozenset(
@@ -243,11 +241,9 @@ _DELTA_TOKEN = re.compile(r"[0-9a-f]{32}")
 
 @dataclass(frozen=True, kw_only=True)
 class DeltaHeader:
-    """The identity of an update of a delta-enabled sender, and the base it builds on (what
-    a delta-enabled update says about itself, in its first update call).
-
-    Receivers that finish the update hold `token` as their base; `base` (None for a full
-    update) is the token they must hold for the update to apply at all."""
+    """What a delta-enabled sender's update says about itself in its first update call: `token`, its
+    identity, which receivers that finish it hold as their base, and `base` (None for a full
+    update), the token a receiver must hold for the update to apply at all."""
 
     token: str
     """This update's identity (128 random bits, hex)."""

@@ -34,10 +34,8 @@ ENTRY_POINT_GROUP = "wtransfer.backends"
 @dataclass(frozen=True)
 class Backend:
     """A backend: one name for both sides, classes as ``"module:Class"`` strings or classes.
-
-    `requires` lists importable module names the backend needs; when one is missing the
-    backend is listed as unavailable with `install_hint` as the reason.
-    """
+    `requires` lists importable modules it needs; when one is missing the backend is listed as
+    unavailable with `install_hint` as the reason."""
 
     name: str
     receiver: str | type
@@ -190,10 +188,8 @@ def trainer_init(
     process_group: Any = None,
 ) -> TrainerTransferEngine[Any]:
     """Create the sender for `init_info`'s backend and initialize every receiver behind `client`.
-
-    With a sharded source (FSDP2 / DTensor), `client=None` on some ranks, or `process_group`,
-    every trainer rank of the group calls this (and `send_weights`) together; the ranks with a
-    client send (see `wtransfer.trainer.engine`)."""
+    With a sharded source (FSDP2 / DTensor), `client=None` on some ranks, or `process_group`, every
+    trainer rank of the group calls this (and `send_weights`) together; ranks with a client send."""
     name = getattr(type(init_info), "backend", "")
     if not name:
         raise ConfigError(f"{type(init_info).__name__} names no backend; pass a backend's "

@@ -85,12 +85,9 @@ def _cuda_bytes() -> int:
 
 
 class ReceiverServer:
-    """Serves a receiver's weight-sync calls at `address` (``tcp://host:0`` picks a port).
-
-    Calls that change the receiver run one at a time, in arrival order, on a worker thread;
-    `status` is answered at once even while a long `update_weights` is running, so a watcher
-    (or a health check) never waits behind a transfer.
-    """
+    """Serves a receiver's weight-sync calls at `address` (``tcp://host:0`` picks a port). Calls
+    that change the receiver run one at a time in arrival order; `status` is answered at once,
+    even during a long `update_weights`."""
 
     def __init__(
         self,
@@ -172,11 +169,9 @@ class ReceiverServer:
 
     def _next_call(self, soon: bool) -> tuple[list[bytes], str, dict[str, Any],
                                               bytes | None] | None:
-        """The next queued call, waiting for it. When one is expected `soon` (an update's
-        calls follow its start within milliseconds), this thread first reads the socket
-        itself, without sleeping, for up to `protocol.SPIN_WINDOW_S`: the call then starts
-        without waking the serving thread and then this one (about 0.1 ms on one H200's
-        host)."""
+        """The next queued call, waiting for it. When one is expected `soon` (after a start), this
+        thread first reads the socket itself, without sleeping, for up to `protocol.SPIN_WINDOW_S`,
+        so the call starts without two thread wake-ups."""
         if soon:
             until = time.monotonic() + SPIN_WINDOW_S
             while self._work.empty() and time.monotonic() < until \
@@ -240,13 +235,9 @@ class ReceiverServer:
         return method, args, None if after is None else after.to_bytes(8, "little")
 
     def _execute(self) -> None:
-        """Run the queued calls in order, sending each reply from this thread. A reply is held
-        back while the same caller's finish, already queued, runs next, and goes out with the
-        finish's: that caller waits for the finish anyway, which then starts without a send
-        before it. (The finish was submitted while the held call ran, so the held reply
-        arrives within its own deadline whenever the finish's does, but for the time between
-        the two submissions.) After a start, the next call is read without sleeping
-        (`_next_call`)."""
+        """Run the queued calls in order, sending each reply from this thread. A reply is held back
+        while the same caller's finish, already queued, runs next, and goes out with the finish's;
+        after a start the next call is read without sleeping (`_next_call`)."""
         held: list[list[bytes]] = []
         item = self._work.get()
         started = False  # whether the last call opened an update
@@ -361,12 +352,9 @@ class RPCCall:
 
 
 class RPCClient(SingleEngineClient):
-    """The trainer's end of a `ReceiverServer`; a `WeightSyncClient` with deadlines.
-
-    Requests travel on a DEALER socket tagged with an id that the server echoes, so several
-    may be in flight at once (`submit`: the server runs them in arrival order) and a reply that
-    comes after its caller gave up is recognized and dropped. Safe to share between threads.
-    """
+    """The trainer's end of a `ReceiverServer`: a `WeightSyncClient` with deadlines, safe to share
+    between threads. Several calls may be in flight (`submit`; the server runs them in arrival
+    order); a reply that comes after its caller gave up is dropped."""
 
     def __init__(self, address: str, *, timeout_s: float = 60.0) -> None:
         if timeout_s <= 0:
@@ -424,12 +412,9 @@ class RPCClient(SingleEngineClient):
 
     def _collect(self, call_id: int, deadline: float, spin_from: float | None = None,
                  taken: Callable[[], bool] | None = None) -> bytes | None:
-        """The reply body of `call_id` once in, or None at `deadline`. Whoever waits reads
-        every reply that arrives and files it by id; the lock is given up every few ms so
-        another thread's request or wait is never held behind a long one. From `spin_from`
-        on, for `protocol.SPIN_WINDOW_S`, it polls without sleeping (a thread woken from a
-        sleep takes a while to run again on an idle host: a few hundred microseconds on one
-        H200's host)."""
+        """The reply body of `call_id` once in, or None at `deadline`. The waiter files every reply
+        that arrives by id and gives the lock up every few ms; from `spin_from`, for
+        `protocol.SPIN_WINDOW_S`, it polls without sleeping."""
         while True:
             with self._lock:
                 if call_id in self._replies:

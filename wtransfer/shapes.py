@@ -113,11 +113,9 @@ def build_module(metas: Sequence[TensorMeta], seed: int, device: str = "cpu",
 
 @torch.no_grad()
 def randomize(module: nn.Module, seed: int) -> None:
-    """Refill every tensor of `module` in place with values drawn from `seed` (a sharded
-    tensor gets its own rows of the same full tensor on every rank). Values are drawn where
-    the tensor lives, by one generator per device: a GPU model is filled in milliseconds
-    (a CPU generator took minutes for 8B parameters), and the same seed gives the same values
-    on every rank of one device type (CPU and CUDA draws differ)."""
+    """Refill every tensor of `module` in place with values drawn from `seed` where it lives (one
+    generator per device: the same values on every rank of one device type, other values on CPU
+    than on CUDA); a sharded tensor gets its rows of the same full tensor on every rank."""
     generators: dict[torch.device, torch.Generator] = {}
     for tensor in module.state_dict(keep_vars=True).values():
         t = tensor.data
@@ -141,11 +139,9 @@ def randomize(module: nn.Module, seed: int) -> None:
 
 @torch.no_grad()
 def perturb(module: nn.Module, fraction: float, seed: int) -> int:
-    """Flip the lowest bit of about `fraction` of the elements of every tensor of `module`
-    (at least one each; distinct positions drawn from `seed`: a few fewer than `fraction` in
-    tensors of a million elements or more), in place, as a small training step changes a few
-    elements; returns how many elements changed. A sharded tensor changes in this rank's
-    shard only (the same positions of each shard on every rank; replicas change alike)."""
+    """Flip the lowest bit of about `fraction` of every tensor's elements in place (at least one
+    each, distinct positions from `seed`), as a small training step would; returns how many
+    changed. A sharded tensor changes in this rank's shard only, at the same positions on each."""
     total = 0
     for number, tensor in enumerate(module.state_dict(keep_vars=True).values()):
         gen = torch.Generator().manual_seed(seed * 100_003 + number)  # each its own draws

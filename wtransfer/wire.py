@@ -118,11 +118,9 @@ def parse_record(
     where: str,
     error: type[Exception] = ConfigError,
 ) -> R:
-    """Build dataclass `cls` from `data`, naming `where` and the bad field on any mismatch.
-
-    An instance of `cls` passes through unchanged. Unknown fields, missing required fields and
-    values of the wrong type raise `error`; the dataclass's own `__post_init__` then checks ranges.
-    """
+    """Build dataclass `cls` from `data`, naming `where` and the bad field on any mismatch. An
+    instance of `cls` passes through; unknown or missing required fields and values of the wrong
+    type raise `error`, then the dataclass's `__post_init__` checks ranges."""
     if type(data) is not dict:  # (a decoded message is a plain dict: no instance checks)
         if isinstance(data, cls):
             return data

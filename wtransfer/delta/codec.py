@@ -102,13 +102,9 @@ WORD_FROM = 1 << 16
 
 def changed(current: torch.Tensor, last: torch.Tensor, limit: int
             ) -> tuple[torch.Tensor | None, int]:
-    """(flat int64 indices, ascending, of the elements of `current` whose bits differ from
-    `last` (a `bits` view of the same length, on the same device), how many they are); the
-    indices are None when more than `limit` differ (the caller sends the tensor whole). Large
-    tensors are compared as 8-byte words first (a quarter of the comparisons for bf16, and a
-    quarter of the mask to scan); the changed words are counted before any index is made, so
-    a tensor that goes whole costs a count, not the indices of most of its elements; then
-    only the changed words are compared element by element."""
+    """(ascending flat int64 indices of the elements of `current` whose bits differ from `last`, a
+    `bits` view of the same length on the same device, and how many differ); the indices are None
+    when more than `limit` differ (the caller then sends the tensor whole)."""
     now = bits(current)
     width = now.element_size()
     if (width == 8 or now.numel() < WORD_FROM or (now.numel() * width) % 8

@@ -134,13 +134,9 @@ class LastSent:
 
     def changes(self, now: Iterable[tuple[str, torch.Tensor]], limits: Mapping[str, int]
                 ) -> Iterator[tuple[str, torch.Tensor, Change]]:
-        """(name, tensor as given, what changed) for each named tensor `now` since the copy,
-        which then holds it; tensors are held only until their group is compared (a group
-        per element width, so interleaved widths do not cut groups short; on CUDA, where
-        the next group's comparison runs on a stream of its own while this one's changes
-        are gathered, until the group after it is queued too). A tensor with more than
-        `limits[name]` changed elements may come without indices; a name that comes twice is
-        a ValueError."""
+        """(name, tensor as given, what changed) for each named tensor of `now` since the copy,
+        which then holds it. A tensor with more than `limits[name]` changed elements may come
+        without indices; a name that comes twice is a `ValueError`."""
         most = GROUP_BYTES.get(self.device.type, GROUP_BYTES["cpu"])
         forming: dict[int, list[tuple[_Slot, torch.Tensor, torch.Tensor]]] = {}
         sizes: dict[int, int] = {}

@@ -193,11 +193,10 @@ def _encode_kernel(index, values, owner, first, index_at, values_at,  # type: ig
 
 def encode(index: torch.Tensor, values: torch.Tensor, owner: torch.Tensor,
            layout: torch.Tensor, out: torch.Tensor) -> None:
-    """Write the sparse payloads of a group's changed elements into `out` (uint8) at once:
-    element i (its flat index `index[i]`, its bits `values[i]`) belongs to tensor
-    `owner[i]`; `layout` (int64, one row per tensor: its first element in `index`, where its
-    indices and its values start in `out`, its index width in bytes, 0 for a tensor not
-    encoded) places it."""
+    """Write a group's sparse payloads into uint8 `out` at once. Element i (flat index `index[i]`,
+    bits `values[i]`) belongs to tensor `owner[i]`; `layout` has an int64 row per tensor: its
+    first element in `index`, its indices' and values' offsets in `out`, its index width (0:
+    not encoded)."""
     n = index.numel()
     if n:
         first, index_at, values_at, index_width = layout.unbind(0)

@@ -16,11 +16,9 @@ from wtransfer.records import Box, TensorLayout
 
 
 class DeltaTarget(WeightTarget):
-    """`inner` as a delta's receiver sees it: a dense entry is the tensor itself (loaded as
-    any update loads it); a sparse entry is a uint8 payload whose changed elements are written
-    into the weights `inner` holds, in place: through its byte view, its regions (a worker
-    that keeps a shard of the tensor writes the elements inside it), or a copy of the tensor
-    loaded back whole."""
+    """`inner` as a delta's receiver sees it: a dense entry is loaded as any update loads it; a
+    sparse entry (a uint8 payload) has its changed elements written into `inner`'s weights in
+    place, through its byte view, its regions, or a copy of the tensor loaded back whole."""
 
     def __init__(self, inner: WeightTarget, entries: Sequence[DeltaEntry], *,
                  finite: FiniteCheck | None = None) -> None:

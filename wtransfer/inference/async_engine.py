@@ -136,16 +136,10 @@ class AsyncEngine:
                        = None, request_id: str | None = None, *, capture_kv: bool = False,
                        prefilled: Prefilled | None = None
                        ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream cumulative outputs of one request; leaving the loop early aborts it. A
-        reader that falls behind the engine gets the latest output in place of the ones it
-        missed (each holds every token so far).
-
-        A `request_id` that is already running is refused (`ConfigError`) without touching
-        the running request (one whose reader left stays taken until its abort ran). With
-        `capture_kv` the prompt's K/V is kept for a decode instance (`take_captured`); with
-        `prefilled`, a prefill instance's result, the request decodes from its K/V when the
-        weight versions match (`Replica.add_prefilled`).
-        """
+        """Stream cumulative outputs of one request; leaving early aborts it; a slow reader gets the
+        latest output in place of those it missed. A `request_id` still running (or not yet
+        aborted) is a `ConfigError`. `capture_kv` keeps the prompt's K/V for a decode instance;
+        `prefilled` decodes from a prefill's K/V when versions match (`Replica.add_prefilled`)."""
         rid = request_id or uuid.uuid4().hex
         queue: asyncio.Queue[RequestOutput | OutputSnapshot] = asyncio.Queue()
         stream = (asyncio.get_running_loop(), queue)

@@ -107,11 +107,9 @@ class Generated(Protocol):
 
 @dataclass(frozen=True)
 class OutputSnapshot:
-    """A request's cumulative output as of one step, built into a `RequestOutput` only when
-    read (`build`, on the reader's thread): the engine's step records a few fields per
-    request instead of copying every token so far (a copy per token: quadratic in the
-    output's length). Safe while the engine goes on: the sequence's token lists only grow,
-    and its spans are cut at `tokens`."""
+    """A request's cumulative output as of one step: a few fields the step records, built into a
+    `RequestOutput` only when read (`build`, on the reader's thread). Safe to build while the
+    engine goes on: the sequence's token lists only grow, and its spans are cut at `tokens`."""
 
     seq: Generated
     """The request's state, which only grows (a `Sequence`)."""

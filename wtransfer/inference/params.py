@@ -20,11 +20,8 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How to pick each token. temperature 0 is greedy; logprobs of sampled tokens are always
-    returned (under the temperature-scaled distribution, before top-k/top-p).
-
-    Every field is range-checked here, so a request the engine accepts can always be sampled:
-    a bad value is a `ConfigError` (HTTP 400) naming the field and its allowed range.
-    """
+    returned (temperature-scaled, before top-k/top-p). Every field is range-checked here: a bad
+    value is a `ConfigError` (HTTP 400) naming the field and its allowed range."""
 
     max_tokens: int = 16
     temperature: float = 1.0

@@ -10,11 +10,9 @@ from wtransfer.shapes import build_module, model_metas
 
 
 def build(name: str, seed: int, device: str, fill: str = "random") -> nn.Module:
-    """Build model `name` filled from `seed` on `device`; ``llm:NAME`` is the inference
-    engine's own model (`wtransfer.inference.load_model`); ``hf:DIR`` the transformers model
-    saved in DIR, as saved (`seed` and `fill` do not apply). ``llm:`` models draw on the
-    host (the same values on every device); the others where they live (`randomize`: the
-    same seed gives other values on CPU than on CUDA)."""
+    """Build model `name` filled from `seed` on `device`: ``llm:NAME`` is the engine's own model
+    (drawn on the host: the same values on every device), ``hf:DIR`` a saved transformers model as
+    saved (`seed`, `fill` unused); others draw where they live (CPU and CUDA values differ)."""
     if name.startswith("hf:"):
         from transformers import AutoModelForCausalLM  # only for a checkpoint's model
 

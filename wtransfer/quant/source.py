@@ -35,16 +35,10 @@ from wtransfer.trainer.source import WeightSource
 
 
 class Fp8Source(WeightSource):
-    """`inner`'s tensors as an FP8 engine stores them (`wtransfer.quant.fp8`): each quantized
-    weight as float8_e4m3fn followed by its float32 block scales (quantized on the trainer's
-    device as it is sent), every other tensor unchanged.
-
-    `keep_buffers`: quantize CUDA weights (of an unsharded source) into buffers kept across
-    updates, half the weights' bytes held between updates, so a sender that reads them in
-    place (zero-copy CUDA IPC) shares the same storages every update instead of exporting
-    new ones (Qwen3-8B on an H100: 101.9 ms an update against 149.8). None (default): only
-    once such a sender asked (`read_in_place`); a sender that packs them gets new tensors,
-    freed as they are sent. True: always; False: never."""
+    """`inner`'s tensors as an FP8 engine stores them: each quantized weight as float8_e4m3fn and
+    its float32 block scales (quantized on the trainer's device as sent), others unchanged.
+    `keep_buffers` True quantizes an unsharded source's CUDA weights into buffers kept across
+    updates (half the weights' bytes); None (default) only once a sender reads in place."""
 
     def __init__(self, inner: WeightSource, *, keep_buffers: bool | None = None) -> None:
         self.inner = inner

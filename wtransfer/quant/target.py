@@ -99,11 +99,9 @@ class Fp8Target(WeightTarget):
         self.inner.load_weights(out)
 
     def _quantize_part(self, name: str, full: torch.Tensor) -> bool:
-        """A worker that keeps boxes of `name` (whole 128 x 128 blocks: the engine checks
-        that at start-up; a tensor-parallel expert layer keeps two, its gate and its up rows)
-        quantizes those parts alone and writes them and their scales in place: the same bytes
-        as quantizing the full tensor, at 1/N of the work, and an M->N update fills only
-        these parts of `full`. False when the worker holds `name` whole."""
+        """Quantize only the boxes of `name` this worker keeps (whole 128 x 128 blocks) and write
+        them and their scales in place: the full tensor's bytes at 1/N of the work. An M->N
+        update fills only these parts of `full`. False when the worker holds `name` whole."""
         kept = self.inner.keeps()
         layout = kept.get(name) if kept is not None else None
         scales = kept.get(name + SCALE_SUFFIX) if kept is not None else None

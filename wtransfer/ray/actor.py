@@ -52,13 +52,9 @@ existing cluster takes the same setting where it starts (``RAY_worker_niceness=0
 
 
 def undo_worker_niceness() -> int:
-    """Bring every thread of this process back to niceness 0 and return the niceness it had.
-
-    Ray starts its worker processes at niceness 15 (its `worker_niceness` setting), below every
-    ordinary process: an engine there gets almost no CPU while the node is busy (a trainer, a
-    tokenizer, other engines), and its steps, pauses and updates wait. Linux keeps a niceness
-    per thread, so each one is reset. Lowering niceness needs root or CAP_SYS_NICE; without
-    it a warning names the Ray setting to change instead."""
+    """Bring every thread of this process back to niceness 0 and return the niceness it had (Ray
+    starts workers at 15, which starves an engine on a busy node: docs/ray.md). Needs root or
+    CAP_SYS_NICE; without it a warning names the Ray setting to change instead."""
     before = os.getpriority(os.PRIO_PROCESS, 0)
     if before <= 0:
         return before
@@ -79,13 +75,9 @@ def undo_worker_niceness() -> int:
 
 
 class EngineActor:
-    """Hosts one `AsyncEngine` (every data-parallel rank of it) in a Ray actor.
-
-    Create it with `start_engines` (or ``ray.remote(EngineActor).remote(config_bytes)``):
-    `config` is an `EngineConfig` as msgpack bytes of its fields. The actor first leaves the
-    low priority Ray gives its workers (`undo_worker_niceness`): it is an engine serving
-    requests, not background work.
-    """
+    """Hosts one `AsyncEngine` (every data-parallel rank of it) in a Ray actor. Create it with
+    `start_engines` (or ``ray.remote(EngineActor).remote(config_bytes)``, an `EngineConfig` as
+    msgpack bytes of its fields); it first leaves Ray's low priority (`undo_worker_niceness`)."""
 
     def __init__(self, config: bytes) -> None:
         fields = wire.decode(config)

@@ -12,13 +12,9 @@ from wtransfer.inference.outputs import RequestOutput
 
 
 class ActorClient(SingleEngineClient):
-    """Drives one engine actor; every call has a deadline (`timeout_s`).
-
-    An actor that died is a `PeerError` naming it; a call past its deadline a
-    `TransferTimeout`; a failure inside the engine the matching remote error
-    (`RemoteLifecycleError`, ...), exactly as over RPC or HTTP. Use `FanoutClient` over
-    several for many engines.
-    """
+    """Drives one engine actor; every call has a deadline (`timeout_s`). A dead actor is a
+    `PeerError` naming it, a call past its deadline a `TransferTimeout`, a failure in the engine the
+    matching remote error (`RemoteLifecycleError`, ...), as over RPC or HTTP."""
 
     def __init__(self, handle: Any, *, timeout_s: float = 60.0, name: str | None = None) -> None:
         import ray

@@ -61,16 +61,10 @@ class EngineGroup:
 def start_engines(count: int, config: dict[str, Any], *, gpus_per_engine: float | None = None,
                   cpus_per_engine: float = 1, strategy: Strategy = "SPREAD",
                   timeout_s: float = 300.0) -> EngineGroup:
-    """Start `count` `EngineActor`s in one placement group (one bundle per engine) and
-    return them once every engine is up.
-
-    `config` holds `EngineConfig` fields. `gpus_per_engine` defaults to one GPU per
-    data-parallel rank when the config's device is CUDA and none otherwise; on a GPU Ray
-    hands each actor its own devices (CUDA_VISIBLE_DEVICES), so the engine uses "cuda".
-    `strategy` SPREAD puts engines on different nodes where it can. `TransferTimeout` when
-    the engines are not up within `timeout_s`; `ConfigError` (with the engine's own error)
-    when the cluster cannot place them or one fails to start.
-    """
+    """Start `count` `EngineActor`s (`config`: `EngineConfig` fields) in one placement group, a
+    bundle each, and return them once all are up. `gpus_per_engine` defaults to one per
+    data-parallel rank on CUDA, else none. `TransferTimeout` past `timeout_s`; `ConfigError`
+    (with the engine's own error) when the cluster cannot place them or one fails to start."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

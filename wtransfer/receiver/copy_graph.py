@@ -128,11 +128,9 @@ def capture_copies(program: WholeProgram, device: torch.device, check: bool
 
 def replay_copies(program: WholeProgram, device: torch.device, finite: FiniteCheck | None
                   ) -> list[tuple[str, torch.Tensor]] | None:
-    """Queue `program`'s copies on the current stream as its graph (captured at its first
-    replay: its first run compiled every kernel it launches) and return what `finite` still
-    has to watch; None where they are to go eagerly: never replayed yet, a host device,
-    graphs off, a capture that failed, or a first replay whose copies did not land (then the
-    program stays eager)."""
+    """Queue `program`'s copies on the current stream as its CUDA graph and return what `finite`
+    still has to watch; None where they go eagerly: not run once yet, a host device, graphs off,
+    a failed capture, or a first replay whose copies did not land (the program then stays eager)."""
     if device.type != "cuda" or not copy_graphs_enabled() or program.runs < 1 \
             or program.graph_failed:
         return None

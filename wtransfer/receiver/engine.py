@@ -218,11 +218,8 @@ class WeightTransferEngine(HoldsLineage, ABC, Generic[InitT, UpdateT]):
     # -- public template methods ---------------------------------------------------------
 
     def init_transfer_engine(self, init_info: InitT | Mapping[str, Any]) -> None:
-        """Parse and apply the sender's init info (staging handles, wire parameters).
-
-        Only a new sender calls this, so an update still open (its sender died or gave up)
-        is failed first, rolled back where enabled: a restarted trainer need not wait for
-        the deadline timer."""
+        """Parse and apply a new sender's init info (staging handles, wire parameters). An update
+        still open (its sender died or gave up) is failed first, rolled back where enabled."""
         with _CallGuard(self):
             self._require(ReceiverState.NEW, ReceiverState.READY, ReceiverState.FAILED,
                           ReceiverState.UPDATING, action="init the transfer engine")

@@ -255,12 +255,9 @@ class UpdateSession:
         return len(restored)
 
     def precheck(self, metas: Sequence[TensorMeta]) -> None:
-        """Check `metas` against the target ahead of their announcement: a receiver calls this
-        when the update opens, with the list it got last, so an update that names the same
-        list (every step, for a trainer) starts moving bytes without checking it then. Only
-        the update writes the target while it is open, so the check still holds when the
-        list is announced. A list the target refuses is simply not remembered: `announce`
-        checks it again and names the problem."""
+        """Check `metas` (the list the receiver got last) against the target when an update opens,
+        so an update naming that list moves bytes without checking it again. A refused list is not
+        remembered: `announce` checks it again and names the problem."""
         try:
             self._target.check(metas)
         except Exception:  # announce raises it again, naming the update
@@ -579,12 +576,9 @@ class UpdateSession:
                 batch.assembled.append((meta.name, part.buffer))
 
     def load_whole(self, sources: Sequence[torch.Tensor]) -> None:
-        """Load every announced tensor from its own flat uint8 source (a zero-copy update:
-        the sender's storage); a target that keeps parts of tensors (a TP worker) gets only
-        those. Every source is checked first; the copies are worked out (or the last
-        update's replayed, `_whole_program`), every rollback snapshot is queued, then every
-        copy (large ones spread over streams by `CopyQueue`, checked as they copy where the
-        device can)."""
+        """Load every announced tensor from its own flat uint8 source (a zero-copy update: the
+        sender's storage); a target that keeps parts of tensors (a TP worker) gets only those.
+        Every source is checked before any copy; the last update's copies replay where valid."""
         if len(sources) != len(self._metas):
             raise MetadataError(f"{len(sources)} sources for {len(self._metas)} tensors")
         for meta, src in zip(self._metas, sources, strict=True):
@@ -597,11 +591,9 @@ class UpdateSession:
                         [meta.name for meta in self._metas])
 
     def load_boxes(self, arrivals: Sequence[BoxSource]) -> None:
-        """Load every announced tensor from boxes of it, each read from its own flat uint8
-        source (M->N read in place: the trainer ranks' shards), together covering every
-        tensor exactly once; only what this worker keeps is copied. The copies are worked
-        out once (`wtransfer.receiver.boxes`) and replayed while the very same `arrivals`
-        list comes back, as `load_whole`'s."""
+        """Load every announced tensor from boxes of it, each from its own flat uint8 source (M->N
+        read in place: the ranks' shards), covering each tensor exactly once; only what this
+        worker keeps is copied. The copies replay while the same `arrivals` list comes back."""
         if self.bytes_received or self.touched:
             raise MetadataError("an update read in place carries every tensor, but part of "
                                 "this update arrived already")

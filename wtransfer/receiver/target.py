@@ -27,10 +27,8 @@ def copy_to_host(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor
 
 class WeightTarget(ABC):
     """What an engine hands to a `WeightTransferEngine`: what it accepts and how to load it.
-
-    Tensors passed to `load_weights` are views of staging memory, valid only during the call:
-    a target must copy them (into its own storage) before returning.
-    """
+    Tensors passed to `load_weights` are views of staging memory, valid only during the call: a
+    target must copy them into its own storage before returning."""
 
     @property
     def stages(self) -> bool:
@@ -85,11 +83,8 @@ class WeightTarget(ABC):
                                 + "; ".join(problems[:5]) + more)
 
     def direct_bytes(self, name: str) -> torch.Tensor | None:
-        """A writable flat uint8 view of the storage behind `name`, or None.
-
-        When given, a receiver writes the tensor's bytes straight into it (one copy, and no
-        temporary for a tensor split across buckets) instead of calling `load_weights`.
-        """
+        """A writable flat uint8 view of the storage behind `name`, or None. When given, a receiver
+        writes the tensor's bytes straight into it instead of calling `load_weights`."""
         return None
 
     def keeps(self) -> dict[str, TensorLayout] | None:
@@ -140,12 +135,9 @@ class WeightTarget(ABC):
 
 
 class ModuleTarget(WeightTarget):
-    """Loads into an `nn.Module`'s existing parameters and buffers, in place.
-
-    Storage pointers never change (CUDA graphs captured over the module stay valid).
-    `name_map` renames incoming names to the module's (a mapping or a function);
-    `post_process(module)` runs at the end of every update.
-    """
+    """Loads into an `nn.Module`'s existing parameters and buffers in place; storage pointers never
+    change (CUDA graphs over the module stay valid). `name_map` (a mapping or a function) renames
+    incoming names to the module's; `post_process(module)` runs at the end of every update."""
 
     def __init__(
         self,

@@ -81,12 +81,10 @@ def simulate(plan: TransferPlan, metas: Sequence[TensorMeta], cluster: Cluster, 
              control_s: float = 0.002, rollback: bool = False, pack: bool = True,
              check_bandwidth: float | None = None,
              checked_in_copy: Sequence[bool] | None = None) -> Prediction:
-    """Predict `plan` on `cluster` (see the module docstring). `source_bytes_per_byte[i]`:
-    bytes the trainer reads per byte sent of tensor i (2.0 for bf16 sent as fp8; default 1).
-    `pack` False: the send itself fills the slot (a host source copied to the device);
-    `check_bandwidth`: bytes per second the receiver's NaN/inf check reads, added to each
-    apply (None: no check), but for tensor i's bytes where `checked_in_copy[i]` (checked by
-    their copy, read once)."""
+    """Predict `plan` on `cluster` (module docstring). `source_bytes_per_byte[i]`: trainer bytes
+    read per byte sent of tensor i (default 1); `pack` False: the send fills the slot itself;
+    `check_bandwidth`: the NaN/inf check's bytes/s, added to each apply (None: no check), but not
+    for tensor i's bytes where `checked_in_copy[i]`."""
     ratio = list(source_bytes_per_byte) if source_bytes_per_byte is not None else None
     mem = cluster.memory_bandwidth
     pack_free: dict[int, float] = defaultdict(float)

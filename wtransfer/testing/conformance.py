@@ -171,11 +171,9 @@ class BackendConformance(DeltaCases):
     def test_twenty_senders_in_a_row_shut_down_promptly_and_leak_nothing(
         self, procs: ExitStack
     ) -> None:
-        """Create, send, shut down 20 times against the same receivers: every shutdown of a
-        healthy sender returns promptly (no waiting on peers), and threads, host and device
-        memory stay flat on both sides over the last ten (host allocators settle during the
-        first ones: with NCCL on H200s both sides' RSS rose for 8 senders, then stayed flat
-        to the 30th)."""
+        """Create, send and shut down 20 senders against the same receivers: each healthy sender's
+        shutdown returns promptly, and threads, host and device memory stay flat on both sides over
+        the last ten (host allocators settle during the first ones)."""
         import torch
 
         model = self.trainer_model()

@@ -180,13 +180,9 @@ class Outgoing:
 
 
 class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
-    """Sender ABC: construct, `connect()`, then `send_weights` any number of times.
-
-    Subclasses declare their fields in `__init__` (calling this one first) and implement
-    `_connect` (allocate, return the receiver init info), `_outgoing` (how an update's
-    buckets travel) and `_close`; backends that support several senders also `_merge` the
-    senders' init infos (and may `_announce` the tensor list).
-    """
+    """Sender ABC: construct, `connect()`, then `send_weights` any number of times. Subclasses
+    declare their fields in `__init__` (calling this one first) and implement `_connect`,
+    `_outgoing` and `_close`; several senders also need `_merge` (docs/writing-a-backend.md)."""
 
     backend_name: ClassVar[str]
     init_info_cls: ClassVar[type]
@@ -329,12 +325,10 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
 
     def send_weights(self, weight_version: str | None = None, *,
                      pause: PauseMode | None = None) -> TransferStats:
-        """Send every tensor of the source: start -> update(s) -> finish on the client (with
-        a sharded source or several senders: on every trainer rank, together).
-
-        With `pause` ("keep", "wait" or "abort"), on a client that can pause, the engine is
-        paused only around the finish (its commit, or vLLM's weight loading), once every
-        byte arrived, and resumed after it: the transfer itself runs while it generates."""
+        """Send every tensor of the source: start -> update(s) -> finish (with a sharded source or
+        several senders, on every trainer rank together). With `pause` ("keep", "wait", "abort")
+        on a client that can pause, the engine is paused only around the finish, once every byte
+        arrived, and resumed after it."""
         if self.closed or not self.connected:
             raise LifecycleError(f"{self.backend_name} sender is "
                                  f"{'shut down' if self.closed else 'not connected'}")

@@ -62,10 +62,8 @@ class _RowShards:
 
 class GatheringPacker:
     """A bucket packer over a sharded source, run on every trainer rank (module docstring).
-
-    `owners[i]` is the index (in `senders`, global ranks) of the sender of bucket i; `pack` is
-    called by that sender for its buckets in order, and `finish` by every rank at the end.
-    """
+    `owners[i]` is the index (in `senders`, global ranks) of bucket i's sender; that sender calls
+    `pack` for its buckets in order, and every rank calls `finish` at the end."""
 
     def __init__(self, plan: BucketPlan, parts: Sequence[torch.Tensor], owners: Sequence[int],
                  senders: Sequence[int]) -> None:

@@ -66,11 +66,9 @@ class WeightSource(ABC):
         return None
 
     def held(self) -> list[torch.Tensor] | None:
-        """Every tensor, in the order of `metadata()` and matching it by construction, as the
-        source holds it (to be read in place, never written), or None when the source cannot
-        promise that (then a sender walks `tensors()` and checks each one against the
-        metadata). Lets a backend that reads the tensors where they lie (zero-copy CUDA IPC)
-        skip that walk."""
+        """Every tensor as the source holds it, in `metadata()`'s order and matching it, to be read
+        in place and never written (zero-copy CUDA IPC); None when the source cannot promise that,
+        and a sender then walks `tensors()`, checking each against the metadata."""
         return None
 
 
@@ -87,13 +85,9 @@ def _unique_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class ModuleSource(WeightSource):
-    """Sends an `nn.Module`'s parameters and persistent buffers (tied weights once).
-
-    `names` restricts the update to a subset; `name_map` renames on the way out (trainer name ->
-    engine name). DTensor parameters (FSDP2) are announced with their global shape; every
-    trainer rank then sends together and the full tensors are gathered bucket by bucket
-    (`wtransfer.trainer.gather`), never the whole model on one rank.
-    """
+    """Sends an `nn.Module`'s parameters and persistent buffers (tied weights once); `names`
+    restricts it to a subset, `name_map` renames (trainer name -> engine name). DTensor (FSDP2)
+    parameters go with their global shape, gathered bucket by bucket as every rank sends."""
 
     def __init__(
         self,

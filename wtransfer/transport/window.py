@@ -93,11 +93,9 @@ class CallChannel:
 
 
 def units(buckets: Sequence[B], batch: int, first: int | None = None) -> list[list[B]]:
-    """`buckets` in posting units: each packed bucket alone, runs of up to `batch` consecutive
-    direct ones together, the very first unit of at most `first` (the bytes start moving once
-    both sides posted it: a small one is ready sooner, the rest is posted while it moves). A
-    pure function of the plan, so sender and receivers (which derive the same plan and get
-    the same numbers) post the same units: NCCL needs every rank to group its calls alike."""
+    """`buckets` in posting units: each packed bucket alone, runs of up to `batch` direct ones
+    together, the first unit of at most `first`. A pure function of the plan, so the sender and
+    every receiver post the same units (NCCL needs every rank to group its calls alike)."""
     out: list[list[B]] = []
     run: list[B] = []
     for bucket in buckets:
@@ -118,11 +116,9 @@ def units(buckets: Sequence[B], batch: int, first: int | None = None) -> list[li
 
 def send_buckets(buckets: Sequence[SendUnit], packer: Packer, channel: SendChannel[Op], *,
                  check: Check, all_posted: Callable[[], None] | None = None) -> None:
-    """Post every unit of `buckets` in order through `channel`: a packed one into a free
-    staging slot (packing the next bucket overlaps the operations already posted), a direct
-    one from the source's own bytes. `check()` runs before each unit; once every unit is
-    posted, `all_posted()` runs (the sender base issues finish there), the packer finishes
-    (its part in other senders' gathers), then every operation is waited on."""
+    """Post every unit of `buckets` in order through `channel`: a packed one into a free staging
+    slot, a direct one from the source's own bytes. `check()` runs before each unit; once all are
+    posted, `all_posted()` runs, the packer finishes, then every operation is waited on."""
     free = deque(range(channel.slots))
     inflight: deque[tuple[int, Op]] = deque()
     window = channel.max_inflight or channel.slots
@@ -160,16 +156,10 @@ def receive_buckets(buckets: Sequence[B], slots: int, *, max_inflight: int,
                      landed: Callable[[B, int, torch.Tensor], None],
                      temporary: Callable[[B], int] | None = None,
                      budget: int = 0) -> None:
-    """Receive `buckets` in order, in the sender's units. A direct bucket lands at
-    `destination(bucket)` (the parameter itself where the target offers it), a packed one in
-    `staging(bucket, slot)`. When the oldest operation completed, `landed(bucket, slot, data)`
-    takes each of its buckets' bytes (slot -1 for a direct bucket) and the slot is free again,
-    so unpacking overlaps receiving.
-
-    `temporary(bucket)` says how many bytes a direct bucket's destination allocates (0 when it
-    lands in the target's own storage); units whose temporaries would take more than `budget`
-    bytes in flight wait for earlier ones to land (one unit always goes), so a target that
-    offers no storage of its own costs bounded memory, not a model's worth of temporaries."""
+    """Receive `buckets` in the sender's units: a direct one at `destination(bucket)`, a packed one
+    in `staging(bucket, slot)`; `landed(bucket, slot, data)` takes each as its operation completes
+    (slot -1: direct), freeing the slot. `temporary(bucket)`: bytes a direct destination allocates;
+    units wait while more than `budget` such bytes are in flight (one always goes)."""
     free = deque(range(slots))
     posted: deque[tuple[list[B], int, list[torch.Tensor], Op, int]] = deque()
     upcoming = deque(units(buckets, batch, first))

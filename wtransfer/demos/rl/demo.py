@@ -271,14 +271,10 @@ def run_rl_demo(*, steps: int = 40, backend: str = "ipc", local: bool = False,
                 ray_address: str | None = None, update_staging: str = "auto",
                 tensor_parallel_size: int = 1, lora: bool = False, delta: bool = False,
                 fleet: int = 1, pd: bool = False) -> int:
-    """Run the demo; returns the exit code (0 when both validations passed). `engine` is
-    "wtransfer" (our engine) or "vllm" (an in-process vLLM AsyncLLM); with `trainer_ranks` > 1
-    the policy is trained by that many FSDP2 ranks (this process and helper processes); with
-    `ray_engines` > 0 it is served by that many engine actors on Ray (`ray_address`, or a
-    local cluster); with `lora` only a LoRA adapter is trained and sent; with `delta` each
-    update after the first sends only the elements that changed (`WireParams.delta`); with
-    `fleet` > 1 it is served by that many `wtransfer serve` instances updated as one, one of
-    them killed and replaced by an instance joining from another mid-run."""
+    """Run the demo; returns the exit code (0 when both validations passed). `engine`: "wtransfer"
+    or "vllm"; `trainer_ranks` > 1 trains with FSDP2 ranks; `ray_engines` > 0 serves from Ray
+    actors (`ray_address`, else a local cluster); `lora` sends an adapter, `delta` changed elements;
+    `fleet` > 1 serves from that many `wtransfer serve` instances, one replaced mid-run."""
     if (fleet > 1 or pd) and (local or engine != "wtransfer" or ray_engines or lora
                       or data_parallel_size > 1 or tensor_parallel_size > 1
                       or trainer_ranks > 1):

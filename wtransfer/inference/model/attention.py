@@ -35,11 +35,9 @@ _cudnn_was_on = False
 
 @contextmanager
 def without_cudnn_attention(device: torch.device) -> Iterator[None]:
-    """While a forward on CUDA runs, SDPA does not choose cuDNN's kernel: it builds a plan for
-    every new shape (67-131 ms on an H100), and a serving step's prefill shapes are new nearly
-    every time. The switch is the process's: the first forward to enter turns cuDNN attention
-    off where it was on, the last to leave turns it back on (other threads' SDPA calls in
-    between choose among the other kernels)."""
+    """Keep SDPA off cuDNN's kernel while a forward on CUDA runs (cuDNN plans every new shape, and
+    prefill shapes are new nearly every step). The switch is process-wide: the first forward in
+    turns cuDNN attention off where it was on, the last out turns it back on (docs/inference.md)."""
     global _cudnn_off_users, _cudnn_was_on
     if device.type != "cuda":
         yield

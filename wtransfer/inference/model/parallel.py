@@ -55,11 +55,9 @@ def collective_backend(config: EngineConfig, first_worker: int) -> str:
 
 
 class Collective:
-    """The collectives of one tensor-parallel group over torch process group objects, made
-    through a store (no default process group needed): tensors move over `backend` ("nccl"
-    or "gloo", see `collective_backend`), plain records always over gloo. A failure (a worker
-    died) or a wait past the deadline is an `EngineDeadError`: the group cannot step any
-    more."""
+    """The collectives of one tensor-parallel group, made through a store (no default process
+    group): tensors over `backend` ("nccl" or "gloo", see `collective_backend`), records over gloo.
+    A failure (a worker died) or a wait past the deadline is an `EngineDeadError`: no more steps."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float,
                  device: torch.device, backend: str = "gloo") -> None:

@@ -63,11 +63,8 @@ def available_host_memory() -> int:
 
 class Replica:
     """Model, KV cache, scheduler and receiver of one engine replica (see the module docstring).
-
-    `emit` receives every request's cumulative output after each step that changed it;
-    `worker_index` is this replica's index among the engine's receiving workers (its
-    data-parallel rank).
-    """
+    `emit` receives each request's cumulative output after every step that changed it;
+    `worker_index` is this replica's index among the engine's receiving workers (its DP rank)."""
 
     def __init__(self, config: EngineConfig, emit: Emit, *, worker_index: int = 0) -> None:
         self.config = config
@@ -174,11 +171,9 @@ class Replica:
         return (self.staging is not None or not self.update_open) and self.scheduler.has_work()
 
     def step(self) -> int:
-        """Schedule and compute one step; returns how many sequences it advanced (or ended).
-
-        A failure while computing the step ends only that step's requests, with finish_reason
-        "error" and the message; the engine keeps serving the others.
-        """
+        """Schedule and compute one step; returns how many sequences it advanced (or ended). A
+        failure while computing ends only that step's requests (finish_reason "error", with the
+        message); the engine keeps serving the others."""
         started = time.monotonic()
         batch = self.scheduler.schedule()
         if not batch:
@@ -259,11 +254,9 @@ class Replica:
     def add_prefilled(self, request_id: str, prompt: list[int],
                       params: SamplingParams | dict[str, Any], token: int, logprob: float,
                       version: str, kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> str:
-        """A request whose prompt a prefill instance computed under weight `version` (its
-        K/V per layer, [prompt tokens, KV heads, head dim], and first token): decoded from
-        that K/V only while the live weights are that version and it fits now; otherwise
-        prefilled here, so every token is computed by one version. Returns "remote" or
-        "local"."""
+        """Add a request a prefill instance computed under weight `version` (K/V per layer as
+        [prompt tokens, KV heads, head dim], and its first token). Returns "remote" when it decodes
+        from that K/V (live weights at that version, and it fits), else "local" (prefilled here)."""
         seq = self._new_sequence(request_id, prompt, params)
         if kv is None or version != self.weight_version or self.workers is not None \
                 or not self._write_prompt_kv(seq, kv):
@@ -423,11 +416,9 @@ class Replica:
             raise
 
     def settle_failure(self) -> None:
-        """Called by the engine's loop (the thread that runs an in-place engine's commands)
-        before it runs commands or steps: an in-place update that rank 0 failed on its own
-        (its watchdog saw the sender die or go silent) fails on every worker too, so nothing
-        reads or computes with one rank rolled back and another torn. A staged failure never
-        touched the live weights: the workers' own deadlines drop their shadows."""
+        """On the engine's loop, before it runs commands or steps: an in-place update that rank 0
+        failed on its own (its watchdog saw the sender die or go silent) is failed on every worker
+        too, so no rank computes rolled back beside another torn."""
         receiver = self.receiver
         if self.workers is None or self.staging is not None or receiver is None \
                 or receiver.failures == self._failures_seen:
@@ -581,11 +572,9 @@ class Replica:
         return sent
 
     def reserve_rollback(self, *, hold: bool = True) -> None:
-        """Hold a rollback ready on every rank of this replica (rank 0 and its tensor-parallel
-        workers): each has a previous version resident and its live weights free. Where one
-        cannot, nothing is held and `LifecycleError` names it and why. `rollback_weights(
-        reserved=True)` or `release_rollback` follows (data-parallel ranks all reserve before
-        any rolls back)."""
+        """Hold a rollback ready on every rank of this replica (rank 0 and its TP workers): each has
+        a previous version resident and its live weights free; `rollback_weights(reserved=True)` or
+        `release_rollback` follows. Where one cannot, nothing is held; `LifecycleError` says why."""
         if self.staging is None:
             raise LifecycleError("rollback_weights needs staged updates "
                                  "(update_staging='swap')")

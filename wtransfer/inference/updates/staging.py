@@ -164,11 +164,10 @@ class StagedWeights:
         return changed
 
     def reserve_rollback(self, *, hold: bool = True) -> None:
-        """Take `lock` with a rollback known to be possible, for ranks that must all agree
-        before any rolls back: `rollback(reserved=True)` or `release_rollback` follows.
-        `hold`: the reservation lasts until a later command, so an update starting meanwhile
-        is refused rather than left waiting (`reading`). `LifecycleError` (nothing held) where
-        it is not possible: copy staging, the weights being read, no previous version."""
+        """Take `lock` with a rollback known to be possible; `rollback(reserved=True)` or
+        `release_rollback` follows. `hold`: it lasts past this command, and an update starting
+        meanwhile is refused (`reading`). `LifecycleError`, nothing held, under copy staging, while
+        the weights are read, or with no previous version."""
         if self.mode != "swap":
             raise LifecycleError("rollback_weights needs update_staging='swap': copy staging "
                                  "copies the new weights over the old ones, keeping none")
@@ -200,11 +199,9 @@ class StagedWeights:
 
     @contextmanager
     def shadow_in_place(self) -> Iterator[bool]:
-        """For the duration, the module reads the shadow's storages: the addresses its weights
-        have after the next swap commit (or rollback), for capturing what will run there.
-        Yields False, with nothing moved, while the live weights are being read or moved
-        (`lock`). On the engine's thread, between steps; an update may be writing the shadow
-        meanwhile, so what runs inside must not depend on its values."""
+        """While open, the module reads the shadow's storages (its weights' addresses after the next
+        swap commit or rollback), to capture graphs there; yields False, nothing moved, while `lock`
+        is held. On the engine thread between steps; what runs inside must not depend on values."""
         if self.mode != "swap":
             raise LifecycleError("only swap staging moves the weights' storages")
         if not self.lock.acquire(blocking=False):
