@@ -13,9 +13,11 @@ complete as a whole), each bucket's pieces are replayed at most once per update,
 consumed a bucket without a program replays none after it (that bucket was checked against
 what came before it, not against what a replay would add), and a delta replays nothing.
 Everything a program names must stay put: the tensor list, what the worker keeps, the
-target's storages (`WeightTarget.regions_key`; None for a target whose storages move, which
+target's storages (`WeightTarget.regions_key`; None for a target that cannot tell, which
 keeps nothing) and the staging buffer; the receiver drops them all when its sender or
-staging changes.
+staging changes. Programs are kept for the last two sets of target storages: a swap-staged
+engine writes into its two sets in turn, and a replay tells the target what it wrote
+(`WeightTarget.written`).
 
 A zero-copy update (every tensor read whole from the sender's memory) has one program, a
 `WholeProgram`: where each tensor, or each part a TP worker keeps, goes. It is kept as soon as
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -95,6 +98,10 @@ ProgramKey = tuple[int, int, tuple[Piece, ...], bool]
 """(staging address, bucket bytes, pieces, crop)."""
 
 
+KEPT_SETS = 2
+"""Sets of target storages programs are kept for (a swap-staged engine alternates two)."""
+
+
 @dataclass(frozen=True)
 class ProgramContext:
     """What every program of an update names besides its bucket: the tensor list and the
@@ -113,17 +120,17 @@ class ProgramContext:
 
 class PiecePrograms:
     """The programs of the last finished M->N update, for the updates after it, and the last
-    zero-copy update's (see the module docstring); owned by a receiver, which drops them with
-    its staging."""
+    zero-copy update's (see the module docstring), for each of the last `KEPT_SETS` sets of
+    target storages; owned by a receiver, which drops them with its staging."""
 
     def __init__(self) -> None:
-        self._kept: dict[ProgramKey, PieceProgram] = {}
-        self._context: ProgramContext | None = None
+        self._kept: list[tuple[ProgramContext, dict[ProgramKey, PieceProgram]]] = []
+        """Newest first: each storage set's bucket programs."""
         self._used: dict[ProgramKey, PieceProgram] = {}
         """The open update's programs, replayed or worked out."""
         self._used_context: ProgramContext | None = None
-        self._whole: tuple[ProgramContext, WholeProgram] | None = None
-        """The last zero-copy update's copies."""
+        self._whole: list[tuple[ProgramContext, WholeProgram]] = []
+        """Newest first: each storage set's last zero-copy update's copies."""
 
     @staticmethod
     def key(staging: torch.Tensor, nbytes: int, pieces: Sequence[Piece],
@@ -133,10 +140,11 @@ class PiecePrograms:
 
     def find(self, context: ProgramContext, key: ProgramKey) -> PieceProgram | None:
         """The program kept for `key` under `context`, or None."""
-        if not context.same(self._context):
-            self._kept, self._context = {}, None  # (their views hold storages no longer used)
-            return None
-        return self._kept.get(key)
+        self._kept = _alike(self._kept, context)
+        for made_under, programs in self._kept:
+            if context.same(made_under):
+                return programs.get(key)
+        return None
 
     def use(self, context: ProgramContext, key: ProgramKey, program: PieceProgram) -> None:
         """Note a program the open update replayed or worked out."""
@@ -147,7 +155,10 @@ class PiecePrograms:
 
     def update_finished(self) -> None:
         """The open update finished: its buckets are what the next updates replay."""
-        self._kept, self._context = self._used, self._used_context
+        context = self._used_context
+        if context is not None:
+            others = [(c, p) for c, p in _alike(self._kept, context) if not context.same(c)]
+            self._kept = [(context, self._used), *others][:KEPT_SETS]
         self._used, self._used_context = {}, None
 
     def update_started(self) -> None:
@@ -159,26 +170,34 @@ class PiecePrograms:
                    ) -> WholeProgram | None:
         """The whole update's program made under `context` from these very `sources`, or
         None."""
-        if self._whole is None:
-            return None
-        made_under, program = self._whole
-        if program.sources is sources and context.same(made_under):
-            return program
-        self._whole = None  # (its views hold storages the update no longer reads or writes)
+        self._whole = [(c, p) for c, p in _alike(self._whole, context) if p.sources is sources]
+        for made_under, program in self._whole:
+            if context.same(made_under):
+                return program
         return None
 
     def drop_whole(self) -> None:
-        """Forget the zero-copy program (an update that cannot keep one: its views would hold
-        storages nothing reads)."""
-        self._whole = None
+        """Forget the zero-copy programs (an update that cannot keep one: their views would
+        hold storages nothing reads)."""
+        self._whole = []
 
     def keep_whole(self, context: ProgramContext, program: WholeProgram) -> None:
-        """Keep a whole update's program for the next update (it holds views of the sources
-        and of the target's storages, so only the last one is kept)."""
-        self._whole = (context, program)
+        """Keep a whole update's program for the next updates into the same storages."""
+        others = [(c, p) for c, p in self._whole if not context.same(c)]
+        self._whole = [(context, program), *others][:KEPT_SETS]
 
     def clear(self) -> None:
         """Drop every program (the staging is unmapped, or the sender changed)."""
-        self._kept, self._context = {}, None
-        self._whole = None
+        self._kept = []
+        self._whole = []
         self.update_started()
+
+
+T = TypeVar("T")
+
+
+def _alike(kept: list[tuple[ProgramContext, T]], context: ProgramContext
+           ) -> list[tuple[ProgramContext, T]]:
+    """The entries of `kept` made for `context`'s tensor list and layouts (any storages):
+    the others hold views nothing will read again."""
+    return [(c, p) for c, p in kept if c.metas is context.metas and c.kept is context.kept]

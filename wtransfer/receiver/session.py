@@ -416,6 +416,7 @@ class UpdateSession:
         if program.dests:
             self.touched = True
             torch._foreach_copy_(program.dests, program.sources, non_blocking=True)
+        self._origin.written(program.elements)  # (views found by an earlier update)
         self.bytes_received += program.nbytes
 
     def _checked_piece(self, piece: Piece, nbytes: int) -> TensorMeta:
@@ -611,6 +612,8 @@ class UpdateSession:
         self.touched = True  # (a queued copy may go out later: as good as made)
         replayed = replay_copies(program, self._device, self.finite)
         watch += replayed if replayed is not None else self._copy_eagerly(program)
+        if program.runs:  # (replayed: its views were found by an earlier update)
+            self._origin.written(names)
         program.runs += 1
         self._watch_all(watch)
         if program.loads:

@@ -98,6 +98,12 @@ class WeightTarget(ABC):
         hands it to `load_weights`."""
         return None
 
+    def written(self, names: Iterable[str]) -> None:
+        """The receiver wrote `names` through views an earlier update found (a replayed
+        program: no `region` or `direct_bytes` call this time); a target that counts what an
+        update wrote (a staging shadow) counts them. The default does nothing."""
+        return None
+
     def regions_key(self) -> Hashable | None:
         """What identifies the storages `region` and `direct_bytes` view now, and what
         `keeps` answers (equal keys: equal views and parts), so a receiver may reuse an

@@ -90,13 +90,20 @@ class ShardTarget(WeightTarget):
         return lay.view(self._dest(name), box)
 
     def regions_key(self) -> Hashable | None:
-        """Where this worker's live part of every tensor lives now (a `region` view stays
-        valid while it does); None while staging (a replayed copy would not mark the shadow
-        written, and swaps move the storages every update)."""
+        """Where this worker's part of every tensor is written now (a `region` view stays
+        valid while it does): the live parts, or while staging the shadow's (a swap commit
+        alternates them between two sets, so views found for each set are kept)."""
         if self.staging is not None:
-            return None
+            shadow = self.staging.shadow_parts(self._live)
+            return ("shadow", *((part.data_ptr(), part.stride()) for part in shadow))
         return tuple((part.data_ptr(), part.stride()) for part in
                      (self._live_part(name) for name in self._live))
+
+    def written(self, names: Iterable[str]) -> None:
+        """While staging, count `names` as written into the shadow (the commit makes them
+        live)."""
+        if self.staging is not None:
+            self.staging.count_written(names)
 
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """A host copy of this worker's part of `name` as it holds it (into `out`, reused

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Literal
 
@@ -94,6 +94,14 @@ class StagedWeights:
         owner = self.owner(name)
         self.written.add(owner)
         return self.shadow[owner]
+
+    def count_written(self, names: Iterable[str]) -> None:
+        """Count `names` as written into the shadow (through views `dest` gave earlier)."""
+        self.written.update(self.owner(name) for name in names)
+
+    def shadow_parts(self, names: Iterable[str]) -> Iterator[torch.Tensor]:
+        """The shadow tensor of each of `names`, not counted as written."""
+        return (self.shadow[self.owner(name)] for name in names)
 
     @torch.no_grad()
     def prepare(self) -> None:
