@@ -99,6 +99,39 @@ def test_a_swap_commit_makes_graphs_read_the_new_weights(device):
     run(main())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("staging", ["swap", "copy"])
+def test_staged_updates_that_replay_their_copies_land_bit_exact(device, staging):
+    """Five staged updates from a trainer on the engine's device, each of new weights: from
+    the third (swap: each set of shadow storages its second time; copy: the second) they
+    replay the copies worked out before (on CUDA as a captured graph); every update leaves the
+    engine holding the trainer's weights, and its tokens are a fresh engine's."""
+    async def main():
+        engine = engine_on(device, graphs=device == "cuda", update_staging=staging)
+        trainer = load_model("tiny", seed=1, device=device)
+        client = LocalEngineClient(engine)
+        prompts = requests(3)
+        try:
+            with wtransfer.trainer_init(IPCTrainerInitInfo(timeout_s=60), client=client,
+                                        source=wtransfer.ModuleSource(trainer)) as sender:
+                for step in range(5):
+                    with torch.no_grad():
+                        for param in trainer.parameters():
+                            param.add_(torch.randn_like(param) * 0.01)
+                    await asyncio.to_thread(sender.send_weights, f"v{step}")
+                    held = await asyncio.to_thread(client.fingerprint)
+                    assert held == wtransfer.fingerprint(trainer.state_dict()), step
+            fresh = engine_on(device, graphs=False, seed=1)
+            try:
+                fresh.core.replica.runner.model.load_state_dict(trainer.state_dict())
+                assert await tokens_of(engine, prompts) == await tokens_of(fresh, prompts)
+            finally:
+                fresh.shutdown()
+        finally:
+            engine.shutdown()
+    run(main())
+
+
 @pytest.mark.gpu
 def test_shutdown_gives_the_device_memory_back():
     """Engines created and shut down one after another (their objects kept, as a caller

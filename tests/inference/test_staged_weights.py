@@ -159,11 +159,11 @@ def test_m2n_updates_into_the_shadow_replay_their_copies_and_commit_every_tensor
     """A staged worker's M->N updates (`ShardTarget` over the shadow): the copies worked out
     for each set of shadow storages are replayed by later updates into the same set (a swap
     alternates two), and a replayed update still commits every tensor it wrote, bit-exact."""
+    from wtransfer.inference.updates.shard_target import ShardTarget
     from wtransfer.packing import TensorMeta
     from wtransfer.receiver.programs import PiecePrograms
     from wtransfer.receiver.session import UpdateSession
     from wtransfer.records import Box, TensorLayout
-    from wtransfer.inference.updates.shard_target import ShardTarget
     from wtransfer.transport.m2n import Piece
 
     module = nn.Linear(4, 4, bias=False)
