@@ -52,8 +52,8 @@ def test_whole_updates_replay_their_copies_as_one_graph_bit_exact_and_checked():
         return session
 
     def graph() -> object:
-        assert programs._whole is not None
-        return programs._whole[1].graph
+        (program,) = programs.whole_programs()
+        return program.graph
 
     for step in range(1, 4):
         update(step).finish()

@@ -8,23 +8,25 @@ a `PieceProgram` is the outcome (the copies' sources and destinations, the boxes
 gets, the bytes), and `PiecePrograms` keeps them across updates.
 
 A program is replayed only where replaying it is exactly what the checks would allow: the
-programs kept are the buckets of the last update that finished (one set, checked disjoint and
-complete as a whole), each bucket's pieces are replayed at most once per update, an update that
-consumed a bucket without a program replays none after it (that bucket was checked against
-what came before it, not against what a replay would add), and a delta replays nothing.
+programs kept are the buckets of the last update that finished into the same storages (one
+set, checked disjoint and complete as a whole), each bucket's pieces are replayed at most
+once per update, an update that consumed a bucket without a program replays none after it
+(that bucket was checked against what came before it, not against what a replay would add),
+and a delta replays nothing.
 Everything a program names must stay put: the tensor list, what the worker keeps, the
 target's storages (`WeightTarget.regions_key`; None for a target that cannot tell, which
 keeps nothing) and the staging buffer; the receiver drops them all when its sender or
-staging changes. Programs are kept for the last two sets of target storages: a swap-staged
-engine writes into its two sets in turn, and a replay tells the target what it wrote
-(`WeightTarget.written`).
+staging changes. A swap-staged engine writes into two sets of storages in turn: programs
+are kept for its present set and the other one (`WeightTarget.alternate_regions_key`), and
+a replay tells the target what it writes (`WeightTarget.written`).
 
 A zero-copy update (every tensor read whole from the sender's memory) has one program, a
 `WholeProgram`: where each tensor, or each part a TP worker keeps, goes. It is kept as soon as
 it is worked out (it depends on no earlier bucket: every update still checks each source's
 size and that no tensor arrives twice) and replayed while the update reads the very same
 list of sources (`wtransfer_ipc.zero_copy` makes a new one whenever a storage, the layout or
-the tensor list changes) into the same target storages; a miss drops it.
+the tensor list changes) into the same target storages; a miss drops those made from other
+sources.
 """
 
 from __future__ import annotations
@@ -111,6 +113,9 @@ class ProgramContext:
     metas: object
     kept: object
     storages: Hashable
+    alternate: Hashable | None = None
+    """The storages key after the target's next commit where commits alternate two sets
+    (`WeightTarget.alternate_regions_key`): programs made for it are kept too."""
 
     def same(self, other: ProgramContext | None) -> bool:
         """Whether programs made under `other` hold under this one."""
@@ -183,8 +188,12 @@ class PiecePrograms:
 
     def keep_whole(self, context: ProgramContext, program: WholeProgram) -> None:
         """Keep a whole update's program for the next updates into the same storages."""
-        others = [(c, p) for c, p in self._whole if not context.same(c)]
+        others = [(c, p) for c, p in _alike(self._whole, context) if not context.same(c)]
         self._whole = [(context, program), *others][:KEPT_SETS]
+
+    def whole_programs(self) -> list[WholeProgram]:
+        """The whole-update programs kept, newest first."""
+        return [program for _, program in self._whole]
 
     def clear(self) -> None:
         """Drop every program (the staging is unmapped, or the sender changed)."""
@@ -198,6 +207,7 @@ T = TypeVar("T")
 
 def _alike(kept: list[tuple[ProgramContext, T]], context: ProgramContext
            ) -> list[tuple[ProgramContext, T]]:
-    """The entries of `kept` made for `context`'s tensor list and layouts (any storages):
-    the others hold views nothing will read again."""
-    return [(c, p) for c, p in kept if c.metas is context.metas and c.kept is context.kept]
+    """The entries of `kept` made for `context`'s tensor list and layouts, into its storages
+    or their alternate set: the others hold views nothing will read again."""
+    return [(c, p) for c, p in kept if c.metas is context.metas and c.kept is context.kept
+            and c.storages in (context.storages, context.alternate)]

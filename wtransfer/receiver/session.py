@@ -395,7 +395,8 @@ class UpdateSession:
                 and self._target is self._origin:
             storages = self._origin.regions_key()
             if storages is not None:
-                self._context = ProgramContext(self._listed, self._kept, storages)
+                self._context = ProgramContext(self._listed, self._kept, storages,
+                                               self._origin.alternate_regions_key())
         return self._context
 
     def _replay(self, program: PieceProgram) -> None:
@@ -413,10 +414,10 @@ class UpdateSession:
                 del self._regions[name]
         if self.finite is not None:
             self.finite.watch_all(program.arrived)
+        self._origin.written(program.elements)  # (views found by an earlier update)
         if program.dests:
             self.touched = True
             torch._foreach_copy_(program.dests, program.sources, non_blocking=True)
-        self._origin.written(program.elements)  # (views found by an earlier update)
         self.bytes_received += program.nbytes
 
     def _checked_piece(self, piece: Piece, nbytes: int) -> TensorMeta:
@@ -610,10 +611,10 @@ class UpdateSession:
             self._save(name)  # (rollback: every snapshot queued before any copy)
             del pending[name]
         self.touched = True  # (a queued copy may go out later: as good as made)
+        if self._target is self._origin:  # (a kept program finds no view through it)
+            self._origin.written(names)
         replayed = replay_copies(program, self._device, self.finite)
         watch += replayed if replayed is not None else self._copy_eagerly(program)
-        if program.runs:  # (replayed: its views were found by an earlier update)
-            self._origin.written(names)
         program.runs += 1
         self._watch_all(watch)
         if program.loads:

@@ -104,6 +104,12 @@ class WeightTarget(ABC):
         update wrote (a staging shadow) counts them. The default does nothing."""
         return None
 
+    def alternate_regions_key(self) -> Hashable | None:
+        """`regions_key` as it will be after the next commit, for a target whose commits
+        alternate two sets of storages (a swap-staged shadow), so a receiver keeps the views
+        of both; None, the default, for any other target."""
+        return None
+
     def regions_key(self) -> Hashable | None:
         """What identifies the storages `region` and `direct_bytes` view now, and what
         `keeps` answers (equal keys: equal views and parts), so a receiver may reuse an

@@ -99,6 +99,13 @@ class ShardTarget(WeightTarget):
         return tuple((part.data_ptr(), part.stride()) for part in
                      (self._live_part(name) for name in self._live))
 
+    def alternate_regions_key(self) -> Hashable | None:
+        """Under swap staging, the shadow's key after the next commit (the live parts now)."""
+        if self.staging is None or self.staging.mode != "swap":
+            return None
+        return ("shadow", *((part.data_ptr(), part.stride()) for part in
+                            (self._live_part(name) for name in self._live)))
+
     def written(self, names: Iterable[str]) -> None:
         """While staging, count `names` as written into the shadow (the commit makes them
         live)."""
