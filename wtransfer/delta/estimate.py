@@ -49,8 +49,8 @@ class Sample:
             runs = sampled(bits(tensor.detach()))
             if runs.device == device:
                 self._bits[meta.name] = runs.clone()
-            else:
-                elsewhere.append((meta.name, runs))
+            else:  # (a 64th of the tensor: a full-size `bits` copy is not held meanwhile)
+                elsewhere.append((meta.name, runs.contiguous()))
         self._bits.update(copied_in_groups(elsewhere, device))
 
     def of(self, meta: TensorMeta) -> torch.Tensor:
@@ -61,15 +61,16 @@ class Sample:
 def copied_in_groups(named: Sequence[tuple[str, torch.Tensor]], device: torch.device
                      ) -> dict[str, torch.Tensor]:
     """A copy of each tensor on `device`, made as one copy per group of about `GROUP_BYTES`
-    (a tensor per copy would wait for each device-to-host copy in turn)."""
+    of tensors on one device (a tensor per copy would wait for each copy in turn)."""
     out: dict[str, torch.Tensor] = {}
     group: list[tuple[str, torch.Tensor]] = []
     size = 0
     for index, (name, tensor) in enumerate(named):
         group.append((name, tensor))
         size += tensor.numel() * tensor.element_size()
-        if size < GROUP_BYTES and index + 1 < len(named):
-            continue
+        following = named[index + 1][1].device if index + 1 < len(named) else None
+        if size < GROUP_BYTES and following == tensor.device:
+            continue  # (a group is of one device: its parts are concatenated there)
         parts: list[torch.Tensor] = []
         offsets: list[int] = []
         offset = 0
