@@ -53,9 +53,16 @@ class TransferLane:
         try:
             commit.result(timeout=self._timeout_s)
         except FutureTimeout:
-            commit.cancel()  # (not left queued to run during a later update)
-            raise TransferTimeout(f"the commit did not reach a step boundary within "
-                                  f"{self._timeout_s:g}s") from None
+            if commit.cancel():  # (not left queued to run during a later update)
+                raise TransferTimeout(f"the commit did not reach a step boundary within "
+                                      f"{self._timeout_s:g}s") from None
+        else:
+            return
+        try:  # running at a step boundary already: its outcome is the update's, and no later
+            commit.result(timeout=self._timeout_s)  # call stages into the shadow before it ends
+        except FutureTimeout:
+            raise TransferTimeout(f"the commit began at a step boundary but did not end within "
+                                  f"{self._timeout_s:g}s more") from None
 
     def shutdown(self) -> None:
         """Stop the lane once the call in progress (which has its deadline) returns."""
