@@ -13,6 +13,7 @@ import pytest
 from m2n_helpers import fields
 
 import wtransfer
+from wtransfer.delta.sender import DENSE_STREAK, FULL_RUN
 from wtransfer.launch.processes import spawn_receiver
 from wtransfer.launch.trainer_ranks import TrainerRanks
 
@@ -65,6 +66,33 @@ class DeltaCases:
                 assert sum(w["last_update_bytes"] for w in workers) == sum(
                     o["wire_bytes"] for o in outs)  # what moved is what the workers counted
             assert trainers.wait(60) == [0] * RANKS
+
+
+    def test_ranks_whose_deltas_turn_dense_send_runs_of_whole_buckets_then_compare_again(
+            self, serve):
+        """Most elements change every step (a high learning rate): after `DENSE_STREAK` dense
+        deltas each rank sends `FULL_RUN` updates with every bucket whole, comparing nothing
+        (no changed fraction); the run's last keeps what it sent and the next delta is
+        compared against it. Every update lands bit-exact."""
+        engine = serve("--model", "tiny", "--tensor-parallel-size", "2", backend=self.backend)
+        client = wtransfer.HTTPClient(engine.url)
+        updates = 1 + DENSE_STREAK + FULL_RUN + 1
+        fractions = []
+        with TrainerRanks(RANKS, backend=self.backend, addresses=[engine.url], senders=RANKS,
+                          model="llm:tiny", seed=5, updates=updates, change_fraction=0.9,
+                          gated=True, fingerprint=True,
+                          init_fields=fields(self.backend, delta=True)) as trainers:
+            for step in range(updates):
+                if step:
+                    trainers.go()
+                outs = [trainers.wait_for(r, "sent", 180, count=step + 1) for r in range(RANKS)]
+                assert client.fingerprint() == outs[0]["fingerprint"], step
+                assert all(o["wire_bytes"] >= o["sent_bytes"] for o in outs), step  # whole
+                compared = {o.get("changed_fraction") is not None for o in outs}
+                assert len(compared) == 1, step  # (the ranks decide alike on alike changes)
+                fractions.append(compared.pop())
+            assert trainers.wait(60) == [0] * RANKS
+        assert fractions == ([False] + [True] * DENSE_STREAK + [False] * FULL_RUN + [True])
 
 
 class TestNccl(DeltaCases):

@@ -265,9 +265,16 @@ class PairDeltaSender:
         self._copies: dict[int, torch.Tensor] = {}
         self._plan: str | None = None
         self.changed_fraction: float | None = None
-        """The last delta's fraction of changed elements among those this rank sends."""
+        """The last delta's fraction of changed elements among those this rank sends (None
+        for an update of a full run: nothing was compared)."""
         self.wire_bytes = 0
         """Bytes of bucket data the last update moved from this rank."""
+        self.dense_streak = 0
+        """Dense deltas in a row (see `DENSE_STREAK`)."""
+        self.full_left = 0
+        """Deltas still to send with every bucket whole, not compared (see `FULL_RUN`)."""
+        self.run = FULL_RUN
+        """The length of the next run of whole buckets."""
 
     @property
     def copy_bytes(self) -> int:
@@ -300,7 +307,26 @@ class PairDeltaSender:
             changed_elements += elements if encoded.changed < 0 else encoded.changed
             self.wire_bytes += bucket.nbytes if encoded.size == WHOLE else max(encoded.size, 0)
         self.changed_fraction = changed_elements / total if total else 0.0
+        sent = sum(bucket.nbytes for bucket in mine)
+        self.dense_streak = self.dense_streak + 1 if self.wire_bytes > DENSE_FRACTION * sent \
+            else 0
+        if not self.dense_streak:
+            self.run = FULL_RUN
+        elif self.dense_streak >= DENSE_STREAK:
+            self.dense_streak, self.full_left = 0, self.run
         return out
+
+    def whole(self, plan: TransferPlan, mine: Sequence[PairBucket]) -> dict[int, EncodedBucket]:
+        """An update of a full run (most bytes changed every step lately): each of this
+        rank's buckets goes whole, not compared; the copies are stale until the run's last
+        update keeps what it sends (`keep`: its caller asks `full_left == 1` first)."""
+        self.full_left -= 1
+        if not self.full_left:  # one dense delta after the run starts a longer one
+            self.dense_streak = DENSE_STREAK - 1
+            self.run = min(2 * self.run, FULL_RUN_MOST)
+        self.changed_fraction = None
+        self.wire_bytes = sum(bucket.nbytes for bucket in mine)
+        return {plan.position(bucket): EncodedBucket(WHOLE, None, -1) for bucket in mine}
 
     def holds(self, plan: TransferPlan) -> bool:
         """Whether the copies are of `plan`'s buckets (else a delta sends each whole)."""
@@ -325,3 +351,4 @@ class PairDeltaSender:
         """An update failed or was refused: the next update is full (and copies again)."""
         self.base = None
         self._plan = None
+        self.full_left = 0

@@ -5,7 +5,9 @@ lead's update call adds (the plan's digest; for a delta, what every bucket of th
 Without deltas each bucket is packed from the rank's own shards. A delta-enabled sender
 (`wtransfer.delta.sender.PairDeltaSender`) keeps what each bucket was in a full update; in a
 delta it encodes every bucket before any moves (`wtransfer.delta.pieces`), the ranks gather
-what each bucket is, and only changed buckets travel, each whole or as its encoding.
+what each bucket is, and only changed buckets travel, each whole or as its encoding. After
+a few dense deltas a rank sends a run of deltas with every bucket whole, not compared; the
+last of the run keeps what it sent (`PairDeltaSender.whole`).
 """
 
 from __future__ import annotations
@@ -62,12 +64,17 @@ def pair_send(share: Share, plan: TransferPlan, source: WeightSource, *, checksu
         if header.base is not None:  # a delta over a new plan (the tensor list changed):
             opening["delta_buckets"] = [WHOLE] * len(plan.buckets)  # every bucket whole
         return PairSend(mine, keep, opening, {**moved, "wire_bytes": moved["sent_bytes"]})
-    encoded = delta.encode(plan, mine, metas, lambda piece: shards.region(
-        piece.tensor, metas[piece.tensor].name, piece.box))
+    keeps = delta.full_left == 1  # (the last update of a full run keeps what it sends)
+    encoded = (delta.whole(plan, mine) if delta.full_left else
+               delta.encode(plan, mine, metas, lambda piece: shards.region(
+                   piece.tensor, metas[piece.tensor].name, piece.box)))
     sizes = gathered_sizes(plan, gather([[p, e.size] for p, e in encoded.items()]))
 
     def stage(bucket: PairBucket, staging: torch.Tensor) -> torch.Tensor:
         change = encoded[plan.position(bucket)]
+        if keeps:
+            delta.keep(plan, bucket, shards.pack(bucket, metas, staging))
+            return frame(staging, bucket.nbytes, checksum)
         if change.size == WHOLE or change.data is None:
             return shards.pack_framed(bucket, metas, staging, checksum)
         staging[:change.size].copy_(change.data)
