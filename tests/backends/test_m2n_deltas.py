@@ -72,27 +72,30 @@ class DeltaCases:
             self, serve):
         """Most elements change every step (a high learning rate): after `DENSE_STREAK` dense
         deltas each rank sends `FULL_RUN` updates with every bucket whole, comparing nothing
-        (no changed fraction); the run's last keeps what it sent and the next delta is
-        compared against it. Every update lands bit-exact."""
+        (no changed fraction); the run's last keeps what it sent, so the delta after the run,
+        of unchanged weights, is compared against it and moves nothing. Every update lands
+        bit-exact."""
         engine = serve("--model", "tiny", "--tensor-parallel-size", "2", backend=self.backend)
         client = wtransfer.HTTPClient(engine.url)
-        updates = 1 + DENSE_STREAK + FULL_RUN + 1
+        dense = DENSE_STREAK + FULL_RUN
         fractions = []
         with TrainerRanks(RANKS, backend=self.backend, addresses=[engine.url], senders=RANKS,
-                          model="llm:tiny", seed=5, updates=updates, change_fraction=0.9,
-                          gated=True, fingerprint=True,
+                          model="llm:tiny", seed=5, updates=dense + 2,
+                          change_fraction=[0.9] * dense + [0.0], gated=True, fingerprint=True,
                           init_fields=fields(self.backend, delta=True)) as trainers:
-            for step in range(updates):
+            for step in range(dense + 2):
                 if step:
                     trainers.go()
                 outs = [trainers.wait_for(r, "sent", 180, count=step + 1) for r in range(RANKS)]
                 assert client.fingerprint() == outs[0]["fingerprint"], step
-                assert all(o["wire_bytes"] >= o["sent_bytes"] for o in outs), step  # whole
+                if step <= dense:  # every byte goes, whole (a bucket's padding counted)
+                    assert all(o["wire_bytes"] >= o["sent_bytes"] for o in outs), step
                 compared = {o.get("changed_fraction") is not None for o in outs}
                 assert len(compared) == 1, step  # (the ranks decide alike on alike changes)
                 fractions.append(compared.pop())
             assert trainers.wait(60) == [0] * RANKS
         assert fractions == ([False] + [True] * DENSE_STREAK + [False] * FULL_RUN + [True])
+        assert all(o["wire_bytes"] == 0 and o["changed_fraction"] == 0 for o in outs)
 
 
 class TestNccl(DeltaCases):

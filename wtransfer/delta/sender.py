@@ -325,8 +325,12 @@ class PairDeltaSender:
             self.dense_streak = DENSE_STREAK - 1
             self.run = min(2 * self.run, FULL_RUN_MOST)
         self.changed_fraction = None
-        self.wire_bytes = sum(bucket.nbytes for bucket in mine)
+        self.wire_bytes = sum(bucket.nbytes for bucket in mine)  # (as `encode` counts whole)
         return {plan.position(bucket): EncodedBucket(WHOLE, None, -1) for bucket in mine}
+
+    def kept_in_full(self) -> None:
+        """A full update keeps every bucket: a run of whole buckets in progress ends."""
+        self.full_left = 0
 
     def holds(self, plan: TransferPlan) -> bool:
         """Whether the copies are of `plan`'s buckets (else a delta sends each whole)."""
@@ -351,4 +355,5 @@ class PairDeltaSender:
         """An update failed or was refused: the next update is full (and copies again)."""
         self.base = None
         self._plan = None
-        self.full_left = 0
+        self.full_left = self.dense_streak = 0
+        self.run = FULL_RUN

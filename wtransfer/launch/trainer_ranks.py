@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import IO, Any
 
@@ -93,11 +94,15 @@ def run(args: argparse.Namespace) -> None:
         process_group=dist.group.WORLD if replicate and args.ranks > 1 else None)
     print(json.dumps({"event": "ready", "rank": args.rank, "pid": os.getpid(),
                       "reads": str(getattr(sender, "reads", ""))}), flush=True)
+    fractions = [float(f) for f in args.change_fraction.split(",")] if args.change_fraction \
+        else []
     for step in range(args.updates):
         if step and args.gated:
             _wait_to_go(args.timeout)
-        if step and args.change_fraction:  # a small step (replicas change alike)
-            perturb(model, args.change_fraction, 1_000_003 * args.seed + 97 * step)
+        if step and fractions:  # a small step (replicas change alike); 0: no change
+            fraction = fractions[min(step, len(fractions)) - 1]
+            if fraction:
+                perturb(model, fraction, 1_000_003 * args.seed + 97 * step)
         elif step and not args.same_weights:
             randomize(model, 1_000_003 * args.seed + step)
         if args.device != "cpu":  # the step's writes ran: what is timed below is the update
@@ -134,7 +139,8 @@ class TrainerRanks:
                  fingerprint: bool = False,
                  timeout_s: float = 60.0, fp8: bool = False, device: str = "cpu",
                  replicate: bool = False, same_weights: bool = False,
-                 change_fraction: float = 0.0, gated: bool = False) -> None:
+                 change_fraction: float | Sequence[float] = 0.0, gated: bool = False
+                 ) -> None:
         from wtransfer.launch.processes import local_store
 
         self._store = local_store(ranks, timeout_s)  # lives as long as the ranks
@@ -159,8 +165,10 @@ class TrainerRanks:
                 cmd.append("--replicate")
             if same_weights:
                 cmd.append("--same-weights")
-            if change_fraction:
-                cmd += ["--change-fraction", str(change_fraction)]
+            if change_fraction:  # (a list: step k's fraction, the last one repeated)
+                cmd += ["--change-fraction", ",".join(
+                    str(f) for f in (change_fraction if isinstance(change_fraction, Sequence)
+                                     else [change_fraction]))]
             if gated:
                 cmd.append("--gated")
             # stderr to a file: a pipe read only at exit would stall a rank that warns a lot
@@ -269,9 +277,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="every update sends the same weights (else new random ones)")
     parser.add_argument("--gated", action="store_true",
                         help="before each update after the first, wait for a line on stdin")
-    parser.add_argument("--change-fraction", type=float, default=0.0,
+    parser.add_argument("--change-fraction", default="",
                         help="between updates flip a bit of this fraction of each rank's "
-                             "elements (else new random weights)")
+                             "elements (else new random weights); a comma-separated list "
+                             "gives each step's (the last repeated; 0: unchanged)")
     try:
         run(parser.parse_args(argv))
     except Exception:  # a rank that fails (its sender refused at connect, say) prints
