@@ -25,6 +25,7 @@ PROMPTS = [[1, 2, 3], [7, 8, 9, 10]]
 WIDTHS = [(2, "tiny", ["--tensor-parallel-size", "2"]),
           (4, "tiny-moe", ["--tensor-parallel-size", "2", "--enable-expert-parallel"])]
 """Trainer ranks, model and engine flags of each M->N case."""
+RANKS_OF_STAGED = 2
 KILL_DEADLINE_S = 15.0
 """Transfer deadline of the killed-rank cases: short enough that a dead rank fails every side
 soon, long enough that a loaded 2-core CI machine answers an update before it (5 s was not)."""
@@ -98,6 +99,27 @@ class M2NCases:
         fresh = serve("--model", model, "--seed", "5")  # the trainer's weights, built directly
         assert got == [fresh.greedy(p) for p in PROMPTS]
 
+
+    def test_updates_into_a_staged_tp_engine_replay_their_copies_and_land_bit_exact(self, serve):
+        """Two FSDP2 ranks -> an engine with TP=2 staging every update (swap: the shadow's
+        storages alternate between two sets): five updates of new weights, the later ones
+        replaying the copies worked out for each set, each live and bit-exact once sent."""
+        engine = serve("--model", "tiny", "--tensor-parallel-size", "2", "--update-staging",
+                       "swap", backend=self.backend)
+        client = wtransfer.HTTPClient(engine.url)
+        with TrainerRanks(RANKS_OF_STAGED, backend=self.backend, addresses=[engine.url],
+                          senders=RANKS_OF_STAGED, model="llm:tiny", seed=3, updates=5,
+                          gated=True, fingerprint=True,
+                          init_fields=fields(self.backend)) as trainers:
+            seen = set()
+            for step in range(5):
+                if step:
+                    trainers.go()
+                out = trainers.wait_for(0, "sent", 180, count=step + 1)
+                assert client.fingerprint() == out["fingerprint"], step
+                seen.add(tuple(sorted(out["fingerprint"].items())))
+            assert trainers.wait(60) == [0] * RANKS_OF_STAGED
+        assert len(seen) == 5  # (every update new weights)
 
     def test_every_update_lands_and_a_killed_trainer_rank_leaves_the_weights_as_they_were(self):
         """Into a whole-tensor receiver (each tensor assembled from both ranks' boxes): two
