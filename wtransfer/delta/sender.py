@@ -285,7 +285,7 @@ class PairDeltaSender:
         """This update's header: a delta when the workers hold a base this rank has copies
         of, else full."""
         token = secrets.token_hex(16)
-        base = self.base if self.disabled is None and self._copies else None
+        base = self.base if self.disabled is None and self._plan is not None else None
         return DeltaUpdate(DeltaHeader(token=token, base=base, by_piece=True), source, None)
 
     def encode(self, plan: TransferPlan, mine: Sequence[PairBucket],
@@ -328,8 +328,12 @@ class PairDeltaSender:
         self.wire_bytes = sum(bucket.nbytes for bucket in mine)  # (as `encode` counts whole)
         return {plan.position(bucket): EncodedBucket(WHOLE, None, -1) for bucket in mine}
 
-    def kept_in_full(self) -> None:
-        """A full update keeps every bucket: a run of whole buckets in progress ends."""
+    def kept_in_full(self, plan: TransferPlan) -> None:
+        """A full update under `plan` keeps every bucket this rank sends (none, for a rank
+        the plan gives no bucket: it still takes part in the next delta's gather); a run of
+        whole buckets in progress ends."""
+        if plan.digest != self._plan:
+            self._copies, self._plan = {}, plan.digest
         self.full_left = 0
 
     def holds(self, plan: TransferPlan) -> bool:

@@ -61,7 +61,7 @@ def pair_send(share: Share, plan: TransferPlan, source: WeightSource, *, checksu
             delta.keep(plan, bucket, shards.pack(bucket, metas, staging))
             return frame(staging, bucket.nbytes, checksum)
 
-        delta.kept_in_full()
+        delta.kept_in_full(plan)
         if header.base is not None:  # a delta over a new plan (the tensor list changed):
             opening["delta_buckets"] = [WHOLE] * len(plan.buckets)  # every bucket whole
         return PairSend(mine, keep, opening, {**moved, "wire_bytes": moved["sent_bytes"]})
