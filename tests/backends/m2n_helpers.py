@@ -45,7 +45,7 @@ class Serve:
                 wait_for(self._healthy, 120, "the server to start")
                 break
             except BaseException:  # (not in the fixture's list yet: nobody else would stop it)
-                taken = "address already in use" in self.output()
+                taken = "address already in use" in self.output().lower()
                 if not taken or attempt == self.ATTEMPTS - 1:
                     self.close()
                     raise
