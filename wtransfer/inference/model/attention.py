@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from wtransfer.inference.model.eager_ops import rotate_eager
 from wtransfer.inference.model.layer_kernels import fused_for
 
 SegmentSpec = tuple[int, int, int, int, list[int]]
@@ -219,14 +220,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
             and sin.is_contiguous() and cos.shape == sin.shape == (x.shape[0], 1, x.shape[-1])):
         return fused.rotate(x.contiguous(), cos, sin)
     return rotate_eager(x, cos, sin)
-
-
-def rotate_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`rotate` in eager torch operations."""
-    half = x.shape[-1] // 2
-    xf = x.float()
-    turned = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + turned * sin).to(x.dtype)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,

@@ -27,6 +27,7 @@ from wtransfer.inference.model.attention import (
     attend,
     without_cudnn_attention,
 )
+from wtransfer.inference.model.eager_ops import rms_norm_eager
 from wtransfer.inference.model.experts import Experts
 from wtransfer.inference.model.fp8_linear import Fp8Linear, quantize_model
 from wtransfer.inference.model.layer_kernels import fused_for
@@ -54,13 +55,6 @@ class RMSNorm(nn.Module):
         if fused is not None:
             return fused.rms_norm(x.contiguous(), self.weight, self.eps)
         return rms_norm_eager(x, self.weight, self.eps)
-
-
-def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x's last dimension times `weight`, in eager torch operations (float32)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
 
 
 class Attention(nn.Module):

@@ -19,6 +19,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from wtransfer.inference.model.eager_ops import rms_norm_eager, rotate_eager
+
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
@@ -63,9 +65,6 @@ def _works(name: str, device: torch.device, dtype: torch.dtype,
 
 
 def _try_fused(module: ModuleType, device: torch.device, dtype: torch.dtype) -> bool:
-    from wtransfer.inference.model.attention import rotate_eager
-    from wtransfer.inference.model.decoder import rms_norm_eager
-
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(3, 4, 64, device=device, generator=gen).to(dtype)
     weight = torch.randn(64, device=device, generator=gen).to(dtype)
