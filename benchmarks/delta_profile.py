@@ -18,8 +18,8 @@ import torch
 from gpu_paths import d2d_floor
 from torch.profiler import ProfilerActivity, profile
 
-from wtransfer.delta.sender import DeltaSender
 from wtransfer.shapes import build_module, model_metas, perturb
+from wtransfer.trainer.deltas import DeltaSender
 from wtransfer.trainer.source import ModuleSource
 
 

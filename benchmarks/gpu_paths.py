@@ -5,7 +5,7 @@
 1. Staged commit (`wtransfer.inference.updates.staging.StagedWeights`): the time of a `swap` commit
    (storages exchanged) and a `copy` commit (the shadow copied into the live storages) of a
    whole model, against one device-to-device copy of its bytes.
-2. The delta sender's comparison (`wtransfer.delta.sender.DeltaSender`, its last-sent copy on
+2. The delta sender's comparison (`wtransfer.trainer.deltas.DeltaSender`, its last-sent copy on
    the GPU): preparing an update at 0.03% and 1% changed elements, against one D2D copy.
 3. Mixture of experts on CUDA: our engine with the tiny Qwen3-MoE model on the GPU, updated
    from a CPU trainer over ipc: the engine's weights equal the trainer's, and its greedy tokens
@@ -25,11 +25,11 @@ import torch
 from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
-from wtransfer.delta.sender import DeltaSender
 from wtransfer.inference import AsyncEngine, EngineConfig, LocalEngineClient, SamplingParams
 from wtransfer.inference.model.decoder import load_model
 from wtransfer.inference.updates.staging import StagedWeights
 from wtransfer.shapes import build_module, model_metas, perturb
+from wtransfer.trainer.deltas import DeltaSender
 from wtransfer.trainer.source import ModuleSource
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

@@ -192,10 +192,10 @@ def main() -> None:
     from wtransfer_ipc import IPCTrainerInitInfo
 
     import wtransfer
+    from wtransfer.copies import CopyQueue, copy_bytes
     from wtransfer.launch.models import build
     from wtransfer.packing import byte_view
     from wtransfer.rpc import RPCClient
-    from wtransfer.transport.copies import CopyQueue, copy_bytes
 
     trace = Path(tempfile.mkdtemp()) / "receiver.json"
     child = subprocess.Popen([sys.executable, __file__, "--model", args.model, "--device",

@@ -1,8 +1,9 @@
 """Old module paths kept importable, each with a `DeprecationWarning` naming its new path.
 
-A package that moved modules calls `install(package, {old_leaf: new_relative_path})` from its
-`__init__`; `import package.old_leaf` then gives the module at `package.new_relative_path`
-(one module object under both names, its own `__spec__` kept).
+A package that moved modules calls `install(package, {old_leaf: new_path})` from its
+`__init__`; `import package.old_leaf` then gives the module at `new_path` (one module object
+under both names, its own `__spec__` kept). `new_path` is relative to `package`, or a whole
+name starting `wtransfer.` for a module that moved to another package.
 """
 
 from __future__ import annotations
@@ -49,12 +50,14 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder):
         new = _TABLES.get(package, {}).get(leaf)
         if new is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _MovedModuleLoader(f"{package}.{new}"))
+        whole = new if new.startswith("wtransfer.") else f"{package}.{new}"
+        return importlib.machinery.ModuleSpec(fullname, _MovedModuleLoader(whole))
 
 
 def install(package: str, moved: dict[str, str]) -> None:
     """Keep `package.<old>` importable for every `old -> new` of `moved` (new: relative to
-    `package`); the finder goes on `sys.meta_path` once per process."""
+    `package`, or a whole `wtransfer.` name); the finder goes on `sys.meta_path` once per
+    process."""
     with _LOCK:
         _TABLES.setdefault(package, {}).update(moved)
         if not any(isinstance(finder, MovedModuleFinder) for finder in sys.meta_path):

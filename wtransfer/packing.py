@@ -19,8 +19,8 @@ import torch
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
+from wtransfer.copies import copy_bytes, copy_host
 from wtransfer.errors import ConfigError, MetadataError
-from wtransfer.transport.copies import copy_bytes, copy_host
 
 DEFAULT_ALIGN = 256
 """Byte alignment of every tensor inside a bucket (covers every dtype and vector loads)."""

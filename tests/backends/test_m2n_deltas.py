@@ -13,9 +13,9 @@ import pytest
 from m2n_helpers import fields
 
 import wtransfer
-from wtransfer.delta.sender import DENSE_STREAK, FULL_RUN
 from wtransfer.launch.processes import spawn_receiver
 from wtransfer.launch.trainer_ranks import TrainerRanks
+from wtransfer.trainer.deltas import DENSE_STREAK, FULL_RUN
 
 RANKS = 2
 

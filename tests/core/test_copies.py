@@ -1,4 +1,4 @@
-"""`wtransfer.transport.copies`: every byte lands, whatever the group a copy went out in, and
+"""`wtransfer.copies`: every byte lands, whatever the group a copy went out in, and
 a fenced queue's side stream never overtakes work queued on the current stream between its
 copies."""
 
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from wtransfer.transport.copies import (
+from wtransfer.copies import (
     GROUP_MAX,
     MEMCPY_BYTES,
     STREAMS,

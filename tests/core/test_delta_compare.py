@@ -167,8 +167,8 @@ def test_a_name_that_comes_twice_is_refused():
 
 
 def test_a_source_that_skips_a_listed_tensor_is_refused_not_taken_as_unchanged():
-    from wtransfer.delta.sender import DeltaSender
     from wtransfer.errors import MetadataError
+    from wtransfer.trainer.deltas import DeltaSender
     from wtransfer.trainer.source import ModuleSource
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))

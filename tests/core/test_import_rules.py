@@ -94,23 +94,39 @@ def test_production_code_never_imports_the_test_harness():
 
 
 BASE = ("wtransfer.errors", "wtransfer.wire", "wtransfer.records", "wtransfer.protocol",
-        "wtransfer.manifest", "wtransfer.packing", "wtransfer.fingerprint", "wtransfer.shapes",
-        "wtransfer.moved", "wtransfer.transport.channel", "wtransfer.transport.device_kernels",
-        "wtransfer.transport.stacks")
+        "wtransfer.manifest", "wtransfer.packing", "wtransfer.copies", "wtransfer.fingerprint",
+        "wtransfer.shapes", "wtransfer.moved", "wtransfer.transport.channel",
+        "wtransfer.transport.device_kernels", "wtransfer.transport.stacks")
 """The base layer, which everything else builds on: the root's modules below the registry, and
 the control channel, the checked device kernels and the stack printer of `transport/`."""
 
 ROOT_MODULES = {"__init__", "__main__", "errors", "wire", "records", "protocol", "manifest",
-                "packing", "fingerprint", "shapes", "moved", "registry", "clients", "rpc", "cli"}
-"""The package root: the core shared/ARCHITECTURE.md lists there, and the old-names mechanism."""
+                "packing", "copies", "fingerprint", "shapes", "moved", "registry", "clients",
+                "rpc", "cli"}
+"""The package root: the core shared/ARCHITECTURE.md lists there, the byte copies the packer
+uses, and the old-names mechanism."""
 
 
 def test_the_base_layer_imports_nothing_above_it():
-    """The root's base modules import one another and the byte copies
-    (`wtransfer.transport.copies`), never the trainer, the receiver, deltas, the clients or
-    anything else built on them."""
+    """The base modules import one another, never the trainer, the receiver, deltas, the
+    clients or anything else built on them."""
     assert broken(lambda m, t: m in BASE and under(t, "wtransfer") and t != "wtransfer"
-                  and not under(t, *BASE, "wtransfer.transport.copies")) == []
+                  and not under(t, *BASE)) == []
+
+
+SIDES = ("wtransfer.trainer", "wtransfer.receiver", "wtransfer.registry", "wtransfer.clients",
+         "wtransfer.rpc", "wtransfer.quant", "wtransfer.sim")
+"""The two sides and what is built on them."""
+
+
+def test_the_shared_data_plane_and_delta_core_import_neither_side():
+    """`transport/` and `delta/` (codec, comparison, pieces) sit below the trainer and the
+    receiver: the delta strategies each side holds live beside its base
+    (`trainer/deltas.py`, `receiver/deltas.py`), and the data plane never reaches into deltas."""
+    assert broken(lambda m, t: under(m, "wtransfer.transport", "wtransfer.delta")
+                  and under(t, *SIDES)) == []
+    assert broken(lambda m, t: under(m, "wtransfer.transport") and under(t, "wtransfer.delta")) \
+        == []
 
 
 def test_the_package_root_holds_only_the_core_it_lists():
@@ -145,6 +161,9 @@ def test_the_engines_layers_import_only_their_own_layer_or_below():
     ("wtransfer.channel", "wtransfer.transport.channel"),
     ("wtransfer.stacks", "wtransfer.transport.stacks"),
     ("wtransfer.device_kernels", "wtransfer.transport.device_kernels"),
+    ("wtransfer.delta.sender", "wtransfer.trainer.deltas"),
+    ("wtransfer.delta.target", "wtransfer.receiver.deltas"),
+    ("wtransfer.transport.copies", "wtransfer.copies"),
 ])
 def test_a_module_imported_by_its_old_name_is_the_moved_one_with_a_warning(old, new):
     import importlib

@@ -103,7 +103,7 @@ def test_a_sender_predicts_dense_deltas_from_a_sample_and_sends_in_full_runs():
     sender sends FULL_RUN updates in full without a copy; the probe after the run (against a
     sample its last update kept) says dense again, and the next run is twice as long; once
     changes are sparse the probe goes in full with a copy, and deltas go on."""
-    from wtransfer.delta.sender import FULL_RUN
+    from wtransfer.trainer.deltas import FULL_RUN
 
     dense = 1 + FULL_RUN + 2 * FULL_RUN  # the first update, then two runs
     seen = dense_then_sparse(wtransfer.ModuleSource, dense, dense + 3)
@@ -123,7 +123,7 @@ def test_a_sender_whose_deltas_stay_dense_sends_in_full_then_probes_again():
     deltas the sender stops comparing and keeps no copy for FULL_RUN updates, then probes
     with a delta (one dense probe starts another run); once changes are sparse it stays on
     deltas."""
-    from wtransfer.delta.sender import DENSE_STREAK, FULL_RUN
+    from wtransfer.trainer.deltas import DENSE_STREAK, FULL_RUN
 
     dense = 1 + DENSE_STREAK + 2 * FULL_RUN + 1  # the second probe sees sparse changes
     seen = dense_then_sparse(UnheldSource, dense, 1 + DENSE_STREAK + 2 * (FULL_RUN + 1) + 2)

@@ -1,7 +1,7 @@
 """Deltas of an M->N transfer: each pair bucket carries only its pieces' changed elements.
 
 Each trainer rank diffs its own shards: it keeps the bytes of every pair bucket it last sent
-(`wtransfer.delta.sender.PairDeltaSender`, host memory by default) and, for a delta, compares
+(`wtransfer.trainer.deltas.PairDeltaSender`, host memory by default) and, for a delta, compares
 every piece of each of its buckets (its box of the rank's shard, where it lies) with the
 bytes it last sent, by bits (as `wtransfer.delta.codec` compares whole tensors), and encodes
 the bucket (`encode_bucket`)::
@@ -17,7 +17,7 @@ or its encoded length) is gathered from every rank into the update call (`delta_
 so each worker knows what it will receive before any byte moves. A worker applies a bucket's
 pieces in place (`UpdateSession.consume_piece_delta`), into the regions of its target that
 hold the base: so only targets that offer a writable region of everything they keep take
-such deltas (`wtransfer.delta.target.piece_delta_refusal`).
+such deltas (`wtransfer.receiver.deltas.piece_delta_refusal`).
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from wtransfer.copies import MEMCPY_BYTES
 from wtransfer.receiver.finite import FiniteCheck, checked_copy_kernel, checks_in_copy
 from wtransfer.receiver.programs import WholeProgram
 from wtransfer.transport.capture_lock import CAPTURING
-from wtransfer.transport.copies import MEMCPY_BYTES
 
 log = logging.getLogger("wtransfer.receiver.copy_graph")
 

@@ -6,9 +6,9 @@ public face on the receiver (`delta_base`, `forget_delta_base`)."""
 from __future__ import annotations
 
 from wtransfer.delta.codec import parsed_entries
-from wtransfer.delta.target import piece_delta_refusal
 from wtransfer.errors import DeltaBaseError, DeltaUnsupportedError, MetadataError
 from wtransfer.manifest import Manifest
+from wtransfer.receiver.deltas import piece_delta_refusal
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import UpdateInfo
@@ -37,7 +37,7 @@ class Lineage:
              last: Manifest | None) -> None:
         """A delta-enabled sender's header call: a delta is refused (`DeltaBaseError`, before
         anything is written) unless the weights are exactly its base; then the update's tensor
-        list is the delta's (`wtransfer.delta.target.DeltaTarget`). `last`: the tensor list
+        list is the delta's (`wtransfer.receiver.deltas.DeltaTarget`). `last`: the tensor list
         the base came with (a delta by piece names the same one)."""
         header = info.delta
         assert header is not None  # (`carries_header`)

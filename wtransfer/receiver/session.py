@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from wtransfer.copies import WHOLE_UPDATE_STREAMS, CopyQueue, copy_bytes
 from wtransfer.delta.codec import BITS_VIEW, DeltaEntry
 from wtransfer.delta.pieces import decode_bucket
-from wtransfer.delta.target import DeltaTarget
 from wtransfer.errors import IntegrityError, MetadataError, NonFiniteError
 from wtransfer.manifest import Manifest, Manifests
 from wtransfer.packing import (
@@ -44,6 +44,7 @@ from wtransfer.packing import (
 )
 from wtransfer.receiver.boxes import BoxSource, add_copy, plan_boxes
 from wtransfer.receiver.copy_graph import replay_copies
+from wtransfer.receiver.deltas import DeltaTarget
 from wtransfer.receiver.finite import FiniteCheck
 from wtransfer.receiver.programs import (
     PieceProgram,
@@ -53,7 +54,6 @@ from wtransfer.receiver.programs import (
 )
 from wtransfer.receiver.target import WeightTarget
 from wtransfer.records import Box, TensorLayout
-from wtransfer.transport.copies import WHOLE_UPDATE_STREAMS, CopyQueue, copy_bytes
 from wtransfer.transport.m2n import Piece
 
 
@@ -158,7 +158,7 @@ class UpdateSession:
     def apply_piece_delta(self) -> None:
         """This update is a delta of an M->N transfer (`wtransfer.delta.pieces`): its pair
         buckets carry their pieces' changes, applied in place onto the base the target holds
-        (the caller checked it can: `wtransfer.delta.target.piece_delta_refusal`)."""
+        (the caller checked it can: `wtransfer.receiver.deltas.piece_delta_refusal`)."""
         if self._announced:
             raise MetadataError("a delta header must come before the update's tensors")
         self.piece_delta = True

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from wtransfer.copies import copy_bytes
 from wtransfer.errors import ConfigError, MetadataError
 from wtransfer.packing import (
     DTYPES,
@@ -29,7 +30,6 @@ from wtransfer.packing import (
     byte_view,
     is_dtensor,
 )
-from wtransfer.transport.copies import copy_bytes
 
 
 def _row_sharded(tensor: Any) -> bool:

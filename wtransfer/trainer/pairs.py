@@ -3,7 +3,7 @@ message of its own (nccl, ucx): which buckets it sends, how each is staged, and 
 lead's update call adds (the plan's digest; for a delta, what every bucket of the plan is).
 
 Without deltas each bucket is packed from the rank's own shards. A delta-enabled sender
-(`wtransfer.delta.sender.PairDeltaSender`) keeps what each bucket was in a full update; in a
+(`wtransfer.trainer.deltas.PairDeltaSender`) keeps what each bucket was in a full update; in a
 delta it encodes every bucket before any moves (`wtransfer.delta.pieces`), the ranks gather
 what each bucket is, and only changed buckets travel, each whole or as its encoding. After
 a few dense deltas a rank sends a run of deltas with every bucket whole, not compared; the
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from wtransfer.delta.pieces import UNCHANGED, WHOLE, gathered_sizes
-from wtransfer.delta.sender import PairDeltaSender
 from wtransfer.packing import frame
+from wtransfer.trainer.deltas import PairDeltaSender
 from wtransfer.trainer.engine import Share
 from wtransfer.trainer.layouts import LocalShards, held_parts
 from wtransfer.trainer.source import WeightSource

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from wtransfer.delta.sender import DeltaSender, DeltaUpdate, PairDeltaSender
 from wtransfer.errors import ConfigError, DeltaBaseError, DeltaUnsupportedError, SparseDeltaError
 from wtransfer.records import Capabilities, DeltaHeader, TrainerInitInfo, TransferStats
+from wtransfer.trainer.deltas import DeltaSender, DeltaUpdate, PairDeltaSender
 from wtransfer.trainer.source import WeightSource
 from wtransfer.wire import record_to_wire
 

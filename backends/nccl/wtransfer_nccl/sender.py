@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from wtransfer.delta.sender import PairDeltaSender
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.packing import CHECKSUM_BYTES
 from wtransfer.protocol import WeightSyncClient
 from wtransfer.records import receiver_init_dict
+from wtransfer.trainer.deltas import PairDeltaSender
 from wtransfer.trainer.engine import (
     Outgoing,
     Share,

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from wtransfer.delta.sender import PairDeltaSender
 from wtransfer.errors import LifecycleError
 from wtransfer.packing import CHECKSUM_BYTES, Bucket
 from wtransfer.protocol import FleetClient, WeightSyncClient
 from wtransfer.records import receiver_init_dict
+from wtransfer.trainer.deltas import PairDeltaSender
 from wtransfer.trainer.engine import (
     Outgoing,
     Share,

@@ -254,7 +254,7 @@ class PairDeltaSender:
     """A trainer rank's side of deltas over an M->N plan: the bytes of each pair bucket it
     last sent (on `copy_device`), for the plan they were sent under, and the token of the
     update the workers hold (`base`). Used by `TrainerTransferEngine` in place of
-    `wtransfer.delta.sender.DeltaSender` when every rank sends its own shards."""
+    `wtransfer.trainer.deltas.DeltaSender` when every rank sends its own shards."""
 
     def __init__(self, copy_device: torch.device | str = "cpu") -> None:
         self.copy_device = torch.device(copy_device)
