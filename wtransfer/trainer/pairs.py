@@ -56,11 +56,13 @@ def pair_send(share: Share, plan: TransferPlan, source: WeightSource, *, checksu
     if delta is None or header is None:
         return PairSend(mine, lambda bucket, staging: shards.pack_framed(
             bucket, metas, staging, checksum), opening, moved)
-    if header.base is None or not delta.holds(plan):  # keep what each bucket is, to diff
-        def keep(bucket: PairBucket, staging: torch.Tensor) -> torch.Tensor:  # against
-            delta.keep(plan, bucket, shards.pack(bucket, metas, staging))
-            return frame(staging, bucket.nbytes, checksum)
 
+    def keep(bucket: PairBucket, staging: torch.Tensor) -> torch.Tensor:
+        """Pack the bucket whole and keep what it is, to diff the next delta against."""
+        delta.keep(plan, bucket, shards.pack(bucket, metas, staging))
+        return frame(staging, bucket.nbytes, checksum)
+
+    if header.base is None or not delta.holds(plan):
         delta.kept_in_full(plan)
         if header.base is not None:  # a delta over a new plan (the tensor list changed):
             opening["delta_buckets"] = [WHOLE] * len(plan.buckets)  # every bucket whole
@@ -74,8 +76,7 @@ def pair_send(share: Share, plan: TransferPlan, source: WeightSource, *, checksu
     def stage(bucket: PairBucket, staging: torch.Tensor) -> torch.Tensor:
         change = encoded[plan.position(bucket)]
         if keeps:
-            delta.keep(plan, bucket, shards.pack(bucket, metas, staging))
-            return frame(staging, bucket.nbytes, checksum)
+            return keep(bucket, staging)
         if change.size == WHOLE or change.data is None:
             return shards.pack_framed(bucket, metas, staging, checksum)
         staging[:change.size].copy_(change.data)
