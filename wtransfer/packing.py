@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
+from wtransfer import wire
 from wtransfer.copies import copy_bytes, copy_host
 from wtransfer.errors import ConfigError, MetadataError
 
@@ -486,3 +487,28 @@ def bucket_checksum(data: torch.Tensor) -> int:
     s1 = (s1 + t) & mask
     s2 = (s2 + t * (words.numel() + 1)) & mask
     return (s1 ^ (s2 * 0x9E3779B97F4A7C15 + n)) & mask
+
+
+RECORD_SLOT = 1024
+"""Bytes of a record that travel in the first collective of `gather_records`."""
+
+
+def gather_records(record: Any, all_gather: Callable[[torch.Tensor], list[torch.Tensor]]
+                   ) -> list[Any]:
+    """Every rank's plain-data `record` (msgpack, no pickle) through `all_gather` (this rank's
+    uint8 tensor -> every rank's, in rank order): one collective when every record fits
+    `RECORD_SLOT` bytes (verdicts, most records), else a second of the longest one's size."""
+    data = wire.encode(record)
+    slot = torch.zeros(8 + RECORD_SLOT, dtype=torch.uint8)
+    slot[:8].view(torch.int64)[0] = len(data)
+    if len(data) <= RECORD_SLOT:
+        slot[8: 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    slots = all_gather(slot)
+    sizes = [int(part[:8].view(torch.int64)[0]) for part in slots]
+    if max(sizes) <= RECORD_SLOT:
+        return [wire.decode(part[8: 8 + n].numpy().tobytes())
+                for part, n in zip(slots, sizes, strict=True)]
+    mine = torch.zeros(max(sizes), dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return [wire.decode(part[:n].numpy().tobytes())
+            for part, n in zip(all_gather(mine), sizes, strict=True)]

@@ -24,8 +24,10 @@ from wtransfer.errors import (
     error_kind,
     remote_error,
 )
+from wtransfer.packing import gather_records
 
 T = TypeVar("T")
+
 
 
 def _collective_error(what: str, exc: RuntimeError, timeout_s: float) -> Exception:
@@ -77,17 +79,16 @@ class TrainerGroup:
         return [t.tolist() for t in out]
 
     def all_gather_records(self, record: Any) -> list[Any]:
-        """Every rank's plain-data `record` (msgpack through byte tensors), in rank order."""
-        data = wire.encode(record)
-        sizes = [s for (s,) in self.all_gather_ints([len(data)])]
-        mine = torch.zeros(max(sizes), dtype=torch.uint8)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        """Every rank's plain-data `record`, in rank order (`packing.gather_records`)."""
+        return gather_records(record, self._all_gather)
+
+    def _all_gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(mine) for _ in range(self.size)]
         try:
             dist.all_gather(out, mine, group=self.pg)
         except RuntimeError as exc:
             raise _collective_error("exchange their records", exc, self.timeout_s) from None
-        return [wire.decode(t[:n].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
+        return out
 
     def verdict(self, error: BaseException | None) -> None:
         """Every rank says whether its part succeeded; raise the first failure on every rank

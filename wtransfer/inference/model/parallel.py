@@ -30,7 +30,7 @@ import torch.distributed as dist
 from wtransfer import wire
 from wtransfer.errors import ConfigError, EngineDeadError
 from wtransfer.inference.config import EngineConfig, ModelConfig
-from wtransfer.packing import dtype_name
+from wtransfer.packing import dtype_name, gather_records
 from wtransfer.quant.fp8 import BLOCK, SCALE_SUFFIX
 from wtransfer.records import Box, TensorLayout
 
@@ -115,13 +115,8 @@ class Collective:
         self._run("broadcast", group.broadcast([tensor], opts))
 
     def all_gather_records(self, record: Any) -> list[Any]:
-        """Every rank's plain-data `record`, in rank order (msgpack through byte tensors)."""
-        data = wire.encode(record)
-        sizes = [int(n) for n in self._gather_control(torch.tensor([len(data)]))]
-        mine = torch.zeros(max(sizes), dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return [wire.decode(part[:n].numpy().tobytes())
-                for part, n in zip(self._gather_control(mine), sizes, strict=True)]
+        """Every rank's plain-data `record`, in rank order (`packing.gather_records`)."""
+        return gather_records(record, self._gather_control)
 
     def _gather_control(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
