@@ -8,11 +8,12 @@ trainer_init` (and `wtransfer.trainer_init`) does both and cleans up if `connect
 An update, as the base runs it (`send_weights`)::
 
     lead: start ─┐ plan the source's tensor list (one `Manifest` per list, reused)
-                 ├ several senders: settle start, the lead announces the list (`_announce`)
     each sender: ├ backend `_outgoing(share)` -> `Outgoing`: an opening call, a channel, or both
-                 ├ the opening update call (lead)             ─┐ a lone sender issues finish
-                 ├ the buckets through the one send loop       ├ right behind its last
-                 │ (`wtransfer.transport.window.send_buckets`) ─┘ update call
+                 ├ several senders: settle start, the lead announces the list (`_announce`),
+                 │ unless the lead's opening call is the whole update (`Outgoing.lead_only`)
+                 ├ the opening update call (lead)             ─┐ a lone sender (or a lead
+                 ├ the buckets through the one send loop       ├ alone in sending) issues
+                 │ (`wtransfer.transport.window.send_buckets`) ─┘ finish right behind
                  └ settle every call in order; keep or forget what the receivers hold
     lead: finish (several senders: after every rank's verdict) and settle
 
@@ -39,7 +40,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, NoReturn, Protocol, TypeVar
 
 import torch
 
@@ -177,6 +178,10 @@ class Outgoing:
     units: tuple[SendUnit, ...] | None = None
     """What the channel moves instead of the share's buckets (an M->N sender's pair
     buckets)."""
+    lead_only: bool = False
+    """The lead's opening call is the whole update, tensor list included, and no other rank
+    sends anything (every rank must say so alike): no announcement before it, and the
+    lead's finish follows it at once, as a lone sender's does."""
 
 
 class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
@@ -412,9 +417,9 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                 share = Share(layout.manifest, layout.plan, layout.mine, packer,
                               index if index is not None else -1, self.senders, source,
                               parts, payload.header, self.listing)
-                self.ranks.together(lambda: self._open(share.manifest, calls))
+                out = self.ranks.together(lambda: self._open(share, calls))
                 try:
-                    self.ranks.together(lambda: self._move(share, calls))
+                    self.ranks.together(lambda: self._move(out, calls))
                 except BaseException as exc:  # every rank: a peer's failed part leaves this
                     if calls is None or not calls.refused_at_finish:  # update's channels as
                         self._failed(exc)  # unusable as its own (and all ranks then refuse
@@ -436,37 +441,54 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                                   "gathered_peak_bytes": peak}
         return TransferStats(**{**payload.stats_fields(fields), **self._backend_stats()})
 
-    def _open(self, manifest: Manifest, calls: UpdateCalls | None) -> None:
-        """With several senders, before any sender moves a bucket: the lead confirms its
+    def _open(self, share: Share, calls: UpdateCalls | None) -> Outgoing | Share:
+        """This sender's `Outgoing` (a rank without a client: its share, to help gather);
+        then, with several senders, before any of them moves a bucket, the lead confirms its
         start and the receivers get the tensor list (`_announce`), so no sender's bucket call
         reaches an engine that has not opened the update."""
-        if self.senders == 1 or calls is None or not self.lead:
-            return
+        if calls is None:
+            return share
+        try:
+            out = self._outgoing(share)
+        except BaseException as exc:
+            self._move_failed(share, calls, exc)
+        if self.senders == 1 or not self.lead or out.lead_only:
+            return out
         calls.settle()
-        announcement = self._announce(manifest)
+        announcement = self._announce(share.manifest)
         if announcement is not None:
             calls.update(announcement)
             calls.settle()
+        return out
 
-    def _move(self, share: Share, calls: UpdateCalls | None) -> None:
+    def _move(self, out: Outgoing | Share | None, calls: UpdateCalls | None) -> None:
         """This rank's part: a sender moves its share; every rank takes part in the gathers of
         the buckets it does not send, even after its own part failed (so no rank waits on
         it). A failure is reported as the receivers' own error when one comes (`UpdateCalls.
         cause`)."""
+        if out is None:  # (`_open` failed: every rank raised in its verdict)
+            return
+        share = out.share if isinstance(out, Outgoing) else out
         try:
-            if calls is not None:  # a rank with a client sends
-                self._deliver(self._outgoing(share), calls)
+            if isinstance(out, Outgoing) and calls is not None:  # a rank with a client sends
+                self._deliver(out, calls)
         except BaseException as exc:
-            with contextlib.suppress(Exception):  # the send's own failure is the one to report
-                share.packer.finish()
-            if calls is not None and calls.refused_at_finish:
-                raise  # every byte moved: the channel is as good as after a success
-            self._failed(exc)
-            cause = calls.cause(exc) if calls is not None else exc
-            if cause is not exc:  # the receivers' refusal, not the broken channel it caused
-                raise cause from exc
-            raise
+            self._move_failed(share, calls, exc)
         share.packer.finish()
+
+    def _move_failed(self, share: Share, calls: UpdateCalls | None,
+                     exc: BaseException) -> NoReturn:
+        """Raise this rank's failure to work out or move its part, as the receivers' own
+        error when one comes (`UpdateCalls.cause`), after dropping what cannot be reused."""
+        with contextlib.suppress(Exception):  # the send's own failure is the one to report
+            share.packer.finish()
+        if calls is not None and calls.refused_at_finish:
+            raise exc  # every byte moved: the channel is as good as after a success
+        self._failed(exc)
+        cause = calls.cause(exc) if calls is not None else exc
+        if cause is not exc:  # the receivers' refusal, not the broken channel it caused
+            raise cause from exc
+        raise exc
 
     def _deliver(self, out: Outgoing, calls: UpdateCalls) -> None:
         """Issue `out`'s update calls and move its buckets; a lone sender's finish follows its
@@ -481,7 +503,7 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                                                             self.init_info.checksum),
                          check=calls.check, all_posted=calls.finish_behind_updates)
         else:
-            calls.finish_behind_updates()  # every update call of this rank is issued
+            calls.finish_behind_updates(out.lead_only)  # every update call is issued
             if out.channel is not None:
                 send_buckets(units, share.packer, out.channel, check=calls.check)
         try:

@@ -384,12 +384,11 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
         self.last_update_read = True
         self._last_moved = moved
         opening = None
-        if share.lead:
-            opening = {"in_place_ranks": [{"zero_copy": record, "pieces": mine}
+        if share.lead:  # (the whole update, its tensor list too: nothing is announced)
+            opening = {**share.listed_tensors(),
+                       "in_place_ranks": [{"zero_copy": record, "pieces": mine}
                                           for record, mine in zip(records, pieces, strict=True)]}
-            if share.count == 1:  # (several senders: the list was announced before)
-                opening.update(share.listed_tensors())
-        return Outgoing(share, opening=opening, kept=exports)
+        return Outgoing(share, opening=opening, kept=exports, lead_only=True)
 
     def _failed(self, exc: BaseException) -> None:
         """An update failed on some rank: send every shard's handle again next time (this

@@ -277,7 +277,7 @@ class UCXSender(TrainerTransferEngine[UCXTrainerInitInfo]):
                 opening = ({**share.listed_tensors(), "update": update,
                             "plan_digest": plan.digest, "rma_ranks": tables}
                            if share.lead else None)
-                return Outgoing(share, opening=opening, kept=self._exports)
+                return Outgoing(share, opening=opening, kept=self._exports, lead_only=True)
         delta = self.delta if isinstance(self.delta, PairDeltaSender) else None
         part = pair_send(share, plan, self.source, checksum=info.checksum,
                          gather=self.ranks.gather, delta=delta)
