@@ -23,8 +23,8 @@
 #                                         # engine TP=2 with graphs on, then off
 #                                         # (WTRANSFER_COPY_GRAPH=0), the same run
 #     bash benchmarks/gpu_one.sh calls    # ipc M->N read in place as one chain of calls: its GPU
-#                                         # tests and staged replays, 8B 2 -> TP=2 (one sender,
-#                                         # M->N), stall.py x16 (none, staged)
+#                                         # tests and staged replays, then 8B 2 -> TP=2 (one
+#                                         # sender, M->N)
 #     bash benchmarks/gpu_one.sh m2n      # 2 trainer processes -> our engine's 2 TP workers,
 #                                         # then -> 1 receiver, over CUDA IPC
 #     bash benchmarks/gpu_one.sh trace    # a timeline of the trainer and the engine through
@@ -145,22 +145,18 @@ graphs)
     done ;;
 calls)
     echo "$(ts) GPU tests: ipc M->N read in place (one chain of calls), staged updates that"
-    echo "   replay their copies"
-    timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=90 \
+    echo "   replay their copies (a cold machine builds its kernels in the first ones)"
+    timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=120 \
         --tb=short tests/backends/test_m2n_transfers.py tests/backends/test_ipc_m2n_in_place.py \
         tests/inference/test_decode_graphs.py tests/core/test_copy_graph.py \
         -k "two_trainer_processes or in_place or replay" > $OUT/calls-tests.txt 2>&1
     echo "rc $?"; grep -E "passed|failed|FAILED|Error" $OUT/calls-tests.txt | tail -15
-    echo "$(ts) 8B 2 -> TP=2: one sender, M->N read in place"
-    WTRANSFER_BENCH_DIR=$OUT/calls timeout 170 python3 benchmarks/transfer.py --backend ipc \
+    echo "$(ts) 8B 2 -> TP=2: one sender, M->N read in place (the 8B engine starts in ~100 s)"
+    WTRANSFER_BENCH_DIR=$OUT/calls timeout 300 python3 benchmarks/transfer.py --backend ipc \
         --device cuda:0 --models qwen3-8b --trainer-ranks 2 --engine-tp 2 --bucket-mb 1024 \
         --repeats 5 --paths "one sender,M->N" --update-staging off --update-rollback off \
         > $OUT/calls.txt 2>&1
-    echo "rc $?"; tail -6 $OUT/calls.txt
-    echo "$(ts) decode speed and staged updates (0.6B, 8B x16)"
-    timeout 200 python3 benchmarks/stall.py --device cuda --models qwen3-0.6b,qwen3-8b \
-        --inflight 16 --modes "none,staged" --updates 4 2>&1 | tee $OUT/stall.txt | tail -20
-    echo "rc $?" ;;
+    echo "rc $?"; tail -6 $OUT/calls.txt ;;
 m2n)
     # staging off: two trainer replicas and a shadow-staged 8B engine overflow an 80 GB card
     echo "$(ts) M->N over CUDA IPC: two trainer processes (replicas) -> engine TP=2, one GPU"
