@@ -183,15 +183,13 @@ class UpdateCalls:
         with contextlib.suppress(Exception):  # a failed receiver's own deadline covers it
             self.abort(f"{type(exc).__name__}: {exc}"[:1000])
 
-    def finish_behind_updates(self, lead_only: bool = False) -> None:
-        """Once every update call of a lone sender (or of a lead whose call is the whole
-        update, `lead_only`) is issued, its finish goes right behind them; with several
-        senders, or a pause around the finish, it waits for every rank's verdict instead, as
-        it does for an engine that would hold its steps while a finish waits for data still
-        on its way (a `StagingClient`'s)."""
+    def finish_behind_updates(self) -> None:
+        """Once every update call of a lone sender is issued, its finish goes right behind
+        them; with several senders, or a pause around the finish, it waits for every rank's
+        verdict instead, as it does for an engine that would hold its steps while a finish
+        waits for data still on its way (a `StagingClient`'s)."""
         role = self.role
-        if (role.lead and (role.senders == 1 or lead_only) and role.pause is None
-                and role.staging is None):
+        if role.lead and role.senders == 1 and role.pause is None and role.staging is None:
             self.finish()
 
     def close(self) -> None:

@@ -11,9 +11,9 @@ An update, as the base runs it (`send_weights`)::
     each sender: ├ backend `_outgoing(share)` -> `Outgoing`: an opening call, a channel, or both
                  ├ several senders: settle start, the lead announces the list (`_announce`),
                  │ unless the lead's opening call is the whole update (`Outgoing.lead_only`)
-                 ├ the opening update call (lead)             ─┐ a lone sender (or a lead
-                 ├ the buckets through the one send loop       ├ alone in sending) issues
-                 │ (`wtransfer.transport.window.send_buckets`) ─┘ finish right behind
+                 ├ the opening update call (lead)             ─┐ a lone sender issues finish
+                 ├ the buckets through the one send loop       ├ right behind its last
+                 │ (`wtransfer.transport.window.send_buckets`) ─┘ update call
                  └ settle every call in order; keep or forget what the receivers hold
     lead: finish (several senders: after every rank's verdict) and settle
 
@@ -40,7 +40,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Generic, NoReturn, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -180,8 +180,7 @@ class Outgoing:
     buckets)."""
     lead_only: bool = False
     """The lead's opening call is the whole update, tensor list included, and no other rank
-    sends anything (every rank must say so alike): no announcement before it, and the
-    lead's finish follows it at once, as a lone sender's does."""
+    sends anything (every rank says so alike): no announcement goes before it."""
 
 
 class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
@@ -417,9 +416,10 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                 share = Share(layout.manifest, layout.plan, layout.mine, packer,
                               index if index is not None else -1, self.senders, source,
                               parts, payload.header, self.listing)
-                out = self.ranks.together(lambda: self._open(share, calls))
+                out = self._plan_outgoing(share, calls)
+                self.ranks.together(lambda: self._open(share.manifest, calls, out))
                 try:
-                    self.ranks.together(lambda: self._move(out, calls))
+                    self.ranks.together(lambda: self._move(share, out, calls))
                 except BaseException as exc:  # every rank: a peer's failed part leaves this
                     if calls is None or not calls.refused_at_finish:  # update's channels as
                         self._failed(exc)  # unusable as its own (and all ranks then refuse
@@ -441,54 +441,54 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                                   "gathered_peak_bytes": peak}
         return TransferStats(**{**payload.stats_fields(fields), **self._backend_stats()})
 
-    def _open(self, share: Share, calls: UpdateCalls | None) -> Outgoing | Share:
-        """This sender's `Outgoing` (a rank without a client: its share, to help gather);
-        then, with several senders, before any of them moves a bucket, the lead confirms its
-        start and the receivers get the tensor list (`_announce`), so no sender's bucket call
-        reaches an engine that has not opened the update."""
-        if calls is None:
-            return share
+    def _plan_outgoing(self, share: Share, calls: UpdateCalls | None) -> Outgoing | None:
+        """Every rank works out its `Outgoing` (None: a rank without a client, which only
+        helps gather) and the ranks agree; where one failed, every rank's backend hears of it
+        (`_failed`), as after a failed move."""
         try:
-            out = self._outgoing(share)
+            return self.ranks.together(
+                lambda: self._outgoing(share) if calls is not None else None)
         except BaseException as exc:
-            self._move_failed(share, calls, exc)
-        if self.senders == 1 or not self.lead or out.lead_only:
-            return out
+            with contextlib.suppress(Exception):  # (the failure is the one to report)
+                share.packer.finish()
+            self._failed(exc)
+            raise
+
+    def _open(self, manifest: Manifest, calls: UpdateCalls | None,
+              out: Outgoing | None) -> None:
+        """With several senders, before any sender moves a bucket: the lead confirms its
+        start and the receivers get the tensor list (`_announce`; a `lead_only` call carries
+        it), so no sender's bucket call reaches an engine that has not opened the update."""
+        if self.senders == 1 or calls is None or not self.lead:
+            return
         calls.settle()
-        announcement = self._announce(share.manifest)
+        if out is not None and out.lead_only:
+            return
+        announcement = self._announce(manifest)
         if announcement is not None:
+            self.listing.sent(manifest)
             calls.update(announcement)
             calls.settle()
-        return out
 
-    def _move(self, out: Outgoing | Share | None, calls: UpdateCalls | None) -> None:
+    def _move(self, share: Share, out: Outgoing | None, calls: UpdateCalls | None) -> None:
         """This rank's part: a sender moves its share; every rank takes part in the gathers of
         the buckets it does not send, even after its own part failed (so no rank waits on
         it). A failure is reported as the receivers' own error when one comes (`UpdateCalls.
         cause`)."""
-        if out is None:  # (`_open` failed: every rank raised in its verdict)
-            return
-        share = out.share if isinstance(out, Outgoing) else out
         try:
-            if isinstance(out, Outgoing) and calls is not None:  # a rank with a client sends
+            if out is not None and calls is not None:  # a rank with a client sends
                 self._deliver(out, calls)
         except BaseException as exc:
-            self._move_failed(share, calls, exc)
+            with contextlib.suppress(Exception):  # the send's own failure is the one to report
+                share.packer.finish()
+            if calls is not None and calls.refused_at_finish:
+                raise  # every byte moved: the channel is as good as after a success
+            self._failed(exc)
+            cause = calls.cause(exc) if calls is not None else exc
+            if cause is not exc:  # the receivers' refusal, not the broken channel it caused
+                raise cause from exc
+            raise
         share.packer.finish()
-
-    def _move_failed(self, share: Share, calls: UpdateCalls | None,
-                     exc: BaseException) -> NoReturn:
-        """Raise this rank's failure to work out or move its part, as the receivers' own
-        error when one comes (`UpdateCalls.cause`), after dropping what cannot be reused."""
-        with contextlib.suppress(Exception):  # the send's own failure is the one to report
-            share.packer.finish()
-        if calls is not None and calls.refused_at_finish:
-            raise exc  # every byte moved: the channel is as good as after a success
-        self._failed(exc)
-        cause = calls.cause(exc) if calls is not None else exc
-        if cause is not exc:  # the receivers' refusal, not the broken channel it caused
-            raise cause from exc
-        raise exc
 
     def _deliver(self, out: Outgoing, calls: UpdateCalls) -> None:
         """Issue `out`'s update calls and move its buckets; a lone sender's finish follows its
@@ -503,7 +503,7 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                                                             self.init_info.checksum),
                          check=calls.check, all_posted=calls.finish_behind_updates)
         else:
-            calls.finish_behind_updates(out.lead_only)  # every update call is issued
+            calls.finish_behind_updates()  # every update call of this rank is issued
             if out.channel is not None:
                 send_buckets(units, share.packer, out.channel, check=calls.check)
         try:
@@ -584,7 +584,8 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
     @abstractmethod
     def _outgoing(self, share: Share) -> Outgoing:
         """How this sender's part of an update travels (see `Outgoing`); called once per
-        update on every sender, after the lead's start was issued."""
+        update on every sender, after the lead's start was issued and before it is settled
+        or the list announced (so it may gather among the ranks, never call the engine)."""
 
     def _failed(self, exc: BaseException) -> None:
         """An update's transfer failed (`exc`), on this rank or another (every rank of a group

@@ -29,7 +29,6 @@ from wtransfer.packing import gather_records
 T = TypeVar("T")
 
 
-
 def _collective_error(what: str, exc: RuntimeError, timeout_s: float) -> Exception:
     text = str(exc)
     if "imeout" in text or "imed out" in text:

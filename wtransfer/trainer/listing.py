@@ -21,10 +21,16 @@ class TensorListing:
         """The update fields that give the receivers `manifest`'s list: its digest where they
         hold it, else the list (which they hold once this update succeeds; until then a
         failed update sends it in full next time)."""
-        held, self.held = self.held, None
-        self._offered = manifest.digest
+        held = self.held
+        self.sent(manifest)
         return ({"tensors_digest": manifest.digest} if held == manifest.digest
                 else {"tensors": manifest.wire})
+
+    def sent(self, manifest: Manifest) -> None:
+        """This update gives the receivers `manifest`'s list in full (they hold it once the
+        update succeeds)."""
+        self.held = None
+        self._offered = manifest.digest
 
     def update_started(self) -> None:
         """An update begins: it has offered nothing yet."""

@@ -7,7 +7,7 @@ ranks gather what each exported. The plan is the M->N plan of staged buckets wit
 limit (`in_place_planner`): each box of the model comes from one rank holding it (replicas
 share the load), whole. The lead's one update call carries every rank's record and pieces
 (`IPCUpdateInfo.in_place_ranks`), each piece's offset counted in the rank's local tensor, and
-the tensor list; start, it and finish go back to back (`Outgoing.lead_only`). A
+the tensor list, so nothing announces it first (`Outgoing.lead_only`). A
 worker opens each rank's storages once, waits on each rank's event after its last write, and
 copies the parts of each piece that it keeps (`UpdateSession.load_boxes`: its copies worked
 out once and replayed while the records and pieces stay). It answers once its copies ran, so

@@ -281,6 +281,8 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                     **share.listed_tensors(),
                     "zero_copy": self._zero_copy.update(tensors)})
         listed = share.manifest.wire
+        if share.count == 1:  # (the first bucket's call carries it)
+            share.listing.sent(share.manifest)
 
         def stage(bucket: Bucket, slot: int) -> torch.Tensor:
             self._wait_read(slot)
@@ -343,9 +345,10 @@ class IPCSender(TrainerTransferEngine[IPCTrainerInitInfo]):
                 update["event"] = self._packed[slot][1]
             return update
 
-        opening = ({"tensors": share.manifest.wire} if share.lead and share.count == 1
-                   else None)  # (several senders: the list was announced before any bucket;
-        # only a zero-copy update may name it by digest)
+        opening = None
+        if share.lead and share.count == 1:  # (several senders: the list was announced before
+            share.listing.sent(share.manifest)  # any bucket; only a zero-copy update may
+            opening = {"tensors": share.manifest.wire}  # name it by digest)
         return Outgoing(share, opening=opening, units=mine,
                         channel=CallChannel(slots=len(self._staging), stage=stage,
                                             describe=describe))
