@@ -22,7 +22,7 @@
 #                                         # zero-copy tests, then 8B 2 trainer processes ->
 #                                         # engine TP=2 with graphs on, then off
 #                                         # (WTRANSFER_COPY_GRAPH=0), the same run
-#     bash benchmarks/gpu_one.sh calls    # ipc M->N read in place as one chain of calls: its GPU
+#     bash benchmarks/gpu_one.sh calls    # ipc M->N read in place (no announcement): its GPU
 #                                         # tests and staged replays, then 8B 2 -> TP=2 (one
 #                                         # sender, M->N)
 #     bash benchmarks/gpu_one.sh m2n      # 2 trainer processes -> our engine's 2 TP workers,
@@ -144,7 +144,7 @@ graphs)
         echo "rc $?"; tail -6 $OUT/graphs-$graphs.txt
     done ;;
 calls)
-    echo "$(ts) GPU tests: ipc M->N read in place (one chain of calls), staged updates that"
+    echo "$(ts) GPU tests: ipc M->N read in place (no announcement), staged updates that"
     echo "   replay their copies (a cold machine builds its kernels in the first ones)"
     timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=120 \
         --tb=short tests/backends/test_m2n_transfers.py tests/backends/test_ipc_m2n_in_place.py \
