@@ -444,7 +444,8 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
     def _plan_outgoing(self, share: Share, calls: UpdateCalls | None) -> Outgoing | None:
         """Every rank works out its `Outgoing` (None: a rank without a client, which only
         helps gather) and the ranks agree; where one failed, every rank's backend hears of it
-        (`_failed`), as after a failed move."""
+        (`_failed`), as after a failed move, and the receivers' own error is raised where one
+        came (`UpdateCalls.cause`)."""
         try:
             return self.ranks.together(
                 lambda: self._outgoing(share) if calls is not None else None)
@@ -452,6 +453,9 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
             with contextlib.suppress(Exception):  # (the failure is the one to report)
                 share.packer.finish()
             self._failed(exc)
+            cause = calls.cause(exc) if calls is not None else exc
+            if cause is not exc:  # the receivers' refusal (of start, say) says why
+                raise cause from exc
             raise
 
     def _open(self, manifest: Manifest, calls: UpdateCalls | None,
