@@ -11,7 +11,7 @@ import pytest
 
 import wtransfer
 import wtransfer.inference
-from wtransfer.errors import PeerError
+from wtransfer.errors import PeerError, TransferTimeout
 from wtransfer.launch.processes import free_port
 from wtransfer.testing.conformance import wait_for
 
@@ -489,6 +489,41 @@ def test_a_delta_sender_initializes_a_restarted_engine_again_and_sends_in_full(b
             assert sender.send_weights(weight_version="4").changed_fraction is not None
             assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
             assert server.http.get("/weight_info").json()["weight_version"] == "4"
+    finally:
+        server.stop()
+
+
+def test_a_sender_broken_by_a_dead_engine_sends_in_full_once_it_comes_back():
+    """The engine dies (SIGKILL) between two steps: the next update fails, and the nccl
+    sender, its group torn down, is unusable as it stands. The engine comes back on the same
+    URL: the update after it hears that engine's refusal of start (it holds no sender), not
+    the sender's own 'unusable', initializes it again by itself and lands in full,
+    bit-exact."""
+    from wtransfer_nccl import NCCLTrainerInitInfo
+
+    from wtransfer.shapes import perturb
+
+    flags = ("--dev-mode", "--weight-transfer-backend", "nccl", "--dtype", "bfloat16")
+    server = Server(*flags)
+    model = wtransfer.inference.load_model("tiny", seed=3, dtype="bfloat16")
+    info = NCCLTrainerInitInfo(master_address="127.0.0.1", timeout_s=20)
+    client = wtransfer.HTTPClient(server.url, timeout_s=20)
+    try:
+        with wtransfer.trainer_init(info, client=client,
+                                    source=wtransfer.ModuleSource(model)) as sender:
+            sender.send_weights(weight_version="1")
+            server.proc.kill()
+            server.proc.wait(timeout=30)
+            perturb(model, 0.01, seed=1)
+            with pytest.raises((PeerError, TransferTimeout)):
+                sender.send_weights(weight_version="2")
+            server.log.close()
+            server = Server(*flags, port=server.port)
+            stats = sender.send_weights(weight_version="3")
+            assert stats.bytes == sum(t.numel() * t.element_size()
+                                      for t in model.state_dict().values())
+            assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+            assert server.http.get("/weight_info").json()["weight_version"] == "3"
     finally:
         server.stop()
 
