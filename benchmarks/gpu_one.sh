@@ -25,6 +25,8 @@
 #     bash benchmarks/gpu_one.sh calls    # ipc M->N read in place (no announcement): its GPU
 #                                         # tests and staged replays, then 8B 2 -> TP=2 (one
 #                                         # sender, M->N)
+#     bash benchmarks/gpu_one.sh staged   # staged updates' throughput, eight updates a row, copy
+#                                         # graphs on then off (MODELS, default qwen3-8b)
 #     bash benchmarks/gpu_one.sh m2n      # 2 trainer processes -> our engine's 2 TP workers,
 #                                         # then -> 1 receiver, over CUDA IPC
 #     bash benchmarks/gpu_one.sh trace    # a timeline of the trainer and the engine through
@@ -157,6 +159,14 @@ calls)
         --repeats 5 --paths "one sender,M->N" --update-staging off --update-rollback off \
         > $OUT/calls.txt 2>&1
     echo "rc $?"; tail -6 $OUT/calls.txt ;;
+staged)
+    for graphs in 1 0; do  # (does replaying a staged update's copies as a graph help the
+        # engine's steps while updates run? eight updates a row, so replays outnumber captures)
+        echo "$(ts) staged updates, copy graphs $graphs: ${MODELS:=qwen3-8b} x16, none / staged"
+        WTRANSFER_COPY_GRAPH=$graphs timeout 280 python3 benchmarks/stall.py --device cuda \
+            --models $MODELS --inflight 16 --modes "none,staged" --updates 8 2>&1 \
+            | tee $OUT/staged-$graphs.txt | tail -4; echo "rc ${PIPESTATUS[0]}"
+    done ;;
 m2n)
     # staging off: two trainer replicas and a shadow-staged 8B engine overflow an 80 GB card
     echo "$(ts) M->N over CUDA IPC: two trainer processes (replicas) -> engine TP=2, one GPU"
@@ -214,6 +224,6 @@ engine)
             --model ${MODELS%%,*} --inflight 16 $([ $fused = 0 ] && echo --gather) 2>&1 \
             | grep -v USDT | tail -14
     done ;;
-*) echo "usage: gpu_one.sh suite|paths|ipc|ucx|peers|calls|m2n|trace|profile|timeline|finite|engine"; exit 2 ;;
+*) echo "usage: gpu_one.sh suite|paths|ipc|ucx|peers|calls|staged|m2n|trace|profile|timeline|finite|engine"; exit 2 ;;
 esac
 echo "$(ts) done"
