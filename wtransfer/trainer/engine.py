@@ -450,10 +450,7 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
             return self.ranks.together(
                 lambda: self._outgoing(share) if calls is not None else None)
         except BaseException as exc:
-            with contextlib.suppress(Exception):  # (the failure is the one to report)
-                share.packer.finish()
-            self._failed(exc)
-            cause = calls.cause(exc) if calls is not None else exc
+            cause = self._part_failed(share, calls, exc)
             if cause is not exc:  # the receivers' refusal (of start, say) says why
                 raise cause from exc
             raise
@@ -483,16 +480,25 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
             if out is not None and calls is not None:  # a rank with a client sends
                 self._deliver(out, calls)
         except BaseException as exc:
-            with contextlib.suppress(Exception):  # the send's own failure is the one to report
-                share.packer.finish()
             if calls is not None and calls.refused_at_finish:
+                with contextlib.suppress(Exception):  # (the refusal is the one to report)
+                    share.packer.finish()
                 raise  # every byte moved: the channel is as good as after a success
-            self._failed(exc)
-            cause = calls.cause(exc) if calls is not None else exc
+            cause = self._part_failed(share, calls, exc)
             if cause is not exc:  # the receivers' refusal, not the broken channel it caused
                 raise cause from exc
             raise
         share.packer.finish()
+
+    def _part_failed(self, share: Share, calls: UpdateCalls | None,
+                     exc: BaseException) -> BaseException:
+        """This rank's part failed (`exc`): finish its packer's gathers, tell the backend
+        (`_failed`); the error to raise, the receivers' own where one came
+        (`UpdateCalls.cause`)."""
+        with contextlib.suppress(Exception):  # (the failure is the one to report)
+            share.packer.finish()
+        self._failed(exc)
+        return calls.cause(exc) if calls is not None else exc
 
     def _deliver(self, out: Outgoing, calls: UpdateCalls) -> None:
         """Issue `out`'s update calls and move its buckets; a lone sender's finish follows its
