@@ -28,10 +28,10 @@ from wtransfer_nccl import group as nccl_group
 from wtransfer_nccl.receiver import NCCLReceiver
 
 import wtransfer
+from wtransfer.control.rpc import ReceiverServer, RPCClient
 from wtransfer.launch.models import build
 from wtransfer.receiver.session import UpdateSession
 from wtransfer.receiver.target import ModuleTarget
-from wtransfer.rpc import ReceiverServer, RPCClient
 
 Stamps = dict[str, list[float]]
 

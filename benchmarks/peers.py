@@ -62,11 +62,11 @@ from torch import nn
 from wtransfer_ipc.info import IPCTrainerInitInfo
 
 import wtransfer
+from wtransfer.control.rpc import ReceiverServer, RPCClient
 from wtransfer.launch.processes import free_port
 from wtransfer.packing import DTYPES, TensorMeta, byte_view
 from wtransfer.receiver.target import ModuleTarget
 from wtransfer.registry import create_receiver
-from wtransfer.rpc import ReceiverServer, RPCClient
 from wtransfer.shapes import MODEL_SHAPES, build_module, model_metas
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

@@ -39,11 +39,11 @@ from wtransfer_ipc.sender import IPCSender
 from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
-from wtransfer.clients import FanoutClient
+from wtransfer.control.clients import FanoutClient
+from wtransfer.control.rpc import RPCClient
 from wtransfer.launch.models import build
 from wtransfer.launch.processes import spawn_receiver
 from wtransfer.packing import Bucket, BucketPacker, BucketPlan, Slice, byte_view
-from wtransfer.rpc import RPCClient
 from wtransfer.shapes import build_module, model_metas
 from wtransfer.trainer.engine import Outgoing, Share
 from wtransfer.transport.window import CallChannel

@@ -64,12 +64,12 @@ def trace_receiver(path: str) -> None:
     from wtransfer_ipc.zero_copy import ZeroCopyImports
 
     import wtransfer.receiver.engine as engine_module
+    from wtransfer.control.rpc import ReceiverServer
     from wtransfer.launch import peer
     from wtransfer.manifest import Manifests
     from wtransfer.receiver.engine import WeightTransferEngine
     from wtransfer.receiver.session import UpdateSession
     from wtransfer.receiver.target import ModuleTarget
-    from wtransfer.rpc import ReceiverServer
 
     wrap(ReceiverServer, "_parse", "parse", lambda out: f"parsed {out[0]}")
     for owner, attr, label in (
@@ -123,7 +123,7 @@ def trace_trainer() -> None:
     import wtransfer_ipc.zero_copy as zero_copy
     from wtransfer_ipc.zero_copy import ZeroCopyExports
 
-    from wtransfer.rpc import RPCClient
+    from wtransfer.control.rpc import RPCClient
     from wtransfer.trainer.engine import Share, TrainerTransferEngine
     from wtransfer.trainer.plans import SenderPlans
     from wtransfer.trainer.source import ModuleSource
@@ -192,10 +192,10 @@ def main() -> None:
     from wtransfer_ipc import IPCTrainerInitInfo
 
     import wtransfer
+    from wtransfer.control.rpc import RPCClient
     from wtransfer.copies import CopyQueue, copy_bytes
     from wtransfer.launch.models import build
     from wtransfer.packing import byte_view
-    from wtransfer.rpc import RPCClient
 
     trace = Path(tempfile.mkdtemp()) / "receiver.json"
     child = subprocess.Popen([sys.executable, __file__, "--model", args.model, "--device",

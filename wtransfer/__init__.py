@@ -7,8 +7,11 @@ The public surface: the backend registry (`Backend`, `register_backend`, `get_ba
 `HTTPClient`, `rpc.RPCClient`) and the modules `errors`, `rpc` and `wire`.
 """
 
-from wtransfer import errors, moved, rpc, wire
-from wtransfer.clients import FanoutClient, HTTPClient, LocalClient
+import sys
+
+from wtransfer import errors, moved, wire
+from wtransfer.control import rpc
+from wtransfer.control.clients import FanoutClient, HTTPClient, LocalClient
 from wtransfer.fingerprint import fingerprint
 from wtransfer.protocol import WeightSyncClient
 from wtransfer.receiver.engine import ReceiverState, WeightTransferEngine
@@ -34,7 +37,9 @@ from wtransfer.trainer.engine import TrainerTransferEngine
 from wtransfer.trainer.source import ModuleSource, WeightSource
 
 moved.install("wtransfer", {"channel": "transport.channel", "stacks": "transport.stacks",
-                            "device_kernels": "transport.device_kernels"})
+                            "device_kernels": "transport.device_kernels",
+                            "clients": "control.clients"})
+sys.modules.setdefault("wtransfer.rpc", rpc)  # (a public module name: `import wtransfer.rpc`)
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ from wtransfer.transport.stacks import print_stacks_on_sigusr1
 
 SERVER_KEEPALIVE_S = 120
 """How long `wtransfer serve` keeps an idle connection open: far longer than clients reuse
-one (`wtransfer.clients.CLIENT_KEEPALIVE_S`), so a slow host never closes a connection a
+one (`wtransfer.control.clients.CLIENT_KEEPALIVE_S`), so a slow host never closes a connection a
 client is writing a request into."""
 
 

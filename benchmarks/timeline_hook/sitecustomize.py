@@ -28,7 +28,7 @@ TRACED: dict[str, list[tuple[str, str]]] = {
                              ("IPCSender._outgoing_in_place", "in place outgoing")],
     "wtransfer.trainer.group": [("Ranks.gather", "gather records")],
     "wtransfer.trainer.layouts": [("LocalShards.pack", "pack")],
-    "wtransfer.clients": [("HTTPClient.update_weights", "post update"),
+    "wtransfer.control.clients": [("HTTPClient.update_weights", "post update"),
                           ("HTTPClient.start_weight_update", "post start"),
                           ("HTTPClient.finish_weight_update", "post finish")],
     # the engine's HTTP server and its engine thread

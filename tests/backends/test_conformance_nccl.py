@@ -9,10 +9,10 @@ import pytest
 from wtransfer_nccl import NCCLTrainerInitInfo
 
 import wtransfer
+from wtransfer.control.rpc import RPCClient
 from wtransfer.errors import ConfigError
 from wtransfer.launch.models import build
 from wtransfer.launch.processes import spawn_receiver
-from wtransfer.rpc import RPCClient
 from wtransfer.testing.conformance import BackendConformance, wait_for
 from wtransfer.testing.targets import assert_lands_in_loader_target
 from wtransfer.testing.tensor_lists import (
@@ -78,7 +78,7 @@ def test_direct_tensors_into_a_target_without_storage_of_its_own_land_bit_exact(
 _OPENS_AN_UPDATE_AND_STAYS = """
 import sys
 import wtransfer
-from wtransfer.rpc import RPCClient
+from wtransfer.control.rpc import RPCClient
 from wtransfer.launch.models import build
 from wtransfer_nccl import NCCLTrainerInitInfo
 client = RPCClient(sys.argv[1], timeout_s=60)

@@ -37,11 +37,11 @@ def test_one_sided_reads_follow_a_replaced_tensor_and_refuse_bad_reads_before_an
     from wtransfer_ucx import UCXTrainerInitInfo
 
     import wtransfer
+    from wtransfer.control.rpc import RPCClient
     from wtransfer.errors import RemoteMetadataError
     from wtransfer.launch.models import build
     from wtransfer.launch.processes import spawn_receiver
     from wtransfer.packing import metas_to_wire
-    from wtransfer.rpc import RPCClient
 
     model = build("mixed", seed=1, device="cpu")
     with spawn_receiver("ucx", model="mixed", seed=2) as child:
@@ -84,9 +84,9 @@ def test_one_sided_reads_take_a_yielding_source_and_fall_back_for_a_strided_tens
     from wtransfer_ucx import UCXTrainerInitInfo
 
     import wtransfer
+    from wtransfer.control.rpc import RPCClient
     from wtransfer.launch.models import build
     from wtransfer.launch.processes import spawn_receiver
-    from wtransfer.rpc import RPCClient
     from wtransfer.shapes import randomize
     from wtransfer.trainer.source import WeightSource
 

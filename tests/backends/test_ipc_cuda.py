@@ -7,9 +7,9 @@ import torch
 from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
+from wtransfer.control.rpc import RPCClient
 from wtransfer.launch.models import build
 from wtransfer.launch.processes import spawn_receiver
-from wtransfer.rpc import RPCClient
 from wtransfer.shapes import build_module, mixed_metas
 from wtransfer.testing.conformance import BackendConformance
 

@@ -16,9 +16,9 @@ from m2n_helpers import BUCKET, fields
 
 import wtransfer
 import wtransfer.inference
+from wtransfer.control.rpc import RPCClient
 from wtransfer.launch.processes import spawn_receiver
 from wtransfer.launch.trainer_ranks import TrainerRanks
-from wtransfer.rpc import RPCClient
 from wtransfer.testing.conformance import wait_for
 
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10]]

@@ -7,10 +7,10 @@ from wtransfer_nccl.group import NCCLGroup, host_rendezvous, session_store
 from wtransfer_nccl.libnccl import load_nccl
 
 import wtransfer
+from wtransfer.control.rpc import RPCClient
 from wtransfer.errors import PeerError
 from wtransfer.launch.models import build
 from wtransfer.launch.processes import spawn_receiver
-from wtransfer.rpc import RPCClient
 
 pytestmark = pytest.mark.gpu
 

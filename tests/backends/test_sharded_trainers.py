@@ -7,10 +7,10 @@ import signal
 import pytest
 
 import wtransfer
+from wtransfer.control.rpc import RPCClient
 from wtransfer.launch.models import build
 from wtransfer.launch.processes import spawn_receiver
 from wtransfer.launch.trainer_ranks import TrainerRanks
-from wtransfer.rpc import RPCClient
 from wtransfer.testing.conformance import wait_for
 
 BUCKET = 64 << 10

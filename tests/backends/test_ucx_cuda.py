@@ -3,9 +3,9 @@
 import pytest
 
 import wtransfer
+from wtransfer.control.rpc import RPCClient
 from wtransfer.launch.models import build
 from wtransfer.launch.processes import spawn_receiver
-from wtransfer.rpc import RPCClient
 from wtransfer.testing.conformance import BackendConformance
 
 ucx = pytest.importorskip("wtransfer_ucx.transport", reason="UCXX is not installed")

@@ -11,9 +11,9 @@ from wtransfer_ipc import IPCTrainerInitInfo
 
 import wtransfer
 from wtransfer import wire
+from wtransfer.control.rpc import ReceiverServer, RPCClient
 from wtransfer.errors import LifecycleError, TransferTimeout
 from wtransfer.protocol import CallQueue
-from wtransfer.rpc import ReceiverServer, RPCClient
 from wtransfer.trainer.calls import UpdateCalls
 
 

@@ -101,10 +101,10 @@ BASE = ("wtransfer.errors", "wtransfer.wire", "wtransfer.records", "wtransfer.pr
 the control channel, the checked device kernels and the stack printer of `transport/`."""
 
 ROOT_MODULES = {"__init__", "__main__", "errors", "wire", "records", "protocol", "manifest",
-                "packing", "copies", "fingerprint", "shapes", "moved", "registry", "clients",
-                "rpc", "cli"}
-"""The package root: the core shared/ARCHITECTURE.md lists there, the byte copies the packer
-uses, and the old-names mechanism."""
+                "packing", "copies", "fingerprint", "shapes", "moved", "registry", "cli"}
+"""The package root: the shared core, the registry, the CLI and the old-names mechanism; the
+trainer side, the engine side and the control plane between them (clients, rpc) live in
+packages of their own."""
 
 
 def test_the_base_layer_imports_nothing_above_it():
@@ -114,8 +114,8 @@ def test_the_base_layer_imports_nothing_above_it():
                   and not under(t, *BASE)) == []
 
 
-SIDES = ("wtransfer.trainer", "wtransfer.receiver", "wtransfer.registry", "wtransfer.clients",
-         "wtransfer.rpc", "wtransfer.quant", "wtransfer.sim")
+SIDES = ("wtransfer.trainer", "wtransfer.receiver", "wtransfer.registry", "wtransfer.control",
+         "wtransfer.quant", "wtransfer.sim")
 """The two sides and what is built on them."""
 
 
@@ -164,6 +164,7 @@ def test_the_engines_layers_import_only_their_own_layer_or_below():
     ("wtransfer.delta.sender", "wtransfer.trainer.deltas"),
     ("wtransfer.delta.target", "wtransfer.receiver.deltas"),
     ("wtransfer.transport.copies", "wtransfer.copies"),
+    ("wtransfer.clients", "wtransfer.control.clients"),
 ])
 def test_a_module_imported_by_its_old_name_is_the_moved_one_with_a_warning(old, new):
     import importlib
@@ -179,3 +180,17 @@ def test_a_module_imported_by_its_old_name_is_the_moved_one_with_a_warning(old, 
     assert module is moved and module.__spec__.name == new
     assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [
         f"{old} moved to {new}; import it from there"]
+
+
+def test_wtransfer_rpc_is_the_control_planes_rpc_under_its_public_name_without_a_warning():
+    import importlib
+    import subprocess
+    import sys
+
+    import wtransfer.control.rpc
+
+    assert importlib.import_module("wtransfer.rpc") is wtransfer.control.rpc
+    code = ("import warnings; warnings.simplefilter('error'); "
+            "from wtransfer.rpc import ReceiverServer, RPCClient; import wtransfer; "
+            "assert wtransfer.rpc.RPCClient is RPCClient")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -13,10 +13,10 @@ import zmq
 
 import wtransfer
 from wtransfer import wire
-from wtransfer.clients import LocalClient
+from wtransfer.control.clients import LocalClient
+from wtransfer.control.rpc import ReceiverServer, RPCClient
 from wtransfer.errors import LifecycleError, PeerError, TransferTimeout
 from wtransfer.protocol import SPIN_WINDOW_S
-from wtransfer.rpc import ReceiverServer, RPCClient
 from wtransfer.testing.conformance import wait_for
 
 

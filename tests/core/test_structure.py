@@ -10,7 +10,7 @@ import pytest
 
 import wtransfer
 from wtransfer import errors
-from wtransfer.clients import FanoutClient, SingleEngineClient
+from wtransfer.control.clients import FanoutClient, SingleEngineClient
 
 
 def test_importing_the_core_and_the_cli_pulls_no_server_demo_or_test_code():
@@ -24,7 +24,7 @@ def test_importing_the_core_and_the_cli_pulls_no_server_demo_or_test_code():
 
 
 def test_http_client_is_importable_from_the_top_level():
-    from wtransfer.clients import HTTPClient
+    from wtransfer.control.clients import HTTPClient
 
     assert wtransfer.HTTPClient is HTTPClient
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):

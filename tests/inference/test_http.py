@@ -536,7 +536,7 @@ def test_an_idle_connection_outlives_the_clients_reuse_window(dev):
     import socket
     import time
 
-    from wtransfer.clients import CLIENT_KEEPALIVE_S
+    from wtransfer.control.clients import CLIENT_KEEPALIVE_S
 
     request = (f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
                "\r\n").encode()

@@ -49,7 +49,7 @@ from wtransfer.records import PauseMode, check_pause_mode
 from wtransfer.transport.http_client import CLIENT_KEEPALIVE_S, HTTPConnections
 
 T = TypeVar("T")
-log = logging.getLogger("wtransfer.clients")
+log = logging.getLogger("wtransfer.control.clients")
 
 
 class SingleEngineClient:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from wtransfer import wire
-from wtransfer.clients import LocalClient, SingleEngineClient, check_workers
+from wtransfer.control.clients import LocalClient, SingleEngineClient, check_workers
 from wtransfer.errors import (
     ConfigError,
     LifecycleError,

@@ -10,11 +10,11 @@ from __future__ import annotations
 import statistics
 import sys
 
+from wtransfer.control.rpc import RPCClient
 from wtransfer.fingerprint import fingerprint
 from wtransfer.launch.models import build
 from wtransfer.launch.processes import spawn_receiver
 from wtransfer.registry import get_backend, trainer_init
-from wtransfer.rpc import RPCClient
 from wtransfer.shapes import model_metas, randomize
 from wtransfer.trainer.source import ModuleSource
 

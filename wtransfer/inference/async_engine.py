@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from wtransfer.clients import SingleEngineClient
+from wtransfer.control.clients import SingleEngineClient
+from wtransfer.control.rpc import ReceiverServer
 from wtransfer.errors import ConfigError, TransferTimeout
 from wtransfer.inference.commands import CoreClient
 from wtransfer.inference.config import EngineConfig
@@ -23,7 +24,6 @@ from wtransfer.inference.outputs import OutputSnapshot, RequestOutput
 from wtransfer.inference.params import SamplingParams
 from wtransfer.records import PauseMode, check_pause_mode
 from wtransfer.registry import get_backend
-from wtransfer.rpc import ReceiverServer
 
 
 def check_runtime(config: EngineConfig) -> None:

@@ -18,10 +18,10 @@ import time
 from typing import Any
 
 from wtransfer import wire
+from wtransfer.control.rpc import ReceiverServer, RPCClient
 from wtransfer.launch.models import build
 from wtransfer.receiver.target import ModuleTarget
 from wtransfer.registry import create_receiver, get_backend, trainer_init
-from wtransfer.rpc import ReceiverServer, RPCClient
 from wtransfer.shapes import randomize
 from wtransfer.trainer.source import ModuleSource
 

@@ -53,10 +53,10 @@ def _client(address: str, timeout_s: float) -> Any:
 
         return ServerClient(address.removeprefix("vllm+"), timeout_s=timeout_s)
     if address.startswith("http"):
-        from wtransfer.clients import HTTPClient
+        from wtransfer.control.clients import HTTPClient
 
         return HTTPClient(address, timeout_s=timeout_s)
-    from wtransfer.rpc import RPCClient
+    from wtransfer.control.rpc import RPCClient
 
     return RPCClient(address, timeout_s=timeout_s)
 
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import wtransfer
-    from wtransfer.clients import FanoutClient
+    from wtransfer.control.clients import FanoutClient
     from wtransfer.launch.models import build
     from wtransfer.launch.processes import local_store
     from wtransfer.shapes import perturb, randomize

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from wtransfer import wire
-from wtransfer.clients import SingleEngineClient, check_workers
+from wtransfer.control.clients import SingleEngineClient, check_workers
 from wtransfer.errors import PeerError, TransferTimeout, reply_result
 from wtransfer.inference.outputs import RequestOutput
 

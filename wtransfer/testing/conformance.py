@@ -21,14 +21,14 @@ from typing import Any, ClassVar, TypeVar
 import pytest
 
 from wtransfer import errors
-from wtransfer.clients import FanoutClient
+from wtransfer.control.clients import FanoutClient
+from wtransfer.control.rpc import RPCClient
 from wtransfer.fingerprint import fingerprint
 from wtransfer.launch.processes import ChildProcess, free_port, spawn_receiver, spawn_trainer
 from wtransfer.protocol import WeightSyncClient
 from wtransfer.receiver.target import ModuleTarget
 from wtransfer.records import LEGACY_CAPABILITY_NAMES, Capabilities, TrainerInitInfo
 from wtransfer.registry import create_receiver, get_backend, trainer_init
-from wtransfer.rpc import RPCClient
 from wtransfer.shapes import build_module, model_metas, randomize
 from wtransfer.testing.delta_cases import DeltaCases
 from wtransfer.trainer.engine import TrainerTransferEngine

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 
 import wtransfer
+from wtransfer.control.rpc import RPCCall, RPCClient
 from wtransfer.errors import MetadataError
 from wtransfer.launch.models import build
 from wtransfer.launch.processes import spawn_receiver
 from wtransfer.records import TransferStats
-from wtransfer.rpc import RPCCall, RPCClient
 from wtransfer.shapes import randomize
 
 

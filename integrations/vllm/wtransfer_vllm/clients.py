@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
-from wtransfer.clients import HTTPClient, SingleEngineClient, check_workers
+from wtransfer.control.clients import HTTPClient, SingleEngineClient, check_workers
 from wtransfer.errors import (
     ConfigError,
     IntegrityError,

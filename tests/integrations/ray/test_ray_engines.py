@@ -9,7 +9,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import wtransfer  # noqa: E402
-from wtransfer.clients import FanoutClient  # noqa: E402
+from wtransfer.control.clients import FanoutClient  # noqa: E402
 from wtransfer.errors import ConfigError, PeerError, TransferTimeout  # noqa: E402
 from wtransfer.inference import load_model  # noqa: E402
 from wtransfer.ray import LOCAL_RAY, ActorClient, start_engines, trainer_init_info  # noqa: E402

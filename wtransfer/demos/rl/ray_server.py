@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from wtransfer.clients import FanoutClient
+from wtransfer.control.clients import FanoutClient
 from wtransfer.demos.rl.servers import FreshEngineReference, Stream
 from wtransfer.protocol import WeightSyncClient
 

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import torch
 
-from wtransfer.clients import HTTPClient, http_session
+from wtransfer.control.clients import HTTPClient, http_session
 from wtransfer.errors import TransferTimeout
 from wtransfer.inference import (
     AsyncEngine,

@@ -202,7 +202,7 @@ class KVHandover:
         """Hand `request_id`'s K/V over to the decode instance whose hand-over routes are at
         `url` (its ``/kv``), labelled `version`; the bytes moved. A failed hand-over drops that
         instance's sender (the next one connects again)."""
-        from wtransfer.clients import HTTPClient
+        from wtransfer.control.clients import HTTPClient
         from wtransfer.registry import get_backend, trainer_init
         from wtransfer.wire import parse_record
 

@@ -15,7 +15,7 @@ import socket
 from typing import Any
 from urllib.parse import urlparse
 
-from wtransfer.clients import HTTPClient
+from wtransfer.control.clients import HTTPClient
 from wtransfer.errors import IntegrityError
 from wtransfer.inference.async_engine import AsyncEngine
 

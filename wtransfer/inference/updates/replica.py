@@ -552,8 +552,8 @@ class Replica:
                               "worker")
         if self.update_open:
             raise LifecycleError("an update is open here; join once it finished")
+        from wtransfer.control.rpc import RPCClient
         from wtransfer.registry import get_backend, trainer_init
-        from wtransfer.rpc import RPCClient
         from wtransfer.trainer.source import ModuleSource
 
         info = get_backend(backend).sender_class().init_info_cls
