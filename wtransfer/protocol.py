@@ -10,11 +10,14 @@ the engine runs them in the order they were submitted without a round trip per c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol, cast, runtime_checkable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
-from wtransfer.errors import LifecycleError, TransferTimeout
+from wtransfer.errors import LifecycleError, PeerError, TransferTimeout
 
 InitFor = Callable[[int, int], dict[str, Any]]
 """``info_for(first_worker, num_workers)``: the init info of one engine instance, given the
@@ -198,15 +201,54 @@ class FutureCall:
         self.future.cancel()
 
 
+@runtime_checkable
+class BatchingClient(Protocol):
+    """A client that can carry several calls in one request (`HTTPClient` to `wtransfer
+    serve`): `CallQueue` hands it the calls that wait together, so a lone sender's start,
+    update and finish cost one round trip."""
+
+    def can_batch(self, method: str) -> bool:
+        """Whether `method` may travel in a batch."""
+
+    def call_batch(self, calls: Sequence[BatchedCall]) -> Iterator[BaseException | None]:
+        """Run `calls` on the engine in order, each only if its `after` (the index of an
+        earlier call of the batch) succeeded; yields each call's failure (None: it
+        succeeded) as its answer arrives, and raises when the batch itself failed."""
+
+
+class BatchedCall(NamedTuple):
+    """One call of a batch: the method, its keyword arguments, and the index of the call of
+    the same batch it runs after (only if that one succeeded; None: unconditionally)."""
+
+    method: str
+    args: dict[str, Any]
+    after: int | None
+
+
+@dataclass
+class _Queued:
+    future: Future[Any]
+    method: str
+    args: dict[str, Any]
+    after: FutureCall | None
+
+
 class CallQueue:
     """Calls on `client` in submission order, none waiting for the one before (see the
-    module docstring)."""
+    module docstring). A client that cannot pipeline gets them through one worker thread,
+    which takes every call waiting when it is free: several go in one request to a
+    `BatchingClient`, and `held` keeps calls waiting so they go together."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
         self._pipelined = isinstance(client, PipelinedClient)  # a protocol check: not per call
-        self._pool: ThreadPoolExecutor | None = None
-        self._last: Future[Any] | None = None
+        self._batching = isinstance(client, BatchingClient)
+        self._waiting: list[_Queued] = []
+        self._holds = 0
+        self._busy = False
+        self._closed = False
+        self._ready = threading.Condition()
+        self._thread: threading.Thread | None = None
 
     def submit(self, method: str, *, after: PendingCall | None = None,
                **args: Any) -> PendingCall:
@@ -217,24 +259,112 @@ class CallQueue:
             return cast(PipelinedClient, self.client).submit(method, after=after, **args)
         if after is not None and not isinstance(after, FutureCall):
             raise TypeError(f"'after' must be a call of this queue, got {after!r}")
-        call = getattr(self.client, method)
+        getattr(self.client, method)  # an unknown method fails here, not on the thread
+        future: Future[Any] = Future()
+        with self._ready:
+            if self._closed:
+                raise LifecycleError(f"{method}: this call queue was closed")
+            self._waiting.append(_Queued(future, method, args, after))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="wtransfer-calls",
+                                                daemon=True)
+                self._thread.start()
+            self._ready.notify()
+        return FutureCall(future, method)
 
-        def run() -> Any:
-            if after is not None and (after.future.cancelled()
-                                      or after.future.exception() is not None):
-                raise LifecycleError(f"{method} skipped: it was to run after {after.method}, "
-                                     "which failed")
-            return call(**args)
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Calls submitted inside wait until it ends, then go together (one request to a
+        `BatchingClient`); a pipelined client sends them at once anyway."""
+        with self._ready:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._ready:
+                self._holds -= 1
+                self._ready.notify()
 
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wtransfer-calls")
-        self._last = self._pool.submit(run)
-        return FutureCall(self._last, method)
+    def _serve(self) -> None:
+        """The worker thread: every call waiting (and not held) in turn, in order."""
+        while True:
+            with self._ready:
+                self._busy = False
+                while not self._closed and (self._holds or not self._waiting):
+                    self._ready.wait()
+                if self._closed:
+                    return
+                taken, self._waiting = self._waiting, []
+                self._busy = True
+            self._run(taken)
+
+    def _run(self, taken: list[_Queued]) -> None:
+        """Run `taken` in order: as one batch where the client batches them all, else one by
+        one; a call whose `after` failed (or was cancelled) is skipped."""
+        runs = [q for q in taken if q.future.set_running_or_notify_cancel()]
+        batch: list[BatchedCall] = []
+        sent: list[_Queued] = []
+        position: dict[int, int] = {}
+        for queued in runs:
+            after = queued.after
+            if after is not None and id(after.future) not in position and _failed(after):
+                queued.future.set_exception(_skipped(queued.method, after.method))
+                continue
+            index = position.get(id(after.future)) if after is not None else None
+            position[id(queued.future)] = len(batch)
+            batch.append(BatchedCall(queued.method, queued.args, index))
+            sent.append(queued)
+        client = self.client
+        if (self._batching and len(batch) > 1
+                and all(client.can_batch(call.method) for call in batch)):
+            self._run_batch(batch, sent)
+            return
+        for call, queued in zip(batch, sent, strict=True):
+            if call.after is not None and sent[call.after].future.exception() is not None:
+                queued.future.set_exception(_skipped(call.method, batch[call.after].method))
+                continue
+            try:
+                queued.future.set_result(getattr(client, call.method)(**call.args))
+            except BaseException as exc:
+                queued.future.set_exception(exc)
+
+    def _run_batch(self, batch: list[BatchedCall], sent: list[_Queued]) -> None:
+        """One request carrying `batch`; each call's answer settles its future as it comes,
+        and a failure of the request fails every call not yet answered."""
+        answered = 0
+        try:
+            for failure in self.client.call_batch(batch):
+                future = sent[answered].future
+                if failure is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(failure)
+                answered += 1
+            if answered != len(sent):
+                raise PeerError(f"the engine answered {answered} of the {len(sent)} calls "
+                                "of a batch")
+        except BaseException as exc:
+            for queued in sent[answered:]:
+                queued.future.set_exception(exc)
 
     def close(self) -> None:
-        """Stop the worker thread: at once when it is idle, else once its call (which has a
-        deadline of its own) returns; queued calls are dropped."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            idle = self._last is None or self._last.done()
-            pool.shutdown(wait=idle, cancel_futures=True)
+        """Stop the worker thread: at once when it is idle, else once its calls (each with a
+        deadline of its own) return; waiting calls are dropped."""
+        with self._ready:
+            self._closed = True
+            dropped, self._waiting = self._waiting, []
+            thread, busy = self._thread, self._busy
+            self._ready.notify()
+        for queued in dropped:
+            queued.future.cancel()
+        if thread is not None and not busy:
+            thread.join()
+
+
+def _failed(call: FutureCall) -> bool:
+    return call.future.cancelled() or (call.future.done()
+                                        and call.future.exception() is not None)
+
+
+def _skipped(method: str, after: str) -> LifecycleError:
+    return LifecycleError(f"{method} skipped: it was to run after {after}, which failed")

@@ -283,6 +283,47 @@ class UpdateInfo:
         check_sender_id(self.sender_id)
 
 
+BATCHED_CALLS: dict[str, tuple[str, ...]] = {
+    "start_weight_update": (), "update_weights": ("update_info",),
+    "stage_weight_update": (), "discard_weight_update": ("reason",),
+    "finish_weight_update": ("weight_version",)}
+"""The weight-sync calls one request may carry (`wtransfer serve`'s ``POST /weight_calls``),
+with the keyword arguments each takes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightCall:
+    """One call of a batch on the wire: the method, its arguments, and `after`, the index of
+    the earlier call of the batch it runs after, only if that one succeeded (None: it runs
+    whatever came before)."""
+
+    method: str
+    args: dict[str, Any] = field(default_factory=dict)
+    after: int | None = None
+
+    def __post_init__(self) -> None:
+        known = BATCHED_CALLS.get(self.method)
+        if known is None:
+            raise ConfigError(f"{self.method!r} cannot be batched; the calls a batch may carry "
+                              f"are {sorted(BATCHED_CALLS)}")
+        unknown = sorted(set(self.args) - set(known))
+        if unknown:
+            raise ConfigError(f"{self.method}: unknown argument(s) {unknown}; it takes "
+                              f"{list(known)}")
+        if self.after is not None and self.after < 0:
+            raise ConfigError(f"after must be the index of an earlier call, got {self.after}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallOutcome:
+    """The answer to one call of a batch: its HTTP status (what the call alone would have
+    answered) and, for a failure, the error's type and message."""
+
+    status: int
+    error: str | None = None
+    message: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class TransferStats:
     """What one `send_weights` moved and how long it took, end to end."""

@@ -104,3 +104,72 @@ def test_update_calls_report_the_first_failure_in_order(engine):
         calls.settle()
     calls.settle()  # nothing left to wait for
     queue.close()
+
+
+class _BatchingLocal(wtransfer.LocalClient):
+    """A client that batches (as `HTTPClient` does): each batch runs its calls on the engine
+    in order, each only if its `after` succeeded, and is recorded by its methods; a batch
+    holding "fingerprint" fails whole, as a request that never reached the engine."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.batches: list[list[str]] = []
+
+    def can_batch(self, method):
+        return method != "num_workers"
+
+    def call_batch(self, calls):
+        self.batches.append([c.method for c in calls])
+        if any(c.method == "fingerprint" for c in calls):
+            raise ConnectionError("the batch never arrived")
+        failed: list[bool] = []
+        for call in calls:
+            if call.after is not None and failed[call.after]:
+                failed.append(True)
+                yield LifecycleError(f"{call.method} skipped")
+                continue
+            try:
+                getattr(self, call.method)(**call.args)
+            except Exception as exc:
+                failed.append(True)
+                yield exc
+            else:
+                failed.append(False)
+                yield None
+
+
+def test_calls_held_together_go_in_one_batch_and_each_gets_its_own_answer(engine):
+    client = _BatchingLocal(engine)
+    queue = CallQueue(client)
+    with queue.held():
+        start = queue.submit("start_weight_update")
+        again = queue.submit("start_weight_update", after=start)
+        finish = queue.submit("finish_weight_update", after=again, weight_version="x")
+    with pytest.raises(LifecycleError, match="finish_weight_update skipped"):
+        finish.result(10)
+    with pytest.raises(LifecycleError, match="init_transfer_engine first"):
+        start.result(0)
+    with pytest.raises(LifecycleError, match="start_weight_update skipped"):
+        again.result(0)
+    assert client.batches == [["start_weight_update"] * 2 + ["finish_weight_update"]]
+    queue.close()
+
+
+def test_a_call_after_a_failed_batch_is_skipped_without_reaching_the_engine(engine):
+    client = _BatchingLocal(engine)
+    queue = CallQueue(client)
+    with queue.held():
+        first = queue.submit("fingerprint")
+        second = queue.submit("fingerprint", after=first)
+    with pytest.raises(ConnectionError, match="never arrived"):
+        second.result(10)
+    with pytest.raises(ConnectionError, match="never arrived"):
+        first.result(0)
+    third = queue.submit("start_weight_update", after=second)
+    with pytest.raises(LifecycleError, match="start_weight_update skipped: it was to run "
+                                             "after fingerprint"):
+        third.result(10)
+    assert client.batches == [["fingerprint", "fingerprint"]]  # the third never went out
+    alone = queue.submit("num_workers")  # one call, or one the client cannot batch: alone
+    assert alone.result(10) == 1 and len(client.batches) == 1
+    queue.close()

@@ -22,7 +22,7 @@ import http.client
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
@@ -38,6 +38,7 @@ from wtransfer.errors import (
     remote_error,
 )
 from wtransfer.protocol import (
+    BatchedCall,
     CallQueue,
     InitFor,
     PendingCall,
@@ -45,8 +46,19 @@ from wtransfer.protocol import (
     WeightSyncClient,
 )
 from wtransfer.receiver.engine import WeightTransferEngine
-from wtransfer.records import PauseMode, check_pause_mode
-from wtransfer.transport.http_client import CLIENT_KEEPALIVE_S, HTTPConnections
+from wtransfer.records import (
+    BATCHED_CALLS,
+    CallOutcome,
+    PauseMode,
+    WeightCall,
+    check_pause_mode,
+)
+from wtransfer.transport.http_client import (
+    CLIENT_KEEPALIVE_S,
+    HTTPConnections,
+    HTTPStatusError,
+)
+from wtransfer.wire import parse_record, record_to_wire
 
 T = TypeVar("T")
 log = logging.getLogger("wtransfer.control.clients")
@@ -548,6 +560,40 @@ class HTTPClient(SingleEngineClient):
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """POST /finish_weight_update."""
         self._request("POST", "/finish_weight_update", json_body={"weight_version": weight_version})
+
+    def can_batch(self, method: str) -> bool:
+        """Whether `method` may travel in a ``POST /weight_calls`` batch (`CallQueue` sends
+        the calls that wait together in one)."""
+        return method in BATCHED_CALLS
+
+    def call_batch(self, calls: Sequence[BatchedCall]) -> Iterator[BaseException | None]:
+        """POST /weight_calls (msgpack): the engine runs `calls` in order, each only if its
+        `after` succeeded, and streams each answer as it comes; yields each call's failure
+        (None: it succeeded)."""
+        body = wire.encode({"calls": [
+            record_to_wire(WeightCall(method=c.method, args=c.args, after=c.after))
+            for c in calls]})
+        lines = self._http.lines("POST", "/weight_calls", body=body,
+                                 headers={"Content-Type": "application/msgpack"})
+        try:
+            for index, line in enumerate(lines):  # (read to the end: the connection is reused)
+                if index >= len(calls):
+                    raise PeerError(f"POST {self.base_url}/weight_calls: more answers than "
+                                    f"the {len(calls)} calls")
+                outcome = parse_record(CallOutcome, json.loads(line), where="a call's answer",
+                                       error=PeerError)
+                yield None if outcome.status < 400 else from_reply(
+                    {"type": outcome.error, "message": outcome.message},
+                    f"POST /{calls[index].method} -> {outcome.status}")
+        except HTTPStatusError as exc:
+            raise from_reply(_error_fields(exc.reply),
+                             f"POST /weight_calls -> {exc.reply.status}") from None
+        except TimeoutError:
+            raise TransferTimeout(f"POST {self.base_url}/weight_calls: no answer within "
+                                  f"{self.timeout_s:g}s") from None
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise PeerError(f"POST {self.base_url}/weight_calls: {type(exc).__name__}: "
+                            f"{exc}") from None
 
     def fingerprint(self) -> dict[str, str]:
         """GET /weight_fingerprint."""

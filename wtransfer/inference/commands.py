@@ -9,11 +9,12 @@ and `LocalEngineClient` are its asyncio and blocking faces.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from wtransfer.errors import ConfigError
+from wtransfer.errors import ConfigError, LifecycleError
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.outputs import OutputSnapshot, RequestOutput
 from wtransfer.inference.params import SamplingParams
@@ -136,6 +137,56 @@ def run_command(target: object, command: str, args: Sequence[Any]) -> Any:
     one dispatcher every driver of a replica uses (the engine thread, a data-parallel rank)."""
     check_command(command)
     return getattr(target, command)(*args)
+
+
+Chained = tuple[str, Sequence[Any], int | None]
+"""One command of a chain: its name, its arguments, and the index of the earlier command of
+the chain it runs after, only if that one succeeded (None: whatever came before)."""
+
+
+def chain(submit: Callable[..., Future[Any]], commands: Sequence[Chained]) -> list[Future[Any]]:
+    """Run `commands` one after another through `submit` (a `CoreClient`'s), each submitted
+    by the thread that completes the one before it, so an engine runs them all between the
+    same two steps; their futures, in order (a command skipped because its `after` failed
+    raises `LifecycleError`)."""
+    futures: list[Future[Any]] = [Future() for _ in commands]
+
+    def launch(index: int) -> None:
+        while index < len(commands):
+            command, args, after = commands[index]
+            mine = futures[index]
+            if not mine.set_running_or_notify_cancel():  # its waiter gave up: not run
+                index += 1
+                continue
+            if after is not None and _failed(futures[after]):
+                mine.set_exception(LifecycleError(
+                    f"{command} skipped: it was to run after {commands[after][0]}, which "
+                    "failed"))
+                index += 1
+                continue
+            try:
+                running = submit(command, *args)
+            except Exception as exc:
+                mine.set_exception(exc)
+                index += 1
+                continue
+            running.add_done_callback(functools.partial(settled, index))
+            return
+
+    def settled(index: int, done: Future[Any]) -> None:
+        exc = done.exception()
+        if exc is None:
+            futures[index].set_result(done.result())
+        else:
+            futures[index].set_exception(exc)
+        launch(index + 1)
+
+    launch(0)
+    return futures
+
+
+def _failed(future: Future[Any]) -> bool:
+    return future.cancelled() or future.exception() is not None
 
 
 class CoreClient(Protocol):

@@ -31,6 +31,11 @@ from wtransfer.inference.updates.transfer_lane import TransferLane
 
 log = logging.getLogger("wtransfer.engine")
 
+CHAINED_PER_GAP = 64
+"""Rounds of commands one gap between two steps runs: those that arrived, then those they
+chained (a batch of weight-sync calls, each submitted as the one before completes), and so on;
+a steady stream of commands never starves the steps."""
+
 
 class EngineCore:
     """One model replica (`replica`) with its own thread (see the module docstring)."""
@@ -106,12 +111,18 @@ class EngineCore:
                 commands = list(self._commands)
                 self._commands.clear()
             self.replica.settle_failure()
-            for fn, args, future in commands:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn(*args))
-                    except Exception as exc:
-                        future.set_exception(exc)
+            for _ in range(CHAINED_PER_GAP):
+                for fn, args, future in commands:
+                    if future.set_running_or_notify_cancel():
+                        try:
+                            future.set_result(fn(*args))
+                        except Exception as exc:
+                            future.set_exception(exc)
+                with self._wake:  # those the commands chained (`commands.chain`): this gap
+                    commands = list(self._commands)
+                    self._commands.clear()
+                if not commands:
+                    break
             replica = self.replica
             if replica.can_step():
                 replica.step()

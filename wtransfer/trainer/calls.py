@@ -4,7 +4,9 @@ A sender's update is a short sequence of calls on its client. Waiting for each r
 sending the next costs a round trip per call; the engine runs them in order anyway, so they
 go through a `wtransfer.protocol.CallQueue` without waiting, each to run only if the one
 before it succeeded, and are settled in order: the first failure (the cause) is the one
-reported, not the refusals that follow it.
+reported, not the refusals that follow it. A lone sender holds its start back until its first
+update call (or its finish) joins it, so a client that batches (`HTTPClient`) carries them in
+one request: a zero-copy update, or one bucket, is start, update and finish in one round trip.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class UpdateCalls:
         self.refused: str | None = None
         """The method whose failure `check` or `settle` raised (None: none did)."""
         self.finish_issued = False
+        self._hold = contextlib.ExitStack()
+        """Holds the queue's calls back from a lone sender's start until its first update
+        call joins it (`_release`)."""
 
     def submit(self, method: str, **args: Any) -> PendingCall:
         """Issue a call that the engine runs only if the call before it succeeded (an update
@@ -67,8 +72,15 @@ class UpdateCalls:
         return call
 
     def start(self) -> None:
-        """Issue start."""
+        """Issue start (a lone sender's waits for the calls that follow it: `_release`)."""
+        if self.role.lead and self.role.senders == 1:
+            self._hold.enter_context(self.queue.held())
         self.submit("start_weight_update")
+
+    def _release(self) -> None:
+        """Let the held calls go (before any wait for them, and once the update's first
+        part is issued)."""
+        self._hold.close()
 
     def update(self, update_info: dict[str, Any]) -> PendingCall:
         """Issue one update call (stamped with the sender's identity)."""
@@ -99,6 +111,7 @@ class UpdateCalls:
         which runs it as soon as they succeed: finishing costs no round trip of its own."""
         self.submit("finish_weight_update", weight_version=self.weight_version)
         self.finish_issued = True
+        self._release()
 
     def check(self) -> None:
         """Raise the first failure among the replies already in (never blocks): a refused
@@ -113,6 +126,7 @@ class UpdateCalls:
         """Wait for every issued call in order; raise the first failure (and stop waiting for
         the rest). From `spin_from` on, replies are polled for without sleeping
         (`PendingCall.result`)."""
+        self._release()
         try:
             while self._settled < len(self._calls):
                 self._result(self.timeout_s, spin_from)
@@ -144,6 +158,7 @@ class UpdateCalls:
         """The engine's own error for a failure seen here as `local` (the data channel breaks
         moments before the refusal's reply arrives, and the reply is the useful message), if
         it comes within `grace_s`; else `local`."""
+        self._release()
         try:
             while self._settled < len(self._calls):
                 call = self._calls[self._settled]
@@ -157,11 +172,12 @@ class UpdateCalls:
         return local
 
     def drop(self) -> None:
-        """Stop waiting for every call not yet settled."""
+        """Stop waiting for every call not yet settled (calls still held are never sent)."""
         for call in self._calls[self._settled:]:
             with contextlib.suppress(Exception):
                 call.cancel()
         self._settled = len(self._calls)
+        self._release()
 
     def settle_first(self) -> None:
         """The lead waits for the answer to an update's first call (before any byte moves,
@@ -216,14 +232,25 @@ class UpdateCalls:
         finally:
             client.resume()
 
-    def through(self, channel: CallChannel, checksum: bool) -> SendChannel[PendingCall]:
+    def through(self, channel: CallChannel, checksum: bool,
+                units: int) -> SendChannel[PendingCall]:
         """`channel` as the send loop sees it: posting a bucket issues its update call (with
         its bytes' checksum when asked), and the slot is free once that call is answered
-        (within the transfer's deadline)."""
+        (within the transfer's deadline). Every call but the last of `units` goes at once;
+        the last may wait for the finish that follows it."""
+        posted = 0
 
         def post(unit: list[Bucket], slot: int, data: list[torch.Tensor]) -> PendingCall:
+            nonlocal posted
             digest = bucket_checksum(data[0]) if checksum else None
-            return self.update(channel.describe(unit[0], slot, data[0], digest))
+            call = self.update(channel.describe(unit[0], slot, data[0], digest))
+            posted += 1
+            if posted < units:
+                self._release()
+            return call
 
-        return SendChannel(slots=channel.slots, stage=channel.stage, post=post,
-                           wait=lambda call, _check: call.result(self.timeout_s))
+        def wait(call: PendingCall, _check: Any) -> None:
+            self._release()
+            call.result(self.timeout_s)
+
+        return SendChannel(slots=channel.slots, stage=channel.stage, post=post, wait=wait)

@@ -510,7 +510,8 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
         units = share.buckets if out.units is None else out.units
         if isinstance(out.channel, CallChannel):  # each bucket's call, then finish
             send_buckets(units, share.packer, calls.through(out.channel,
-                                                            self.init_info.checksum),
+                                                            self.init_info.checksum,
+                                                            len(units)),
                          check=calls.check, all_posted=calls.finish_behind_updates)
         else:
             calls.finish_behind_updates()  # every update call of this rank is issued

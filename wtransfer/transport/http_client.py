@@ -21,6 +21,7 @@ import select
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,14 @@ class Reply:
     def json(self) -> Any:
         """The body parsed as JSON (`ValueError` if it is not)."""
         return json.loads(self.content)
+
+
+class HTTPStatusError(Exception):
+    """An error status in answer to a streamed request (`HTTPConnections.lines`)."""
+
+    def __init__(self, reply: Reply) -> None:
+        super().__init__(f"HTTP {reply.status}")
+        self.reply = reply
 
 
 class HTTPConnections:
@@ -95,6 +104,31 @@ class HTTPConnections:
             with self._lock:
                 self._idle.append((connection, time.monotonic()))
         return reply
+
+    def lines(self, method: str, path: str, *, body: bytes | None = None,
+              headers: dict[str, str] | None = None) -> Iterator[bytes]:
+        """Send one request and yield its answer's body line by line as it arrives (a
+        streamed answer); an error status yields nothing and raises `HTTPStatusError` with
+        the whole reply. Failures as `request`; a connection not read to its end is closed."""
+        connection = self._take()
+        done = False
+        try:
+            connection.request(method, self._prefix + path, body=body,
+                               headers={**self._headers, **(headers or {})})
+            response = connection.getresponse()
+            if response.status >= 400:
+                raise HTTPStatusError(Reply(response.status,
+                                            response.getheader("Content-Type") or "",
+                                            response.read()))
+            while line := response.readline():
+                yield line
+            done = not response.will_close
+        finally:
+            if done:
+                with self._lock:
+                    self._idle.append((connection, time.monotonic()))
+            else:
+                connection.close()
 
     def _take(self) -> http.client.HTTPConnection:
         """A fresh idle connection that the server has not closed, or a new one."""

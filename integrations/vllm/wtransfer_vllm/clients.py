@@ -229,6 +229,10 @@ class ServerClient(HTTPClient):
         self._arriving: set[str] = set()
         """Adapters the open update carries that the list does not know yet."""
 
+    def can_batch(self, method: str) -> bool:
+        """Never: ``vllm serve`` has no route that carries several calls (each goes alone)."""
+        return False
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """POST /init_weight_transfer_engine (the record as msgpack in one JSON field)."""
         self._request("POST", "/init_weight_transfer_engine",

@@ -9,7 +9,16 @@ from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 from wtransfer import wire
-from wtransfer.errors import ConfigError, WTransferError
+from wtransfer.errors import (
+    ConfigError,
+    EngineDeadError,
+    IntegrityError,
+    LifecycleError,
+    MetadataError,
+    PeerError,
+    TransferTimeout,
+    WTransferError,
+)
 
 MSGPACK = "application/msgpack"
 
@@ -20,6 +29,18 @@ class Unauthorized(WTransferError):
 
 class BodyTooLarge(ConfigError):
     """A request body over the server's limit (answered with 413)."""
+
+
+_STATUS: dict[type[WTransferError], int] = {
+    BodyTooLarge: 413, Unauthorized: 401, ConfigError: 400,
+    MetadataError: 400, IntegrityError: 422, LifecycleError: 409, EngineDeadError: 503,
+    PeerError: 502, TransferTimeout: 504}
+"""HTTP status of each error family, most specific first."""
+
+
+def status_of(exc: WTransferError) -> int:
+    """The HTTP status that answers `exc` (500 for a family without one)."""
+    return next((code for kind, code in _STATUS.items() if isinstance(exc, kind)), 500)
 
 
 def _depth(value: Any, limit: int) -> None:

@@ -30,11 +30,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from wtransfer.errors import (
     ConfigError,
-    EngineDeadError,
-    IntegrityError,
-    LifecycleError,
-    MetadataError,
-    PeerError,
     TransferTimeout,
     WTransferError,
     error_kind,
@@ -43,22 +38,17 @@ from wtransfer.inference.async_engine import AsyncEngine
 from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.serving.disaggregation import Disaggregation
 from wtransfer.inference.serving.http_body import (
-    BodyTooLarge,
-    Unauthorized,
     check_fields,
     field,
     read_body,
+    status_of,
 )
+from wtransfer.inference.serving.weight_calls import add_weight_calls
 from wtransfer.records import check_pause_mode
 from wtransfer.wire import parse_record
 
 log = logging.getLogger("wtransfer.server")
 
-_STATUS: dict[type[WTransferError], int] = {
-    BodyTooLarge: 413, Unauthorized: 401, ConfigError: 400,
-    MetadataError: 400, IntegrityError: 422, LifecycleError: 409, EngineDeadError: 503,
-    PeerError: 502, TransferTimeout: 504}
-"""HTTP status of each error family, most specific first."""
 _HTTP_NAMES = {401: "Unauthorized", 404: "NotFound", 405: "MethodNotAllowed"}
 HEALTH_TIMEOUT_S = 2.0
 """How long /health waits for the engine thread before answering from what it knows."""
@@ -66,7 +56,8 @@ _GENERATE_FIELDS = ("token_ids", "sampling_params", "request_id", "stream", "lor
 DEV_ROUTES = ("/pause", "/resume", "/is_paused", "/abort_requests",
               "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
               "/stage_weight_update", "/discard_weight_update", "/push_weights",
-              "/finish_weight_update", "/rollback_weights", "/update_weight_version",
+              "/finish_weight_update", "/weight_calls", "/rollback_weights",
+              "/update_weight_version",
               "/weight_info",
               "/weight_fingerprint")
 """The routes `--dev-mode` adds (pause/resume and the weight-sync calls)."""
@@ -109,10 +100,6 @@ def _no_route(method: str, path: str, dev_mode: bool) -> str:
 
 def _error(status: int, kind: str, message: str) -> JSONResponse:
     return JSONResponse({"error": kind, "message": message}, status_code=status)
-
-
-def _status(exc: WTransferError) -> int:
-    return next((code for kind, code in _STATUS.items() if isinstance(exc, kind)), 500)
 
 
 def _label(value: str) -> str:
@@ -182,7 +169,7 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
 
     @app.exception_handler(WTransferError)
     async def wtransfer_error(request: Request, exc: WTransferError) -> JSONResponse:
-        return _error(_status(exc), error_kind(exc), str(exc))
+        return _error(status_of(exc), error_kind(exc), str(exc))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -409,6 +396,8 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, body_of: BodyOf) -> None:
     async def finish(request: Request) -> dict[str, str]:
         await engine.finish_weight_update(await arg(request, "weight_version", str, None))
         return {"status": "ok"}
+
+    add_weight_calls(app, engine, body_of)
 
     @app.post("/rollback_weights")
     async def rollback(request: Request) -> dict[str, str]:
