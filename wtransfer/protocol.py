@@ -201,6 +201,16 @@ class FutureCall:
         self.future.cancel()
 
 
+class BatchRefused(Exception):
+    """A `BatchingClient`'s batch that the engine side did not take, nothing of it run (no
+    such route, too large): `CallQueue` sends its calls one by one instead, and no more
+    batches to this client when `lasting`."""
+
+    def __init__(self, reason: str, *, lasting: bool) -> None:
+        super().__init__(reason)
+        self.lasting = lasting
+
+
 @runtime_checkable
 class BatchingClient(Protocol):
     """A client that can carry several calls in one request (`HTTPClient` to `wtransfer
@@ -208,12 +218,14 @@ class BatchingClient(Protocol):
     update and finish cost one round trip."""
 
     def can_batch(self, method: str) -> bool:
-        """Whether `method` may travel in a batch."""
+        """Whether `method` may travel in a batch (a client that batches no start batches
+        nothing: `CallQueue` then sends every call alone)."""
 
     def call_batch(self, calls: Sequence[BatchedCall]) -> Iterator[BaseException | None]:
         """Run `calls` on the engine in order, each only if its `after` (the index of an
         earlier call of the batch) succeeded; yields each call's failure (None: it
-        succeeded) as its answer arrives, and raises when the batch itself failed."""
+        succeeded) as its answer arrives. Raises `BatchRefused` before the first answer
+        when nothing of the batch ran, and any other error when the request failed."""
 
 
 class BatchedCall(NamedTuple):
@@ -242,13 +254,19 @@ class CallQueue:
     def __init__(self, client: Any) -> None:
         self.client = client
         self._pipelined = isinstance(client, PipelinedClient)  # a protocol check: not per call
-        self._batching = isinstance(client, BatchingClient)
+        self._batching = (not self._pipelined and isinstance(client, BatchingClient)
+                          and client.can_batch("start_weight_update"))
         self._waiting: list[_Queued] = []
         self._holds = 0
         self._busy = False
         self._closed = False
         self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
+
+    @property
+    def batches(self) -> bool:
+        """Whether calls that wait together go in one request (a `BatchingClient`)."""
+        return self._batching
 
     def submit(self, method: str, *, after: PendingCall | None = None,
                **args: Any) -> PendingCall:
@@ -274,8 +292,11 @@ class CallQueue:
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        """Calls submitted inside wait until it ends, then go together (one request to a
-        `BatchingClient`); a pipelined client sends them at once anyway."""
+        """Calls submitted inside wait until it ends, then go together in one request (a
+        client that does not batch gets them at once, as without it)."""
+        if not self._batching:
+            yield
+            return
         with self._ready:
             self._holds += 1
         try:
@@ -299,13 +320,22 @@ class CallQueue:
             self._run(taken)
 
     def _run(self, taken: list[_Queued]) -> None:
-        """Run `taken` in order: as one batch where the client batches them all, else one by
-        one; a call whose `after` failed (or was cancelled) is skipped."""
-        runs = [q for q in taken if q.future.set_running_or_notify_cancel()]
+        """Run `taken` in order: in one batch where the client batches them all, else one
+        by one, each marked running just before it runs (a call cancelled before that never
+        runs); a call whose `after` failed, or was cancelled, is skipped."""
+        client = self.client
+        if not (self._batching and len(taken) > 1
+                and all(client.can_batch(q.method) for q in taken)):
+            for queued in taken:
+                if queued.future.set_running_or_notify_cancel():
+                    self._run_one(queued)
+            return
         batch: list[BatchedCall] = []
         sent: list[_Queued] = []
         position: dict[int, int] = {}
-        for queued in runs:
+        for queued in taken:  # (all go at once: each is running from here)
+            if not queued.future.set_running_or_notify_cancel():
+                continue
             after = queued.after
             if after is not None and id(after.future) not in position and _failed(after):
                 queued.future.set_exception(_skipped(queued.method, after.method))
@@ -314,23 +344,30 @@ class CallQueue:
             position[id(queued.future)] = len(batch)
             batch.append(BatchedCall(queued.method, queued.args, index))
             sent.append(queued)
-        client = self.client
-        if (self._batching and len(batch) > 1
-                and all(client.can_batch(call.method) for call in batch)):
-            self._run_batch(batch, sent)
-            return
-        for call, queued in zip(batch, sent, strict=True):
-            if call.after is not None and sent[call.after].future.exception() is not None:
-                queued.future.set_exception(_skipped(call.method, batch[call.after].method))
-                continue
+        if len(sent) > 1:
             try:
-                queued.future.set_result(getattr(client, call.method)(**call.args))
-            except BaseException as exc:
-                queued.future.set_exception(exc)
+                self._run_batch(batch, sent)
+                return
+            except BatchRefused as refused:  # nothing of it ran: each call alone instead
+                self._batching = self._batching and not refused.lasting
+        for queued in sent:
+            self._run_one(queued)
+
+    def _run_one(self, queued: _Queued) -> None:
+        """One call alone (marked running), unless its `after` failed."""
+        after = queued.after
+        if after is not None and _failed(after):
+            queued.future.set_exception(_skipped(queued.method, after.method))
+            return
+        try:
+            queued.future.set_result(getattr(self.client, queued.method)(**queued.args))
+        except BaseException as exc:
+            queued.future.set_exception(exc)
 
     def _run_batch(self, batch: list[BatchedCall], sent: list[_Queued]) -> None:
         """One request carrying `batch`; each call's answer settles its future as it comes,
-        and a failure of the request fails every call not yet answered."""
+        and a failure of the request fails every call not yet answered (`BatchRefused`
+        before the first answer goes to the caller: nothing ran)."""
         answered = 0
         try:
             for failure in self.client.call_batch(batch):
@@ -343,6 +380,13 @@ class CallQueue:
             if answered != len(sent):
                 raise PeerError(f"the engine answered {answered} of the {len(sent)} calls "
                                 "of a batch")
+        except BatchRefused as refused:
+            if not answered:
+                raise
+            failed: BaseException = PeerError(f"a batch was refused after {answered} of its "
+                                              f"calls ran: {refused}")
+            for queued in sent[answered:]:
+                queued.future.set_exception(failed)
         except BaseException as exc:
             for queued in sent[answered:]:
                 queued.future.set_exception(exc)

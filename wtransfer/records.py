@@ -288,28 +288,23 @@ BATCHED_CALLS: dict[str, tuple[str, ...]] = {
     "stage_weight_update": (), "discard_weight_update": ("reason",),
     "finish_weight_update": ("weight_version",)}
 """The weight-sync calls one request may carry (`wtransfer serve`'s ``POST /weight_calls``),
-with the keyword arguments each takes."""
+with the body fields each takes (those of its own route)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class WeightCall:
-    """One call of a batch on the wire: the method, its arguments, and `after`, the index of
-    the earlier call of the batch it runs after, only if that one succeeded (None: it runs
-    whatever came before)."""
+    """One call of a batch on the wire: the method, its own route's body (msgpack; empty:
+    none), and `after`, the index of the earlier call of the batch it runs after, only if
+    that one succeeded (None: it runs whatever came before)."""
 
     method: str
-    args: dict[str, Any] = field(default_factory=dict)
+    body: bytes = b""
     after: int | None = None
 
     def __post_init__(self) -> None:
-        known = BATCHED_CALLS.get(self.method)
-        if known is None:
+        if self.method not in BATCHED_CALLS:
             raise ConfigError(f"{self.method!r} cannot be batched; the calls a batch may carry "
                               f"are {sorted(BATCHED_CALLS)}")
-        unknown = sorted(set(self.args) - set(known))
-        if unknown:
-            raise ConfigError(f"{self.method}: unknown argument(s) {unknown}; it takes "
-                              f"{list(known)}")
         if self.after is not None and self.after < 0:
             raise ConfigError(f"after must be the index of an earlier call, got {self.after}")
 

@@ -30,8 +30,8 @@ TRACED: dict[str, list[tuple[str, str]]] = {
     "wtransfer.trainer.layouts": [("LocalShards.pack", "pack")],
     "wtransfer.control.clients": [("HTTPClient.update_weights", "post update"),
                           ("HTTPClient.start_weight_update", "post start"),
-                          ("HTTPClient.finish_weight_update", "post finish"),
-                          ("HTTPClient.call_batch", "post batch")],
+                          ("HTTPClient.finish_weight_update", "post finish")],
+    "wtransfer.protocol": [("CallQueue._run_batch", "post batch")],
     # the engine's HTTP server and its engine thread
     "wtransfer.inference.async_engine": [("AsyncEngine.update_weights", "http update"),
                                          ("AsyncEngine.finish_weight_update", "http finish")],

@@ -13,7 +13,8 @@ import wtransfer
 from wtransfer import wire
 from wtransfer.control.rpc import ReceiverServer, RPCClient
 from wtransfer.errors import LifecycleError, TransferTimeout
-from wtransfer.protocol import CallQueue
+from wtransfer.protocol import BatchRefused, CallQueue
+from wtransfer.testing.conformance import wait_for
 from wtransfer.trainer.calls import UpdateCalls
 
 
@@ -172,4 +173,61 @@ def test_a_call_after_a_failed_batch_is_skipped_without_reaching_the_engine(engi
     assert client.batches == [["fingerprint", "fingerprint"]]  # the third never went out
     alone = queue.submit("num_workers")  # one call, or one the client cannot batch: alone
     assert alone.result(10) == 1 and len(client.batches) == 1
+    queue.close()
+
+
+class _RefusingBatches(_BatchingLocal):
+    """A batching client whose engine side has no batch route: every batch is refused
+    before any of it runs (as a server without ``/weight_calls`` answers 404)."""
+
+    def call_batch(self, calls):
+        self.batches.append([c.method for c in calls])
+        raise BatchRefused("no such route", lasting=True)
+        yield  # (a generator, as a client's is)
+
+
+def test_a_refused_batch_runs_its_calls_alone_and_no_batch_follows(engine):
+    client = _RefusingBatches(engine)
+    queue = CallQueue(client)
+    for _ in range(2):
+        with queue.held():
+            first = queue.submit("fingerprint")
+            second = queue.submit("fingerprint", after=first)
+        assert second.result(10) == first.result(0) == engine.target.fingerprint()
+    assert client.batches == [["fingerprint", "fingerprint"]]  # once: then each alone
+    queue.close()
+
+
+class _SlowStart(wtransfer.LocalClient):
+    """A client whose start waits until the test releases it, recording what ran."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.release = threading.Event()
+        self.ran: list[str] = []
+
+    def start_weight_update(self):
+        self.ran.append("start")
+        assert self.release.wait(10), "the test never released the call"
+
+    def update_weights(self, update_info):
+        self.ran.append("update")
+
+    def finish_weight_update(self, weight_version=None):
+        self.ran.append("finish")
+
+
+def test_a_call_cancelled_while_the_one_before_runs_never_runs(engine):
+    client = _SlowStart(engine)
+    queue = CallQueue(client)
+    start = queue.submit("start_weight_update")
+    update = queue.submit("update_weights", after=start, update_info={})
+    finish = queue.submit("finish_weight_update", after=update)
+    wait_for(lambda: client.ran == ["start"], 10, "start to run")
+    update.cancel()  # taken by the worker with start, not yet running: it never will
+    client.release.set()
+    with pytest.raises(LifecycleError, match="finish_weight_update skipped"):
+        finish.result(10)
+    start.result(0)
+    assert client.ran == ["start"]
     queue.close()

@@ -4,7 +4,7 @@ between the same two steps instead of one step apart."""
 
 import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 from engine_helpers import collect, run
@@ -58,6 +58,28 @@ def test_a_command_whose_waiter_gave_up_never_runs():
     assert futures[2].result(DEADLINE_S) == "C"
     assert held.result(0) and recorder.ran == ["a", "c"]
     recorder.pool.shutdown()
+
+
+def test_a_long_chain_of_commands_done_at_once_and_one_the_engine_cancelled():
+    """A submit whose futures are already done (a dead engine's are) settles the whole chain
+    in a loop, not a recursion; a command the engine cancelled fails, and what names it as
+    `after` is skipped."""
+
+    def submit(command, *args):
+        done = Future()
+        if command == "dropped":
+            done.cancel()
+        else:
+            done.set_result(command)
+        return done
+
+    commands = [("c", (), None)] * 5000 + [("dropped", (), None), ("after", (), 5000)]
+    futures = chain(submit, commands)
+    assert [f.result(0) for f in futures[:5000]] == ["c"] * 5000
+    with pytest.raises(LifecycleError, match="dropped was cancelled"):
+        futures[5000].result(0)
+    with pytest.raises(LifecycleError, match="after skipped: it was to run after dropped"):
+        futures[5001].result(0)
 
 
 def test_a_generating_engine_runs_a_whole_chain_between_two_steps():

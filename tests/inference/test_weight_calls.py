@@ -112,10 +112,11 @@ def test_a_call_runs_only_after_the_one_it_names_succeeded(served):
     ([{"method": "start_weight_update"}, {"method": "rollback_weights"}],
      "'rollback_weights' cannot be batched"),
     ([{"method": "start_weight_update", "after": 0}], "after must be the index of an earlier"),
-    ([{"method": "update_weights", "args": {"update_info": [1]}}],
+    ([{"method": "update_weights", "body": wire.encode({"update_info": [1]})}],
      "(update_weights): field 'update_info' must be dict"),
-    ([{"method": "finish_weight_update", "args": {"version": "x"}}],
-     "unknown argument(s) ['version']"),
+    ([{"method": "finish_weight_update", "body": wire.encode({"version": "x"})}],
+     "unknown field(s) ['version']"),
+    ([{"method": "start_weight_update", "body": b"\xc1"}], "calls[0] (start_weight_update)"),
     ([], "calls must hold 1 to"),
 ])
 def test_a_malformed_batch_is_refused_whole_before_any_call_runs(served, calls, message):
@@ -143,3 +144,33 @@ def test_the_client_refuses_a_call_it_cannot_batch(served):
     with pytest.raises(ConfigError, match="cannot be batched"):
         list(wtransfer.HTTPClient(served.url, api_key=KEY).call_batch(
             [BatchedCall("fingerprint", {}, None)]))
+
+
+def test_a_lone_sender_with_its_own_data_plane_moves_its_bytes_with_or_without_a_pause():
+    """nccl (gloo here): the receivers must hear of the update before any byte moves, with
+    the finish behind the update call or, with a pause around the finish, after every byte
+    moved; both land bit-exact within the deadline."""
+    from wtransfer_nccl import NCCLTrainerInitInfo
+
+    server = Server("--dev-mode", "--weight-transfer-backend", "nccl")
+    model = wtransfer.inference.load_model("tiny", seed=7)
+    client = wtransfer.HTTPClient(server.url, timeout_s=20)
+    try:
+        with wtransfer.trainer_init(NCCLTrainerInitInfo(master_address="127.0.0.1",
+                                                        timeout_s=20),
+                                    client=client, source=wtransfer.ModuleSource(model)) as s:
+            requests = Requests(client)
+            s.send_weights(weight_version="plain")
+            assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(-1)
+            s.send_weights(weight_version="paused", pause="keep")
+            assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+        assert server.http.get("/weight_info").json()["weight_version"] == "paused"
+        batches = [b for b in requests.batches if b != ["weight_fingerprint"]]
+        assert batches[0] == ["start_weight_update", "update_weights", "finish_weight_update"]
+        assert batches[1] == ["start_weight_update", "update_weights"]
+        assert batches[2:] == [["pause"], ["finish_weight_update"], ["resume"]]
+    finally:
+        server.stop()

@@ -39,6 +39,7 @@ from wtransfer.errors import (
 )
 from wtransfer.protocol import (
     BatchedCall,
+    BatchRefused,
     CallQueue,
     InitFor,
     PendingCall,
@@ -62,6 +63,10 @@ from wtransfer.wire import parse_record, record_to_wire
 
 T = TypeVar("T")
 log = logging.getLogger("wtransfer.control.clients")
+
+MAX_BATCH_BYTES = 16 << 20
+"""The largest batch of calls `HTTPClient` sends as one request (a server takes 64 MiB by
+default); calls that would make one larger go one by one."""
 
 
 class SingleEngineClient:
@@ -567,33 +572,40 @@ class HTTPClient(SingleEngineClient):
         return method in BATCHED_CALLS
 
     def call_batch(self, calls: Sequence[BatchedCall]) -> Iterator[BaseException | None]:
-        """POST /weight_calls (msgpack): the engine runs `calls` in order, each only if its
-        `after` succeeded, and streams each answer as it comes; yields each call's failure
-        (None: it succeeded)."""
-        body = wire.encode({"calls": [
-            record_to_wire(WeightCall(method=c.method, args=c.args, after=c.after))
+        """POST /weight_calls (msgpack; each call's own body inside): the engine runs `calls`
+        in order, each only if its `after` succeeded, and streams each answer as it comes;
+        yields each call's failure (None: it succeeded). A server without the route (404,
+        405) or a batch over `MAX_BATCH_BYTES` (or its 413) is `BatchRefused`: nothing ran."""
+        for call in calls:
+            if call.method not in BATCHED_CALLS:
+                raise ConfigError(f"{call.method!r} cannot be batched")
+        body = wire.encode({"calls": [record_to_wire(WeightCall(
+            method=c.method, body=wire.encode(c.args) if c.args else b"", after=c.after))
             for c in calls]})
+        if len(body) > MAX_BATCH_BYTES:
+            raise BatchRefused(f"{len(body)} bytes in one batch", lasting=False)
         lines = self._http.lines("POST", "/weight_calls", body=body,
                                  headers={"Content-Type": "application/msgpack"})
-        try:
-            for index, line in enumerate(lines):  # (read to the end: the connection is reused)
-                if index >= len(calls):
-                    raise PeerError(f"POST {self.base_url}/weight_calls: more answers than "
-                                    f"the {len(calls)} calls")
-                outcome = parse_record(CallOutcome, json.loads(line), where="a call's answer",
-                                       error=PeerError)
-                yield None if outcome.status < 400 else from_reply(
-                    {"type": outcome.error, "message": outcome.message},
-                    f"POST /{calls[index].method} -> {outcome.status}")
-        except HTTPStatusError as exc:
-            raise from_reply(_error_fields(exc.reply),
-                             f"POST /weight_calls -> {exc.reply.status}") from None
-        except TimeoutError:
-            raise TransferTimeout(f"POST {self.base_url}/weight_calls: no answer within "
-                                  f"{self.timeout_s:g}s") from None
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            raise PeerError(f"POST {self.base_url}/weight_calls: {type(exc).__name__}: "
-                            f"{exc}") from None
+        where = f"POST {self.base_url}/weight_calls"
+        with contextlib.closing(lines):
+            try:
+                for index, line in enumerate(lines):  # (to the end: the connection is reused)
+                    if index >= len(calls):
+                        raise PeerError(f"{where}: more answers than the {len(calls)} calls")
+                    outcome = parse_record(CallOutcome, json.loads(line),
+                                           where="a call's answer", error=PeerError)
+                    yield None if outcome.status < 400 else from_reply(
+                        {"type": outcome.error, "message": outcome.message},
+                        f"POST /{calls[index].method} -> {outcome.status}")
+            except HTTPStatusError as exc:
+                status = exc.reply.status
+                if status in (404, 405, 413):  # (the route answered before any call ran)
+                    raise BatchRefused(f"{where} -> {status}", lasting=status != 413) from None
+                raise from_reply(_error_fields(exc.reply), f"{where} -> {status}") from None
+            except TimeoutError:
+                raise TransferTimeout(f"{where}: no answer within {self.timeout_s:g}s") from None
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                raise PeerError(f"{where}: {type(exc).__name__}: {exc}") from None
 
     def fingerprint(self) -> dict[str, str]:
         """GET /weight_fingerprint."""

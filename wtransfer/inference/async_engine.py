@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -16,8 +16,8 @@ import torch
 
 from wtransfer.control.clients import SingleEngineClient
 from wtransfer.control.rpc import ReceiverServer
-from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
-from wtransfer.inference.commands import TRANSFER_COMMANDS, Chained, CoreClient, chain
+from wtransfer.errors import ConfigError, TransferTimeout
+from wtransfer.inference.commands import TRANSFER_COMMANDS, Chained, CoreClient, chained
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.engine_core import EngineCore
 from wtransfer.inference.outputs import OutputSnapshot, RequestOutput
@@ -216,31 +216,21 @@ class AsyncEngine:
         """Create and initialize the receiver of the configured backend."""
         await self._call("init_weight_transfer_engine", init_info)
 
-    async def run_calls(self, calls: Sequence[Chained]) -> AsyncIterator[BaseException | None]:
-        """Run weight-sync `calls` in order between the same two steps (each submitted as the
-        one before it completes, only if its `after` succeeded: `commands.chain`); yields
-        each call's failure (None: it succeeded) as it completes."""
+    async def run_calls(self, calls: Sequence[Chained]
+                        ) -> AsyncGenerator[BaseException | None, None]:
+        """Run weight-sync `calls` in order, each submitted as the one before it completes and
+        only if its `after` succeeded (`commands.chained`: an engine that runs its updates
+        on its own thread runs them all between the same two steps); yields each call's
+        failure (None: it succeeded) as it completes."""
         for command, _, _ in calls:
             if command not in TRANSFER_COMMANDS:
                 raise ConfigError(f"{command} is not a weight-sync call")
-        timeout = self.config.call_timeout_s
-        futures = chain(self.core.submit, calls)
-        late: str | None = None
-        for (command, _, _), future in zip(calls, futures, strict=True):
-            if late is not None:  # (cancelled before it ran)
-                yield LifecycleError(f"{command} skipped: {late} did not complete in time")
-                continue
-            try:
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
-            except asyncio.TimeoutError:
-                late = command
-                for later in futures:
-                    later.cancel()  # (those not yet running never will)
-                yield TransferTimeout(f"{command} did not complete within {timeout:g}s")
-            except Exception as exc:
-                yield exc
-            else:
-                yield None
+        answers = chained(self.core.submit, calls, self.config.call_timeout_s)
+        try:
+            async for failure in answers:
+                yield failure
+        finally:
+            await answers.aclose()
 
     async def start_weight_update(self) -> None:
         """Open a weight update (in place: the engine must be paused or idle; staged: while

@@ -9,12 +9,13 @@ and `LocalEngineClient` are its asyncio and blocking faces.
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from wtransfer.errors import ConfigError, LifecycleError
+from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.outputs import OutputSnapshot, RequestOutput
 from wtransfer.inference.params import SamplingParams
@@ -146,47 +147,82 @@ the chain it runs after, only if that one succeeded (None: whatever came before)
 
 def chain(submit: Callable[..., Future[Any]], commands: Sequence[Chained]) -> list[Future[Any]]:
     """Run `commands` one after another through `submit` (a `CoreClient`'s), each submitted
-    by the thread that completes the one before it, so an engine runs them all between the
-    same two steps; their futures, in order (a command skipped because its `after` failed
-    raises `LifecycleError`)."""
+    by the thread that completes the one before it (an `EngineCore` runs them all between the
+    same two steps); their futures, in order. A command whose `after` failed, or whose
+    future was cancelled before it was submitted, never runs (the first fails with a
+    `LifecycleError` saying it was skipped)."""
     futures: list[Future[Any]] = [Future() for _ in commands]
 
     def launch(index: int) -> None:
         while index < len(commands):
             command, args, after = commands[index]
             mine = futures[index]
+            index += 1
             if not mine.set_running_or_notify_cancel():  # its waiter gave up: not run
-                index += 1
                 continue
             if after is not None and _failed(futures[after]):
                 mine.set_exception(LifecycleError(
                     f"{command} skipped: it was to run after {commands[after][0]}, which "
                     "failed"))
-                index += 1
                 continue
             try:
                 running = submit(command, *args)
             except Exception as exc:
                 mine.set_exception(exc)
-                index += 1
                 continue
-            running.add_done_callback(functools.partial(settled, index))
-            return
+            if not running.done():  # (one done already is settled here: no recursion)
+                running.add_done_callback(functools.partial(settled, index))
+                return
+            _settle(mine, command, running)
 
-    def settled(index: int, done: Future[Any]) -> None:
-        exc = done.exception()
-        if exc is None:
-            futures[index].set_result(done.result())
-        else:
-            futures[index].set_exception(exc)
-        launch(index + 1)
+    def settled(following: int, running: Future[Any]) -> None:
+        _settle(futures[following - 1], commands[following - 1][0], running)
+        launch(following)
 
     launch(0)
     return futures
 
 
+def _settle(mine: Future[Any], command: str, running: Future[Any]) -> None:
+    """`mine` (running) takes the outcome of `running` (done)."""
+    if running.cancelled():
+        mine.set_exception(LifecycleError(f"{command} was cancelled (the engine stopped it)"))
+    elif (exc := running.exception()) is not None:
+        mine.set_exception(exc)
+    else:
+        mine.set_result(running.result())
+
+
 def _failed(future: Future[Any]) -> bool:
     return future.cancelled() or future.exception() is not None
+
+
+async def chained(submit: Callable[..., Future[Any]], commands: Sequence[Chained],
+                  timeout_s: float) -> AsyncGenerator[BaseException | None, None]:
+    """`chain(submit, commands)` on an event loop: yields each command's failure (None: it
+    succeeded) as it completes, in order. A command running past `timeout_s` is a
+    `TransferTimeout`, and the commands not yet submitted behind it never run; closing the
+    generator early (its reader went away) stops those not yet submitted too."""
+    futures = chain(submit, commands)
+    try:
+        for (command, _, _), future in zip(commands, futures, strict=True):
+            if future.cancelled():  # (behind a command that ran past its deadline)
+                yield LifecycleError(f"{command} skipped: a call before it did not complete "
+                                     "in time")
+                continue
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
+            except TimeoutError:
+                for later in futures:
+                    later.cancel()  # (those already submitted answer as they complete)
+                yield TransferTimeout(f"{command} did not complete within {timeout_s:g}s")
+            except Exception as exc:
+                yield exc
+            else:
+                yield None
+    finally:
+        for future in futures:
+            future.cancel()
 
 
 class CoreClient(Protocol):

@@ -111,13 +111,16 @@ class EngineCore:
                 commands = list(self._commands)
                 self._commands.clear()
             self.replica.settle_failure()
-            for _ in range(CHAINED_PER_GAP):
+            ran = bool(commands)
+            for rounds in range(1, CHAINED_PER_GAP + 1):
                 for fn, args, future in commands:
                     if future.set_running_or_notify_cancel():
                         try:
                             future.set_result(fn(*args))
                         except Exception as exc:
                             future.set_exception(exc)
+                if rounds == CHAINED_PER_GAP:
+                    break  # (what arrived since waits for the next gap, still queued)
                 with self._wake:  # those the commands chained (`commands.chain`): this gap
                     commands = list(self._commands)
                     self._commands.clear()
@@ -126,7 +129,7 @@ class EngineCore:
             replica = self.replica
             if replica.can_step():
                 replica.step()
-            elif not commands:  # idle: tensor-parallel workers hear from rank 0 anyway
+            elif not ran:  # idle: tensor-parallel workers hear from rank 0 anyway
                 replica.keep_workers_alive()
             replica.resolve_drains()
 

@@ -60,7 +60,7 @@ class UpdateCalls:
         self.finish_issued = False
         self._hold = contextlib.ExitStack()
         """Holds the queue's calls back from a lone sender's start until its first update
-        call joins it (`_release`)."""
+        call joins it (`release`)."""
 
     def submit(self, method: str, **args: Any) -> PendingCall:
         """Issue a call that the engine runs only if the call before it succeeded (an update
@@ -72,14 +72,15 @@ class UpdateCalls:
         return call
 
     def start(self) -> None:
-        """Issue start (a lone sender's waits for the calls that follow it: `_release`)."""
+        """Issue start (a lone sender's waits for the calls that follow it, where its client
+        batches them: `release`)."""
         if self.role.lead and self.role.senders == 1:
             self._hold.enter_context(self.queue.held())
         self.submit("start_weight_update")
 
-    def _release(self) -> None:
-        """Let the held calls go (before any wait for them, and once the update's first
-        part is issued)."""
+    def release(self) -> None:
+        """Let the held calls go: before anything waits for them, once a bucket's call is
+        issued with more to follow, and before data moves on a backend's own channel."""
         self._hold.close()
 
     def update(self, update_info: dict[str, Any]) -> PendingCall:
@@ -111,7 +112,7 @@ class UpdateCalls:
         which runs it as soon as they succeed: finishing costs no round trip of its own."""
         self.submit("finish_weight_update", weight_version=self.weight_version)
         self.finish_issued = True
-        self._release()
+        self.release()
 
     def check(self) -> None:
         """Raise the first failure among the replies already in (never blocks): a refused
@@ -126,7 +127,7 @@ class UpdateCalls:
         """Wait for every issued call in order; raise the first failure (and stop waiting for
         the rest). From `spin_from` on, replies are polled for without sleeping
         (`PendingCall.result`)."""
-        self._release()
+        self.release()
         try:
             while self._settled < len(self._calls):
                 self._result(self.timeout_s, spin_from)
@@ -158,7 +159,7 @@ class UpdateCalls:
         """The engine's own error for a failure seen here as `local` (the data channel breaks
         moments before the refusal's reply arrives, and the reply is the useful message), if
         it comes within `grace_s`; else `local`."""
-        self._release()
+        self.release()
         try:
             while self._settled < len(self._calls):
                 call = self._calls[self._settled]
@@ -177,7 +178,7 @@ class UpdateCalls:
             with contextlib.suppress(Exception):
                 call.cancel()
         self._settled = len(self._calls)
-        self._release()
+        self.release()
 
     def settle_first(self) -> None:
         """The lead waits for the answer to an update's first call (before any byte moves,
@@ -246,11 +247,11 @@ class UpdateCalls:
             call = self.update(channel.describe(unit[0], slot, data[0], digest))
             posted += 1
             if posted < units:
-                self._release()
+                self.release()
             return call
 
         def wait(call: PendingCall, _check: Any) -> None:
-            self._release()
+            self.release()
             call.result(self.timeout_s)
 
         return SendChannel(slots=channel.slots, stage=channel.stage, post=post, wait=wait)

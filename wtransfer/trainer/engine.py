@@ -397,7 +397,8 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                              self.sender_id, role) if self.calls is not None else None)
         try:
             if self.lead and calls is not None:
-                calls.start()  # the engine opens the update while this rank plans it
+                calls.start()  # (several senders: the engine opens it while they plan;
+                # a lone one's goes with its first update call where its client batches)
                 if payload.first_call is not None:
                     calls.update(payload.first_call)
             if payload.answer_first:  # every rank learns of a refusal
@@ -515,6 +516,7 @@ class TrainerTransferEngine(HoldsUpdates, ABC, Generic[TInitT]):
                          check=calls.check, all_posted=calls.finish_behind_updates)
         else:
             calls.finish_behind_updates()  # every update call of this rank is issued
+            calls.release()  # (the receivers must hear of the update before bytes move)
             if out.channel is not None:
                 send_buckets(units, share.packer, out.channel, check=calls.check)
         try:

@@ -21,12 +21,14 @@ import select
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
 from wtransfer.errors import ConfigError
 
+MAX_LINE_BYTES = 1 << 20
+"""The longest line of a streamed answer read at once (`HTTPConnections.lines`)."""
 CLIENT_KEEPALIVE_S = 4.0
 """How long an idle HTTP connection is kept for reuse: less than any server keeps one open
 (uvicorn's default is 5 s; `wtransfer serve` keeps them far longer), so a request is never
@@ -106,7 +108,7 @@ class HTTPConnections:
         return reply
 
     def lines(self, method: str, path: str, *, body: bytes | None = None,
-              headers: dict[str, str] | None = None) -> Iterator[bytes]:
+              headers: dict[str, str] | None = None) -> Generator[bytes, None, None]:
         """Send one request and yield its answer's body line by line as it arrives (a
         streamed answer); an error status yields nothing and raises `HTTPStatusError` with
         the whole reply. Failures as `request`; a connection not read to its end is closed."""
@@ -120,7 +122,7 @@ class HTTPConnections:
                 raise HTTPStatusError(Reply(response.status,
                                             response.getheader("Content-Type") or "",
                                             response.read()))
-            while line := response.readline():
+            while line := response.readline(MAX_LINE_BYTES):
                 yield line
             done = not response.will_close
         finally:

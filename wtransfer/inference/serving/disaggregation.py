@@ -20,7 +20,7 @@ import logging
 import math
 import uuid
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlparse
@@ -30,12 +30,14 @@ from fastapi import FastAPI, Request
 
 from wtransfer.errors import LifecycleError, PeerError, WTransferError
 from wtransfer.inference.async_engine import AsyncEngine, Prefilled
+from wtransfer.inference.commands import chained
 from wtransfer.inference.params import SamplingParams
 from wtransfer.inference.serving.handover import KVHandover, KVTarget, kv_shape
 from wtransfer.inference.serving.http_body import field as body_field
+from wtransfer.inference.serving.weight_calls import add_weight_calls
 from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.registry import create_receiver
-from wtransfer.wire import parse_record, record_to_wire
+from wtransfer.wire import MAX_MESSAGE_BYTES, parse_record, record_to_wire
 
 log = logging.getLogger("wtransfer.pd")
 BodyOf = Callable[[Request, tuple[str, ...]], Awaitable[dict[str, Any]]]
@@ -184,6 +186,15 @@ class Disaggregation:
                                  "weight_version", str, None)
             await self._on_lane(receiver.finish_weight_update, version)
             return {"status": "ok"}
+
+        def on_lane(command: str, *args: Any) -> Future[Any]:
+            return self.lane.submit(getattr(receiver, command), *args)
+
+        add_weight_calls(app, "/kv/weight_calls",
+                         lambda commands: chained(on_lane, commands, self.timeout_s), body_of,
+                         methods=("start_weight_update", "update_weights",
+                                  "finish_weight_update"),
+                         max_body_bytes=MAX_MESSAGE_BYTES)
 
     def metrics(self) -> dict[str, int]:
         """This role's counters for /metrics."""

@@ -278,7 +278,7 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
                              "choices": [c.to_wire() for c in last.outputs]})
 
     if dev_mode:
-        _add_dev_routes(app, engine, body_of)
+        _add_dev_routes(app, engine, body_of, max_body_bytes)
     if pd is not None:
         pd.add_routes(app, engine, body_of)
     return app
@@ -325,7 +325,8 @@ def _query_or_body(name: str, query: Any, body: Any, default: Any) -> Any:
     return query if query is not None else body if body is not None else default
 
 
-def _add_dev_routes(app: FastAPI, engine: AsyncEngine, body_of: BodyOf) -> None:
+def _add_dev_routes(app: FastAPI, engine: AsyncEngine, body_of: BodyOf,
+                    max_body_bytes: int) -> None:
     async def arg(request: Request, name: str, kind: type, default: Any = ...) -> Any:
         return field(await body_of(request, (name,)), name, kind, default)
 
@@ -397,7 +398,8 @@ def _add_dev_routes(app: FastAPI, engine: AsyncEngine, body_of: BodyOf) -> None:
         await engine.finish_weight_update(await arg(request, "weight_version", str, None))
         return {"status": "ok"}
 
-    add_weight_calls(app, engine, body_of)
+    add_weight_calls(app, "/weight_calls", engine.run_calls, body_of,
+                     max_body_bytes=max_body_bytes)
 
     @app.post("/rollback_weights")
     async def rollback(request: Request) -> dict[str, str]:
