@@ -27,6 +27,10 @@
 #                                         # sender, M->N)
 #     bash benchmarks/gpu_one.sh staged   # staged updates' throughput, eight updates a row, copy
 #                                         # graphs on then off (MODELS, default qwen3-8b)
+#     bash benchmarks/gpu_one.sh small    # Qwen3-1.7B, where the fixed cost per update weighs
+#                                         # most: ipc zero-copy and packed (three runs), ucx,
+#                                         # the host path beside checkpoint-engine, the delta
+#                                         # prepare
 #     bash benchmarks/gpu_one.sh m2n      # 2 trainer processes -> our engine's 2 TP workers,
 #                                         # then -> 1 receiver, over CUDA IPC
 #     bash benchmarks/gpu_one.sh trace    # a timeline of the trainer and the engine through
@@ -167,6 +171,24 @@ staged)
             --models $MODELS --inflight 16 --modes "none,staged" --updates 8 2>&1 \
             | tee $OUT/staged-$graphs.txt | tail -4; echo "rc ${PIPESTATUS[0]}"
     done ;;
+small)
+    for run in 1 2 3; do  # (the fixed cost per update weighs most at this size: #61's 1.3x)
+        echo "$(ts) ipc zero-copy and the packed default, Qwen3-1.7B, run $run"
+        WTRANSFER_BENCH_DIR=$OUT/small-ipc-$run timeout 150 python3 benchmarks/transfer.py \
+            --backend ipc --device cuda:0 --models qwen3-1.7b --bucket-mb 0 --repeats 7 \
+            > $OUT/small-ipc-$run.txt 2>&1; echo "rc $?"; tail -5 $OUT/small-ipc-$run.txt
+    done
+    echo "$(ts) ucx's default against one raw UCX send, Qwen3-1.7B"
+    WTRANSFER_BENCH_DIR=$OUT/small-ucx timeout 200 python3 benchmarks/transfer.py --backend ucx \
+        --device cuda:0 --models qwen3-1.7b --bucket-mb 1024 --repeats 7 > $OUT/small-ucx.txt 2>&1
+    echo "rc $?"; tail -5 $OUT/small-ucx.txt
+    echo "$(ts) the host path at every default beside checkpoint-engine, Qwen3-1.7B"
+    timeout 300 python3 benchmarks/peers.py --model qwen3-1.7b 2>&1 | tee $OUT/small-peers.txt \
+        | tail -14; echo "rc $?"
+    echo "$(ts) the delta sender's prepare, Qwen3-1.7B"
+    timeout 120 python3 benchmarks/delta_profile.py --model qwen3-1.7b \
+        --fractions 0.0003,0.01 > $OUT/small-delta.txt 2>&1; echo "rc $?"
+    grep -E "perturbed|copy" $OUT/small-delta.txt ;;
 m2n)
     # staging off: two trainer replicas and a shadow-staged 8B engine overflow an 80 GB card
     echo "$(ts) M->N over CUDA IPC: two trainer processes (replicas) -> engine TP=2, one GPU"
@@ -224,6 +246,6 @@ engine)
             --model ${MODELS%%,*} --inflight 16 $([ $fused = 0 ] && echo --gather) 2>&1 \
             | grep -v USDT | tail -14
     done ;;
-*) echo "usage: gpu_one.sh suite|paths|ipc|ucx|peers|calls|staged|m2n|trace|profile|timeline|finite|engine"; exit 2 ;;
+*) echo "usage: gpu_one.sh suite|paths|ipc|ucx|peers|calls|staged|small|m2n|trace|profile|timeline|finite|engine"; exit 2 ;;
 esac
 echo "$(ts) done"

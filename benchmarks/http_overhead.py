@@ -1,6 +1,7 @@
 """Benchmark: the HTTP control plane's cost, measured against the in-process path in one run.
 
     python benchmarks/http_overhead.py --models tiny,small
+    python benchmarks/http_overhead.py --models tiny --tp 2 --repeats 41   # 2 TP workers
 
 Weight update: `send_weights` through the ipc backend with the in-process client (the engine's
 own `LocalEngineClient`) and with `HTTPClient` to `wtransfer serve --dev-mode` in a child
@@ -46,8 +47,9 @@ def update_seconds(client: Any, model_name: str, repeats: int) -> float:
         return median_seconds(sender.send_weights, repeats)
 
 
-def in_process(model_name: str, repeats: int) -> tuple[float, float]:
-    engine = AsyncEngine(EngineConfig(model=model_name, max_num_seqs=64))
+def in_process(model_name: str, repeats: int, tp: int) -> tuple[float, float]:
+    engine = AsyncEngine(EngineConfig(model=model_name, max_num_seqs=64,
+                                      tensor_parallel_size=tp))
     update = update_seconds(LocalEngineClient(engine), model_name, repeats)
 
     async def generate_all() -> None:
@@ -75,11 +77,12 @@ def control_call_seconds(url: str) -> tuple[float, float]:
     return ours, bare
 
 
-def over_http(model_name: str, repeats: int) -> tuple[float, float, float, float]:
+def over_http(model_name: str, repeats: int, tp: int) -> tuple[float, float, float, float]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "wtransfer", "serve", "--model", model_name,
-                               "--port", str(port), "--dev-mode"],
+                               "--port", str(port), "--dev-mode",
+                               "--tensor-parallel-size", str(tp)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
@@ -111,11 +114,12 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny,small")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--tp", type=int, default=1, help="the engine's tensor-parallel workers")
     args = parser.parse_args()
     rows = []
     for name in args.models.split(","):
-        local_update, local_gen = in_process(name, args.repeats)
-        http_update, http_gen, call, httpx_call = over_http(name, args.repeats)
+        local_update, local_gen = in_process(name, args.repeats, args.tp)
+        http_update, http_gen, call, httpx_call = over_http(name, args.repeats, args.tp)
         params = sum(p.numel() for p in load_model(name).parameters())
         rows.append({"model": name, "params": params, "update_local_ms": local_update * 1e3,
                      "update_http_ms": http_update * 1e3,
@@ -123,8 +127,8 @@ def main() -> None:
                      "tok_s_local": REQUESTS * TOKENS / local_gen,
                      "tok_s_http": REQUESTS * TOKENS / http_gen,
                      "call_ms": call * 1e3, "httpx_call_ms": httpx_call * 1e3})
-    print(f"\nweight update (ipc) and generation ({REQUESTS} x {TOKENS} tokens), median of "
-          f"{args.repeats}")
+    print(f"\nweight update (ipc) and generation ({REQUESTS} x {TOKENS} tokens), TP={args.tp}, "
+          f"median of {args.repeats}")
     print_table(rows, [("model", "model", ""), ("params", "params", ","),
                        ("update_local_ms", "update in-proc ms", ".2f"),
                        ("update_http_ms", "update HTTP ms", ".2f"),

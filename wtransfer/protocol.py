@@ -201,7 +201,7 @@ class FutureCall:
         self.future.cancel()
 
 
-class BatchRefused(Exception):
+class BatchRefused(PeerError):
     """A `BatchingClient`'s batch that the engine side did not take, nothing of it run (no
     such route, too large): `CallQueue` sends its calls one by one instead, and no more
     batches to this client when `lasting`."""
@@ -262,11 +262,6 @@ class CallQueue:
         self._closed = False
         self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
-
-    @property
-    def batches(self) -> bool:
-        """Whether calls that wait together go in one request (a `BatchingClient`)."""
-        return self._batching
 
     def submit(self, method: str, *, after: PendingCall | None = None,
                **args: Any) -> PendingCall:
@@ -349,7 +344,8 @@ class CallQueue:
                 self._run_batch(batch, sent)
                 return
             except BatchRefused as refused:  # nothing of it ran: each call alone instead
-                self._batching = self._batching and not refused.lasting
+                self._batching = self._batching and not refused.lasting  # (running already:
+                # these calls can no longer be cancelled, as in a batch)
         for queued in sent:
             self._run_one(queued)
 

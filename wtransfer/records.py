@@ -289,6 +289,8 @@ BATCHED_CALLS: dict[str, tuple[str, ...]] = {
     "finish_weight_update": ("weight_version",)}
 """The weight-sync calls one request may carry (`wtransfer serve`'s ``POST /weight_calls``),
 with the body fields each takes (those of its own route)."""
+MAX_BATCHED_CALLS = 4096
+"""Most calls one batch may carry."""
 
 
 @dataclass(frozen=True, kw_only=True)

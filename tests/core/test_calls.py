@@ -199,12 +199,18 @@ def test_a_refused_batch_runs_its_calls_alone_and_no_batch_follows(engine):
 
 
 class _SlowStart(wtransfer.LocalClient):
-    """A client whose start waits until the test releases it, recording what ran."""
+    """A client whose `num_workers` and start each wait until the test releases them,
+    recording what ran."""
 
     def __init__(self, engine) -> None:
         super().__init__(engine)
+        self.first = threading.Event()
         self.release = threading.Event()
         self.ran: list[str] = []
+
+    def num_workers(self):
+        assert self.first.wait(10), "the test never released the call"
+        return 1
 
     def start_weight_update(self):
         self.ran.append("start")
@@ -218,16 +224,22 @@ class _SlowStart(wtransfer.LocalClient):
 
 
 def test_a_call_cancelled_while_the_one_before_runs_never_runs(engine):
+    """The worker takes start, update and finish together (they waited behind a call it was
+    running); update, cancelled while start runs, never runs, nor finish behind it."""
     client = _SlowStart(engine)
     queue = CallQueue(client)
+    busy = queue.submit("num_workers")
+    wait_for(busy.future.running, 10, "the first call to run")
     start = queue.submit("start_weight_update")
     update = queue.submit("update_weights", after=start, update_info={})
     finish = queue.submit("finish_weight_update", after=update)
+    client.first.set()
     wait_for(lambda: client.ran == ["start"], 10, "start to run")
-    update.cancel()  # taken by the worker with start, not yet running: it never will
+    update.cancel()  # taken with start, not yet running: it never will
+    assert update.future.cancelled()
     client.release.set()
     with pytest.raises(LifecycleError, match="finish_weight_update skipped"):
         finish.result(10)
     start.result(0)
-    assert client.ran == ["start"]
+    assert busy.result(0) == 1 and client.ran == ["start"]
     queue.close()

@@ -3,15 +3,16 @@ only after the one it names succeeded, and on an engine that is generating they 
 between the same two steps instead of one step apart."""
 
 import asyncio
+import contextlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 from engine_helpers import collect, run
 
-from wtransfer.errors import ConfigError, LifecycleError
+from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.inference import AsyncEngine, EngineConfig, SamplingParams
-from wtransfer.inference.commands import chain
+from wtransfer.inference.commands import chain, chained
 
 DEADLINE_S = 30
 
@@ -60,6 +61,66 @@ def test_a_command_whose_waiter_gave_up_never_runs():
     recorder.pool.shutdown()
 
 
+def test_a_command_past_its_deadline_and_those_behind_it_never_run():
+    """`chained`: a command still queued at its deadline is a `TransferTimeout`, the one
+    behind it is skipped, and neither runs once the engine gets to them."""
+    recorder = Recorder()
+    gate = threading.Event()
+    recorder.pool.submit(gate.wait, DEADLINE_S)  # the engine is busy past the deadline
+
+    async def answers():
+        return [a async for a in chained(recorder.submit, [("a", (), None), ("b", (), 0),
+                                                           ("c", (), None)], 0.2)]
+
+    got = run(answers())
+    assert isinstance(got[0], TransferTimeout) and "a did not complete within 0.2s" in str(
+        got[0])
+    assert all(isinstance(a, LifecycleError) and "skipped" in str(a) for a in got[1:])
+    gate.set()
+    recorder.pool.shutdown(wait=True)
+    assert recorder.ran == []
+
+
+def test_a_reader_that_goes_away_stops_the_commands_not_yet_run():
+    recorder = Recorder()
+    gate = threading.Event()
+
+    def submit(command, *args):
+        if command == "a":
+            return recorder.pool.submit(gate.wait, DEADLINE_S)
+        return recorder.submit(command, *args)
+
+    async def first_then_leave():
+        answers = chained(submit, [("a", (), None), ("b", (), 0)], DEADLINE_S)
+        waiting = asyncio.ensure_future(answers.__anext__())
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        await answers.aclose()  # (as the server closes it when its client disconnects)
+
+    run(first_then_leave())
+    gate.set()
+    recorder.pool.shutdown(wait=True)
+    assert recorder.ran == []  # "b" never ran
+
+
+def test_an_engine_runs_a_chain_longer_than_one_gap_takes():
+    """More chained commands than one gap runs (`CHAINED_PER_GAP`): the rest wait for the
+    next gap, none is lost."""
+
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny", seed=0))
+        try:
+            futures = chain(engine.core.submit, [("is_paused", (), None)] * 200)
+            return [await asyncio.wait_for(asyncio.wrap_future(f), DEADLINE_S)
+                    for f in futures]
+        finally:
+            engine.shutdown()
+
+    assert run(main()) == [False] * 200
+
+
 def test_a_long_chain_of_commands_done_at_once_and_one_the_engine_cancelled():
     """A submit whose futures are already done (a dead engine's are) settles the whole chain
     in a loop, not a recursion; a command the engine cancelled fails, and what names it as
@@ -76,7 +137,7 @@ def test_a_long_chain_of_commands_done_at_once_and_one_the_engine_cancelled():
     commands = [("c", (), None)] * 5000 + [("dropped", (), None), ("after", (), 5000)]
     futures = chain(submit, commands)
     assert [f.result(0) for f in futures[:5000]] == ["c"] * 5000
-    with pytest.raises(LifecycleError, match="dropped was cancelled"):
+    with pytest.raises(LifecycleError, match="dropped was cancelled before it ran"):
         futures[5000].result(0)
     with pytest.raises(LifecycleError, match="after skipped: it was to run after dropped"):
         futures[5001].result(0)

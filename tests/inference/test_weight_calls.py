@@ -90,6 +90,25 @@ def test_buckets_after_the_first_go_as_they_are_packed(served):
                      + ["finish_weight_update"])
 
 
+def test_calls_too_many_for_one_request_go_one_by_one(served, monkeypatch):
+    """A batch over the client's limit is never sent: its calls go alone, and land."""
+    import wtransfer_ipc
+
+    from wtransfer.control import clients
+
+    monkeypatch.setattr(clients, "MAX_BATCH_BYTES", 1)
+    client = wtransfer.HTTPClient(served.url, api_key=KEY)
+    model = wtransfer.inference.load_model("tiny", seed=8)
+    with wtransfer.trainer_init(wtransfer_ipc.IPCTrainerInitInfo(), client=client,
+                                source=wtransfer.ModuleSource(model)) as sender:
+        requests = Requests(client)
+        sender.send_weights(weight_version="alone")
+    assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+    assert "/weight_calls" not in requests.paths
+    assert requests.paths[:3] == ["/start_weight_update", "/update_weights",
+                                  "/finish_weight_update"]
+
+
 def test_a_call_runs_only_after_the_one_it_names_succeeded(served):
     """start, a second start after it (refused: an update is open), an update after that
     (skipped), then a discard that names nothing (it runs): each answer is the call's own."""

@@ -49,6 +49,7 @@ from wtransfer.protocol import (
 from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.records import (
     BATCHED_CALLS,
+    MAX_BATCHED_CALLS,
     CallOutcome,
     PauseMode,
     WeightCall,
@@ -575,10 +576,13 @@ class HTTPClient(SingleEngineClient):
         """POST /weight_calls (msgpack; each call's own body inside): the engine runs `calls`
         in order, each only if its `after` succeeded, and streams each answer as it comes;
         yields each call's failure (None: it succeeded). A server without the route (404,
-        405) or a batch over `MAX_BATCH_BYTES` (or its 413) is `BatchRefused`: nothing ran."""
+        405), or a batch over `MAX_BATCH_BYTES` or `MAX_BATCHED_CALLS` (or its 413), is
+        `BatchRefused`: nothing ran."""
         for call in calls:
             if call.method not in BATCHED_CALLS:
                 raise ConfigError(f"{call.method!r} cannot be batched")
+        if len(calls) > MAX_BATCHED_CALLS:
+            raise BatchRefused(f"{len(calls)} calls in one batch", lasting=False)
         body = wire.encode({"calls": [record_to_wire(WeightCall(
             method=c.method, body=wire.encode(c.args) if c.args else b"", after=c.after))
             for c in calls]})

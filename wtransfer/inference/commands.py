@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import AsyncGenerator, Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Protocol
 
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
@@ -148,9 +148,10 @@ the chain it runs after, only if that one succeeded (None: whatever came before)
 def chain(submit: Callable[..., Future[Any]], commands: Sequence[Chained]) -> list[Future[Any]]:
     """Run `commands` one after another through `submit` (a `CoreClient`'s), each submitted
     by the thread that completes the one before it (an `EngineCore` runs them all between the
-    same two steps); their futures, in order. A command whose `after` failed, or whose
-    future was cancelled before it was submitted, never runs (the first fails with a
-    `LifecycleError` saying it was skipped)."""
+    same two steps); their futures, in order. Cancelling a future before its command runs
+    keeps it from running (the engine's own future is cancelled too); a command whose `after`
+    failed or was cancelled never runs (its future fails with a `LifecycleError` saying it was
+    skipped)."""
     futures: list[Future[Any]] = [Future() for _ in commands]
 
     def launch(index: int) -> None:
@@ -158,18 +159,19 @@ def chain(submit: Callable[..., Future[Any]], commands: Sequence[Chained]) -> li
             command, args, after = commands[index]
             mine = futures[index]
             index += 1
-            if not mine.set_running_or_notify_cancel():  # its waiter gave up: not run
+            if mine.cancelled():  # its waiter gave up: not run
                 continue
             if after is not None and _failed(futures[after]):
-                mine.set_exception(LifecycleError(
+                _set(mine, exception=LifecycleError(
                     f"{command} skipped: it was to run after {commands[after][0]}, which "
-                    "failed"))
+                    f"{'was cancelled' if futures[after].cancelled() else 'failed'}"))
                 continue
             try:
                 running = submit(command, *args)
             except Exception as exc:
-                mine.set_exception(exc)
+                _set(mine, exception=exc)
                 continue
+            mine.add_done_callback(functools.partial(_cancel_with, running))
             if not running.done():  # (one done already is settled here: no recursion)
                 running.add_done_callback(functools.partial(settled, index))
                 return
@@ -183,26 +185,45 @@ def chain(submit: Callable[..., Future[Any]], commands: Sequence[Chained]) -> li
     return futures
 
 
+def _cancel_with(running: Future[Any], mine: Future[Any]) -> None:
+    """`mine` done: if its waiter cancelled it, the engine's `running` is cancelled too (a
+    command not yet started never runs)."""
+    if mine.cancelled():
+        running.cancel()
+
+
 def _settle(mine: Future[Any], command: str, running: Future[Any]) -> None:
-    """`mine` (running) takes the outcome of `running` (done)."""
+    """`mine` takes the outcome of `running` (done), unless its waiter gave up on it."""
     if running.cancelled():
-        mine.set_exception(LifecycleError(f"{command} was cancelled (the engine stopped it)"))
+        _set(mine, exception=LifecycleError(f"{command} was cancelled before it ran"))
     elif (exc := running.exception()) is not None:
-        mine.set_exception(exc)
+        _set(mine, exception=exc)
     else:
-        mine.set_result(running.result())
+        _set(mine, result=running.result())
+
+
+def _set(future: Future[Any], *, result: Any = None,
+         exception: BaseException | None = None) -> None:
+    """Settle `future` unless it was cancelled (its waiter gave up: nobody reads it)."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def _failed(future: Future[Any]) -> bool:
-    return future.cancelled() or future.exception() is not None
+    return future.cancelled() or (future.done() and future.exception() is not None)
 
 
 async def chained(submit: Callable[..., Future[Any]], commands: Sequence[Chained],
                   timeout_s: float) -> AsyncGenerator[BaseException | None, None]:
     """`chain(submit, commands)` on an event loop: yields each command's failure (None: it
-    succeeded) as it completes, in order. A command running past `timeout_s` is a
-    `TransferTimeout`, and the commands not yet submitted behind it never run; closing the
-    generator early (its reader went away) stops those not yet submitted too."""
+    succeeded) as it completes, in order. A command not done within `timeout_s` is a
+    `TransferTimeout`, and it (if it has not started) and every command behind it never run;
+    closing the generator early (its reader went away) stops those not yet started too."""
     futures = chain(submit, commands)
     try:
         for (command, _, _), future in zip(commands, futures, strict=True):
@@ -210,16 +231,17 @@ async def chained(submit: Callable[..., Future[Any]], commands: Sequence[Chained
                 yield LifecycleError(f"{command} skipped: a call before it did not complete "
                                      "in time")
                 continue
-            try:
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
-            except TimeoutError:
+            waiting = asyncio.wrap_future(future)
+            done, _ = await asyncio.wait({waiting}, timeout=timeout_s)
+            if not done:
+                waiting.cancel()
                 for later in futures:
-                    later.cancel()  # (those already submitted answer as they complete)
+                    later.cancel()  # (the engine's own future too, where not yet running)
                 yield TransferTimeout(f"{command} did not complete within {timeout_s:g}s")
-            except Exception as exc:
-                yield exc
+            elif waiting.cancelled():
+                yield LifecycleError(f"{command} was cancelled before it ran")
             else:
-                yield None
+                yield waiting.exception()
     finally:
         for future in futures:
             future.cancel()

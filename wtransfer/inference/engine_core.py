@@ -111,8 +111,9 @@ class EngineCore:
                 commands = list(self._commands)
                 self._commands.clear()
             self.replica.settle_failure()
-            ran = bool(commands)
+            ran = False
             for rounds in range(1, CHAINED_PER_GAP + 1):
+                ran = ran or bool(commands)
                 for fn, args, future in commands:
                     if future.set_running_or_notify_cancel():
                         try:

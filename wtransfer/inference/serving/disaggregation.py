@@ -37,7 +37,7 @@ from wtransfer.inference.serving.http_body import field as body_field
 from wtransfer.inference.serving.weight_calls import add_weight_calls
 from wtransfer.receiver.engine import WeightTransferEngine
 from wtransfer.registry import create_receiver
-from wtransfer.wire import MAX_MESSAGE_BYTES, parse_record, record_to_wire
+from wtransfer.wire import parse_record, record_to_wire
 
 log = logging.getLogger("wtransfer.pd")
 BodyOf = Callable[[Request, tuple[str, ...]], Awaitable[dict[str, Any]]]
@@ -119,12 +119,13 @@ class Disaggregation:
         return Prefilled(int(reply["token"]), math.nan if logprob is None else float(logprob),
                          str(reply["weight_version"]), self.kv.take(request_id))
 
-    def add_routes(self, app: FastAPI, engine: AsyncEngine, body_of: BodyOf) -> None:
+    def add_routes(self, app: FastAPI, engine: AsyncEngine, body_of: BodyOf,
+                   max_body_bytes: int) -> None:
         """The routes of this role: ``/prefill`` (prefill), ``/kv/...`` (decode)."""
         if self.role == "prefill":
             self._prefill_route(app, engine, body_of)
         elif self.role == "decode":
-            self._kv_routes(app, body_of)
+            self._kv_routes(app, body_of, max_body_bytes)
 
     def _prefill_route(self, app: FastAPI, engine: AsyncEngine, body_of: BodyOf) -> None:
         handover = self.handover
@@ -154,7 +155,7 @@ class Disaggregation:
                     "logprob": logprob if math.isfinite(logprob) else None,
                     "weight_version": captured["version"], "kv_bytes": moved}
 
-    def _kv_routes(self, app: FastAPI, body_of: BodyOf) -> None:
+    def _kv_routes(self, app: FastAPI, body_of: BodyOf, max_body_bytes: int) -> None:
         receiver = self.receiver
         assert receiver is not None
 
@@ -194,7 +195,7 @@ class Disaggregation:
                          lambda commands: chained(on_lane, commands, self.timeout_s), body_of,
                          methods=("start_weight_update", "update_weights",
                                   "finish_weight_update"),
-                         max_body_bytes=MAX_MESSAGE_BYTES)
+                         max_body_bytes=max_body_bytes)
 
     def metrics(self) -> dict[str, int]:
         """This role's counters for /metrics."""

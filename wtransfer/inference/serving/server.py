@@ -280,7 +280,7 @@ def build_app(engine: AsyncEngine, *, dev_mode: bool = False, api_key: str | Non
     if dev_mode:
         _add_dev_routes(app, engine, body_of, max_body_bytes)
     if pd is not None:
-        pd.add_routes(app, engine, body_of)
+        pd.add_routes(app, engine, body_of, max_body_bytes)
     return app
 
 

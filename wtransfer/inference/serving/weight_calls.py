@@ -25,13 +25,13 @@ from wtransfer import wire
 from wtransfer.errors import ConfigError, MetadataError, WTransferError, error_kind
 from wtransfer.inference.commands import Chained
 from wtransfer.inference.serving.http_body import check_fields, field, status_of
-from wtransfer.records import BATCHED_CALLS, CallOutcome, WeightCall
+from wtransfer.records import BATCHED_CALLS, MAX_BATCHED_CALLS, CallOutcome, WeightCall
 from wtransfer.wire import parse_record, record_to_wire
 
 log = logging.getLogger("wtransfer.server")
 
-MAX_CALLS = 4096
-"""Most calls one batch may carry."""
+MAX_MESSAGE_CHARS = 64 << 10
+"""Longest error message an answer line carries (the rest is cut, marked)."""
 
 RunCalls = Callable[[list[Chained]], AsyncGenerator[BaseException | None, None]]
 """Runs a checked batch in order; yields each call's failure (None: it succeeded)."""
@@ -53,8 +53,8 @@ def prepared(call: WeightCall, limit: int) -> Chained:
 
 def parse_calls(items: list[Any], methods: Collection[str], limit: int) -> list[Chained]:
     """Every call of a batch, checked before any runs (`methods`: those this route serves)."""
-    if not 0 < len(items) <= MAX_CALLS:
-        raise ConfigError(f"calls must hold 1 to {MAX_CALLS} calls, got {len(items)}")
+    if not 0 < len(items) <= MAX_BATCHED_CALLS:
+        raise ConfigError(f"calls must hold 1 to {MAX_BATCHED_CALLS} calls, got {len(items)}")
     commands = []
     for index, item in enumerate(items):
         call = parse_record(WeightCall, item, where=f"calls[{index}]")
@@ -71,7 +71,13 @@ def parse_calls(items: list[Any], methods: Collection[str], limit: int) -> list[
     return commands
 
 
-async def outcomes(run: RunCalls, commands: list[Chained]) -> AsyncIterator[bytes]:
+def _message(text: str) -> str:
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return text[:MAX_MESSAGE_CHARS] + f" ... ({len(text) - MAX_MESSAGE_CHARS} characters cut)"
+
+
+async def outcomes(run: RunCalls, commands: list[Chained], path: str) -> AsyncIterator[bytes]:
     """Run `commands`; one `CallOutcome` line for each as it is known."""
     index = 0
     answers = run(commands)
@@ -80,10 +86,9 @@ async def outcomes(run: RunCalls, commands: list[Chained]) -> AsyncIterator[byte
             outcome = CallOutcome(status=200)
             if isinstance(failure, WTransferError):
                 outcome = CallOutcome(status=status_of(failure), error=error_kind(failure),
-                                      message=str(failure))
+                                      message=_message(str(failure)))
             elif failure is not None:  # as the app's handler answers one: a 500
-                log.error("POST /weight_calls: %s failed", commands[index][0],
-                          exc_info=failure)
+                log.error("POST %s: %s failed", path, commands[index][0], exc_info=failure)
                 outcome = CallOutcome(status=500, error="InternalError",
                                       message=f"{type(failure).__name__}: {failure}"[:500])
             index += 1
@@ -102,4 +107,5 @@ def add_weight_calls(app: FastAPI, path: str, run: RunCalls, body_of: BodyOf, *,
     async def weight_calls(request: Request) -> StreamingResponse:
         commands = parse_calls(field(await body_of(request, ("calls",)), "calls", list),
                                methods, max_body_bytes)
-        return StreamingResponse(outcomes(run, commands), media_type="application/x-ndjson")
+        return StreamingResponse(outcomes(run, commands, path),
+                                 media_type="application/x-ndjson")
