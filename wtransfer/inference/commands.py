@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
@@ -145,106 +146,107 @@ Chained = tuple[str, Sequence[Any], int | None]
 the chain it runs after, only if that one succeeded (None: whatever came before)."""
 
 
-def chain(submit: Callable[..., Future[Any]], commands: Sequence[Chained]) -> list[Future[Any]]:
-    """Run `commands` one after another through `submit` (a `CoreClient`'s), each submitted
-    by the thread that completes the one before it (an `EngineCore` runs them all between the
-    same two steps); their futures, in order. Cancelling a future before its command runs
-    keeps it from running (the engine's own future is cancelled too); a command whose `after`
-    failed or was cancelled never runs (its future fails with a `LifecycleError` saying it was
-    skipped)."""
-    futures: list[Future[Any]] = [Future() for _ in commands]
+class Chain:
+    """`commands` run one after another through `submit` (a `CoreClient`'s), each submitted by
+    the thread that completes the one before it (an `EngineCore` runs them all between the
+    same two steps); `futures` holds each command's outcome, in order. A command whose `after`
+    failed is skipped (its future fails with a `LifecycleError` saying so); `stop` keeps every
+    command not yet submitted from running."""
 
-    def launch(index: int) -> None:
-        while index < len(commands):
-            command, args, after = commands[index]
-            mine = futures[index]
+    def __init__(self, submit: Callable[..., Future[Any]],
+                 commands: Sequence[Chained]) -> None:
+        self.futures: list[Future[Any]] = [Future() for _ in commands]
+        self._submit = submit
+        self._commands = list(commands)
+        self._lock = threading.Lock()
+        self._stopped: str | None = None
+        self._running: Future[Any] | None = None
+        self._next = 0
+        """The first command not yet submitted."""
+        self._launch(0)
+
+    def stop(self, reason: str) -> None:
+        """No command not yet submitted runs (each fails at once with a `LifecycleError`
+        naming `reason`); the one submitted is cancelled at the engine if it has not started
+        (its future then says it never ran)."""
+        with self._lock:
+            self._stopped = reason
+            running, unsent = self._running, self.futures[self._next:]
+            for index, future in enumerate(unsent, start=self._next):
+                if not future.done():
+                    future.set_exception(LifecycleError(
+                        f"{self._commands[index][0]} never ran: {reason}"))
+        if running is not None:
+            running.cancel()
+
+    def _launch(self, index: int) -> None:
+        while index < len(self._commands):
+            command, args, after = self._commands[index]
+            mine = self.futures[index]
+            with self._lock:  # (a stop either comes first, or sees what it must cancel)
+                self._next = index + 1
+                if self._stopped is not None:  # (its future failed in `stop`)
+                    return
+                if after is not None and self.futures[after].exception() is not None:
+                    mine.set_exception(LifecycleError(
+                        f"{command} skipped: it was to run after {self._commands[after][0]}, "
+                        "which failed"))
+                    index += 1
+                    continue
+                try:
+                    running = self._running = self._submit(command, *args)
+                except Exception as exc:
+                    mine.set_exception(exc)
+                    index += 1
+                    continue
             index += 1
-            if mine.cancelled():  # its waiter gave up: not run
-                continue
-            if after is not None and _failed(futures[after]):
-                _set(mine, exception=LifecycleError(
-                    f"{command} skipped: it was to run after {commands[after][0]}, which "
-                    f"{'was cancelled' if futures[after].cancelled() else 'failed'}"))
-                continue
-            try:
-                running = submit(command, *args)
-            except Exception as exc:
-                _set(mine, exception=exc)
-                continue
-            mine.add_done_callback(functools.partial(_cancel_with, running))
             if not running.done():  # (one done already is settled here: no recursion)
-                running.add_done_callback(functools.partial(settled, index))
+                running.add_done_callback(functools.partial(self._settled, index))
                 return
             _settle(mine, command, running)
 
-    def settled(following: int, running: Future[Any]) -> None:
-        _settle(futures[following - 1], commands[following - 1][0], running)
-        launch(following)
-
-    launch(0)
-    return futures
-
-
-def _cancel_with(running: Future[Any], mine: Future[Any]) -> None:
-    """`mine` done: if its waiter cancelled it, the engine's `running` is cancelled too (a
-    command not yet started never runs)."""
-    if mine.cancelled():
-        running.cancel()
+    def _settled(self, following: int, running: Future[Any]) -> None:
+        _settle(self.futures[following - 1], self._commands[following - 1][0], running)
+        self._launch(following)
 
 
 def _settle(mine: Future[Any], command: str, running: Future[Any]) -> None:
-    """`mine` takes the outcome of `running` (done), unless its waiter gave up on it."""
+    """`mine` takes the outcome of `running` (done)."""
     if running.cancelled():
-        _set(mine, exception=LifecycleError(f"{command} was cancelled before it ran"))
+        mine.set_exception(LifecycleError(f"{command} never ran: it was cancelled before it "
+                                          "started"))
     elif (exc := running.exception()) is not None:
-        _set(mine, exception=exc)
+        mine.set_exception(exc)
     else:
-        _set(mine, result=running.result())
-
-
-def _set(future: Future[Any], *, result: Any = None,
-         exception: BaseException | None = None) -> None:
-    """Settle `future` unless it was cancelled (its waiter gave up: nobody reads it)."""
-    try:
-        if exception is not None:
-            future.set_exception(exception)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass
-
-
-def _failed(future: Future[Any]) -> bool:
-    return future.cancelled() or (future.done() and future.exception() is not None)
+        mine.set_result(running.result())
 
 
 async def chained(submit: Callable[..., Future[Any]], commands: Sequence[Chained],
                   timeout_s: float) -> AsyncGenerator[BaseException | None, None]:
-    """`chain(submit, commands)` on an event loop: yields each command's failure (None: it
+    """A `Chain` of `commands` on an event loop: yields each command's failure (None: it
     succeeded) as it completes, in order. A command not done within `timeout_s` is a
-    `TransferTimeout`, and it (if it has not started) and every command behind it never run;
-    closing the generator early (its reader went away) stops those not yet started too."""
-    futures = chain(submit, commands)
+    `TransferTimeout`, and nothing behind it that was not yet submitted runs (each of those
+    says it never ran); closing the generator early (its reader went away) stops them too."""
+    run = Chain(submit, commands)
     try:
-        for (command, _, _), future in zip(commands, futures, strict=True):
-            if future.cancelled():  # (behind a command that ran past its deadline)
-                yield LifecycleError(f"{command} skipped: a call before it did not complete "
-                                     "in time")
-                continue
+        for (command, _, _), future in zip(commands, run.futures, strict=True):
             waiting = asyncio.wrap_future(future)
+            waiting.add_done_callback(_retrieved)
             done, _ = await asyncio.wait({waiting}, timeout=timeout_s)
             if not done:
-                waiting.cancel()
-                for later in futures:
-                    later.cancel()  # (the engine's own future too, where not yet running)
-                yield TransferTimeout(f"{command} did not complete within {timeout_s:g}s")
-            elif waiting.cancelled():
-                yield LifecycleError(f"{command} was cancelled before it ran")
+                run.stop(f"{command} before it did not complete within {timeout_s:g}s")
+                yield TransferTimeout(f"{command} did not complete within {timeout_s:g}s (it "
+                                      "may still complete)")
             else:
                 yield waiting.exception()
     finally:
-        for future in futures:
-            future.cancel()
+        run.stop("the batch's reader went away")
+
+
+def _retrieved(waiting: asyncio.Future[Any]) -> None:
+    """(A failure nobody awaits any more is not reported as never retrieved.)"""
+    if not waiting.cancelled():
+        waiting.exception()
 
 
 class CoreClient(Protocol):

@@ -122,7 +122,7 @@ class EngineCore:
                             future.set_exception(exc)
                 if rounds == CHAINED_PER_GAP:
                     break  # (what arrived since waits for the next gap, still queued)
-                with self._wake:  # those the commands chained (`commands.chain`): this gap
+                with self._wake:  # those the commands chained (`commands.Chain`): this gap
                     commands = list(self._commands)
                     self._commands.clear()
                 if not commands:

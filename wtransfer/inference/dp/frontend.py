@@ -72,8 +72,10 @@ def _failed(exc: BaseException) -> Future[Any]:
 
 
 def _then(future: Future[T], fn: Callable[[T], U]) -> Future[U]:
-    """A future of `fn(result)`; failures pass through."""
+    """A future of `fn(result)`; failures pass through. Running from the start: the ranks
+    run what was sent whatever its caller does, so it cannot be cancelled."""
     out: Future[U] = Future()
+    out.set_running_or_notify_cancel()
 
     def chain(f: Future[T]) -> None:
         exc = f.exception()
@@ -95,6 +97,7 @@ def _all(futures: list[Future[Any]]) -> Future[list[Any]]:
     if not futures:
         return _done([])
     out: Future[list[Any]] = Future()
+    out.set_running_or_notify_cancel()  # (sent: it cannot be cancelled, as `_then`'s)
     remaining = [len(futures)]
     lock = threading.Lock()
 
