@@ -288,7 +288,13 @@ class CallQueue:
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         """Calls submitted inside wait until it ends, then go together in one request (a
-        client that does not batch gets them at once, as without it)."""
+        client that does not batch gets them at once, as without it; a pipelined client
+        with a `held` of its own, a `FanoutClient`, holds its instances' calls)."""
+        own = getattr(self.client, "held", None) if self._pipelined else None
+        if own is not None:
+            with own():
+                yield
+            return
         if not self._batching:
             yield
             return

@@ -193,3 +193,27 @@ def test_a_lone_sender_with_its_own_data_plane_moves_its_bytes_with_or_without_a
         assert batches[2:] == [["pause"], ["finish_weight_update"], ["resume"]]
     finally:
         server.stop()
+
+
+def test_a_fleet_instance_takes_start_and_update_in_one_request(served):
+    """A `FanoutClient` of two servers: each instance's start and update go in one request,
+    then the fleet's two phases (stage everywhere, then finish); every instance bit-exact."""
+    import wtransfer_ipc
+
+    other = Server("--dev-mode", "--api-key", KEY)
+    try:
+        clients = [wtransfer.HTTPClient(s.url, api_key=KEY) for s in (served, other)]
+        fleet = wtransfer.FanoutClient(clients)
+        model = wtransfer.inference.load_model("tiny", seed=9)
+        with wtransfer.trainer_init(wtransfer_ipc.IPCTrainerInitInfo(), client=fleet,
+                                    source=wtransfer.ModuleSource(model)) as sender:
+            counted = [Requests(c) for c in clients]
+            sender.send_weights(weight_version="fleet-1")
+        for client, requests in zip(clients, counted, strict=True):
+            assert client.fingerprint() == wtransfer.fingerprint(model.state_dict())
+            assert requests.batches[:3] == [["start_weight_update", "update_weights"],
+                                            ["stage_weight_update"],
+                                            ["finish_weight_update"]]
+        fleet.close()
+    finally:
+        other.stop()

@@ -164,6 +164,22 @@ class FanoutClient:
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="wtransfer-fanout")
         self._queues: dict[int, CallQueue] = {}
 
+    def _queue(self, client: WeightSyncClient) -> CallQueue:
+        """`client`'s own queue of calls (made on first use)."""
+        queue = self._queues.get(id(client))
+        if queue is None:
+            queue = self._queues[id(client)] = CallQueue(client)
+        return queue
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Calls submitted inside wait on every instance until it ends, then go together
+        (one request to each instance whose client batches: `CallQueue.held`)."""
+        with contextlib.ExitStack() as holds:
+            for client in list(self.clients):
+                holds.enter_context(self._queue(client).held())
+            yield
+
     def add(self, client: WeightSyncClient) -> None:
         """Join an instance: the next update reaches it too (the sender initializes the
         transport to it first)."""
@@ -262,11 +278,8 @@ class FanoutClient:
             return FleetFinish(self, after, args.get("weight_version"))
         calls = []
         for client in self.clients:
-            queue = self._queues.get(id(client))
-            if queue is None:
-                queue = self._queues[id(client)] = CallQueue(client)
             before = after.of(client) if isinstance(after, FanoutCall) else None
-            calls.append((client, queue.submit(method, after=before, **args)))
+            calls.append((client, self._queue(client).submit(method, after=before, **args)))
         return FanoutCall(self, calls)
 
     def workers_per_engine(self) -> list[int]:
