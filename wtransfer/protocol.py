@@ -339,7 +339,7 @@ class CallQueue:
                 continue
             after = queued.after
             if after is not None and id(after.future) not in position and _failed(after):
-                queued.future.set_exception(_skipped(queued.method, after.method))
+                queued.future.set_exception(skipped(queued.method, after.method))
                 continue
             index = position.get(id(after.future)) if after is not None else None
             position[id(queued.future)] = len(batch)
@@ -359,7 +359,7 @@ class CallQueue:
         """One call alone (marked running), unless its `after` failed."""
         after = queued.after
         if after is not None and _failed(after):
-            queued.future.set_exception(_skipped(queued.method, after.method))
+            queued.future.set_exception(skipped(queued.method, after.method))
             return
         try:
             queued.future.set_result(getattr(self.client, queued.method)(**queued.args))
@@ -412,5 +412,6 @@ def _failed(call: FutureCall) -> bool:
                                         and call.future.exception() is not None)
 
 
-def _skipped(method: str, after: str) -> LifecycleError:
+def skipped(method: str, after: str) -> LifecycleError:
+    """The failure of a call not run because the one it was to run after failed."""
     return LifecycleError(f"{method} skipped: it was to run after {after}, which failed")

@@ -139,9 +139,17 @@ class _BatchingLocal(wtransfer.LocalClient):
                 yield None
 
 
-def test_calls_held_together_go_in_one_batch_and_each_gets_its_own_answer(engine):
+@pytest.fixture
+def batching(engine):
+    """A batching client on `engine` and its call queue (closed after the test)."""
     client = _BatchingLocal(engine)
     queue = CallQueue(client)
+    yield client, queue
+    queue.close()
+
+
+def test_calls_held_together_go_in_one_batch_and_each_gets_its_own_answer(batching):
+    client, queue = batching
     with queue.held():
         start = queue.submit("start_weight_update")
         again = queue.submit("start_weight_update", after=start)
@@ -153,12 +161,10 @@ def test_calls_held_together_go_in_one_batch_and_each_gets_its_own_answer(engine
     with pytest.raises(LifecycleError, match="start_weight_update skipped"):
         again.result(0)
     assert client.batches == [["start_weight_update"] * 2 + ["finish_weight_update"]]
-    queue.close()
 
 
-def test_a_call_after_a_failed_batch_is_skipped_without_reaching_the_engine(engine):
-    client = _BatchingLocal(engine)
-    queue = CallQueue(client)
+def test_a_call_after_a_failed_batch_is_skipped_without_reaching_the_engine(batching):
+    client, queue = batching
     with queue.held():
         first = queue.submit("fingerprint")
         second = queue.submit("fingerprint", after=first)
@@ -173,7 +179,6 @@ def test_a_call_after_a_failed_batch_is_skipped_without_reaching_the_engine(engi
     assert client.batches == [["fingerprint", "fingerprint"]]  # the third never went out
     alone = queue.submit("num_workers")  # one call, or one the client cannot batch: alone
     assert alone.result(10) == 1 and len(client.batches) == 1
-    queue.close()
 
 
 class _RefusingBatches(_BatchingLocal):

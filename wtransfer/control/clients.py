@@ -33,6 +33,7 @@ from wtransfer.errors import (
     LifecycleError,
     PeerError,
     TransferTimeout,
+    WTransferError,
     from_reply,
     relayed_kind,
     remote_error,
@@ -531,15 +532,9 @@ class HTTPClient(SingleEngineClient):
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{method} {path}: the body is not valid JSON: {exc}") from None
             headers = {"Content-Type": "application/json"}
-        try:
+        with self._reaching(method, path):
             response = self._http.request(method, path, body=body, headers=headers,
                                           params=params)
-        except TimeoutError:
-            raise TransferTimeout(f"{method} {self.base_url}{path}: no answer within "
-                                  f"{self.timeout_s:g}s") from None
-        except (OSError, http.client.HTTPException) as exc:
-            raise PeerError(f"{method} {self.base_url}{path}: cannot reach the server: "
-                            f"{type(exc).__name__}: {exc}") from None
         if response.status >= 400:
             raise from_reply(_error_fields(response), f"{method} {path} -> "
                                                       f"{response.status}")
@@ -548,6 +543,21 @@ class HTTPClient(SingleEngineClient):
         if "json" in response.content_type:
             return response.json()
         return response.text  # a plain-text answer (vLLM's adapter routes give one)
+
+    @contextlib.contextmanager
+    def _reaching(self, method: str, path: str) -> Iterator[None]:
+        """The connection's failures as ours: no answer in time, `TransferTimeout`; a server
+        that cannot be reached or drops the connection, `PeerError`."""
+        where = f"{method} {self.base_url}{path}"
+        try:
+            yield
+        except WTransferError:
+            raise
+        except TimeoutError:
+            raise TransferTimeout(f"{where}: no answer within {self.timeout_s:g}s") from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise PeerError(f"{where}: cannot reach the server: {type(exc).__name__}: "
+                            f"{exc}") from None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """POST /init_weight_transfer_engine."""
@@ -591,9 +601,6 @@ class HTTPClient(SingleEngineClient):
         yields each call's failure (None: it succeeded). A server without the route (404,
         405), or a batch over `MAX_BATCH_BYTES` or `MAX_BATCHED_CALLS` (or its 413), is
         `BatchRefused`: nothing ran."""
-        for call in calls:
-            if call.method not in BATCHED_CALLS:
-                raise ConfigError(f"{call.method!r} cannot be batched")
         if len(calls) > MAX_BATCHED_CALLS:
             raise BatchRefused(f"{len(calls)} calls in one batch", lasting=False)
         body = wire.encode({"calls": [record_to_wire(WeightCall(
@@ -604,13 +611,17 @@ class HTTPClient(SingleEngineClient):
         lines = self._http.lines("POST", "/weight_calls", body=body,
                                  headers={"Content-Type": "application/msgpack"})
         where = f"POST {self.base_url}/weight_calls"
-        with contextlib.closing(lines):
+        with contextlib.closing(lines), self._reaching("POST", "/weight_calls"):
             try:
                 for index, line in enumerate(lines):  # (to the end: the connection is reused)
                     if index >= len(calls):
                         raise PeerError(f"{where}: more answers than the {len(calls)} calls")
-                    outcome = parse_record(CallOutcome, json.loads(line),
-                                           where="a call's answer", error=PeerError)
+                    try:
+                        answer = json.loads(line)
+                    except ValueError as exc:
+                        raise PeerError(f"{where}: an answer is not JSON: {exc}") from None
+                    outcome = parse_record(CallOutcome, answer, where="a call's answer",
+                                           error=PeerError)
                     yield None if outcome.status < 400 else from_reply(
                         {"type": outcome.error, "message": outcome.message},
                         f"POST /{calls[index].method} -> {outcome.status}")
@@ -619,10 +630,6 @@ class HTTPClient(SingleEngineClient):
                 if status in (404, 405, 413):  # (the route answered before any call ran)
                     raise BatchRefused(f"{where} -> {status}", lasting=status != 413) from None
                 raise from_reply(_error_fields(exc.reply), f"{where} -> {status}") from None
-            except TimeoutError:
-                raise TransferTimeout(f"{where}: no answer within {self.timeout_s:g}s") from None
-            except (OSError, http.client.HTTPException, ValueError) as exc:
-                raise PeerError(f"{where}: {type(exc).__name__}: {exc}") from None
 
     def fingerprint(self) -> dict[str, str]:
         """GET /weight_fingerprint."""

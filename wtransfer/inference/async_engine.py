@@ -216,8 +216,7 @@ class AsyncEngine:
         """Create and initialize the receiver of the configured backend."""
         await self._call("init_weight_transfer_engine", init_info)
 
-    async def run_calls(self, calls: Sequence[Chained]
-                        ) -> AsyncGenerator[BaseException | None, None]:
+    def run_calls(self, calls: Sequence[Chained]) -> AsyncGenerator[BaseException | None, None]:
         """Run weight-sync `calls` in order, each submitted as the one before it completes and
         only if its `after` succeeded (`commands.chained`: an engine that runs its updates
         on its own thread runs them all between the same two steps); yields each call's
@@ -225,12 +224,7 @@ class AsyncEngine:
         for command, _, _ in calls:
             if command not in TRANSFER_COMMANDS:
                 raise ConfigError(f"{command} is not a weight-sync call")
-        answers = chained(self.core.submit, calls, self.config.call_timeout_s)
-        try:
-            async for failure in answers:
-                yield failure
-        finally:
-            await answers.aclose()
+        return chained(self.core.submit, calls, self.config.call_timeout_s)
 
     async def start_weight_update(self) -> None:
         """Open a weight update (in place: the engine must be paused or idle; staged: while

@@ -20,6 +20,7 @@ from wtransfer.errors import ConfigError, LifecycleError, TransferTimeout
 from wtransfer.inference.config import EngineConfig
 from wtransfer.inference.outputs import OutputSnapshot, RequestOutput
 from wtransfer.inference.params import SamplingParams
+from wtransfer.protocol import skipped
 from wtransfer.records import PauseMode
 
 
@@ -188,9 +189,7 @@ class Chain:
                 if self._stopped is not None:  # (its future failed in `stop`)
                     return
                 if after is not None and self.futures[after].exception() is not None:
-                    mine.set_exception(LifecycleError(
-                        f"{command} skipped: it was to run after {self._commands[after][0]}, "
-                        "which failed"))
+                    mine.set_exception(skipped(command, self._commands[after][0]))
                     index += 1
                     continue
                 try:

@@ -100,11 +100,8 @@ class HTTPConnections:
             connection.close()
             raise
         reply = Reply(response.status, response.getheader("Content-Type") or "", content)
-        if response.will_close or reply.status >= 500:
-            connection.close()  # (a server failing inside a request may drop it unsaid)
-        else:
-            with self._lock:
-                self._idle.append((connection, time.monotonic()))
+        # (a server failing inside a request may drop it unsaid)
+        self._give_back(connection, reusable=not response.will_close and reply.status < 500)
         return reply
 
     def lines(self, method: str, path: str, *, body: bytes | None = None,
@@ -113,7 +110,7 @@ class HTTPConnections:
         streamed answer); an error status yields nothing and raises `HTTPStatusError` with
         the whole reply. Failures as `request`; a connection not read to its end is closed."""
         connection = self._take()
-        done = False
+        read_whole = False
         try:
             connection.request(method, self._prefix + path, body=body,
                                headers={**self._headers, **(headers or {})})
@@ -124,13 +121,17 @@ class HTTPConnections:
                                             response.read()))
             while line := response.readline(MAX_LINE_BYTES):
                 yield line
-            done = not response.will_close
+            read_whole = not response.will_close
         finally:
-            if done:
-                with self._lock:
-                    self._idle.append((connection, time.monotonic()))
-            else:
-                connection.close()
+            self._give_back(connection, reusable=read_whole)
+
+    def _give_back(self, connection: http.client.HTTPConnection, *, reusable: bool) -> None:
+        """Keep `connection` for the next call when `reusable`, else close it."""
+        if not reusable:
+            connection.close()
+            return
+        with self._lock:
+            self._idle.append((connection, time.monotonic()))
 
     def _take(self) -> http.client.HTTPConnection:
         """A fresh idle connection that the server has not closed, or a new one."""
