@@ -18,6 +18,13 @@ an in-process engine while a trainer thread pushes its weights over ipc every `-
 - **none gather**: no updates, decode attention gathering its keys for SDPA
   (``paged_attention=False``): what reading the paged cache in place brings.
 
+Where the trainer runs (`--trainer`): `thread`, a thread of the engine's process, as this
+benchmark always did (its Python shares the engine's GIL with the step loop: a step that waits
+for the GIL is slower); `process`, a process of its own reaching the engine over HTTP, as
+`wtransfer serve` is reached in a deployment (the parent serves the engine on its own event
+loop, as `wtransfer serve` does). `--switch-interval-ms` sets the engine process's GIL switch
+interval (Python's default: 5 ms), to see how much of a slowdown is threads waiting for it.
+
 The floor, measured in the same run on the same device: one read of every weight (a decode
 step cannot take less); each mode's step interval is reported against it.
 
@@ -143,22 +150,109 @@ def serving_lost_ms(trace: list[tuple[float, int]], a: float, b: float,
     return ((b - a) - tokens_between(trace, a, b) / rate) * 1e3
 
 
+class TrainerThread:
+    """The trainer as a thread of the engine's process (`LocalEngineClient`)."""
+
+    def __init__(self, sender: Any) -> None:
+        self.sender = sender
+
+    @classmethod
+    async def start(cls, engine: AsyncEngine, trainer: Any) -> TrainerThread:
+        return cls(await asyncio.to_thread(
+            wtransfer.trainer_init, IPCTrainerInitInfo(bucket_bytes=64 << 20, timeout_s=600),
+            client=LocalEngineClient(engine), source=wtransfer.ModuleSource(trainer)))
+
+    async def send(self, version: str) -> float:
+        """One update; its seconds."""
+        return float((await asyncio.to_thread(self.sender.send_weights, version)).seconds)
+
+    async def close(self) -> None:
+        self.sender.shutdown()
+
+
+class TrainerProcess:
+    """The trainer as a process of its own, reaching the engine over HTTP: the engine is
+    served on this process's event loop (as `wtransfer serve` serves it); the child loads the
+    same model on the same device and sends one update per line it reads."""
+
+    def __init__(self, server: Any, serving: asyncio.Task[None],
+                 child: asyncio.subprocess.Process) -> None:
+        self.server, self.serving, self.child = server, serving, child
+
+    @classmethod
+    async def start(cls, engine: AsyncEngine, model: str, device: str) -> TrainerProcess:
+        import uvicorn
+
+        from wtransfer.inference.serving.server import build_app
+        from wtransfer.launch.processes import free_port
+
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(build_app(engine, dev_mode=True),
+                                               host="127.0.0.1", port=port,
+                                               log_level="warning"))
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            if serving.done():
+                serving.result()
+            await asyncio.sleep(0.02)
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--trainer-child",
+            json.dumps([f"http://127.0.0.1:{port}", model, device]),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        self = cls(server, serving, child)
+        await self._answer()  # the model loaded and the sender set up
+        return self
+
+    async def _answer(self) -> dict[str, Any]:
+        assert self.child.stdout is not None
+        line = await asyncio.wait_for(self.child.stdout.readline(), 600)
+        if not line:
+            raise RuntimeError(f"the trainer process exited ({await self.child.wait()})")
+        return dict(json.loads(line))
+
+    async def send(self, version: str) -> float:
+        """One update; its seconds, as the trainer measured them."""
+        assert self.child.stdin is not None
+        self.child.stdin.write(f"{version}\n".encode())
+        await self.child.stdin.drain()
+        return float((await self._answer())["seconds"])
+
+    async def close(self) -> None:
+        assert self.child.stdin is not None
+        self.child.stdin.close()
+        await asyncio.wait_for(self.child.wait(), 120)
+        self.server.should_exit = True
+        await asyncio.wait_for(self.serving, 60)
+
+
+def trainer_child(url: str, model: str, device: str) -> None:
+    """`TrainerProcess`'s child: load the model, then send one update per version read."""
+    trainer = load_model(model, seed=1, device=device)
+    sender = wtransfer.trainer_init(IPCTrainerInitInfo(bucket_bytes=64 << 20, timeout_s=600),
+                                    client=wtransfer.HTTPClient(url, timeout_s=600),
+                                    source=wtransfer.ModuleSource(trainer))
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        stats = sender.send_weights(line.strip())
+        print(json.dumps({"seconds": stats.seconds}), flush=True)
+    sender.shutdown()
+
+
 async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: float,
-                   max_tokens: int, device: str) -> dict[str, Any]:
+                   max_tokens: int, device: str, placement: str) -> dict[str, Any]:
     updating = not mode.startswith("none")
     engine = AsyncEngine(EngineConfig(model=model, max_num_seqs=max(64, inflight),
                                       device=device, **MODES[mode]))
     floor = weight_read_ms(engine) if not updating else float("nan")
-    trainer = load_model(model, seed=1, device=device)
+    trainer = (load_model(model, seed=1, device=device) if placement == "thread" or not updating
+               else None)
     stop, counted = asyncio.Event(), [0]
     trace: list[tuple[float, int]] = []
     driving = asyncio.create_task(load(engine, inflight, max_tokens, stop, counted))
     sampling = asyncio.create_task(sample_tokens(counted, trace, stop))
     await asyncio.sleep(1.0)  # every request streaming
-    client = LocalEngineClient(engine)
-    sender = await asyncio.to_thread(wtransfer.trainer_init, IPCTrainerInitInfo(
-        bucket_bytes=64 << 20, timeout_s=600), client=client,
-        source=wtransfer.ModuleSource(trainer))
+    trainer_at = await (TrainerProcess.start(engine, model, device) if placement == "process"
+                        and updating else TrainerThread.start(engine, trainer))
     interval = await step_interval(engine)
     stalls, commits, transfers, windows = [], [], [], []
     graphs_before = (await engine.stats())["decode_graphs_built"]
@@ -168,11 +262,11 @@ async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: 
         sent = time.perf_counter()
         if mode == "paused":
             await engine.pause_generation(mode="keep", clear_cache=True)
-        stats = await asyncio.to_thread(sender.send_weights, f"u{k}")
+        seconds = await trainer_at.send(f"u{k}")
         if mode == "paused":
             await engine.resume_generation()
         windows.append((sent, time.perf_counter()))
-        transfers.append(stats.seconds * 1e3)
+        transfers.append(seconds * 1e3)
         info = await engine.weight_info()
         while info["update_stall_ms"] is None:  # the first step after it closes its window
             await asyncio.sleep(0.002)
@@ -198,10 +292,11 @@ async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: 
         if rate > 0:  # (else nothing streamed before it: nothing to lose against)
             lost_in.append(serving_lost_ms(trace, sent, done, rate))
             lost_after.append(serving_lost_ms(trace, done, done + AFTER_S, rate))
-    sender.shutdown()
+    await trainer_at.close()
     engine.shutdown()
-    del engine, sender, client
+    del engine, trainer_at, trainer
     return {"model": model, "mode": mode, "inflight": inflight, "floor_ms": floor,
+            "trainer": placement if updating else "",
             "tokens_per_s": tokens / elapsed,
             "step_ms": interval * 1e3,
             "transfer_ms": statistics.median(transfers) if transfers else float("nan"),
@@ -214,12 +309,14 @@ async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: 
 
 
 def one_mode_in_a_child(args: argparse.Namespace, model: str, mode: str,
-                        inflight: int) -> dict[str, Any]:
+                        inflight: int, placement: str) -> dict[str, Any]:
     """Run one mode in a process of its own, so nothing one mode held (a CUDA context, the
     trainer's exported storages, the allocator's cache) is there for the next."""
     out = subprocess.run([sys.executable, __file__, "--one", json.dumps([model, mode, inflight]),
                           "--device", args.device, "--updates", str(args.updates),
-                          "--every-s", str(args.every_s), "--max-tokens", str(args.max_tokens)],
+                          "--every-s", str(args.every_s), "--max-tokens", str(args.max_tokens),
+                          "--trainer", placement,
+                          "--switch-interval-ms", str(args.switch_interval_ms)],
                          capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"{model} x{inflight} {mode} failed:\n{out.stderr[-3000:]}")
@@ -237,22 +334,39 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--every-s", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--trainer", default="thread",
+                        help="where the trainer runs: thread (of the engine's process), process "
+                        "(of its own, reaching the engine over HTTP); both: thread,process")
+    parser.add_argument("--switch-interval-ms", type=float, default=5.0,
+                        help="the engine process's GIL switch interval (Python's default 5)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # [model, mode, inflight]: one row
+    parser.add_argument("--trainer-child", help=argparse.SUPPRESS)  # [url, model, device]
     args = parser.parse_args()
+    if args.trainer_child:
+        trainer_child(*json.loads(args.trainer_child))
+        return
     if args.one:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
         model, mode, inflight = json.loads(args.one)
         print(json.dumps(asyncio.run(run_mode(model, mode, inflight, args.updates,
-                                              args.every_s, args.max_tokens, args.device))))
+                                              args.every_s, args.max_tokens, args.device,
+                                              args.trainer))))
         return
+    placements = args.trainer.split(",")
+    if not set(placements) <= {"thread", "process"}:
+        parser.error(f"--trainer takes thread, process or both, not {args.trainer!r}")
     rows = []
     for model in args.models.split(","):
         for inflight in [int(n) for n in args.inflight.split(",")]:
             mine = []
             modes = [m.strip() for m in args.modes.split(",")]
-            for mode in ["none", *[m for m in modes if m != "none"]]:
-                row = one_mode_in_a_child(args, model, mode, inflight)
+            runs = [("none", "thread"), *((m, p) for m in modes if m != "none"
+                                          for p in placements)]
+            for mode, placement in runs:
+                row = one_mode_in_a_child(args, model, mode, inflight, placement)
                 mine.append(row)
-                print(f"  {model} x{inflight} {mode}: {row['tokens_per_s']:.0f} tok/s, step "
+                print(f"  {model} x{inflight} {mode} {row['trainer']}: "
+                      f"{row['tokens_per_s']:.0f} tok/s, step "
                       f"{row['step_ms']:.1f} ms (weight read {mine[0]['floor_ms']:.1f} ms), "
                       f"stall {row['stall_ms']:.1f} ms", flush=True)
             floor = mine[0]
@@ -261,6 +375,7 @@ def main() -> None:
                 r["step_vs_floor"] = r["step_ms"] / floor["floor_ms"]
             rows += mine
     print_table(rows, [("model", "model", ""), ("inflight", "seqs", "d"), ("mode", "mode", ""),
+                       ("trainer", "trainer", ""),
                        ("tokens_per_s", "tok/s", ".0f"), ("vs_none", "vs none", ".3f"),
                        ("step_ms", "step ms", ".2f"), ("step_vs_floor", "step/floor", ".2f"),
                        ("transfer_ms", "transfer ms", ".1f"),
