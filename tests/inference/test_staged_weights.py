@@ -19,10 +19,12 @@ def model():
 
 
 def update(staging, version, **values):
-    """Stage `values` ({"0": 1.0}: layer 0's weight filled with 1.0) and commit them."""
+    """Stage `values` ({"0": 1.0}: layer 0's weight filled with 1.0) and commit them, as an
+    engine does: the tensors left unwritten levelled once the update wrote, then the commit."""
     staging.prepare()
     for layer, value in values.items():
         staging.dest(f"{layer}.weight").fill_(value)
+    staging.level_unwritten()
     return staging.commit(version)
 
 
@@ -47,6 +49,65 @@ def test_updates_of_some_tensors_keep_the_others_and_addresses_alternate_between
     back = weights(module)
     assert (back["0.weight"] == 1.0).all() and torch.equal(back["1.weight"], start["1.weight"])
     assert [p.data_ptr() for p in module.parameters()] == second
+
+
+def test_a_tensor_an_update_writes_whole_is_not_levelled_and_the_others_commit_as_live():
+    """A start copies nothing into the shadow: a tensor the update writes whole still holds
+    the version before the last one until it is written (no copy of the live weights that
+    the update overwrites); the tensors it leaves unwritten are levelled before the swap, so
+    they commit as they were live. The same holds where the engine never called
+    `level_unwritten` (the commit levels them itself)."""
+    module = model()
+    staging = StagedWeights(module, "swap")
+    start = weights(module)
+    update(staging, "v0", **{"0": 1.0, "1": 2.0})
+    staging.prepare()
+    assert torch.equal(staging.dest("0.weight"), start["0.weight"])  # (v0's isn't copied in)
+    staging.dest("0.weight").fill_(3.0)
+    staging.level_unwritten()
+    assert (staging.shadow["1.weight"] == 2.0).all()  # (levelled: v0's value)
+    staging.commit("v0")
+    now = weights(module)
+    assert (now["0.weight"] == 3.0).all() and (now["1.weight"] == 2.0).all()
+    staging.prepare()  # (v1 written; the commit levels layer 0 itself)
+    staging.dest("1.weight").fill_(4.0)
+    staging.commit("v1")
+    now = weights(module)
+    assert (now["0.weight"] == 3.0).all() and (now["1.weight"] == 4.0).all()
+    assert torch.equal(now["0.bias"], start["0.bias"])
+    assert staging.rollback() == 1
+    back = weights(module)
+    assert (back["0.weight"] == 3.0).all() and (back["1.weight"] == 2.0).all()
+
+
+@pytest.mark.parametrize("mode", ["swap", "copy"])
+def test_a_patch_writes_onto_the_live_weights_after_a_failed_update_and_a_swap(mode):
+    """A delta writes only some elements: `level` brings the shadow to the live weights first,
+    whatever a swap left in it or a failed update wrote into it."""
+    module = model()
+    staging = StagedWeights(module, mode)
+    update(staging, "v0", **{"0": 1.0})
+    staging.prepare()  # an update that fails half-way: never committed
+    staging.dest("0.weight")[0].fill_(float("nan"))
+    staging.prepare()
+    staging.level()
+    staging.dest("0.weight")[1, 2] = 7.0
+    staging.level_unwritten()
+    staging.commit("v1")
+    expected = torch.full((4, 4), 1.0)
+    expected[1, 2] = 7.0
+    assert torch.equal(module[0].weight.detach(), expected)
+
+
+def test_a_failed_update_s_writes_never_go_live_with_a_later_update_of_other_tensors():
+    module = model()
+    staging = StagedWeights(module, "swap")
+    start = weights(module)
+    staging.prepare()
+    staging.dest("0.weight").fill_(float("nan"))  # (the update fails: no commit)
+    update(staging, "v0", **{"1": 2.0})
+    now = weights(module)
+    assert torch.equal(now["0.weight"], start["0.weight"]) and (now["1.weight"] == 2.0).all()
 
 
 def test_an_update_starting_while_the_shadow_is_in_place_levels_from_the_live_weights():

@@ -187,6 +187,10 @@ class Fp8Target(WeightTarget):
         self._scratch, self._arriving = {}, set()
         self.inner.finish()
 
+    def patching(self) -> None:
+        """As `inner`."""
+        self.inner.patching()
+
     def abort(self) -> None:
         """Drop the parts that landed unquantized; then as `inner`."""
         self._scratch, self._arriving = {}, set()

@@ -153,6 +153,7 @@ class UpdateSession:
         travel, applied onto the weights the target holds; rollback copies stay the target's."""
         if self._announced:
             raise MetadataError("a delta header must come before the update's tensors")
+        self._origin.patching()
         self._target = DeltaTarget(self._origin, entries, finite=self.finite)
 
     def apply_piece_delta(self) -> None:
@@ -161,6 +162,7 @@ class UpdateSession:
         (the caller checked it can: `wtransfer.receiver.deltas.piece_delta_refusal`)."""
         if self._announced:
             raise MetadataError("a delta header must come before the update's tensors")
+        self._origin.patching()
         self.piece_delta = True
 
     def consume_piece_delta(self, staging: torch.Tensor, nbytes: int, pieces: Sequence[Piece],

@@ -134,6 +134,11 @@ class WeightTarget(ABC):
         writes them back itself."""
         self.load_weights(saved)
 
+    def patching(self) -> None:  # noqa: B027 - optional hook
+        """An update that writes only some elements of its tensors (a delta) begins: every
+        view `region` and `direct_bytes` give from here on must hold the weights as they are
+        (a staging target levels its shadow). The default does nothing."""
+
     def finish(self) -> None:  # noqa: B027 - optional hook
         """Post-process after all tensors of an update landed (e.g. re-quantize)."""
 

@@ -262,9 +262,12 @@ class LoRATarget(WeightTarget):
 
     def _clear(self, slot: int) -> None:
         """Zero every module's slot once per update before an adapter is written into it
-        (no module keeps a previous adapter's factors)."""
+        (no module keeps a previous adapter's factors); before the update's first, `inner`
+        is told the update patches its tensors."""
         if slot in self._cleared:
             return
+        if not self._cleared:  # (a slot is a part of each factor's tensor: the rest stays)
+            self.inner.patching()
         self._cleared.add(slot)
         for module in self._modules:
             for factor in ("lora_A", "lora_B", "lora_scale"):
@@ -320,6 +323,10 @@ class LoRATarget(WeightTarget):
         self._cleared, self._announced = set(), {}
         self._alpha, self._ranks, self._written = {}, {}, {}
         self.inner.finish()
+
+    def patching(self) -> None:
+        """As `inner` (adapters always travel whole)."""
+        self.inner.patching()
 
     def abort(self) -> None:
         """What the failed update staged is not served."""

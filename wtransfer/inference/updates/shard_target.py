@@ -112,6 +112,16 @@ class ShardTarget(WeightTarget):
         if self.staging is not None:
             self.staging.count_written(names)
 
+    def patching(self) -> None:
+        """While staging, level the shadow with the live weights (a delta writes onto them)."""
+        if self.staging is not None:
+            self.staging.level()
+
+    def finish(self) -> None:
+        """While staging, level what the update left unwritten (before a swap commit)."""
+        if self.staging is not None:
+            self.staging.level_unwritten()
+
     def snapshot(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """A host copy of this worker's part of `name` as it holds it (into `out`, reused
         across updates, when it fits; pinned for a GPU worker): a worker never holds a full

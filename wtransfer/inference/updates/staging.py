@@ -13,10 +13,13 @@ share one). A staged update's receiver writes only into the shadow (its target i
 - ``copy`` copies the shadow into the live storages (pointers never change, for engines whose
   kernels captured them), one copy of what the update wrote; no previous version stays.
 
-Before an update stages, the shadow is brought level with the live weights where they differ
-(`prepare`: the tensors the last update or rollback changed), so an update that sends only
-some tensors commits exactly those. A staged update that fails leaves the live weights as they
-were; the tensors it wrote are levelled again by the next `prepare`.
+The shadow is brought level with the live weights only where an update needs it, never
+copying a tensor the update then writes whole: an update that writes only some elements of its
+tensors (a delta) levels every tensor that may differ before it writes (`level`), and one that
+leaves tensors unwritten has those levelled once it wrote everything (`level_unwritten`), before
+a swap exchanges them, so an update that sends only some tensors commits exactly those. A
+staged update that fails leaves the live weights as they were; the tensors it wrote are
+levelled by a later update that needs them.
 """
 
 from __future__ import annotations
@@ -63,8 +66,11 @@ class StagedWeights:
                 if self._owner[name] == name}
         self.written: set[str] = set()
         """Tensors (by owner name) written into the shadow since the last `prepare`."""
-        self._differ: set[str] = set()
-        """Tensors whose shadow differs from the live one (what `prepare` levels)."""
+        self._stale: set[str] = set()
+        """Tensors whose shadow may differ from the live one, not written by the open update
+        (what `level` and `level_unwritten` copy from the live weights)."""
+        self._swapped: set[str] = set()
+        """Tensors the last swap commit changed (what `rollback` changes back)."""
         self.swaps = 0
         """Storage exchanges so far (captured CUDA graphs read the old addresses after one)."""
         self.previous: str | None = None
@@ -90,7 +96,8 @@ class StagedWeights:
             raise MetadataError(f"unknown tensor {name!r}") from None
 
     def dest(self, name: str) -> torch.Tensor:
-        """The shadow tensor an update writes for `name` (counted as written)."""
+        """The shadow tensor an update writes for `name` (counted as written): it is written
+        whole, or `level` ran first (it may hold another version until then)."""
         owner = self.owner(name)
         self.written.add(owner)
         return self.shadow[owner]
@@ -103,19 +110,38 @@ class StagedWeights:
         """The shadow tensor of each of `names`, not counted as written."""
         return (self.shadow[self.owner(name)] for name in names)
 
-    @torch.no_grad()
     def prepare(self) -> None:
-        """Level the shadow with the live weights where they differ, before an update stages
-        into it (off the step loop: the engine keeps reading the live weights meanwhile). The
-        previous version a swap left in the shadow is gone from here on."""
+        """Open the shadow to an update (waits while a commit or a push holds the live
+        weights; refused while a rollback is reserved). Nothing is copied: what differs is
+        levelled where the update needs it (see the module docstring). The previous version
+        a swap left in the shadow is gone from here on."""
         with self.reading():
-            for name in sorted(self._differ | self.written):
-                self.shadow[name].copy_(self._live[name].detach())
-            if self.shadow and next(iter(self.shadow.values())).is_cuda:
-                torch.cuda.current_stream().synchronize()
-            self._differ.clear()
+            self._stale |= self.written
             self.written.clear()
             self.previous = None
+
+    def level(self) -> None:
+        """Copy the live weights into the shadow wherever it may differ: before an update
+        writes only some elements of its tensors (a delta), off the step loop."""
+        with self.reading():
+            self._level(set(self._stale))
+
+    def level_unwritten(self) -> None:
+        """Once the update wrote everything it will, off the step loop: under swap, copy the
+        live weights into the shadow where it may differ and the update did not write (a
+        swap exchanges every tensor). Copy staging commits only what was written: nothing to
+        do."""
+        if self.mode == "swap" and self.written:  # (nothing written: no swap follows)
+            with self.reading():
+                self._level(self._stale - self.written)
+
+    @torch.no_grad()
+    def _level(self, names: set[str]) -> None:
+        for name in sorted(names):
+            self.shadow[name].copy_(self._live[name].detach())
+        if names and next(iter(self.shadow.values())).is_cuda:
+            torch.cuda.current_stream().synchronize()
+        self._stale -= names
 
     @contextmanager
     def reading(self, wait_s: float = 120.0) -> Iterator[None]:
@@ -145,13 +171,15 @@ class StagedWeights:
             names = sorted(self.written)
             if self.mode == "swap":
                 if names:
+                    self._level(self._stale - self.written)  # (`level_unwritten` did, if run)
                     self._swap_all()
-                self._differ = set(names)
+                self._stale |= self.written  # (the shadow holds their previous version)
+                self._swapped = set(names)
                 self.previous = previous_version
             else:
                 for name in names:
                     self._live[name].detach().copy_(self.shadow[name])
-                self._differ.clear()
+                self._stale -= self.written
             self.written.clear()
         return len(names)
 
@@ -162,9 +190,10 @@ class StagedWeights:
         if not reserved:
             self.reserve_rollback(hold=False)
         try:
-            changed = len(self._differ)
+            changed = len(self._swapped)
             if changed:
                 self._swap_all()
+            self._swapped = set()
             self.previous = None
         finally:
             self._reserved = False
