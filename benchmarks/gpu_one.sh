@@ -27,8 +27,9 @@
 #                                         # sender, M->N)
 #     bash benchmarks/gpu_one.sh staged   # staged updates' throughput, eight updates a row: the
 #                                         # trainer a thread of the engine's process, then a
-#                                         # process of its own, then a thread with a 0.5 ms GIL
-#                                         # switch interval (MODELS, default qwen3-8b; INFLIGHT)
+#                                         # process of its own (MODELS, default qwen3-8b;
+#                                         # INFLIGHT; SWITCH_MS=0.5: then a thread with that GIL
+#                                         # switch interval)
 #     bash benchmarks/gpu_one.sh small    # Qwen3-1.7B, where the fixed cost per update weighs
 #                                         # most: ipc zero-copy and packed (three runs), ucx,
 #                                         # the host path beside checkpoint-engine, the delta
@@ -167,35 +168,46 @@ calls)
     echo "rc $?"; tail -6 $OUT/calls.txt ;;
 staged)
     # (is a staged update's slowdown of the steps the engine's GIL? the trainer as a thread of
-    # the engine's process, then as a process of its own over HTTP; then the thread again with
-    # a 0.5 ms GIL switch interval; eight updates a row, copy graphs at their default)
+    # the engine's process, then as a process of its own over HTTP; with SWITCH_MS=0.5, the
+    # thread again with that GIL switch interval; eight updates a row, copy graphs on)
     echo "$(ts) staged updates: ${MODELS:=qwen3-8b} x${INFLIGHT:=16}, none / staged, trainer"
     echo "   thread and process"
     timeout 330 python3 benchmarks/stall.py --device cuda --models $MODELS --inflight $INFLIGHT \
         --modes "none,staged" --updates 8 --trainer thread,process 2>&1 \
         | tee $OUT/staged.txt | tail -5; echo "rc ${PIPESTATUS[0]}"
-    echo "$(ts) the same, trainer thread, GIL switch interval 0.5 ms"
-    timeout 230 python3 benchmarks/stall.py --device cuda --models $MODELS --inflight $INFLIGHT \
-        --modes "none,staged" --updates 8 --switch-interval-ms 0.5 2>&1 \
-        | tee $OUT/staged-switch.txt | tail -4; echo "rc ${PIPESTATUS[0]}" ;;
-small)
-    for run in 1 2 3; do  # (the fixed cost per update weighs most at this size: #61's 1.3x)
+    if [ -n "$SWITCH_MS" ]; then
+        echo "$(ts) the same, trainer thread, GIL switch interval $SWITCH_MS ms"
+        timeout 230 python3 benchmarks/stall.py --device cuda --models $MODELS \
+            --inflight $INFLIGHT --modes "none,staged" --updates 8 \
+            --switch-interval-ms $SWITCH_MS 2>&1 | tee $OUT/staged-switch.txt | tail -4
+        echo "rc ${PIPESTATUS[0]}"
+    fi ;;
+small)  # (PARTS: which of "ipc ucx delta peers", default all)
+    PARTS=${PARTS:-ipc ucx delta peers}
+    for run in $([[ $PARTS == *ipc* ]] && echo 1 2 3); do  # (the fixed cost per update
+        # weighs most at this size: #61's 1.3x)
         echo "$(ts) ipc zero-copy and the packed default, Qwen3-1.7B, run $run"
         WTRANSFER_BENCH_DIR=$OUT/small-ipc-$run timeout 150 python3 benchmarks/transfer.py \
             --backend ipc --device cuda:0 --models qwen3-1.7b --bucket-mb 0 --repeats 7 \
             > $OUT/small-ipc-$run.txt 2>&1; echo "rc $?"; tail -5 $OUT/small-ipc-$run.txt
     done
-    echo "$(ts) ucx's default against one raw UCX send, Qwen3-1.7B"
-    WTRANSFER_BENCH_DIR=$OUT/small-ucx timeout 200 python3 benchmarks/transfer.py --backend ucx \
-        --device cuda:0 --models qwen3-1.7b --bucket-mb 1024 --repeats 7 > $OUT/small-ucx.txt 2>&1
-    echo "rc $?"; tail -5 $OUT/small-ucx.txt
-    echo "$(ts) the delta sender's prepare, Qwen3-1.7B"
-    timeout 120 python3 benchmarks/delta_profile.py --model qwen3-1.7b \
-        --fractions 0.0003,0.01 > $OUT/small-delta.txt 2>&1; echo "rc $?"
-    grep -E "perturbed|copy" $OUT/small-delta.txt
-    echo "$(ts) the host path at every default beside checkpoint-engine, Qwen3-1.7B"
-    timeout 300 python3 benchmarks/peers.py --model qwen3-1.7b 2>&1 | tee $OUT/small-peers.txt \
-        | tail -14; echo "rc $?" ;;
+    if [[ $PARTS == *ucx* ]]; then
+        echo "$(ts) ucx's default against one raw UCX send, Qwen3-1.7B"
+        WTRANSFER_BENCH_DIR=$OUT/small-ucx timeout 200 python3 benchmarks/transfer.py \
+            --backend ucx --device cuda:0 --models qwen3-1.7b --bucket-mb 1024 --repeats 7 \
+            > $OUT/small-ucx.txt 2>&1; echo "rc $?"; tail -5 $OUT/small-ucx.txt
+    fi
+    if [[ $PARTS == *delta* ]]; then
+        echo "$(ts) the delta sender's prepare, Qwen3-1.7B"
+        timeout 120 python3 benchmarks/delta_profile.py --model qwen3-1.7b \
+            --fractions 0.0003,0.01 > $OUT/small-delta.txt 2>&1; echo "rc $?"
+        grep -E "perturbed|copy" $OUT/small-delta.txt
+    fi
+    if [[ $PARTS == *peers* ]]; then
+        echo "$(ts) the host path at every default beside checkpoint-engine, Qwen3-1.7B"
+        timeout 300 python3 benchmarks/peers.py --model qwen3-1.7b 2>&1 \
+            | tee $OUT/small-peers.txt | tail -14; echo "rc $?"
+    fi ;;
 m2n)
     # staging off: two trainer replicas and a shadow-staged 8B engine overflow an 80 GB card
     echo "$(ts) M->N over CUDA IPC: two trainer processes (replicas) -> engine TP=2, one GPU"
