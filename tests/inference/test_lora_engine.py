@@ -306,6 +306,45 @@ def test_a_base_update_then_an_adapter_update_keeps_each_label_and_in_place_is_r
     run(main(), deadline_s=240)
 
 
+class BaseAndAdapter(WeightSource):
+    """A base model's tensors, then an adapter's, in one update."""
+
+    def __init__(self, base, adapter):
+        self.parts = (wtransfer.ModuleSource(base), adapter)
+
+    def metadata(self):
+        return [meta for part in self.parts for meta in part.metadata()]
+
+    def tensors(self):
+        for part in self.parts:
+            yield from part.tensors()
+
+
+def test_one_staged_update_of_base_tensors_and_an_adapter_commits_both():
+    """The adapter's slots are written into part of each factor's tensor after the base
+    tensors of the same update landed whole: every base tensor goes live as sent (none is
+    levelled back to what was live), and the adapter with them."""
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="tiny", seed=1, max_loras=2, max_lora_rank=8,
+                                          update_staging="swap", batch_invariant=True))
+        plain = AsyncEngine(EngineConfig(model="tiny", seed=3, batch_invariant=True))
+        ref = AsyncEngine(EngineConfig(model="tiny", seed=1, batch_invariant=True))
+        adapter = peft_adapter(load_model("tiny", seed=1), 4, seed=0)
+        try:
+            await push(engine, wtransfer.ModuleSource(load_model("tiny", seed=2)), "v1")
+            await push(engine, BaseAndAdapter(load_model("tiny", seed=3),
+                                              LoRASource("math", adapter, lora_alpha=8)), "v2")
+            assert (await tokens(engine)).token_ids == (await tokens(plain)).token_ids
+            await push(ref, wtransfer.ModuleSource(merged(3, adapter, 8, 4)), "merged")
+            assert (await tokens(engine, "math")).token_ids == (await tokens(ref)).token_ids
+            assert await engine.get_weight_version() == "v2"
+        finally:
+            for e in (engine, plain, ref):
+                e.shutdown()
+
+    run(main(), deadline_s=240)
+
+
 def test_an_adapter_on_an_fp8_engine_serves_like_its_dequantized_weights_with_the_adapter():
     """max_loras with quantization="fp8": the FP8 projections keep their bytes and the adapter
     (bf16, the checkpoint's dtype) lands in its slots; greedy tokens equal an unquantized

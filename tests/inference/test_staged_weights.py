@@ -110,25 +110,45 @@ def test_a_failed_update_s_writes_never_go_live_with_a_later_update_of_other_ten
     assert torch.equal(now["0.weight"], start["0.weight"]) and (now["1.weight"] == 2.0).all()
 
 
-def test_an_update_starting_while_the_shadow_is_in_place_levels_from_the_live_weights():
-    """A decode-graph capture puts the shadow in the module's place on the engine thread;
-    an update starting on the transfer lane meanwhile waits for it, so it levels the shadow
+def test_levelling_while_the_shadow_is_in_place_waits_and_reads_the_live_weights():
+    """A decode-graph capture puts the shadow in the module's place on the engine thread; an
+    update levelling on the transfer lane meanwhile waits for it, so it levels the shadow
     from the live weights, not from the shadow itself."""
     module = model()
     staging = StagedWeights(module, "swap")
     update(staging, "v0", **{"0": 1.0})
+    staging.prepare()
+    staging.dest("1.weight").fill_(2.0)
     levelled = threading.Event()
     with staging.shadow_in_place() as placed:
         assert placed
-        lane = threading.Thread(target=lambda: (staging.prepare(), levelled.set()))
+        lane = threading.Thread(target=lambda: (staging.level_unwritten(), levelled.set()))
         lane.start()
         assert not levelled.wait(0.3)  # (it waits for the shadow to leave)
     lane.join(10)
     assert levelled.is_set()
-    staging.dest("1.weight").fill_(2.0)
     staging.commit("v1")
     now = weights(module)
     assert (now["0.weight"] == 1.0).all() and (now["1.weight"] == 2.0).all()
+
+
+def test_a_patch_never_levels_what_the_update_already_wrote():
+    """An update that writes a tensor whole, then patches another (an adapter's slot after
+    base tensors): levelling for the patch keeps what was written."""
+    module = model()
+    staging = StagedWeights(module, "copy")
+    update(staging, "v0", **{"0": 1.0, "1": 2.0})
+    staging.prepare()
+    for layer in ("0", "1"):  # (a failed update: both stale)
+        staging.dest(f"{layer}.weight")[0].fill_(float("nan"))
+    staging.prepare()
+    staging.dest("1.weight").fill_(5.0)
+    staging.level()
+    staging.dest("0.weight")[0, 0] = 6.0
+    staging.commit("v1")
+    now = weights(module)
+    assert (now["1.weight"] == 5.0).all()
+    assert now["0.weight"][0, 0] == 6.0 and (now["0.weight"].flatten()[1:] == 1.0).all()
 
 
 def test_the_shadow_is_not_put_in_place_nor_a_rollback_made_while_the_weights_are_read():

@@ -49,6 +49,7 @@ class Lineage:
                     f"delta refused before any weight changed: it applies onto update "
                     f"{header.base[:12]}, this receiver holds "
                     f"{self.held[:12] if self.held else 'no known base'}")
+            target.patching()  # (before anything looks at the target's views)
             if header.by_piece:
                 refusal = ("no tensor list came before it" if last is None else
                            piece_delta_refusal(target, last.metas))

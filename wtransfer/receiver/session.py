@@ -150,19 +150,19 @@ class UpdateSession:
 
     def apply_delta(self, entries: Sequence[DeltaEntry]) -> None:
         """This update is a delta (`wtransfer.delta`): its tensor list is `entries` as they
-        travel, applied onto the weights the target holds; rollback copies stay the target's."""
+        travel, applied onto the weights the target holds (the caller said so first:
+        `WeightTarget.patching`); rollback copies stay the target's."""
         if self._announced:
             raise MetadataError("a delta header must come before the update's tensors")
-        self._origin.patching()
         self._target = DeltaTarget(self._origin, entries, finite=self.finite)
 
     def apply_piece_delta(self) -> None:
         """This update is a delta of an M->N transfer (`wtransfer.delta.pieces`): its pair
         buckets carry their pieces' changes, applied in place onto the base the target holds
-        (the caller checked it can: `wtransfer.receiver.deltas.piece_delta_refusal`)."""
+        (the caller told the target, `WeightTarget.patching`, and checked it can:
+        `wtransfer.receiver.deltas.piece_delta_refusal`)."""
         if self._announced:
             raise MetadataError("a delta header must come before the update's tensors")
-        self._origin.patching()
         self.piece_delta = True
 
     def consume_piece_delta(self, staging: torch.Tensor, nbytes: int, pieces: Sequence[Piece],

@@ -74,10 +74,10 @@ class ShardWeights:
         self.receiver.init_transfer_engine(init_info)
 
     def start_weight_update(self) -> None:
-        """Open an update; a staging worker levels its shadow first."""
+        """Open an update; a staging worker opens its shadow to it first."""
         receiver = self._receiver()
         if self.staging is not None:
-            if self.update_open:  # the shadow it stages into must not be levelled under it
+            if self.update_open:  # the shadow it stages into must not be reopened under it
                 raise LifecycleError("an update is open; finish it first")
             self.staging.prepare()
         receiver.start_weight_update()

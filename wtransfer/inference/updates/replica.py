@@ -483,7 +483,7 @@ class Replica:
 
     def start_weight_update(self) -> None:
         """Open an update; in place, refused while requests run unpaused; staged, on the
-        transfer lane while the engine generates (every shadow is levelled first)."""
+        transfer lane while the engine generates (into every rank's shadow)."""
         if self.staging is None and not self.is_paused() and self.scheduler.running:
             raise LifecycleError("the engine is generating; pause_generation(...) before "
                                  "start_weight_update, or serve with update_staging='swap' "

@@ -121,10 +121,11 @@ class StagedWeights:
             self.previous = None
 
     def level(self) -> None:
-        """Copy the live weights into the shadow wherever it may differ: before an update
-        writes only some elements of its tensors (a delta), off the step loop."""
+        """Copy the live weights into the shadow wherever it may differ and the open update
+        has not written: before it writes only some elements of tensors (a delta, an
+        adapter's slots), off the step loop."""
         with self.reading():
-            self._level(set(self._stale))
+            self._level(self._stale - self.written)
 
     def level_unwritten(self) -> None:
         """Once the update wrote everything it will, off the step loop: under swap, copy the
@@ -139,9 +140,15 @@ class StagedWeights:
     def _level(self, names: set[str]) -> None:
         for name in sorted(names):
             self.shadow[name].copy_(self._live[name].detach())
-        if names and next(iter(self.shadow.values())).is_cuda:
-            torch.cuda.current_stream().synchronize()
+        if names:
+            self._synchronize()
         self._stale -= names
+
+    def _synchronize(self) -> None:
+        """Wait for what this thread queued on the weights' device (nothing on a host)."""
+        first = next(iter(self.shadow.values()), None)
+        if first is not None and first.is_cuda:
+            torch.cuda.current_stream(first.device).synchronize()
 
     @contextmanager
     def reading(self, wait_s: float = 120.0) -> Iterator[None]:
@@ -231,8 +238,7 @@ class StagedWeights:
         the ones decode graphs were captured for (`shadow_in_place`)."""
         self.shadow.update(self._place(self.shadow))
         self.swaps += 1
-        if self.shadow and next(iter(self.shadow.values())).is_cuda:
-            torch.cuda.current_stream().synchronize()
+        self._synchronize()
 
     @contextmanager
     def shadow_in_place(self) -> Iterator[bool]:
