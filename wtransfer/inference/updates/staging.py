@@ -67,8 +67,8 @@ class StagedWeights:
         self.written: set[str] = set()
         """Tensors (by owner name) written into the shadow since the last `prepare`."""
         self._stale: set[str] = set()
-        """Tensors whose shadow may differ from the live one, not written by the open update
-        (what `level` and `level_unwritten` copy from the live weights)."""
+        """Tensors whose shadow may differ from the live one; `level` and `level_unwritten`
+        copy those the open update has not written (`written`) from the live weights."""
         self._swapped: set[str] = set()
         """Tensors the last swap commit changed (what `rollback` changes back)."""
         self.swaps = 0
