@@ -177,8 +177,8 @@ staged)
         | tee $OUT/staged.txt | tail -5; echo "rc ${PIPESTATUS[0]}"
     if [ -n "$SWITCH_MS" ]; then
         echo "$(ts) the same, trainer thread, GIL switch interval $SWITCH_MS ms"
-        timeout 230 python3 benchmarks/stall.py --device cuda --models $MODELS \
-            --inflight $INFLIGHT --modes "none,staged" --updates 8 \
+        WTRANSFER_BENCH_DIR=$OUT/switch timeout 230 python3 benchmarks/stall.py --device cuda \
+            --models $MODELS --inflight $INFLIGHT --modes "none,staged" --updates 8 \
             --switch-interval-ms $SWITCH_MS 2>&1 | tee $OUT/staged-switch.txt | tail -4
         echo "rc ${PIPESTATUS[0]}"
     fi ;;

@@ -200,7 +200,11 @@ class TrainerProcess:
             json.dumps([f"http://127.0.0.1:{port}", model, device]),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         self = cls(server, serving, child)
-        await self._answer()  # the model loaded and the sender set up
+        try:
+            await self._answer()  # the model loaded and the sender set up
+        except BaseException:
+            await self.close()
+            raise
         return self
 
     async def _answer(self) -> dict[str, Any]:
@@ -218,11 +222,17 @@ class TrainerProcess:
         return float((await self._answer())["seconds"])
 
     async def close(self) -> None:
+        """End the child (killed if it does not exit within 120 s), then the server."""
         assert self.child.stdin is not None
         self.child.stdin.close()
-        await asyncio.wait_for(self.child.wait(), 120)
-        self.server.should_exit = True
-        await asyncio.wait_for(self.serving, 60)
+        try:
+            await asyncio.wait_for(self.child.wait(), 120)
+        except TimeoutError:
+            self.child.kill()
+            await self.child.wait()
+        finally:
+            self.server.should_exit = True
+            await asyncio.wait_for(self.serving, 60)
 
 
 def trainer_child(url: str, model: str, device: str) -> None:
@@ -253,46 +263,48 @@ async def run_mode(model: str, mode: str, inflight: int, updates: int, every_s: 
     await asyncio.sleep(1.0)  # every request streaming
     trainer_at = await (TrainerProcess.start(engine, model, device) if placement == "process"
                         and updating else TrainerThread.start(engine, trainer))
-    interval = await step_interval(engine)
-    stalls, commits, transfers, windows = [], [], [], []
-    graphs_before = (await engine.stats())["decode_graphs_built"]
-    start, base = time.perf_counter(), counted[0]
-    for k in range(updates if updating else 0):
-        await asyncio.sleep(every_s)
-        sent = time.perf_counter()
-        if mode == "paused":
-            await engine.pause_generation(mode="keep", clear_cache=True)
-        seconds = await trainer_at.send(f"u{k}")
-        if mode == "paused":
-            await engine.resume_generation()
-        windows.append((sent, time.perf_counter()))
-        transfers.append(seconds * 1e3)
-        info = await engine.weight_info()
-        while info["update_stall_ms"] is None:  # the first step after it closes its window
-            await asyncio.sleep(0.002)
+    try:
+        interval = await step_interval(engine)
+        stalls, commits, transfers, windows = [], [], [], []
+        graphs_before = (await engine.stats())["decode_graphs_built"]
+        start, base = time.perf_counter(), counted[0]
+        for k in range(updates if updating else 0):
+            await asyncio.sleep(every_s)
+            sent = time.perf_counter()
+            if mode == "paused":
+                await engine.pause_generation(mode="keep", clear_cache=True)
+            seconds = await trainer_at.send(f"u{k}")
+            if mode == "paused":
+                await engine.resume_generation()
+            windows.append((sent, time.perf_counter()))
+            transfers.append(seconds * 1e3)
             info = await engine.weight_info()
-        stalls.append(info["update_stall_ms"])
-        commits.append(info["update_commit_ms"])
-    if not updating:
-        await asyncio.sleep(every_s * updates)
-    else:
-        await asyncio.sleep(AFTER_S)
-    elapsed = time.perf_counter() - start
-    tokens = counted[0] - base
-    graphs_built = (await engine.stats())["decode_graphs_built"] - graphs_before
-    peak_gib = (torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda")
-                else float("nan"))  # the process's: the trainer's copy of the weights included
-    stop.set()
-    await engine.abort_requests()
-    await asyncio.wait_for(driving, 120)
-    await sampling
-    lost_in, lost_after = [], []
-    for sent, done in windows:  # against the rate of the steady window before each update
-        rate = tokens_between(trace, sent - BEFORE_S, sent) / BEFORE_S
-        if rate > 0:  # (else nothing streamed before it: nothing to lose against)
-            lost_in.append(serving_lost_ms(trace, sent, done, rate))
-            lost_after.append(serving_lost_ms(trace, done, done + AFTER_S, rate))
-    await trainer_at.close()
+            while info["update_stall_ms"] is None:  # the first step after it closes its window
+                await asyncio.sleep(0.002)
+                info = await engine.weight_info()
+            stalls.append(info["update_stall_ms"])
+            commits.append(info["update_commit_ms"])
+        if not updating:
+            await asyncio.sleep(every_s * updates)
+        else:
+            await asyncio.sleep(AFTER_S)
+        elapsed = time.perf_counter() - start
+        tokens = counted[0] - base
+        graphs_built = (await engine.stats())["decode_graphs_built"] - graphs_before
+        peak_gib = (torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda")
+                    else float("nan"))  # this process's: the trainer's copy where it is a thread
+        stop.set()
+        await engine.abort_requests()
+        await asyncio.wait_for(driving, 120)
+        await sampling
+        lost_in, lost_after = [], []
+        for sent, done in windows:  # against the rate of the steady window before each update
+            rate = tokens_between(trace, sent - BEFORE_S, sent) / BEFORE_S
+            if rate > 0:  # (else nothing streamed before it: nothing to lose against)
+                lost_in.append(serving_lost_ms(trace, sent, done, rate))
+                lost_after.append(serving_lost_ms(trace, done, done + AFTER_S, rate))
+    finally:
+        await trainer_at.close()
     engine.shutdown()
     del engine, trainer_at, trainer
     return {"model": model, "mode": mode, "inflight": inflight, "floor_ms": floor,
@@ -352,16 +364,19 @@ def main() -> None:
                                               args.every_s, args.max_tokens, args.device,
                                               args.trainer))))
         return
-    placements = args.trainer.split(",")
+    placements = [p.strip() for p in args.trainer.split(",")]
     if not set(placements) <= {"thread", "process"}:
         parser.error(f"--trainer takes thread, process or both, not {args.trainer!r}")
+    if args.switch_interval_ms <= 0:
+        parser.error("--switch-interval-ms must be above 0")
     rows = []
     for model in args.models.split(","):
         for inflight in [int(n) for n in args.inflight.split(",")]:
             mine = []
             modes = [m.strip() for m in args.modes.split(",")]
             runs = [("none", "thread"), *((m, p) for m in modes if m != "none"
-                                          for p in placements)]
+                                          for p in (["thread"] if m.startswith("none")
+                                                    else placements))]
             for mode, placement in runs:
                 row = one_mode_in_a_child(args, model, mode, inflight, placement)
                 mine.append(row)
