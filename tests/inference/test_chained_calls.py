@@ -94,8 +94,8 @@ def test_a_command_past_its_deadline_and_those_behind_it_never_run():
 
 def test_a_command_that_cannot_be_stopped_reports_its_own_outcome():
     """An engine future that is running from the start (a data-parallel engine's: the ranks
-    have it) cannot be cancelled: past its deadline nothing behind it runs, and its own
-    future, once it completes, holds what really happened."""
+    have it) cannot be cancelled: past its deadline its answer says it may still complete,
+    and nothing behind it runs."""
     submitted: list[str] = []
     sent: Future = Future()
     sent.set_running_or_notify_cancel()

@@ -201,9 +201,9 @@ def test_a_fleet_instance_takes_start_and_update_in_one_request(served):
     import wtransfer_ipc
 
     other = Server("--dev-mode", "--api-key", KEY)
+    clients = [wtransfer.HTTPClient(s.url, api_key=KEY) for s in (served, other)]
+    fleet = wtransfer.FanoutClient(clients)
     try:
-        clients = [wtransfer.HTTPClient(s.url, api_key=KEY) for s in (served, other)]
-        fleet = wtransfer.FanoutClient(clients)
         model = wtransfer.inference.load_model("tiny", seed=9)
         with wtransfer.trainer_init(wtransfer_ipc.IPCTrainerInitInfo(), client=fleet,
                                     source=wtransfer.ModuleSource(model)) as sender:
@@ -214,6 +214,6 @@ def test_a_fleet_instance_takes_start_and_update_in_one_request(served):
             assert requests.batches[:3] == [["start_weight_update", "update_weights"],
                                             ["stage_weight_update"],
                                             ["finish_weight_update"]]
-        fleet.close()
     finally:
+        fleet.close()
         other.stop()

@@ -188,7 +188,7 @@ class Chain:
                 self._next = index + 1
                 if self._stopped is not None:  # (its future failed in `stop`)
                     return
-                if after is not None and self.futures[after].exception() is not None:
+                if after is not None and _failed(self.futures[after]):
                     mine.set_exception(skipped(command, self._commands[after][0]))
                     index += 1
                     continue
@@ -207,6 +207,11 @@ class Chain:
     def _settled(self, following: int, running: Future[Any]) -> None:
         _settle(self.futures[following - 1], self._commands[following - 1][0], running)
         self._launch(following)
+
+
+def _failed(done: Future[Any]) -> bool:
+    """Whether a done future failed (cancelled counts: it never ran)."""
+    return done.cancelled() or done.exception() is not None
 
 
 def _settle(mine: Future[Any], command: str, running: Future[Any]) -> None:

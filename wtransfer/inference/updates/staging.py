@@ -133,8 +133,7 @@ class StagedWeights:
         swap exchanges every tensor). Copy staging commits only what was written: nothing to
         do."""
         if self.mode == "swap" and self.written:  # (nothing written: no swap follows)
-            with self.reading():
-                self._level(self._stale - self.written)
+            self.level()
 
     @torch.no_grad()
     def _level(self, names: set[str]) -> None:
